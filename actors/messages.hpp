@@ -1,0 +1,69 @@
+/// \file
+/// Atoms and message types exchanged by the scheduler and stage actors.
+///
+/// In-process, tensors travel by reference count (detached, never with an autograd graph).
+/// The plain structs below are marked as unsafe (not serialisable) for CAF; when stages live in
+/// other processes, tensor payloads cross through comm/'s wire format instead of CAF.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <caf/allowed_unsafe_message_type.hpp>
+#include <caf/atom.hpp>
+
+#include <actorpipe/pipeline.hpp>
+#include <actorpipe/schedule.hpp>
+
+namespace actorpipe::actors {
+
+/// scheduler -> stage: (connect_atom, prev, next); prev/next invalid at the pipeline's ends.
+using connect_atom = caf::atom_constant<caf::atom("connect")>;
+/// scheduler -> stage: (plan_atom, step_plan): run this step's program.
+using plan_atom = caf::atom_constant<caf::atom("plan")>;
+/// stage i -> stage i+1: (forward_atom, step, microbatch, activation).
+using forward_atom = caf::atom_constant<caf::atom("forward")>;
+/// stage i+1 -> stage i: (backward_atom, step, microbatch, gradient).
+using backward_atom = caf::atom_constant<caf::atom("backward")>;
+/// stage -> scheduler: (done_atom, stage_report) once its program has run.
+using done_atom = caf::atom_constant<caf::atom("done")>;
+/// stage -> scheduler: (failed_atom, step, message) when an action failed or a wait expired.
+using failed_atom = caf::atom_constant<caf::atom("failed")>;
+/// scheduler -> stage: (abort_atom, step): drop the step, restore the stage as it was.
+using abort_atom = caf::atom_constant<caf::atom("abort")>;
+/// scheduler -> stage request: (update_atom, step) -> (optimizer_ms, error text or empty).
+using update_atom = caf::atom_constant<caf::atom("update")>;
+/// self-timer: (timeout_atom, step, wait_token).
+using timeout_atom = caf::atom_constant<caf::atom("timeout")>;
+/// user -> scheduler: (run_atom, shared_ptr<step_request>).
+using run_atom = caf::atom_constant<caf::atom("run")>;
+
+/// What a stage runs in one step.
+struct step_plan {
+  uint64_t step = 0;
+  bool train = true;
+  stage_program program;
+  /// First stage only: the micro-batches of the batch.
+  std::vector<torch::Tensor> inputs;
+  /// Last stage, training only: the micro-batches' targets and the factors applied to their
+  /// losses before backward (so that accumulated gradients equal the full batch's).
+  std::vector<torch::Tensor> targets;
+  std::vector<double> loss_scales;
+};
+
+/// What a stage reports when its program has run.
+struct stage_report {
+  uint64_t step = 0;
+  stage_stats stats;
+  /// Last stage, training: sum of scale * loss over micro-batches.
+  double loss = 0;
+  /// Last stage, forward-only: the outputs, by micro-batch.
+  std::vector<torch::Tensor> outputs;
+};
+
+} // namespace actorpipe::actors
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(torch::Tensor)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::step_plan)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::stage_report)

@@ -1,0 +1,33 @@
+// actorpipe: pipeline-parallel training on the actor model.
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include <actorpipe/errors.hpp>
+
+#include "cli/train_command.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"actorpipe: pipeline-parallel training of neural networks on the actor model"};
+  app.set_version_flag("--version", std::string{"actorpipe 0.1.0"});
+  app.require_subcommand(1);
+  actorpipe::cli::train_args train;
+  auto* train_cmd = actorpipe::cli::add_train_command(app, train);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (*train_cmd) {
+      return actorpipe::cli::run_train(train);
+    }
+  } catch (const actorpipe::invalid_argument& e) {
+    std::cerr << "actorpipe: error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "actorpipe: error: " << e.what() << '\n';
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,246 @@
+// The embedding facade: engine and pipeline over the stage and scheduler actors.
+#include <actorpipe/pipeline.hpp>
+
+#include <thread>
+
+#include <caf/all.hpp>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "actors/messages.hpp"
+#include "actors/stage_actor.hpp"
+#include "scheduler/scheduler_actor.hpp"
+#include "stages/stage.hpp"
+
+namespace actorpipe {
+
+optimizer_factory sgd(double lr, double momentum, double weight_decay) {
+  ACTORPIPE_CHECK(lr > 0, "sgd: learning rate (", lr, ") must be > 0");
+  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::SGD>(
+      std::move(params),
+      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
+  };
+}
+
+optimizer_factory adam(double lr) {
+  ACTORPIPE_CHECK(lr > 0, "adam: learning rate (", lr, ") must be > 0");
+  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+  };
+}
+
+struct engine::impl {
+  explicit impl(std::size_t workers) : system(configure(config, workers)) {}
+
+  static caf::actor_system_config& configure(caf::actor_system_config& cfg, std::size_t workers) {
+    cfg.set("scheduler.max-threads", std::max<std::size_t>(1, workers));
+    return cfg;
+  }
+
+  // Declared first: the system keeps a reference to its config.
+  caf::actor_system_config config;
+  caf::actor_system system;
+};
+
+engine::engine(std::size_t worker_threads) : impl_(std::make_unique<impl>(worker_threads)) {}
+
+engine::~engine() = default;
+
+struct pipeline::impl {
+  engine& owner;
+  partition cut;
+  pipeline_options options;
+  std::vector<std::shared_ptr<stages::stage>> stages;
+  std::vector<caf::actor> stage_actors;
+  caf::actor scheduler;
+
+  impl(engine& e, layer_list layers, partition p, pipeline_options o)
+    : owner(e), cut(std::move(p)), options(std::move(o)) {}
+
+  ~impl() {
+    for (auto& a : stage_actors) {
+      caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    }
+    if (scheduler) {
+      caf::anon_send_exit(scheduler, caf::exit_reason::user_shutdown);
+    }
+  }
+
+  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what) const {
+    auto m = static_cast<int64_t>(options.microbatches);
+    ACTORPIPE_CHECK(x.defined() && x.dim() >= 1, what, " must have a batch dimension");
+    ACTORPIPE_CHECK(x.size(0) >= m, what, ": batch of ", x.size(0),
+                    " samples cannot be split into ", m, " micro-batches");
+    return torch::tensor_split(x, m, 0);
+  }
+
+  // Queues a step; the future holds extract(outcome) or the step's error.
+  template <class T, class Extract>
+  std::future<T> submit(std::shared_ptr<scheduler::step_request> request, Extract extract) {
+    auto promise = std::make_shared<std::promise<T>>();
+    auto future = promise->get_future();
+    request->finish = [promise, extract](scheduler::step_outcome outcome) {
+      if (outcome.error) {
+        promise->set_exception(outcome.error);
+      } else {
+        promise->set_value(extract(outcome));
+      }
+    };
+    caf::anon_send(scheduler, actors::run_atom::value, std::move(request));
+    return future;
+  }
+
+  // Waits with a deadline: the scheduler's own step timeout answers first unless the actor
+  // system itself is stuck.
+  template <class T>
+  T wait(std::future<T>& future, const char* what) const {
+    auto deadline = options.step_timeout + std::chrono::seconds(30);
+    if (future.wait_for(deadline) != std::future_status::ready) {
+      throw pipeline_error(detail::concat(what, ": the scheduler did not answer within ",
+                                          std::chrono::milliseconds(deadline).count(), " ms"));
+    }
+    return future.get();
+  }
+
+  std::vector<std::pair<std::string, torch::Tensor>> named(bool gradients) const {
+    std::vector<std::pair<std::string, torch::Tensor>> all;
+    for (const auto& st : stages) {
+      auto part = st->named_tensors(gradients);
+      all.insert(all.end(), std::make_move_iterator(part.begin()),
+                 std::make_move_iterator(part.end()));
+    }
+    return all;
+  }
+};
+
+pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
+  ACTORPIPE_CHECK(!layers.empty(), "pipeline: the model has no layers");
+  ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.front() == 0 &&
+                    cut.bounds.back() == layers.size(),
+                  "pipeline: partition ", cut.to_string(), " does not cover the model's ",
+                  layers.size(), " layers");
+  for (std::size_t s = 0; s < cut.stages(); ++s) {
+    ACTORPIPE_CHECK(cut.begin(s) < cut.end(s), "pipeline: stage ", s, " of partition ",
+                    cut.to_string(), " is empty");
+  }
+  ACTORPIPE_CHECK(options.microbatches >= 1, "microbatches (", options.microbatches,
+                  ") must be >= 1");
+  ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == cut.stages(),
+                  "pipeline: ", options.devices.size(), " devices given for ", cut.stages(),
+                  " stages");
+  ACTORPIPE_CHECK(options.wait_timeout.count() > 0, "wait_timeout must be > 0 ms");
+  ACTORPIPE_CHECK(options.step_timeout.count() > 0, "step_timeout must be > 0 ms");
+  auto stage_count = cut.stages();
+  auto threads = options.threads_per_stage;
+  if (threads == 0) {
+    auto cores = std::max(1u, std::thread::hardware_concurrency());
+    threads = std::max<std::size_t>(1, cores / stage_count);
+  }
+  impl_ = std::make_unique<impl>(sys, layers, cut, options);
+  auto& self = *impl_;
+  auto& actor_system = sys.internals().system;
+  self.scheduler = scheduler::spawn_scheduler(
+    actor_system,
+    scheduler::scheduler_options{options.schedule, options.step_timeout, options.wait_timeout});
+  for (std::size_t s = 0; s < stage_count; ++s) {
+    stages::stage_config config;
+    config.index = s;
+    config.count = stage_count;
+    config.first_layer = cut.begin(s);
+    if (!options.devices.empty()) {
+      config.device = options.devices[s];
+    }
+    layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(s)),
+                     layers.begin() + static_cast<std::ptrdiff_t>(cut.end(s)));
+    auto st = std::make_shared<stages::stage>(config, std::move(slice));
+    if (options.optimizer) {
+      st->attach_optimizer(options.optimizer);
+    }
+    self.stages.push_back(st);
+    actors::stage_actor_options actor_options;
+    actor_options.wait_timeout = options.wait_timeout;
+    actor_options.threads = threads;
+    actor_options.loss = options.loss;
+    self.stage_actors.push_back(
+      actors::spawn_stage(actor_system, st, self.scheduler, std::move(actor_options)));
+  }
+  for (std::size_t s = 0; s < stage_count; ++s) {
+    caf::actor prev = s > 0 ? self.stage_actors[s - 1] : caf::actor{};
+    caf::actor next = s + 1 < stage_count ? self.stage_actors[s + 1] : caf::actor{};
+    caf::anon_send(self.stage_actors[s], actors::connect_atom::value, prev, next);
+  }
+  caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
+}
+
+pipeline::~pipeline() = default;
+
+std::future<step_result> pipeline::train_step_async(torch::Tensor inputs, torch::Tensor targets) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(static_cast<bool>(self.options.loss),
+                  "train_step: pipeline_options.loss is not set");
+  ACTORPIPE_CHECK(static_cast<bool>(self.options.optimizer),
+                  "train_step: pipeline_options.optimizer is not set");
+  ACTORPIPE_CHECK(targets.defined() && targets.dim() >= 1 && inputs.defined() &&
+                    inputs.dim() >= 1 && targets.size(0) == inputs.size(0),
+                  "train_step: inputs and targets must have the same batch size, got ",
+                  inputs.defined() ? inputs.sizes() : c10::IntArrayRef{}, " and ",
+                  targets.defined() ? targets.sizes() : c10::IntArrayRef{});
+  auto request = std::make_shared<scheduler::step_request>();
+  request->train = true;
+  request->inputs = self.split(inputs, "train_step inputs");
+  request->targets = self.split(targets, "train_step targets");
+  auto batch = static_cast<double>(inputs.size(0));
+  for (const auto& mb : request->inputs) {
+    request->loss_scales.push_back(self.options.reduction == loss_reduction::mean
+                                     ? static_cast<double>(mb.size(0)) / batch
+                                     : 1.0);
+  }
+  return self.submit<step_result>(std::move(request),
+                                  [](scheduler::step_outcome& o) { return std::move(o.result); });
+}
+
+step_result pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
+  auto future = train_step_async(std::move(inputs), std::move(targets));
+  return impl_->wait(future, "train_step");
+}
+
+std::vector<torch::Tensor> pipeline::forward_scattered(torch::Tensor inputs) {
+  auto& self = *impl_;
+  auto request = std::make_shared<scheduler::step_request>();
+  request->train = false;
+  request->inputs = self.split(inputs, "forward inputs");
+  auto future = self.submit<std::vector<torch::Tensor>>(
+    std::move(request), [](scheduler::step_outcome& o) { return std::move(o.outputs); });
+  return self.wait(future, "forward");
+}
+
+torch::Tensor pipeline::forward(torch::Tensor inputs) {
+  return torch::cat(forward_scattered(std::move(inputs)), 0);
+}
+
+std::size_t pipeline::stages() const {
+  return impl_->stages.size();
+}
+
+const partition& pipeline::cut() const {
+  return impl_->cut;
+}
+
+std::vector<int64_t> pipeline::stage_parameter_counts() const {
+  std::vector<int64_t> counts;
+  for (const auto& st : impl_->stages) {
+    counts.push_back(st->parameter_count());
+  }
+  return counts;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> pipeline::named_parameters() const {
+  return impl_->named(false);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> pipeline::named_gradients() const {
+  return impl_->named(true);
+}
+
+} // namespace actorpipe

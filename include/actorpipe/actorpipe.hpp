@@ -1,0 +1,10 @@
+/// \file
+/// Everything an embedding application needs.
+#pragma once
+
+#include <actorpipe/errors.hpp>
+#include <actorpipe/layers.hpp>
+#include <actorpipe/models.hpp>
+#include <actorpipe/partition.hpp>
+#include <actorpipe/pipeline.hpp>
+#include <actorpipe/schedule.hpp>

@@ -1,0 +1,66 @@
+/// \file
+/// The layer list: the one representation of a model that actorpipe cuts into stages.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+
+namespace actorpipe {
+
+/// A function layer: parameter-free, e.g. flatten.
+using layer_function = std::function<torch::Tensor(const torch::Tensor&)>;
+
+/// One named layer of a model: either a module (with parameters and buffers) or a plain
+/// function. Copies alias the same module, like libtorch's module holders.
+class layer {
+public:
+  /// A module layer; `module` may be any libtorch module holder with `Tensor forward(Tensor)`.
+  layer(std::string name, torch::nn::AnyModule module);
+
+  /// A function layer.
+  layer(std::string name, layer_function fn);
+
+  const std::string& name() const noexcept { return name_; }
+
+  /// True for a plain function layer (no module, no parameters).
+  bool is_function() const noexcept { return static_cast<bool>(fn_); }
+
+  /// The module, or nullptr for a function layer.
+  std::shared_ptr<torch::nn::Module> module() const;
+
+  /// Runs the layer. Thread-safety: as the module's own forward.
+  torch::Tensor forward(const torch::Tensor& x) const;
+
+  /// Number of parameter elements (0 for a function layer).
+  int64_t parameter_count() const;
+
+  /// A short description of the input this layer takes, e.g. "[*, 512]" for Linear(512, 10),
+  /// or an empty string when actorpipe cannot tell. Used in shape-mismatch errors.
+  std::string expected_input() const;
+
+private:
+  std::string name_;
+  // AnyModule::forward is not const; running a layer does not change which module it holds.
+  mutable torch::nn::AnyModule module_;
+  layer_function fn_;
+};
+
+/// An ordered model: layer i feeds layer i + 1.
+using layer_list = std::vector<layer>;
+
+/// The layers of a Sequential, named as its children are ("0", "1", ... unless named).
+layer_list to_layer_list(const torch::nn::Sequential& model);
+
+/// Total parameter elements of `layers[begin, end)`.
+int64_t parameter_count(const layer_list& layers, std::size_t begin, std::size_t end);
+
+/// Runs all layers in order: the plain, unpipelined model.
+torch::Tensor run_layers(const layer_list& layers, const torch::Tensor& x);
+
+} // namespace actorpipe

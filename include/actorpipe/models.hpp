@@ -1,0 +1,35 @@
+/// \file
+/// Built-in models, each exposed as a layer list.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <actorpipe/errors.hpp>
+#include <actorpipe/layers.hpp>
+
+namespace actorpipe {
+
+/// What a built-in model is built for.
+struct model_options {
+  /// Output classes.
+  int64_t num_classes = 1000;
+  /// Input channels (3 for the ResNets' RGB images, 1 for 28x28 grey images).
+  int64_t in_channels = 3;
+  /// Input side length; the MLP's first layer depends on it, the ResNets adapt by pooling.
+  int64_t image_size = 224;
+};
+
+/// Names accepted by make_model, in a stable order.
+const std::vector<std::string>& model_names();
+
+/// Builds a model with fresh parameters drawn from libtorch's global generator (call
+/// torch::manual_seed first for a repeatable model). Throws invalid_argument for an unknown name.
+///
+/// - resnet18/34/50/101: torchvision's structure and initialisation, as the layers
+///   conv1, bn1, relu, maxpool, layer1, layer2, layer3, layer4, avgpool, flatten, fc.
+/// - mlp: flatten, fc1, relu1, fc2, relu2, fc3 (hidden sizes 256 and 128).
+/// - cnn: conv1, relu1, pool1, conv2, relu2, pool2, flatten, fc1, relu3, fc2; for 1x28x28 inputs.
+layer_list make_model(const std::string& name, const model_options& options = {});
+
+} // namespace actorpipe

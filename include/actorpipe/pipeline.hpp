@@ -1,0 +1,158 @@
+/// \file
+/// The embedding API: an engine (the actor system), and pipelines that train and evaluate a
+/// layer list cut into stage actors. CAF stays behind this header.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <torch/optim/optimizer.h>
+
+#include <actorpipe/errors.hpp>
+#include <actorpipe/layers.hpp>
+#include <actorpipe/partition.hpp>
+#include <actorpipe/schedule.hpp>
+
+namespace actorpipe {
+
+/// Computes a micro-batch's loss from the last stage's output and the micro-batch's target.
+/// Called on the last stage's thread.
+using loss_function =
+  std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+/// Makes a stage's optimizer over that stage's parameters. Called once per stage.
+using optimizer_factory =
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> parameters)>;
+
+/// SGD with the given learning rate, momentum and weight decay.
+optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
+
+/// Adam with the given learning rate.
+optimizer_factory adam(double lr);
+
+/// How the loss function reduces over a micro-batch, which decides how micro-batch losses are
+/// scaled so that accumulated gradients equal the full batch's.
+enum class loss_reduction {
+  /// The loss is a mean over samples: micro-batch k of n_k samples is scaled by n_k / batch.
+  mean,
+  /// The loss is a sum over samples: micro-batch losses are added unscaled.
+  sum,
+};
+
+/// Everything a pipeline needs besides its layers and partition.
+struct pipeline_options {
+  /// Micro-batches per step (m >= 1). The batch is split into m parts whose sizes differ by at
+  /// most one (earlier parts take the remainder); the batch must hold at least m samples.
+  std::size_t microbatches = 1;
+  schedule_kind schedule = schedule_kind::one_f_one_b;
+  /// Required for train_step.
+  loss_function loss;
+  loss_reduction reduction = loss_reduction::mean;
+  /// Required for train_step.
+  optimizer_factory optimizer;
+  /// One device per stage; empty means every stage on the CPU.
+  std::vector<c10::Device> devices;
+  /// Intra-op threads of each stage; 0 means the cores divided evenly among the stages
+  /// (at least 1), so stages never oversubscribe the machine.
+  std::size_t threads_per_stage = 0;
+  /// How long a stage waits for an activation or gradient before it fails the step with a
+  /// message naming what it waited for. Must exceed the slowest action upstream.
+  std::chrono::milliseconds wait_timeout{60000};
+  /// Safety net over a whole step (a stage that died or hangs in its own compute).
+  std::chrono::milliseconds step_timeout{600000};
+};
+
+/// What one stage did during a step. Times in milliseconds on the stage's own clock.
+struct stage_stats {
+  std::size_t stage = 0;
+  double forward_ms = 0;
+  double backward_ms = 0;
+  /// Time spent waiting for inputs (activations or gradients) while the program was not done.
+  double wait_ms = 0;
+  double optimizer_ms = 0;
+  /// Most micro-batches held stashed at once during the step.
+  std::size_t peak_stash = 0;
+};
+
+/// The outcome of a training step.
+struct step_result {
+  /// 1-based step counter of this pipeline.
+  uint64_t step = 0;
+  /// The full-batch loss: micro-batch losses combined with the same scales as the gradients.
+  double loss = 0;
+  /// Wall time from the request to the last optimizer step, in milliseconds.
+  double wall_ms = 0;
+  std::vector<stage_stats> stages;
+};
+
+/// Owns the actor system that runs stage and scheduler actors. Create one per process and keep
+/// it alive longer than its pipelines.
+class engine {
+public:
+  /// `worker_threads` CAF workers serve the scheduler; stage actors run on threads of their own.
+  explicit engine(std::size_t worker_threads = 1);
+  ~engine();
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  struct impl;
+  impl& internals() { return *impl_; }
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+/// A model cut into stage actors plus a scheduler actor that drives them.
+///
+/// Thread-safety: calls from several threads are queued and run one step at a time in call
+/// order. Parameter accessors take each stage's lock and may run during a step.
+class pipeline {
+public:
+  /// Spawns one stage actor per stage of `cut` and a scheduler. The layers' modules are moved to
+  /// their stage's device and owned by the stages from now on (the caller's handles alias them).
+  /// Throws invalid_argument for an empty model, a partition that does not cover `layers`, a
+  /// device count that does not match the stage count, or microbatches == 0.
+  pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options);
+  ~pipeline();
+  pipeline(const pipeline&) = delete;
+  pipeline& operator=(const pipeline&) = delete;
+
+  /// Starts one training step on `inputs` (batch dimension first) and `targets`; the future
+  /// holds the result or a pipeline_error. Invalid arguments throw before anything runs.
+  std::future<step_result> train_step_async(torch::Tensor inputs, torch::Tensor targets);
+
+  /// train_step_async(...).get(), bounded by the step timeout.
+  step_result train_step(torch::Tensor inputs, torch::Tensor targets);
+
+  /// Forward-only pass (no stash, no gradients), one output per micro-batch on the last stage's
+  /// device.
+  std::vector<torch::Tensor> forward_scattered(torch::Tensor inputs);
+
+  /// Forward-only pass with the micro-batch outputs concatenated along dimension 0.
+  torch::Tensor forward(torch::Tensor inputs);
+
+  std::size_t stages() const;
+  const partition& cut() const;
+  /// Parameter elements per stage.
+  std::vector<int64_t> stage_parameter_counts() const;
+
+  /// Copies of all parameters named "<layer>.<parameter>", in model order.
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
+  /// Copies of all gradients of the last step (undefined where a parameter got none).
+  std::vector<std::pair<std::string, torch::Tensor>> named_gradients() const;
+
+  struct impl;
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace actorpipe

@@ -1,0 +1,105 @@
+#include <actorpipe/layers.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe {
+
+namespace detail {
+
+void assertion_failed(const char* condition, const char* file, int line) {
+  std::fprintf(stderr, "actorpipe: assertion failed: %s (%s:%d)\n", condition, file, line);
+  std::abort();
+}
+
+} // namespace detail
+
+layer::layer(std::string name, torch::nn::AnyModule module)
+  : name_(std::move(name)), module_(std::move(module)) {
+  ACTORPIPE_CHECK(!module_.is_empty(), "layer '", name_, "': module is empty");
+}
+
+layer::layer(std::string name, layer_function fn) : name_(std::move(name)), fn_(std::move(fn)) {
+  ACTORPIPE_CHECK(static_cast<bool>(fn_), "layer '", name_, "': function is empty");
+}
+
+std::shared_ptr<torch::nn::Module> layer::module() const {
+  return is_function() ? nullptr : module_.ptr();
+}
+
+torch::Tensor layer::forward(const torch::Tensor& x) const {
+  if (is_function()) {
+    return fn_(x);
+  }
+  return module_.forward<torch::Tensor>(x);
+}
+
+int64_t layer::parameter_count() const {
+  int64_t total = 0;
+  if (!is_function()) {
+    for (const auto& p : module_.ptr()->parameters()) {
+      total += p.numel();
+    }
+  }
+  return total;
+}
+
+std::string layer::expected_input() const {
+  if (is_function()) {
+    return {};
+  }
+  // The first parameterised submodule in definition order takes the layer's input (true for
+  // the built-in models and for most sequential blocks).
+  for (const auto& m : module_.ptr()->modules(/*include_self=*/true)) {
+    if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+      return detail::concat("[*, ", linear->options.in_features(), "]");
+    }
+    if (auto* conv = dynamic_cast<torch::nn::Conv2dImpl*>(m.get())) {
+      return detail::concat("[N, ", conv->options.in_channels(), ", H, W]");
+    }
+    if (auto* conv = dynamic_cast<torch::nn::Conv1dImpl*>(m.get())) {
+      return detail::concat("[N, ", conv->options.in_channels(), ", L]");
+    }
+    if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get())) {
+      return detail::concat("[N, ", bn->options.num_features(), ", H, W]");
+    }
+  }
+  return {};
+}
+
+layer_list to_layer_list(const torch::nn::Sequential& model) {
+  layer_list result;
+  auto children = model->named_children();
+  ACTORPIPE_CHECK(children.size() == model->size(), "to_layer_list: the Sequential has ",
+                  model->size(), " entries but ", children.size(), " named children");
+  std::size_t i = 0;
+  for (const auto& entry : *model) {
+    result.emplace_back(children[i].key(), entry);
+    ++i;
+  }
+  return result;
+}
+
+int64_t parameter_count(const layer_list& layers, std::size_t begin, std::size_t end) {
+  int64_t total = 0;
+  for (std::size_t i = begin; i < end && i < layers.size(); ++i) {
+    total += layers[i].parameter_count();
+  }
+  return total;
+}
+
+torch::Tensor run_layers(const layer_list& layers, const torch::Tensor& x) {
+  auto y = x;
+  for (const auto& l : layers) {
+    y = l.forward(y);
+  }
+  return y;
+}
+
+} // namespace actorpipe

@@ -1,0 +1,231 @@
+// Built-in models: torchvision's ResNets, an MLP and a small CNN, each as a named layer list.
+#include <actorpipe/models.hpp>
+
+#include <torch/nn/init.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/pooling.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe {
+namespace {
+
+namespace nn = torch::nn;
+
+nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
+}
+
+nn::Conv2d conv1x1(int64_t in, int64_t out, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false));
+}
+
+// torchvision.models.resnet.BasicBlock (expansion 1).
+struct BasicBlockImpl : nn::Module {
+  static constexpr int64_t expansion = 1;
+
+  BasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, nn::Sequential downsample_)
+    : conv1(register_module("conv1", conv3x3(inplanes, planes, stride))),
+      bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+      conv2(register_module("conv2", conv3x3(planes, planes, 1))),
+      bn2(register_module("bn2", nn::BatchNorm2d(planes))), downsample(downsample_) {
+    if (!downsample.is_empty()) {
+      register_module("downsample", downsample);
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto out = bn1(conv1(x)).relu_();
+    out = bn2(conv2(out));
+    out += downsample.is_empty() ? x : downsample->forward(x);
+    return out.relu_();
+  }
+
+  nn::Conv2d conv1;
+  nn::BatchNorm2d bn1;
+  nn::Conv2d conv2;
+  nn::BatchNorm2d bn2;
+  nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+// torchvision.models.resnet.Bottleneck (ResNet v1.5: stride on the 3x3 convolution).
+struct BottleneckImpl : nn::Module {
+  static constexpr int64_t expansion = 4;
+
+  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, nn::Sequential downsample_)
+    : conv1(register_module("conv1", conv1x1(inplanes, planes, 1))),
+      bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+      conv2(register_module("conv2", conv3x3(planes, planes, stride))),
+      bn2(register_module("bn2", nn::BatchNorm2d(planes))),
+      conv3(register_module("conv3", conv1x1(planes, planes * expansion, 1))),
+      bn3(register_module("bn3", nn::BatchNorm2d(planes * expansion))), downsample(downsample_) {
+    if (!downsample.is_empty()) {
+      register_module("downsample", downsample);
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto out = bn1(conv1(x)).relu_();
+    out = bn2(conv2(out)).relu_();
+    out = bn3(conv3(out));
+    out += downsample.is_empty() ? x : downsample->forward(x);
+    return out.relu_();
+  }
+
+  nn::Conv2d conv1;
+  nn::BatchNorm2d bn1;
+  nn::Conv2d conv2;
+  nn::BatchNorm2d bn2;
+  nn::Conv2d conv3;
+  nn::BatchNorm2d bn3;
+  nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(Bottleneck);
+
+// A run of residual blocks (torchvision's layer1..layer4). libtorch's Sequential has a templated
+// forward, which AnyModule cannot hold; this one takes and returns a Tensor.
+struct BlockSequenceImpl : nn::SequentialImpl {
+  torch::Tensor forward(torch::Tensor x) { return nn::SequentialImpl::forward(std::move(x)); }
+};
+TORCH_MODULE(BlockSequence);
+
+layer flatten_layer() {
+  return layer("flatten", [](const torch::Tensor& x) { return x.flatten(1); });
+}
+
+// torchvision's _make_layer: the first block may change stride and width.
+template <class Block>
+BlockSequence make_stage(int64_t& inplanes, int64_t planes, int64_t blocks, int64_t stride) {
+  nn::Sequential downsample{nullptr};
+  if (stride != 1 || inplanes != planes * Block::Impl::expansion) {
+    downsample = nn::Sequential(conv1x1(inplanes, planes * Block::Impl::expansion, stride),
+                                nn::BatchNorm2d(planes * Block::Impl::expansion));
+  }
+  BlockSequence seq;
+  seq->push_back(Block(inplanes, planes, stride, downsample));
+  inplanes = planes * Block::Impl::expansion;
+  for (int64_t i = 1; i < blocks; ++i) {
+    seq->push_back(Block(inplanes, planes, 1, nn::Sequential{nullptr}));
+  }
+  return seq;
+}
+
+// torchvision's ResNet.__init__ initialisation: Kaiming-normal (fan_out) convolutions, batch
+// norm weight 1 and bias 0; Linear keeps libtorch's default, as in torchvision.
+void init_resnet(nn::Module& m) {
+  for (auto& sub : m.modules(/*include_self=*/true)) {
+    if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(sub.get())) {
+      nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+    } else if (auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(sub.get())) {
+      nn::init::constant_(bn->weight, 1.0);
+      nn::init::constant_(bn->bias, 0.0);
+    }
+  }
+}
+
+template <class Block>
+layer_list make_resnet(const std::vector<int64_t>& blocks, const model_options& o) {
+  int64_t inplanes = 64;
+  auto conv1 = nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 7).stride(2).padding(3).bias(false));
+  auto bn1 = nn::BatchNorm2d(64);
+  // Stages are built in order so that parameters draw from the generator in torchvision's order.
+  auto layer1 = make_stage<Block>(inplanes, 64, blocks[0], 1);
+  auto layer2 = make_stage<Block>(inplanes, 128, blocks[1], 2);
+  auto layer3 = make_stage<Block>(inplanes, 256, blocks[2], 2);
+  auto layer4 = make_stage<Block>(inplanes, 512, blocks[3], 2);
+  auto fc = nn::Linear(512 * Block::Impl::expansion, o.num_classes);
+  for (nn::Module* m : std::initializer_list<nn::Module*>{
+         conv1.get(), bn1.get(), layer1.get(), layer2.get(), layer3.get(), layer4.get()}) {
+    init_resnet(*m);
+  }
+  layer_list layers;
+  layers.emplace_back("conv1", nn::AnyModule(conv1));
+  layers.emplace_back("bn1", nn::AnyModule(bn1));
+  layers.emplace_back("relu", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("maxpool",
+                      nn::AnyModule(nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1))));
+  layers.emplace_back("layer1", nn::AnyModule(layer1));
+  layers.emplace_back("layer2", nn::AnyModule(layer2));
+  layers.emplace_back("layer3", nn::AnyModule(layer3));
+  layers.emplace_back("layer4", nn::AnyModule(layer4));
+  layers.emplace_back("avgpool",
+                      nn::AnyModule(nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1}))));
+  layers.push_back(flatten_layer());
+  layers.emplace_back("fc", nn::AnyModule(fc));
+  return layers;
+}
+
+layer_list make_mlp(const model_options& o) {
+  layer_list layers;
+  layers.push_back(flatten_layer());
+  layers.emplace_back("fc1",
+                      nn::AnyModule(nn::Linear(o.in_channels * o.image_size * o.image_size, 256)));
+  layers.emplace_back("relu1", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("fc2", nn::AnyModule(nn::Linear(256, 128)));
+  layers.emplace_back("relu2", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("fc3", nn::AnyModule(nn::Linear(128, o.num_classes)));
+  return layers;
+}
+
+layer_list make_cnn(const model_options& o) {
+  ACTORPIPE_CHECK(o.image_size % 4 == 0 && o.image_size >= 4, "model 'cnn': image size (",
+                  o.image_size, ") must be a positive multiple of 4");
+  auto side = o.image_size / 4;
+  layer_list layers;
+  layers.emplace_back(
+    "conv1", nn::AnyModule(nn::Conv2d(nn::Conv2dOptions(o.in_channels, 32, 3).padding(1))));
+  layers.emplace_back("relu1", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("pool1", nn::AnyModule(nn::MaxPool2d(nn::MaxPool2dOptions(2))));
+  layers.emplace_back("conv2", nn::AnyModule(nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1))));
+  layers.emplace_back("relu2", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("pool2", nn::AnyModule(nn::MaxPool2d(nn::MaxPool2dOptions(2))));
+  layers.push_back(flatten_layer());
+  layers.emplace_back("fc1", nn::AnyModule(nn::Linear(64 * side * side, 128)));
+  layers.emplace_back("relu3", nn::AnyModule(nn::ReLU()));
+  layers.emplace_back("fc2", nn::AnyModule(nn::Linear(128, o.num_classes)));
+  return layers;
+}
+
+} // namespace
+
+const std::vector<std::string>& model_names() {
+  static const std::vector<std::string> names{"resnet18",  "resnet34", "resnet50",
+                                              "resnet101", "mlp",      "cnn"};
+  return names;
+}
+
+layer_list make_model(const std::string& name, const model_options& o) {
+  ACTORPIPE_CHECK(o.num_classes >= 1, "model '", name, "': num_classes (", o.num_classes,
+                  ") must be >= 1");
+  ACTORPIPE_CHECK(o.in_channels >= 1, "model '", name, "': in_channels (", o.in_channels,
+                  ") must be >= 1");
+  if (name == "resnet18") {
+    return make_resnet<BasicBlock>({2, 2, 2, 2}, o);
+  }
+  if (name == "resnet34") {
+    return make_resnet<BasicBlock>({3, 4, 6, 3}, o);
+  }
+  if (name == "resnet50") {
+    return make_resnet<Bottleneck>({3, 4, 6, 3}, o);
+  }
+  if (name == "resnet101") {
+    return make_resnet<Bottleneck>({3, 4, 23, 3}, o);
+  }
+  if (name == "mlp") {
+    return make_mlp(o);
+  }
+  if (name == "cnn") {
+    return make_cnn(o);
+  }
+  std::string known;
+  for (const auto& n : model_names()) {
+    known += (known.empty() ? "" : ", ") + n;
+  }
+  throw invalid_argument(detail::concat("unknown model '", name, "' (known: ", known, ")"));
+}
+
+} // namespace actorpipe

@@ -1,0 +1,256 @@
+#include "scheduler/scheduler_actor.hpp"
+
+#include <deque>
+#include <map>
+
+#include <caf/all.hpp>
+
+#include "actors/messages.hpp"
+
+namespace actorpipe::scheduler {
+namespace {
+
+using namespace actorpipe::actors;
+using clock_type = std::chrono::steady_clock;
+using step_timeout_atom = caf::atom_constant<caf::atom("steptime")>;
+
+struct scheduler_state {
+  scheduler_options options;
+  std::vector<caf::actor> stages;
+  std::deque<std::shared_ptr<step_request>> queue;
+  // A stage actor that terminated makes every later step fail at once with this text.
+  std::string broken;
+
+  std::shared_ptr<step_request> current;
+  uint64_t step = 0;
+  clock_type::time_point started;
+  std::vector<stage_report> reports;
+  std::size_t reported = 0;
+  std::size_t updated = 0;
+  bool aborting = false;
+  std::string abort_message;
+  std::size_t aborts_pending = 0;
+  std::map<std::pair<std::size_t, bool>, schedule> schedules;
+
+  static inline const char* name = "actorpipe.scheduler";
+};
+
+using scheduler_actor_type = caf::stateful_actor<scheduler_state>;
+
+void start_next(scheduler_actor_type* self);
+
+void finish(scheduler_actor_type* self, step_outcome outcome) {
+  auto& s = self->state;
+  auto request = std::move(s.current);
+  s.current.reset();
+  request->finish(std::move(outcome));
+  start_next(self);
+}
+
+void finish_with_error(scheduler_actor_type* self, const std::string& message) {
+  step_outcome outcome;
+  outcome.error = std::make_exception_ptr(pipeline_error(message));
+  finish(self, std::move(outcome));
+}
+
+// Fails the running step: every stage is told to abort (drop stash and gradients, restore
+// buffers), and the step's caller hears of the failure only once all stages confirmed, so that
+// the pipeline it then inspects is exactly as before the step.
+void fail(scheduler_actor_type* self, const std::string& message) {
+  auto& s = self->state;
+  if (s.aborting) {
+    return;
+  }
+  s.aborting = true;
+  s.abort_message = message;
+  s.aborts_pending = s.stages.size();
+  auto step = s.step;
+  auto confirmed = [=](const std::string& note) {
+    auto& st = self->state;
+    if (!st.current || st.step != step) {
+      return;
+    }
+    if (!note.empty()) {
+      st.abort_message += "; " + note;
+    }
+    if (--st.aborts_pending == 0) {
+      finish_with_error(self, st.abort_message);
+    }
+  };
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    self->request(s.stages[i], s.options.abort_timeout, abort_atom::value, step)
+      .then([=](bool) { confirmed({}); },
+            [=](const caf::error& err) {
+              confirmed(detail::concat("stage ", i,
+                                       " did not confirm the abort: ", self->system().render(err)));
+            });
+  }
+}
+
+const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool train) {
+  auto k = std::make_pair(microbatches, train);
+  auto it = s.schedules.find(k);
+  if (it == s.schedules.end()) {
+    auto plan = train ? make_schedule(s.options.schedule, s.stages.size(), microbatches)
+                      : make_forward_schedule(s.stages.size(), microbatches);
+    validate(plan, microbatches, train);
+    it = s.schedules.emplace(k, std::move(plan)).first;
+  }
+  return it->second;
+}
+
+void start_next(scheduler_actor_type* self) {
+  auto& s = self->state;
+  if (s.current || s.queue.empty()) {
+    return;
+  }
+  s.current = std::move(s.queue.front());
+  s.queue.pop_front();
+  if (!s.broken.empty()) {
+    finish_with_error(self, s.broken);
+    return;
+  }
+  auto& request = *s.current;
+  ++s.step;
+  s.started = clock_type::now();
+  s.reports.assign(s.stages.size(), stage_report{});
+  s.reported = 0;
+  s.updated = 0;
+  s.aborting = false;
+  const schedule* programs = nullptr;
+  try {
+    programs = &schedule_for(s, request.inputs.size(), request.train);
+  } catch (const std::exception& e) {
+    step_outcome outcome;
+    outcome.error = std::current_exception();
+    finish(self, std::move(outcome));
+    return;
+  }
+  auto last = s.stages.size() - 1;
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    step_plan plan;
+    plan.step = s.step;
+    plan.train = request.train;
+    plan.program = (*programs)[i];
+    if (i == 0) {
+      plan.inputs = request.inputs;
+    }
+    if (i == last && request.train) {
+      plan.targets = request.targets;
+      plan.loss_scales = request.loss_scales;
+    }
+    self->send(s.stages[i], plan_atom::value, std::move(plan));
+  }
+  self->delayed_send(self, s.options.step_timeout, step_timeout_atom::value, s.step);
+}
+
+void on_all_reported(scheduler_actor_type* self) {
+  auto& s = self->state;
+  auto make_outcome = [&] {
+    step_outcome outcome;
+    outcome.result.step = s.step;
+    outcome.result.loss = s.reports.back().loss;
+    outcome.result.wall_ms =
+      std::chrono::duration<double, std::milli>(clock_type::now() - s.started).count();
+    for (auto& r : s.reports) {
+      outcome.result.stages.push_back(r.stats);
+    }
+    outcome.outputs = std::move(s.reports.back().outputs);
+    return outcome;
+  };
+  if (!s.current->train) {
+    finish(self, make_outcome());
+    return;
+  }
+  // Every stage has its gradients: only now may any optimizer step, so that a failed step
+  // changes no parameter anywhere.
+  auto step = s.step;
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    self->request(s.stages[i], s.options.step_timeout, update_atom::value, step)
+      .then(
+        [=](double optimizer_ms, const std::string& error) {
+          auto& st = self->state;
+          if (!st.current || st.step != step || st.aborting) {
+            return;
+          }
+          if (!error.empty()) {
+            fail(self, error);
+            return;
+          }
+          st.reports[i].stats.optimizer_ms = optimizer_ms;
+          if (++st.updated == st.stages.size()) {
+            finish(self, make_outcome());
+          }
+        },
+        [=](const caf::error& err) {
+          auto& st = self->state;
+          if (st.current && st.step == step) {
+            fail(self,
+                 detail::concat("stage ", i, ", step ", step,
+                                ": optimizer step did not answer: ", self->system().render(err)));
+          }
+        });
+  }
+}
+
+caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options options) {
+  self->state.options = options;
+  self->set_down_handler([=](caf::down_msg& msg) {
+    auto& s = self->state;
+    for (std::size_t i = 0; i < s.stages.size(); ++i) {
+      if (s.stages[i].address() == msg.source) {
+        s.broken = detail::concat("stage ", i, " terminated (", self->system().render(msg.reason),
+                                  "); the pipeline cannot run further steps");
+        if (s.current) {
+          fail(self, detail::concat("step ", s.step, ": ", s.broken));
+        }
+        return;
+      }
+    }
+  });
+  return {
+    [=](connect_atom, std::vector<caf::actor>& stages) {
+      for (auto& stage : stages) {
+        self->monitor(stage);
+      }
+      self->state.stages = std::move(stages);
+    },
+    [=](run_atom, std::shared_ptr<step_request>& request) {
+      self->state.queue.push_back(std::move(request));
+      start_next(self);
+    },
+    [=](done_atom, stage_report& report) {
+      auto& s = self->state;
+      if (!s.current || report.step != s.step || s.aborting) {
+        return;
+      }
+      auto index = report.stats.stage;
+      s.reports[index] = std::move(report);
+      if (++s.reported == s.stages.size()) {
+        on_all_reported(self);
+      }
+    },
+    [=](failed_atom, uint64_t step, std::string& message) {
+      auto& s = self->state;
+      if (s.current && step == s.step) {
+        fail(self, message);
+      }
+    },
+    [=](step_timeout_atom, uint64_t step) {
+      auto& s = self->state;
+      if (s.current && step == s.step) {
+        fail(self, detail::concat("step ", step, " did not finish within ",
+                                  s.options.step_timeout.count(), " ms (", s.reported, " of ",
+                                  s.stages.size(), " stages reported)"));
+      }
+    },
+  };
+}
+
+} // namespace
+
+caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_options options) {
+  return sys.spawn(scheduler_actor, options);
+}
+
+} // namespace actorpipe::scheduler

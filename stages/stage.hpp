@@ -1,0 +1,105 @@
+/// \file
+/// A stage: a contiguous slice of a model's layers, bound to one device, owning its parameters,
+/// its optimizer and the stash of micro-batches between their forward and backward.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include <actorpipe/layers.hpp>
+#include <actorpipe/pipeline.hpp>
+
+namespace actorpipe::stages {
+
+/// Where a stage sits in its pipeline.
+struct stage_config {
+  std::size_t index = 0;
+  std::size_t count = 1;
+  /// Model index of the stage's first layer (for error messages).
+  std::size_t first_layer = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+/// Runs a slice of layers. Every public member takes the stage's lock, so the owning actor's
+/// thread and a user thread reading parameters never race. Forward and backward are keyed by
+/// micro-batch; the autograd graph of a micro-batch lives in the stash between them and never
+/// leaves the stage: outputs and input gradients are returned detached.
+///
+/// Errors: forward and backward throw pipeline_error naming the stage, micro-batch, layer and
+/// shapes; the stage is then unchanged except for the failed micro-batch, and abort_step()
+/// restores the state of begin_step().
+class stage {
+public:
+  stage(stage_config config, layer_list layers);
+
+  const stage_config& config() const noexcept { return config_; }
+  bool is_first() const noexcept { return config_.index == 0; }
+  bool is_last() const noexcept { return config_.index + 1 == config_.count; }
+
+  /// Creates the optimizer over this stage's parameters.
+  void attach_optimizer(const optimizer_factory& make);
+
+  /// Starts a step: clears gradients and the stash, sets train/eval mode and, for training,
+  /// snapshots buffers (batch-norm statistics) so that abort_step can restore them.
+  void begin_step(bool train);
+
+  /// Forward of one micro-batch; in training, stashes input and output. Returns the output,
+  /// detached, on this stage's device.
+  torch::Tensor forward(int32_t microbatch, const torch::Tensor& input);
+
+  /// Last stage, training: forward plus loss; stashes `scale * loss` for backward and returns
+  /// the unscaled loss value.
+  double forward_loss(int32_t microbatch, const torch::Tensor& input, const torch::Tensor& target,
+                      const loss_function& loss, double scale);
+
+  /// Backward of one micro-batch from its output gradient (undefined on the last stage, which
+  /// starts from its stashed loss). Accumulates parameter gradients, drops the stash entry and
+  /// returns the input gradient, detached (undefined on the first stage).
+  torch::Tensor backward(int32_t microbatch, const torch::Tensor& output_gradient);
+
+  /// Drops the stash and gradients and restores the buffers snapshotted by begin_step.
+  void abort_step();
+
+  /// Steps the optimizer over the gradients accumulated since begin_step.
+  void optimizer_step();
+
+  std::size_t stash_size() const;
+  /// Most micro-batches stashed at once since begin_step.
+  std::size_t peak_stash() const;
+
+  int64_t parameter_count() const;
+
+  /// Copies of parameters (or of their gradients) named "<layer>.<parameter>".
+  std::vector<std::pair<std::string, torch::Tensor>> named_tensors(bool gradients) const;
+
+private:
+  struct stash_entry {
+    torch::Tensor input;
+    /// The output, or the scaled loss on the last stage.
+    torch::Tensor output;
+  };
+
+  torch::Tensor run(int32_t microbatch, const torch::Tensor& input) const;
+  std::string where(int32_t microbatch) const;
+  std::vector<torch::Tensor> buffers() const;
+  std::vector<torch::Tensor> parameters() const;
+
+  mutable std::mutex mutex_;
+  stage_config config_;
+  layer_list layers_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::map<int32_t, stash_entry> stash_;
+  std::size_t peak_stash_ = 0;
+  bool train_ = false;
+  std::vector<torch::Tensor> buffer_snapshot_;
+};
+
+} // namespace actorpipe::stages

@@ -1,0 +1,86 @@
+// Shared helpers for pipeline tests: the plain-libtorch oracle.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+
+namespace actorpipe::test {
+
+/// A tiny MLP (flatten, fc1, relu1, fc2, relu2, fc3) for 1x4x4 inputs and 3 classes, built from
+/// `seed` so that two calls give the same parameters.
+inline layer_list tiny_mlp(uint64_t seed = 1) {
+  torch::manual_seed(seed);
+  model_options o;
+  o.in_channels = 1;
+  o.image_size = 4;
+  o.num_classes = 3;
+  return make_model("mlp", o);
+}
+
+inline torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
+  return torch::mse_loss(y, t);
+}
+
+/// Parameters (or gradients) of a plain layer list, named as the pipeline names them.
+inline std::vector<std::pair<std::string, torch::Tensor>> named(const layer_list& layers,
+                                                                bool gradients) {
+  std::vector<std::pair<std::string, torch::Tensor>> all;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (const auto& item : m->named_parameters()) {
+        all.emplace_back(l.name() + "." + item.key(),
+                         gradients ? item.value().grad() : item.value().detach());
+      }
+    }
+  }
+  return all;
+}
+
+/// The same model, trained plainly on the full batch: one step.
+struct plain_model {
+  layer_list layers;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+
+  plain_model(layer_list l, const optimizer_factory& make) : layers(std::move(l)) {
+    std::vector<torch::Tensor> params;
+    for (const auto& lay : layers) {
+      if (auto m = lay.module()) {
+        for (auto& p : m->parameters()) {
+          params.push_back(p);
+        }
+      }
+    }
+    optimizer = make(params);
+  }
+
+  double step(const torch::Tensor& x, const torch::Tensor& t) {
+    optimizer->zero_grad();
+    auto loss = mse(run_layers(layers, x), t);
+    loss.backward();
+    optimizer->step();
+    return loss.item<double>();
+  }
+};
+
+/// Every tensor of `a` allclose to its namesake in `b`.
+inline void check_close(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                        const std::vector<std::pair<std::string, torch::Tensor>>& b,
+                        double rtol = 1e-5, double atol = 1e-7) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(a[i].first);
+    REQUIRE(a[i].first == b[i].first);
+    REQUIRE(a[i].second.defined() == b[i].second.defined());
+    if (a[i].second.defined()) {
+      CHECK(torch::allclose(a[i].second, b[i].second, rtol, atol));
+    }
+  }
+}
+
+} // namespace actorpipe::test

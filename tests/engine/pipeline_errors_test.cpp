@@ -1,0 +1,175 @@
+#include <atomic>
+#include <thread>
+
+#include "oracle.hpp"
+
+using namespace actorpipe;
+using namespace actorpipe::test;
+
+namespace {
+
+pipeline_options train_options(std::size_t microbatches) {
+  pipeline_options o;
+  o.microbatches = microbatches;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  return o;
+}
+
+bool all_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+               const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].first != b[i].first || !torch::equal(a[i].second, b[i].second)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+TEST_CASE("an activation the next stage cannot take names the stage, micro-batch and shapes") {
+  torch::manual_seed(0);
+  layer_list layers;
+  layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(4, 8)));
+  layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(6, 2)));
+  engine sys;
+  pipeline pipe(sys, layers, partition_uniform(2, 2), train_options(2));
+  auto before = pipe.named_parameters();
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({5, 4}), torch::randn({5, 2})),
+                       doctest::Contains("stage 1, microbatch 0: layer 'fc2' (model layer 1) "
+                                         "cannot take the activation from stage 0 of shape "
+                                         "[3, 8]; it expects [*, 6]"),
+                       actorpipe::pipeline_error);
+  CHECK(all_equal(before, pipe.named_parameters()));
+}
+
+TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics as they were, "
+          "and the next step trains normally") {
+  // Stage 1 fails on its forward of micro-batch 2 in step 1 only, after 1F1B has already run
+  // backwards (and accumulated gradients) for earlier micro-batches on every stage.
+  std::atomic<int> calls{0};
+  auto make = [&](bool with_trap) {
+    torch::manual_seed(3);
+    layer_list layers;
+    layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(4, 6)));
+    layers.emplace_back("bn", torch::nn::AnyModule(torch::nn::BatchNorm1d(6)));
+    layers.emplace_back("trap", [&calls, with_trap](const torch::Tensor& x) {
+      if (with_trap && calls++ == 2) {
+        throw std::runtime_error("trap sprung");
+      }
+      return x;
+    });
+    layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(6, 2)));
+    return layers;
+  };
+  auto layers = make(true);
+  engine sys;
+  pipeline pipe(sys, layers, partition_at(4, {2}), train_options(4));
+  auto params_before = pipe.named_parameters();
+  auto bn = layers[1].module();
+  auto mean_before = bn->named_buffers()["running_mean"].clone();
+  auto x = torch::randn({8, 4});
+  auto t = torch::randn({8, 2});
+  CHECK_THROWS_WITH_AS(pipe.train_step(x, t),
+                       doctest::Contains("stage 1, microbatch 2: layer 'trap' (model layer 2) "
+                                         "cannot take the activation from stage 0 of shape [2, 6]. "
+                                         "libtorch: trap sprung"),
+                       actorpipe::pipeline_error);
+  CHECK(all_equal(params_before, pipe.named_parameters()));
+  CHECK(torch::equal(mean_before, bn->named_buffers()["running_mean"]));
+  for (const auto& g : pipe.named_gradients()) {
+    CHECK_FALSE(g.second.defined());
+  }
+  // The pipeline is still usable, and the failed step left no trace: retrying it equals the
+  // same step on a pipeline that never failed (batch norm sees micro-batch statistics, so the
+  // reference is a pipeline with the same cut, not the plain model).
+  auto clean_layers = make(false);
+  pipeline clean(sys, clean_layers, partition_at(4, {2}), train_options(4));
+  CHECK(pipe.train_step(x, t).loss == doctest::Approx(clean.train_step(x, t).loss).epsilon(1e-6));
+  check_close(pipe.named_parameters(), clean.named_parameters(), 1e-6, 1e-7);
+  CHECK(torch::allclose(bn->named_buffers()["running_mean"],
+                        clean_layers[1].module()->named_buffers()["running_mean"], 1e-6, 1e-7));
+}
+
+TEST_CASE("a stage that waits past its deadline says who waits for what") {
+  layer_list layers;
+  layers.emplace_back("slow", [](const torch::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    return x;
+  });
+  layers.emplace_back("fc", torch::nn::AnyModule(torch::nn::Linear(3, 3)));
+  engine sys;
+  auto o = train_options(2);
+  o.wait_timeout = std::chrono::milliseconds(200);
+  pipeline pipe(sys, layers, partition_uniform(2, 2), o);
+  auto before = pipe.named_parameters();
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({4, 3}), torch::randn({4, 3})),
+                       doctest::Contains("stage 1 waits for the activation of microbatch 0 from "
+                                         "stage 0 (step 1, action 0 of its program) and gave up "
+                                         "after 200 ms"),
+                       actorpipe::pipeline_error);
+  CHECK(all_equal(before, pipe.named_parameters()));
+}
+
+TEST_CASE("a step over its step deadline fails instead of hanging") {
+  layer_list layers;
+  layers.emplace_back("slow", [](const torch::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    return x;
+  });
+  engine sys;
+  auto o = train_options(1);
+  o.step_timeout = std::chrono::milliseconds(100);
+  pipeline pipe(sys, layers, partition_uniform(1, 1), o);
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({2, 3}), torch::randn({2, 3})),
+                       doctest::Contains("step 1 did not finish within 100 ms"),
+                       actorpipe::pipeline_error);
+}
+
+TEST_CASE("bad pipeline arguments are rejected before anything runs") {
+  engine sys;
+  auto layers = tiny_mlp();
+  auto cut = partition_uniform(layers.size(), 2);
+  CHECK_THROWS_WITH_AS(pipeline(sys, layers, cut, train_options(0)),
+                       doctest::Contains("microbatches (0) must be >= 1"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(pipeline(sys, layers, partition_uniform(5, 2), train_options(1)),
+                       doctest::Contains("does not cover the model's 6 layers"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(pipeline(sys, layer_list{}, cut, train_options(1)),
+                       doctest::Contains("the model has no layers"), actorpipe::invalid_argument);
+  auto o = train_options(1);
+  o.devices = {c10::Device(c10::kCPU)};
+  CHECK_THROWS_WITH_AS(pipeline(sys, layers, cut, o),
+                       doctest::Contains("1 devices given for 2 stages"),
+                       actorpipe::invalid_argument);
+
+  pipeline pipe(sys, layers, cut, train_options(4));
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({3, 1, 4, 4}), torch::randn({3, 3})),
+                       doctest::Contains("batch of 3 samples cannot be split into 4 micro-batches"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({4, 1, 4, 4}), torch::randn({5, 3})),
+                       doctest::Contains("inputs and targets must have the same batch size"),
+                       actorpipe::invalid_argument);
+  pipeline_options no_loss;
+  pipeline eval_only(sys, tiny_mlp(), cut, no_loss);
+  CHECK_THROWS_WITH_AS(eval_only.train_step(torch::randn({4, 1, 4, 4}), torch::randn({4, 3})),
+                       doctest::Contains("pipeline_options.loss is not set"),
+                       actorpipe::invalid_argument);
+}
+
+TEST_CASE("a loss function that does not return a scalar fails the step with its shape") {
+  engine sys;
+  auto layers = tiny_mlp();
+  auto o = train_options(2);
+  o.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return (y - t).pow(2); };
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({4, 1, 4, 4}), torch::randn({4, 3})),
+                       doctest::Contains("stage 1, microbatch 0: the loss function must return a "
+                                         "scalar, got shape [2, 3]"),
+                       actorpipe::pipeline_error);
+}
