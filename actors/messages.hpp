@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,12 +34,20 @@ using done_atom = caf::atom_constant<caf::atom("done")>;
 using failed_atom = caf::atom_constant<caf::atom("failed")>;
 /// scheduler -> stage: (abort_atom, step): drop the step, restore the stage as it was.
 using abort_atom = caf::atom_constant<caf::atom("abort")>;
-/// scheduler -> stage request: (update_atom, step) -> (optimizer_ms, error text or empty).
+/// scheduler -> stage request: (update_atom, step, learning_rate) -> (optimizer_ms, error text
+/// or empty); a negative learning rate keeps the current one.
 using update_atom = caf::atom_constant<caf::atom("update")>;
 /// self-timer: (timeout_atom, step, wait_token).
 using timeout_atom = caf::atom_constant<caf::atom("timeout")>;
 /// user -> scheduler: (run_atom, shared_ptr<step_request>).
 using run_atom = caf::atom_constant<caf::atom("run")>;
+/// scheduler -> stage request: (save_atom, path) -> error text or empty: write the stage's state.
+using save_atom = caf::atom_constant<caf::atom("save")>;
+/// scheduler -> stage request: (load_atom, shared_ptr<const tensor_map>) -> error text or empty.
+using load_atom = caf::atom_constant<caf::atom("load")>;
+
+/// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.
+using tensor_map = std::map<std::string, torch::Tensor>;
 
 /// What a stage runs in one step.
 struct step_plan {
@@ -67,3 +77,4 @@ struct stage_report {
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(torch::Tensor)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::step_plan)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::stage_report)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const actorpipe::actors::tensor_map>)

@@ -227,9 +227,12 @@ caf::behavior stage_actor(stage_actor_type* self, std::shared_ptr<stages::stage>
       }
       return true;
     },
-    [=](update_atom, uint64_t step) -> caf::result<double, std::string> {
+    [=](update_atom, uint64_t step, double learning_rate) -> caf::result<double, std::string> {
       auto start = clock_type::now();
       try {
+        if (learning_rate >= 0) {
+          self->state.stage->set_learning_rate(learning_rate);
+        }
         self->state.stage->optimizer_step();
       } catch (const std::exception& e) {
         return {ms_since(start),
@@ -237,6 +240,22 @@ caf::behavior stage_actor(stage_actor_type* self, std::shared_ptr<stages::stage>
                                ": optimizer step failed: ", e.what())};
       }
       return {ms_since(start), std::string{}};
+    },
+    [=](save_atom, const std::string& path) -> std::string {
+      try {
+        stages::save_tensors(path, self->state.stage->state());
+      } catch (const std::exception& e) {
+        return detail::concat("stage ", self->state.stage->config().index, ": ", e.what());
+      }
+      return {};
+    },
+    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> std::string {
+      try {
+        self->state.stage->load_state(*all);
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+      return {};
     },
   };
 }

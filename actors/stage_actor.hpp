@@ -11,7 +11,11 @@
 ///       they may arrive before the plan; inputs of older steps are dropped.
 /// - in  (abort_atom, step) -> true: drop the step and restore the stage (gradients, stash,
 ///       buffers); the reply confirms it.
-/// - in  (update_atom, step) -> (double optimizer_ms, std::string error): optimizer step.
+/// - in  (update_atom, step, learning_rate) -> (double optimizer_ms, std::string error): set the
+///       learning rate (when >= 0) and step the optimizer.
+/// - in  (save_atom, path) -> std::string error: write the stage's state (parameters, buffers,
+///       optimizer state keyed by layer name) to `path`.
+/// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load this stage's keys.
 /// - out (done_atom, stage_report) to the scheduler when the program has run.
 /// - out (failed_atom, step, message) to the scheduler when an action throws or a wait runs past
 ///       wait_timeout; the message says who waits for what ("stage 1 waits for the activation

@@ -1,6 +1,9 @@
 // The embedding facade: engine and pipeline over the stage and scheduler actors.
 #include <actorpipe/pipeline.hpp>
 
+#include <filesystem>
+#include <regex>
+#include <set>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -54,6 +57,8 @@ struct pipeline::impl {
   std::vector<std::shared_ptr<stages::stage>> stages;
   std::vector<caf::actor> stage_actors;
   caf::actor scheduler;
+  // Carried by every training request; < 0 keeps the optimizers' own.
+  double learning_rate = -1;
 
   impl(engine& e, layer_list layers, partition p, pipeline_options o)
     : owner(e), cut(std::move(p)), options(std::move(o)) {}
@@ -67,9 +72,16 @@ struct pipeline::impl {
     }
   }
 
-  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what) const {
+  // Splits along dimension 0 into m parts differing by at most one sample; forward-only passes
+  // take fewer parts when the batch is smaller than m (`at_most`).
+  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what,
+                                   bool at_most = false) const {
+    ACTORPIPE_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1, what,
+                    " must have a batch dimension with at least one sample");
     auto m = static_cast<int64_t>(options.microbatches);
-    ACTORPIPE_CHECK(x.defined() && x.dim() >= 1, what, " must have a batch dimension");
+    if (at_most) {
+      m = std::min(m, x.size(0));
+    }
     ACTORPIPE_CHECK(x.size(0) >= m, what, ": batch of ", x.size(0),
                     " samples cannot be split into ", m, " micro-batches");
     return torch::tensor_split(x, m, 0);
@@ -187,7 +199,8 @@ std::future<step_result> pipeline::train_step_async(torch::Tensor inputs, torch:
                   inputs.defined() ? inputs.sizes() : c10::IntArrayRef{}, " and ",
                   targets.defined() ? targets.sizes() : c10::IntArrayRef{});
   auto request = std::make_shared<scheduler::step_request>();
-  request->train = true;
+  request->kind = scheduler::request_kind::train;
+  request->learning_rate = self.learning_rate;
   request->inputs = self.split(inputs, "train_step inputs");
   request->targets = self.split(targets, "train_step targets");
   auto batch = static_cast<double>(inputs.size(0));
@@ -208,8 +221,8 @@ step_result pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
 std::vector<torch::Tensor> pipeline::forward_scattered(torch::Tensor inputs) {
   auto& self = *impl_;
   auto request = std::make_shared<scheduler::step_request>();
-  request->train = false;
-  request->inputs = self.split(inputs, "forward inputs");
+  request->kind = scheduler::request_kind::forward;
+  request->inputs = self.split(inputs, "forward inputs", /*at_most=*/true);
   auto future = self.submit<std::vector<torch::Tensor>>(
     std::move(request), [](scheduler::step_outcome& o) { return std::move(o.outputs); });
   return self.wait(future, "forward");
@@ -217,6 +230,82 @@ std::vector<torch::Tensor> pipeline::forward_scattered(torch::Tensor inputs) {
 
 torch::Tensor pipeline::forward(torch::Tensor inputs) {
   return torch::cat(forward_scattered(std::move(inputs)), 0);
+}
+
+void pipeline::set_learning_rate(double lr) {
+  ACTORPIPE_CHECK(lr >= 0, "set_learning_rate: learning rate (", lr, ") must be >= 0");
+  impl_->learning_rate = lr;
+}
+
+void pipeline::save_state(const std::string& dir) {
+  auto& self = *impl_;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    throw pipeline_error(detail::concat("save_state: cannot create '", dir, "': ", ec.message()));
+  }
+  auto request = std::make_shared<scheduler::step_request>();
+  request->kind = scheduler::request_kind::save;
+  request->path = dir;
+  auto future = self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  self.wait(future, "save_state");
+}
+
+void pipeline::load_state(const std::string& dir) {
+  auto& self = *impl_;
+  auto all = std::make_shared<stages::stage::tensor_map>();
+  const std::regex stage_file{R"(stage-[0-9]+\.pt)"};
+  std::size_t files = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (!std::regex_match(entry.path().filename().string(), stage_file)) {
+      continue;
+    }
+    ++files;
+    for (auto& [key, value] : stages::load_tensors(entry.path().string())) {
+      if (!all->emplace(key, std::move(value)).second) {
+        throw pipeline_error(detail::concat("load_state: tensor '", key, "' appears twice in '",
+                                            dir, "'"));
+      }
+    }
+  }
+  if (ec || files == 0) {
+    throw pipeline_error(detail::concat("load_state: no stage-*.pt files in '", dir, "'",
+                                        ec ? ": " + ec.message() : std::string{}));
+  }
+  // All-or-nothing: check every stage's needs and every file's tensors before loading any.
+  std::set<std::string> known;
+  for (const auto& st : self.stages) {
+    for (const auto& [key, shape] : st->required_keys()) {
+      auto it = all->find(key);
+      if (it == all->end()) {
+        throw pipeline_error(detail::concat("load_state: '", dir, "' has no tensor '", key,
+                                            "' (needed by stage ", st->config().index, ")"));
+      }
+      if (it->second.sizes().vec() != shape) {
+        throw pipeline_error(detail::concat("load_state: tensor '", key, "' in '", dir,
+                                            "' has shape ", it->second.sizes(), " but stage ",
+                                            st->config().index, " needs ",
+                                            c10::IntArrayRef(shape)));
+      }
+      known.insert(key);
+    }
+  }
+  for (const auto& [key, value] : *all) {
+    auto name = key;
+    if (name.rfind("optimizer/", 0) == 0) {
+      name = name.substr(10, name.rfind('/') - 10);
+    }
+    if (known.count(name) == 0) {
+      throw pipeline_error(detail::concat("load_state: '", dir, "' holds tensor '", key,
+                                          "', which this model does not have"));
+    }
+  }
+  auto request = std::make_shared<scheduler::step_request>();
+  request->kind = scheduler::request_kind::load;
+  request->state = all;
+  auto future = self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  self.wait(future, "load_state");
 }
 
 std::size_t pipeline::stages() const {

@@ -99,6 +99,39 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   return it->second;
 }
 
+// Save or load: every stage acts on its own state; errors are collected, then reported together.
+void run_state_request(scheduler_actor_type* self) {
+  auto& s = self->state;
+  auto request = s.current;
+  auto pending = std::make_shared<std::size_t>(s.stages.size());
+  auto errors = std::make_shared<std::string>();
+  auto one_done = [=](const std::string& error) {
+    if (!error.empty()) {
+      *errors += (errors->empty() ? "" : "; ") + error;
+    }
+    if (--*pending == 0) {
+      if (errors->empty()) {
+        finish(self, step_outcome{});
+      } else {
+        finish_with_error(self, *errors);
+      }
+    }
+  };
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    auto on_error = [=](const caf::error& err) {
+      one_done(detail::concat("stage ", i, " did not answer: ", self->system().render(err)));
+    };
+    if (request->kind == request_kind::save) {
+      auto path = detail::concat(request->path, "/stage-", i, ".pt");
+      self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
+        .then([=](const std::string& error) { one_done(error); }, on_error);
+    } else {
+      self->request(s.stages[i], s.options.step_timeout, load_atom::value, request->state)
+        .then([=](const std::string& error) { one_done(error); }, on_error);
+    }
+  }
+}
+
 void start_next(scheduler_actor_type* self) {
   auto& s = self->state;
   if (s.current || s.queue.empty()) {
@@ -111,6 +144,10 @@ void start_next(scheduler_actor_type* self) {
     return;
   }
   auto& request = *s.current;
+  if (request.kind == request_kind::save || request.kind == request_kind::load) {
+    run_state_request(self);
+    return;
+  }
   ++s.step;
   s.started = clock_type::now();
   s.reports.assign(s.stages.size(), stage_report{});
@@ -119,7 +156,7 @@ void start_next(scheduler_actor_type* self) {
   s.aborting = false;
   const schedule* programs = nullptr;
   try {
-    programs = &schedule_for(s, request.inputs.size(), request.train);
+    programs = &schedule_for(s, request.inputs.size(), request.train());
   } catch (const std::exception& e) {
     step_outcome outcome;
     outcome.error = std::current_exception();
@@ -130,12 +167,12 @@ void start_next(scheduler_actor_type* self) {
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     step_plan plan;
     plan.step = s.step;
-    plan.train = request.train;
+    plan.train = request.train();
     plan.program = (*programs)[i];
     if (i == 0) {
       plan.inputs = request.inputs;
     }
-    if (i == last && request.train) {
+    if (i == last && request.train()) {
       plan.targets = request.targets;
       plan.loss_scales = request.loss_scales;
     }
@@ -158,7 +195,7 @@ void on_all_reported(scheduler_actor_type* self) {
     outcome.outputs = std::move(s.reports.back().outputs);
     return outcome;
   };
-  if (!s.current->train) {
+  if (!s.current->train()) {
     finish(self, make_outcome());
     return;
   }
@@ -166,7 +203,8 @@ void on_all_reported(scheduler_actor_type* self) {
   // changes no parameter anywhere.
   auto step = s.step;
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
-    self->request(s.stages[i], s.options.step_timeout, update_atom::value, step)
+    self->request(s.stages[i], s.options.step_timeout, update_atom::value, step,
+                  s.current->learning_rate)
       .then(
         [=](double optimizer_ms, const std::string& error) {
           auto& st = self->state;

@@ -4,8 +4,8 @@
 ///
 /// Protocol
 /// - in  (connect_atom, std::vector<caf::actor> stages): the stage actors, in order; monitored.
-/// - in  (run_atom, std::shared_ptr<step_request>): queue a step; steps run one at a time, in
-///       arrival order. The request's `finish` is called exactly once, from the scheduler's
+/// - in  (run_atom, std::shared_ptr<step_request>): queue a request (train, forward, save, load);
+///       requests run one at a time, in arrival order. The request's `finish` is called exactly once, from the scheduler's
 ///       thread, with the result or an error.
 /// - in  (done_atom, stage_report), (failed_atom, step, message): from the stages.
 /// - A step fails (and every stage is told to abort, leaving parameters and buffers as they
@@ -15,6 +15,8 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <map>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -35,13 +37,33 @@ struct step_outcome {
   std::exception_ptr error;
 };
 
-/// One step to run, already split into micro-batches.
+/// What a request asks the stages to do.
+enum class request_kind {
+  /// A training step.
+  train,
+  /// A forward-only pass.
+  forward,
+  /// Every stage writes its state to `<path>/stage-<index>.pt`.
+  save,
+  /// Every stage loads its keys from `state`.
+  load,
+};
+
+/// One request, queued and run in order with the steps; inputs already split into micro-batches.
 struct step_request {
-  bool train = true;
+  request_kind kind = request_kind::train;
   std::vector<torch::Tensor> inputs;
   std::vector<torch::Tensor> targets;
   std::vector<double> loss_scales;
+  /// Training: the learning rate every stage sets before its optimizer step; < 0 keeps it.
+  double learning_rate = -1;
+  /// save: the directory.
+  std::string path;
+  /// load: tensors keyed model-wide.
+  std::shared_ptr<const std::map<std::string, torch::Tensor>> state;
   std::function<void(step_outcome)> finish;
+
+  bool train() const { return kind == request_kind::train; }
 };
 
 struct scheduler_options {

@@ -2,6 +2,12 @@
 
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <fstream>
+#include <iterator>
 
 #include <actorpipe/errors.hpp>
 
@@ -17,6 +23,22 @@ std::string shape_of(const torch::Tensor& t) {
 // First line of a libtorch message: the rest is a C++ backtrace users cannot act on.
 std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
+}
+
+// The optimizer keeps per-parameter state keyed by the parameter's TensorImpl address.
+std::string optimizer_key(const torch::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
+template <class F>
+void for_each_named(const layer_list& layers, bool buffers, F&& f) {
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (const auto& item : buffers ? m->named_buffers() : m->named_parameters()) {
+        f(l.name() + "." + item.key(), item.value());
+      }
+    }
+  }
 }
 
 } // namespace
@@ -241,6 +263,158 @@ std::vector<std::pair<std::string, torch::Tensor>> stage::named_tensors(bool gra
         result.emplace_back(l.name() + "." + item.key(), t.defined() ? t.detach().clone() : t);
       }
     }
+  }
+  return result;
+}
+
+void stage::set_learning_rate(double lr) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (!optimizer_) {
+    return;
+  }
+  for (auto& group : optimizer_->param_groups()) {
+    if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&group.options())) {
+      sgd->lr(lr);
+    } else if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&group.options())) {
+      adam->lr(lr);
+    } else {
+      throw invalid_argument("set_learning_rate: only SGD and Adam optimizers are supported");
+    }
+  }
+}
+
+stage::tensor_map stage::state() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  tensor_map result;
+  auto save_optimizer = [&](const std::string& name, const torch::Tensor& p) {
+    if (!optimizer_) {
+      return;
+    }
+    auto it = optimizer_->state().find(optimizer_key(p));
+    if (it == optimizer_->state().end()) {
+      return;
+    }
+    auto prefix = "optimizer/" + name + "/";
+    if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+      if (sgd->momentum_buffer().defined()) {
+        result[prefix + "momentum_buffer"] = sgd->momentum_buffer().clone();
+      }
+    } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+      result[prefix + "step"] = torch::tensor(adam->step(), torch::kInt64);
+      result[prefix + "exp_avg"] = adam->exp_avg().clone();
+      result[prefix + "exp_avg_sq"] = adam->exp_avg_sq().clone();
+      if (adam->max_exp_avg_sq().defined()) {
+        result[prefix + "max_exp_avg_sq"] = adam->max_exp_avg_sq().clone();
+      }
+    } else {
+      throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
+    }
+  };
+  for_each_named(layers_, false, [&](const std::string& name, const torch::Tensor& p) {
+    result[name] = p.detach().clone();
+    save_optimizer(name, p);
+  });
+  for_each_named(layers_, true, [&](const std::string& name, const torch::Tensor& b) {
+    result[name] = b.detach().clone();
+  });
+  return result;
+}
+
+std::map<std::string, std::vector<int64_t>> stage::required_keys() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  std::map<std::string, std::vector<int64_t>> keys;
+  for (bool buffers : {false, true}) {
+    for_each_named(layers_, buffers, [&](const std::string& name, const torch::Tensor& t) {
+      keys[name] = t.sizes().vec();
+    });
+  }
+  return keys;
+}
+
+void stage::load_state(const tensor_map& all) {
+  auto required = required_keys();
+  for (const auto& [name, shape] : required) {
+    auto it = all.find(name);
+    if (it == all.end()) {
+      throw pipeline_error(
+        detail::concat("stage ", config_.index, ": the checkpoint has no tensor '", name, "'"));
+    }
+    if (it->second.sizes().vec() != shape) {
+      throw pipeline_error(detail::concat("stage ", config_.index, ": checkpoint tensor '", name,
+                                          "' has shape ", shape_of(it->second), " but ",
+                                          c10::IntArrayRef(shape), " is needed"));
+    }
+  }
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  for (bool buffers : {false, true}) {
+    for_each_named(layers_, buffers, [&](const std::string& name, const torch::Tensor& t) {
+      const_cast<torch::Tensor&>(t).copy_(all.at(name));
+    });
+  }
+  if (!optimizer_) {
+    return;
+  }
+  auto is_adam = dynamic_cast<torch::optim::AdamOptions*>(
+                   &optimizer_->param_groups().front().options()) != nullptr;
+  auto& states = optimizer_->state();
+  for_each_named(layers_, false, [&](const std::string& name, const torch::Tensor& p) {
+    auto prefix = "optimizer/" + name + "/";
+    auto key = optimizer_key(p);
+    states.erase(key);
+    auto field = [&](const char* f) {
+      auto it = all.find(prefix + f);
+      return it == all.end() ? torch::Tensor{} : it->second.to(p.device()).clone();
+    };
+    if (is_adam) {
+      auto step = field("step");
+      if (!step.defined()) {
+        return;
+      }
+      auto st = std::make_unique<torch::optim::AdamParamState>();
+      st->step(step.item<int64_t>());
+      st->exp_avg(field("exp_avg"));
+      st->exp_avg_sq(field("exp_avg_sq"));
+      st->max_exp_avg_sq(field("max_exp_avg_sq"));
+      states[key] = std::move(st);
+    } else if (auto momentum = field("momentum_buffer"); momentum.defined()) {
+      auto st = std::make_unique<torch::optim::SGDParamState>();
+      st->momentum_buffer(momentum);
+      states[key] = std::move(st);
+    }
+  });
+}
+
+void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& [key, value] : tensors) {
+    dict.insert(key, value);
+  }
+  auto bytes = torch::pickle_save(dict);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.flush();
+  if (!out) {
+    throw pipeline_error(detail::concat("cannot write '", path, "'"));
+  }
+}
+
+stage::tensor_map load_tensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw pipeline_error(detail::concat("cannot read '", path, "'"));
+  }
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  stage::tensor_map result;
+  try {
+    auto value = torch::pickle_load(bytes);
+    for (const auto& entry : value.toGenericDict()) {
+      result[entry.key().toStringRef()] = entry.value().toTensor();
+    }
+  } catch (const c10::Error& e) {
+    throw pipeline_error(detail::concat("'", path, "' is not a tensor file written by actorpipe: ",
+                                        first_line(e.what_without_backtrace())));
   }
   return result;
 }

@@ -80,6 +80,24 @@ public:
   /// Copies of parameters (or of their gradients) named "<layer>.<parameter>".
   std::vector<std::pair<std::string, torch::Tensor>> named_tensors(bool gradients) const;
 
+  /// Sets every parameter group's learning rate (SGD and Adam; others throw invalid_argument).
+  void set_learning_rate(double lr);
+
+  using tensor_map = std::map<std::string, torch::Tensor>;
+
+  /// Copies of everything a checkpoint holds, keyed model-wide so that another partition can
+  /// load it: "<layer>.<name>" for parameters and buffers, "optimizer/<layer>.<name>/<field>"
+  /// for optimizer state (SGD momentum; Adam step, averages).
+  tensor_map state() const;
+
+  /// The parameter and buffer keys of state(), with their shapes.
+  std::map<std::string, std::vector<int64_t>> required_keys() const;
+
+  /// Loads this stage's entries of `all`: parameters and buffers must all be there with their
+  /// shapes (checked before anything is copied; pipeline_error names the key otherwise);
+  /// optimizer state is loaded where present and cleared where absent.
+  void load_state(const tensor_map& all);
+
 private:
   struct stash_entry {
     torch::Tensor input;
@@ -101,5 +119,12 @@ private:
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
 };
+
+/// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).
+/// Throws pipeline_error naming the file when it cannot be written.
+void save_tensors(const std::string& path, const stage::tensor_map& tensors);
+
+/// Reads a file written by save_tensors. Throws pipeline_error naming the file and the problem.
+stage::tensor_map load_tensors(const std::string& path);
 
 } // namespace actorpipe::stages

@@ -133,11 +133,27 @@ public:
   step_result train_step(torch::Tensor inputs, torch::Tensor targets);
 
   /// Forward-only pass (no stash, no gradients), one output per micro-batch on the last stage's
-  /// device.
+  /// device. A batch smaller than the micro-batch count runs as that many micro-batches.
   std::vector<torch::Tensor> forward_scattered(torch::Tensor inputs);
 
   /// Forward-only pass with the micro-batch outputs concatenated along dimension 0.
   torch::Tensor forward(torch::Tensor inputs);
+
+  /// Learning rate of every stage's optimizer (all parameter groups) from the next step on.
+  /// SGD and Adam; ordered with the steps submitted around it.
+  void set_learning_rate(double lr);
+
+  /// Writes every stage's parameters, buffers and optimizer state into `dir` (created when
+  /// missing): one file per stage, `stage-<index>.pt`, in libtorch's pickle format, tensors
+  /// keyed by layer name ("layer3.0.conv1.weight", "optimizer/fc.weight/momentum_buffer").
+  /// Runs between steps, in call order. Throws pipeline_error naming the stage that failed.
+  void save_state(const std::string& dir);
+
+  /// Loads what save_state wrote, from a pipeline of the same model cut any way: every
+  /// `stage-*.pt` file in `dir` is read and each stage takes its layers' tensors. Everything is
+  /// checked (missing, unknown or misshapen tensors) before any stage changes; pipeline_error
+  /// names the tensor otherwise.
+  void load_state(const std::string& dir);
 
   std::size_t stages() const;
   const partition& cut() const;

@@ -15,8 +15,10 @@ struct run_result {
   std::string output;
 };
 
-run_result run(const std::string& args) {
-  std::string command = std::string(ACTORPIPE_CLI_PATH) + " " + args + " 2>&1";
+// Runs `actorpipe <args>` (or the shell command `args` itself) and collects its output.
+run_result run(const std::string& args, bool prefix_cli = true) {
+  std::string command = (prefix_cli ? std::string(ACTORPIPE_CLI_PATH) + " " : std::string{}) +
+                        args + " 2>&1";
   std::string output;
   FILE* pipe = popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
@@ -49,7 +51,7 @@ TEST_CASE("train with 1 stage x 1 micro-batch and 3 stages x 5 micro-batches pri
           "losses") {
   auto one = temp_file("one.json");
   auto three = temp_file("three.json");
-  const std::string common = " --model cnn --batch 10 --steps 3 --lr 0.1 --seed 4";
+  const std::string common = " --data synthetic --model cnn --batch 10 --steps 3 --lr 0.1 --seed 4";
   auto a = run("train --stages 1 --microbatches 1 --json " + one.string() + common);
   auto b =
     run("train --stages 3 --microbatches 5 --schedule gpipe --json " + three.string() + common);
@@ -72,20 +74,20 @@ TEST_CASE("train with 1 stage x 1 micro-batch and 3 stages x 5 micro-batches pri
 }
 
 TEST_CASE("train explains bad flags and exits non-zero") {
-  auto unknown_model = run("train --model resnet51 --steps 1");
+  auto unknown_model = run("train --data synthetic --model resnet51 --steps 1");
   CHECK(unknown_model.exit_code == 2);
   CHECK(unknown_model.output.find("unknown model 'resnet51'") != std::string::npos);
-  auto too_many = run("train --model mlp --stages 9 --steps 1");
+  auto too_many = run("train --data synthetic --model mlp --stages 9 --steps 1");
   CHECK(too_many.exit_code == 2);
   CHECK(too_many.output.find("stages (9) must not exceed the model's 6 layers") !=
         std::string::npos);
-  auto schedule = run("train --model mlp --schedule zigzag --steps 1");
+  auto schedule = run("train --data synthetic --model mlp --schedule zigzag --steps 1");
   CHECK(schedule.exit_code == 2);
   CHECK(schedule.output.find("unknown schedule 'zigzag'") != std::string::npos);
-  auto cut = run("train --model mlp --partition cut:9 --stages 2 --steps 1");
+  auto cut = run("train --data synthetic --model mlp --partition cut:9 --stages 2 --steps 1");
   CHECK(cut.exit_code == 2);
   CHECK(cut.output.find("cut point 9 is out of range") != std::string::npos);
-  auto zero = run("train --model mlp --microbatches 0 --steps 1");
+  auto zero = run("train --data synthetic --model mlp --microbatches 0 --steps 1");
   CHECK(zero.exit_code == 2);
   CHECK(zero.output.find("microbatches (0) must be >= 1") != std::string::npos);
   auto not_a_number = run("train --batch many");
@@ -101,4 +103,132 @@ TEST_CASE("--help documents every train flag") {
     CAPTURE(flag);
     CHECK(help.output.find(flag) != std::string::npos);
   }
+}
+
+namespace {
+
+const std::string small_fashion =
+  "train --train-samples 640 --test-samples 200 --batch 32 --epochs 2 --warmup 5 --no-progress "
+  "--threads 1";
+
+std::vector<std::pair<uint64_t, double>> step_losses(const std::filesystem::path& json_file) {
+  std::ifstream in(json_file);
+  auto report = nlohmann::json::parse(in);
+  std::vector<std::pair<uint64_t, double>> result;
+  for (const auto& step : report["steps"]) {
+    result.emplace_back(step["step"].get<uint64_t>(), step["loss"].get<double>());
+  }
+  return result;
+}
+
+double last_top1(const std::filesystem::path& json_file) {
+  std::ifstream in(json_file);
+  return nlohmann::json::parse(in)["epochs"].back()["top1"].get<double>();
+}
+
+} // namespace
+
+TEST_CASE("Fashion-MNIST training prints progress and test accuracy, and pipelining does not "
+          "change it") {
+  auto one = temp_file("fm_one.json");
+  auto two = temp_file("fm_two.json");
+  auto metrics = temp_file("fm_metrics.csv");
+  auto a = run(small_fashion + " --stages 1 --json " + one.string());
+  auto b = run(small_fashion + " --stages 2 --json " + two.string() + " --metrics " +
+               metrics.string());
+  CAPTURE(a.output);
+  CAPTURE(b.output);
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  CHECK(b.output.find("test accuracy: top-1 ") != std::string::npos);
+  CHECK(last_top1(one) == last_top1(two));
+  CHECK(last_top1(one) > 0.5); // 40 steps on 640 samples: far better than chance (0.1)
+  auto la = step_losses(one);
+  auto lb = step_losses(two);
+  REQUIRE(la.size() == 40);
+  REQUIRE(lb.size() == 40);
+  for (std::size_t i = 0; i < la.size(); ++i) {
+    CHECK(lb[i].second == doctest::Approx(la[i].second).epsilon(1e-5));
+  }
+  std::ifstream m(metrics);
+  std::string header;
+  std::getline(m, header);
+  CHECK(header == "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second");
+  int rows = 0;
+  for (std::string line; std::getline(m, line);) {
+    ++rows;
+  }
+  CHECK(rows == 2);
+  for (const auto& f : {one, two, metrics}) {
+    std::filesystem::remove(f);
+  }
+}
+
+TEST_CASE("a resumed run continues with exactly the losses of an uninterrupted one, also on "
+          "another stage count") {
+  auto full = temp_file("full.json");
+  auto resumed = temp_file("resumed.json");
+  auto repartitioned = temp_file("repartitioned.json");
+  auto dir = temp_file("ckpt");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run(small_fashion + " --stages 2 --json " + full.string()).exit_code == 0);
+  auto first = run(small_fashion + " --stages 2 --max-steps 25 --checkpoint-dir " + dir.string());
+  CAPTURE(first.output);
+  REQUIRE(first.exit_code == 0);
+  REQUIRE(std::filesystem::exists(dir / "step-25" / "manifest.json"));
+  auto second = run(small_fashion + " --stages 2 --resume " + dir.string() + " --json " +
+                    resumed.string());
+  CAPTURE(second.output);
+  REQUIRE(second.exit_code == 0);
+  auto third = run(small_fashion + " --stages 3 --resume " + (dir / "step-25").string() +
+                   " --json " + repartitioned.string());
+  CAPTURE(third.output);
+  REQUIRE(third.exit_code == 0);
+
+  auto expected = step_losses(full);
+  auto got = step_losses(resumed);
+  auto got3 = step_losses(repartitioned);
+  REQUIRE(expected.size() == 40);
+  REQUIRE(got.size() == 15);
+  REQUIRE(got3.size() == 15);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].first == expected[25 + i].first);
+    CHECK(got[i].second == expected[25 + i].second);
+    CHECK(got3[i].second == doctest::Approx(expected[25 + i].second).epsilon(1e-5));
+  }
+  CHECK(last_top1(resumed) == last_top1(full));
+  for (const auto& f : {full, resumed, repartitioned}) {
+    std::filesystem::remove(f);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("killing the process during a checkpoint write leaves the previous checkpoint "
+          "loadable") {
+  auto dir = temp_file("ckpt_kill");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run(small_fashion + " --max-steps 5 --checkpoint-dir " + dir.string()).exit_code == 0);
+  auto killed = run("ACTORPIPE_FAULT=checkpoint-before-rename " + std::string(ACTORPIPE_CLI_PATH) +
+                      " " + small_fashion + " --max-steps 10 --resume " + dir.string() +
+                      " --checkpoint-dir " + dir.string(),
+                    /*prefix_cli=*/false);
+  CHECK(killed.exit_code != 0);
+  CHECK(std::filesystem::exists(dir / ".tmp-step-10"));
+  CHECK_FALSE(std::filesystem::exists(dir / "step-10"));
+  auto resumed = run(small_fashion + " --max-steps 10 --resume " + dir.string() +
+                     " --checkpoint-dir " + dir.string());
+  CAPTURE(resumed.output);
+  CHECK(resumed.exit_code == 0);
+  CHECK(resumed.output.find("resumed from " + (dir / "step-5").string()) != std::string::npos);
+  CHECK(std::filesystem::exists(dir / "step-10" / "manifest.json"));
+  CHECK_FALSE(std::filesystem::exists(dir / ".tmp-step-10"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a missing data folder names the file and the package") {
+  auto r = run("train --data-dir /nonexistent/fm --epochs 1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("/nonexistent/fm/train-images-idx3-ubyte.gz' not found; install Debian's "
+                      "package dataset-fashion-mnist") != std::string::npos);
 }
