@@ -20,13 +20,16 @@
 
 namespace actorpipe::actors {
 
-/// scheduler -> stage: (connect_atom, prev, next); prev/next invalid at the pipeline's ends.
+/// scheduler -> stage: (connect_atom, std::vector<caf::actor> stages): every stage actor, in
+/// order; a stage sends to the actors holding its virtual neighbours.
 using connect_atom = caf::atom_constant<caf::atom("connect")>;
 /// scheduler -> stage: (plan_atom, step_plan): run this step's program.
 using plan_atom = caf::atom_constant<caf::atom("plan")>;
-/// stage i -> stage i+1: (forward_atom, step, microbatch, activation).
+/// stage -> stage holding the next virtual stage: (forward_atom, step, microbatch, chunk,
+/// activation), chunk being the receiver's local chunk.
 using forward_atom = caf::atom_constant<caf::atom("forward")>;
-/// stage i+1 -> stage i: (backward_atom, step, microbatch, gradient).
+/// stage -> stage holding the previous virtual stage: (backward_atom, step, microbatch, chunk,
+/// gradient).
 using backward_atom = caf::atom_constant<caf::atom("backward")>;
 /// stage -> scheduler: (done_atom, stage_report) once its program has run.
 using done_atom = caf::atom_constant<caf::atom("done")>;
@@ -53,6 +56,9 @@ using tensor_map = std::map<std::string, torch::Tensor>;
 struct step_plan {
   uint64_t step = 0;
   bool train = true;
+  /// The step's start on the steady clock (nanoseconds since its epoch): action times are
+  /// reported relative to it.
+  int64_t origin_ns = 0;
   stage_program program;
   /// First stage only: the micro-batches of the batch.
   std::vector<torch::Tensor> inputs;

@@ -1,6 +1,9 @@
 #include "actors/stage_actor.hpp"
 
+#include <algorithm>
+#include <climits>
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include <ATen/Parallel.h>
@@ -13,21 +16,21 @@ namespace actorpipe::actors {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-using key = std::pair<uint64_t, int32_t>;
+/// (step, micro-batch, local chunk)
+using key = std::tuple<uint64_t, int32_t, int32_t>;
 
 double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
 struct stage_state {
-  std::shared_ptr<stages::stage> stage;
+  std::vector<std::shared_ptr<stages::stage>> chunks;
   stage_actor_options options;
   caf::actor scheduler;
-  caf::actor prev;
-  caf::actor next;
+  std::vector<caf::actor> stages;
   bool threads_set = false;
 
-  // Inputs that arrived for a step, keyed by (step, micro-batch).
+  // Inputs that arrived, by (step, micro-batch, chunk).
   std::map<key, torch::Tensor> activations;
   std::map<key, torch::Tensor> gradients;
 
@@ -36,10 +39,20 @@ struct stage_state {
   step_plan plan;
   std::size_t pc = 0;
   stage_report report;
+  // Zero-bubble programs split backward into B (input gradient) and W (weight gradient).
+  bool split = false;
+  std::size_t live = 0;
+  std::size_t peak_live = 0;
   // Bumped whenever the program moves; a deadline timer only fires for the token it was set for.
   uint64_t wait_token = 0;
   bool waiting = false;
   clock_type::time_point wait_start;
+
+  std::size_t p() const { return options.count; }
+  std::size_t virtual_index(int32_t chunk) const {
+    return static_cast<std::size_t>(chunk) * options.count + options.index;
+  }
+  std::size_t virtual_count() const { return options.count * chunks.size(); }
 
   static inline const char* name = "actorpipe.stage";
 };
@@ -47,46 +60,125 @@ struct stage_state {
 using stage_actor_type = caf::stateful_actor<stage_state>;
 
 void drop_older_than(std::map<key, torch::Tensor>& inputs, uint64_t step) {
-  inputs.erase(inputs.begin(), inputs.lower_bound(key{step, INT32_MIN}));
+  inputs.erase(inputs.begin(), inputs.lower_bound(key{step, INT32_MIN, INT32_MIN}));
 }
 
 void drop_step(std::map<key, torch::Tensor>& inputs, uint64_t step) {
-  inputs.erase(inputs.lower_bound(key{step, INT32_MIN}), inputs.upper_bound(key{step, INT32_MAX}));
+  inputs.erase(inputs.lower_bound(key{step, INT32_MIN, INT32_MIN}),
+               inputs.upper_bound(key{step, INT32_MAX, INT32_MAX}));
+}
+
+void abort_chunks(stage_state& s) {
+  for (auto& chunk : s.chunks) {
+    chunk->abort_step();
+  }
 }
 
 void fail(stage_actor_type* self, const std::string& message) {
   auto& s = self->state;
   s.active = false;
-  s.stage->abort_step();
+  abort_chunks(s);
   drop_step(s.activations, s.plan.step);
   drop_step(s.gradients, s.plan.step);
   self->send(s.scheduler, failed_atom::value, s.plan.step, message);
 }
 
+// "stage 2" or, with chunks, "stage 2 chunk 1".
+std::string name_of_virtual(const stage_state& s, std::size_t vs) {
+  return s.chunks.size() == 1 ? detail::concat("stage ", vs % s.p())
+                              : detail::concat("stage ", vs % s.p(), " chunk ", vs / s.p());
+}
+
 std::string describe_wait(const stage_state& s, const action& a) {
-  auto index = s.stage->config().index;
+  auto vs = s.virtual_index(a.chunk);
   if (a.kind == action_kind::forward) {
-    return detail::concat("stage ", index, " waits for the activation of microbatch ", a.microbatch,
-                          " from stage ", index - 1);
+    return detail::concat(name_of_virtual(s, vs), " waits for the activation of microbatch ",
+                          a.microbatch, " from ", name_of_virtual(s, vs - 1));
   }
-  return detail::concat("stage ", index, " waits for the gradient of microbatch ", a.microbatch,
-                        " from stage ", index + 1);
+  return detail::concat(name_of_virtual(s, vs), " waits for the gradient of microbatch ",
+                        a.microbatch, " from ", name_of_virtual(s, vs + 1));
+}
+
+// Sends to the actor holding virtual stage `vs`.
+template <class Atom>
+void send_to_virtual(stage_actor_type* self, std::size_t vs, Atom atom, int32_t microbatch,
+                     torch::Tensor t) {
+  auto& s = self->state;
+  self->send(s.stages[vs % s.p()], atom, s.plan.step, microbatch,
+             static_cast<int32_t>(vs / s.p()), std::move(t));
+}
+
+// Runs one action whose input is there; returns the bytes it sent.
+int64_t run_action(stage_actor_type* self, const action& a) {
+  auto& s = self->state;
+  auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
+  const key k{s.plan.step, a.microbatch, a.chunk};
+  auto vs = s.virtual_index(a.chunk);
+  auto mb = static_cast<std::size_t>(a.microbatch);
+  bool split = s.split;
+  switch (a.kind) {
+    case action_kind::forward: {
+      auto input = std::move(s.activations[k]);
+      s.activations.erase(k);
+      if (s.plan.train) {
+        s.peak_live = std::max(s.peak_live, ++s.live);
+      }
+      if (s.plan.train && st.is_last()) {
+        auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(mb), s.options.loss,
+                                     s.plan.loss_scales.at(mb));
+        s.report.loss += s.plan.loss_scales.at(mb) * value;
+        return 0;
+      }
+      auto output = st.forward(a.microbatch, input);
+      if (st.is_last()) {
+        s.report.outputs.at(mb) = std::move(output);
+        return 0;
+      }
+      auto bytes = static_cast<int64_t>(output.nbytes());
+      send_to_virtual(self, vs + 1, forward_atom::value, a.microbatch, std::move(output));
+      return bytes;
+    }
+    case action_kind::backward: {
+      torch::Tensor grad;
+      if (!st.is_last()) {
+        grad = std::move(s.gradients[k]);
+        s.gradients.erase(k);
+      }
+      auto input_grad = split ? st.backward_input(a.microbatch, grad)
+                              : st.backward(a.microbatch, grad);
+      if (!split) {
+        --s.live;
+      }
+      if (st.is_first()) {
+        return 0;
+      }
+      auto bytes = static_cast<int64_t>(input_grad.nbytes());
+      send_to_virtual(self, vs - 1, backward_atom::value, a.microbatch, std::move(input_grad));
+      return bytes;
+    }
+    case action_kind::weight:
+      st.backward_weight(a.microbatch);
+      --s.live;
+      return 0;
+  }
+  return 0;
 }
 
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type* self) {
   auto& s = self->state;
-  auto& st = *s.stage;
   if (s.waiting) {
     s.report.stats.wait_ms += ms_since(s.wait_start);
     s.waiting = false;
   }
+  auto origin = clock_type::time_point(std::chrono::nanoseconds(s.plan.origin_ns));
   while (s.active && s.pc < s.plan.program.size()) {
     const auto a = s.plan.program[s.pc];
-    const key k{s.plan.step, a.microbatch};
-    bool forward = a.kind == action_kind::forward;
-    bool has_input =
-      forward ? s.activations.count(k) == 1 : st.is_last() || s.gradients.count(k) == 1;
+    const key k{s.plan.step, a.microbatch, a.chunk};
+    const auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
+    bool has_input = a.kind == action_kind::forward    ? s.activations.count(k) == 1
+                     : a.kind == action_kind::backward ? st.is_last() || s.gradients.count(k) == 1
+                                                       : true;
     if (!has_input) {
       s.waiting = true;
       s.wait_start = clock_type::now();
@@ -95,47 +187,27 @@ void advance(stage_actor_type* self) {
       return;
     }
     auto start = clock_type::now();
+    int64_t bytes = 0;
     try {
-      if (forward) {
-        auto input = std::move(s.activations[k]);
-        s.activations.erase(k);
-        if (s.plan.train && st.is_last()) {
-          auto mb = static_cast<std::size_t>(a.microbatch);
-          auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(mb), s.options.loss,
-                                       s.plan.loss_scales.at(mb));
-          s.report.loss += s.plan.loss_scales.at(mb) * value;
-        } else {
-          auto output = st.forward(a.microbatch, input);
-          if (st.is_last()) {
-            s.report.outputs.at(static_cast<std::size_t>(a.microbatch)) = std::move(output);
-          } else {
-            self->send(s.next, forward_atom::value, s.plan.step, a.microbatch, std::move(output));
-          }
-        }
-        s.report.stats.forward_ms += ms_since(start);
-      } else {
-        torch::Tensor grad;
-        if (!st.is_last()) {
-          grad = std::move(s.gradients[k]);
-          s.gradients.erase(k);
-        }
-        auto input_grad = st.backward(a.microbatch, grad);
-        if (!st.is_first()) {
-          self->send(s.prev, backward_atom::value, s.plan.step, a.microbatch,
-                     std::move(input_grad));
-        }
-        s.report.stats.backward_ms += ms_since(start);
-      }
+      bytes = run_action(self, a);
     } catch (const std::exception& e) {
       fail(self, e.what());
       return;
     }
+    auto end = clock_type::now();
+    auto took = std::chrono::duration<double, std::milli>(end - start).count();
+    (a.kind == action_kind::forward ? s.report.stats.forward_ms : s.report.stats.backward_ms) +=
+      took;
+    s.report.stats.actions.push_back(
+      {a, std::chrono::duration<double, std::milli>(start - origin).count(),
+       std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
     ++s.pc;
     ++s.wait_token;
   }
   if (s.active) {
     s.active = false;
-    s.report.stats.peak_stash = st.peak_stash();
+    s.report.stats.peak_stash =
+      static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
     self->send(s.scheduler, done_atom::value, std::move(s.report));
   }
 }
@@ -148,61 +220,72 @@ void set_threads(stage_state& s) {
   }
 }
 
-caf::behavior stage_actor(stage_actor_type* self, std::shared_ptr<stages::stage> stage,
-                          caf::actor scheduler, stage_actor_options options) {
-  self->state.stage = std::move(stage);
+bool stale(const stage_state& s, uint64_t step) {
+  return step < s.plan.step || (step == s.plan.step && !s.active && s.pc > 0);
+}
+
+caf::behavior stage_actor(stage_actor_type* self,
+                          std::vector<std::shared_ptr<stages::stage>> chunks, caf::actor scheduler,
+                          stage_actor_options options) {
+  self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);
   return {
-    [=](connect_atom, caf::actor prev, caf::actor next) {
-      self->state.prev = std::move(prev);
-      self->state.next = std::move(next);
-    },
+    [=](connect_atom, std::vector<caf::actor>& stages) { self->state.stages = std::move(stages); },
     [=](plan_atom, step_plan& plan) {
       auto& s = self->state;
       set_threads(s);
-      auto& st = *s.stage;
       drop_older_than(s.activations, plan.step);
       drop_older_than(s.gradients, plan.step);
       s.report = stage_report{};
       s.report.step = plan.step;
-      s.report.stats.stage = st.config().index;
-      if (st.is_last() && !plan.train) {
-        s.report.outputs.resize(plan.program.size());
+      s.report.stats.stage = s.options.index;
+      if (s.chunks.back()->is_last() && !plan.train) {
+        std::size_t m = 0;
+        for (const auto& a : plan.program) {
+          m = std::max(m, static_cast<std::size_t>(a.microbatch) + 1);
+        }
+        s.report.outputs.resize(m);
       }
       for (std::size_t mb = 0; mb < plan.inputs.size(); ++mb) {
-        s.activations[key{plan.step, static_cast<int32_t>(mb)}] = std::move(plan.inputs[mb]);
+        s.activations[key{plan.step, static_cast<int32_t>(mb), 0}] = std::move(plan.inputs[mb]);
       }
       plan.inputs.clear();
       s.plan = std::move(plan);
+      s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
+                            [](const action& a) { return a.kind == action_kind::weight; });
       s.pc = 0;
+      s.live = 0;
+      s.peak_live = 0;
       ++s.wait_token;
       s.waiting = false;
       s.active = true;
       try {
-        st.begin_step(s.plan.train);
+        for (auto& chunk : s.chunks) {
+          chunk->begin_step(s.plan.train);
+        }
       } catch (const std::exception& e) {
         fail(self, e.what());
         return;
       }
       advance(self);
     },
-    [=](forward_atom, uint64_t step, int32_t microbatch, torch::Tensor& x) {
+    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, torch::Tensor& x) {
       auto& s = self->state;
-      if (step < s.plan.step || (step == s.plan.step && !s.active && s.pc > 0)) {
-        return; // an aborted or finished step
+      if (stale(s, step)) {
+        return;
       }
-      s.activations[key{step, microbatch}] = std::move(x);
+      s.activations[key{step, microbatch, chunk}] = std::move(x);
       if (s.active && step == s.plan.step) {
         advance(self);
       }
     },
-    [=](backward_atom, uint64_t step, int32_t microbatch, torch::Tensor& g) {
+    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, torch::Tensor& g) {
       auto& s = self->state;
-      if (step < s.plan.step || (step == s.plan.step && !s.active && s.pc > 0)) {
+      if (stale(s, step)) {
         return;
       }
-      s.gradients[key{step, microbatch}] = std::move(g);
+      s.gradients[key{step, microbatch, chunk}] = std::move(g);
       if (s.active && step == s.plan.step) {
         advance(self);
       }
@@ -223,35 +306,42 @@ caf::behavior stage_actor(stage_actor_type* self, std::shared_ptr<stages::stage>
       drop_step(s.gradients, step);
       if (step == s.plan.step) {
         s.active = false;
-        s.stage->abort_step();
+        abort_chunks(s);
       }
       return true;
     },
     [=](update_atom, uint64_t step, double learning_rate) -> caf::result<double, std::string> {
       auto start = clock_type::now();
       try {
-        if (learning_rate >= 0) {
-          self->state.stage->set_learning_rate(learning_rate);
+        for (auto& chunk : self->state.chunks) {
+          if (learning_rate >= 0) {
+            chunk->set_learning_rate(learning_rate);
+          }
+          chunk->optimizer_step();
         }
-        self->state.stage->optimizer_step();
       } catch (const std::exception& e) {
-        return {ms_since(start),
-                detail::concat("stage ", self->state.stage->config().index, ", step ", step,
-                               ": optimizer step failed: ", e.what())};
+        return {ms_since(start), detail::concat("stage ", self->state.options.index, ", step ",
+                                                step, ": optimizer step failed: ", e.what())};
       }
       return {ms_since(start), std::string{}};
     },
     [=](save_atom, const std::string& path) -> std::string {
       try {
-        stages::save_tensors(path, self->state.stage->state());
+        stages::stage::tensor_map all;
+        for (auto& chunk : self->state.chunks) {
+          all.merge(chunk->state());
+        }
+        stages::save_tensors(path, all);
       } catch (const std::exception& e) {
-        return detail::concat("stage ", self->state.stage->config().index, ": ", e.what());
+        return detail::concat("stage ", self->state.options.index, ": ", e.what());
       }
       return {};
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> std::string {
       try {
-        self->state.stage->load_state(*all);
+        for (auto& chunk : self->state.chunks) {
+          chunk->load_state(*all);
+        }
       } catch (const std::exception& e) {
         return e.what();
       }
@@ -262,9 +352,9 @@ caf::behavior stage_actor(stage_actor_type* self, std::shared_ptr<stages::stage>
 
 } // namespace
 
-caf::actor spawn_stage(caf::actor_system& sys, std::shared_ptr<stages::stage> stage,
+caf::actor spawn_stage(caf::actor_system& sys, std::vector<std::shared_ptr<stages::stage>> chunks,
                        caf::actor scheduler, stage_actor_options options) {
-  return sys.spawn<caf::detached>(stage_actor, std::move(stage), std::move(scheduler),
+  return sys.spawn<caf::detached>(stage_actor, std::move(chunks), std::move(scheduler),
                                   std::move(options));
 }
 

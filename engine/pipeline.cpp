@@ -138,12 +138,17 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   }
   ACTORPIPE_CHECK(options.microbatches >= 1, "microbatches (", options.microbatches,
                   ") must be >= 1");
-  ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == cut.stages(),
-                  "pipeline: ", options.devices.size(), " devices given for ", cut.stages(),
-                  " stages");
   ACTORPIPE_CHECK(options.wait_timeout.count() > 0, "wait_timeout must be > 0 ms");
   ACTORPIPE_CHECK(options.step_timeout.count() > 0, "step_timeout must be > 0 ms");
-  auto stage_count = cut.stages();
+  ACTORPIPE_CHECK(options.chunks >= 1, "chunks (", options.chunks, ") must be >= 1");
+  ACTORPIPE_CHECK(cut.stages() % options.chunks == 0, "pipeline: a partition of ", cut.stages(),
+                  " parts cannot be spread over stage actors of ", options.chunks, " chunks each");
+  auto stage_count = cut.stages() / options.chunks;
+  ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == stage_count, "pipeline: ",
+                  options.devices.size(), " devices given for ", stage_count, " stages");
+  if (!options.custom_schedule.empty()) {
+    validate(options.custom_schedule, options.microbatches, true);
+  }
   auto threads = options.threads_per_stage;
   if (threads == 0) {
     auto cores = std::max(1u, std::thread::hardware_concurrency());
@@ -152,35 +157,43 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   impl_ = std::make_unique<impl>(sys, layers, cut, options);
   auto& self = *impl_;
   auto& actor_system = sys.internals().system;
-  self.scheduler = scheduler::spawn_scheduler(
-    actor_system,
-    scheduler::scheduler_options{options.schedule, options.step_timeout, options.wait_timeout});
-  for (std::size_t s = 0; s < stage_count; ++s) {
+  scheduler::scheduler_options scheduler_options;
+  scheduler_options.schedule = options.schedule;
+  scheduler_options.chunks = options.chunks;
+  scheduler_options.custom = options.custom_schedule;
+  scheduler_options.step_timeout = options.step_timeout;
+  scheduler_options.abort_timeout = options.wait_timeout;
+  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options);
+  // Virtual stage k (model order) lives on actor k % stage_count as its chunk k / stage_count.
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
     stages::stage_config config;
-    config.index = s;
-    config.count = stage_count;
-    config.first_layer = cut.begin(s);
+    config.index = k;
+    config.count = cut.stages();
+    config.first_layer = cut.begin(k);
     if (!options.devices.empty()) {
-      config.device = options.devices[s];
+      config.device = options.devices[k % stage_count];
     }
-    layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(s)),
-                     layers.begin() + static_cast<std::ptrdiff_t>(cut.end(s)));
+    layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
+                     layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
     auto st = std::make_shared<stages::stage>(config, std::move(slice));
     if (options.optimizer) {
       st->attach_optimizer(options.optimizer);
     }
-    self.stages.push_back(st);
+    self.stages.push_back(std::move(st));
+  }
+  for (std::size_t i = 0; i < stage_count; ++i) {
+    std::vector<std::shared_ptr<stages::stage>> chunks;
+    for (std::size_t c = 0; c < options.chunks; ++c) {
+      chunks.push_back(self.stages[c * stage_count + i]);
+    }
     actors::stage_actor_options actor_options;
+    actor_options.index = i;
+    actor_options.count = stage_count;
     actor_options.wait_timeout = options.wait_timeout;
     actor_options.threads = threads;
     actor_options.loss = options.loss;
     self.stage_actors.push_back(
-      actors::spawn_stage(actor_system, st, self.scheduler, std::move(actor_options)));
-  }
-  for (std::size_t s = 0; s < stage_count; ++s) {
-    caf::actor prev = s > 0 ? self.stage_actors[s - 1] : caf::actor{};
-    caf::actor next = s + 1 < stage_count ? self.stage_actors[s + 1] : caf::actor{};
-    caf::anon_send(self.stage_actors[s], actors::connect_atom::value, prev, next);
+      actors::spawn_stage(actor_system, std::move(chunks), self.scheduler, std::move(actor_options)));
   }
   caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
 }
@@ -309,7 +322,7 @@ void pipeline::load_state(const std::string& dir) {
 }
 
 std::size_t pipeline::stages() const {
-  return impl_->stages.size();
+  return impl_->stage_actors.size();
 }
 
 const partition& pipeline::cut() const {
@@ -317,9 +330,9 @@ const partition& pipeline::cut() const {
 }
 
 std::vector<int64_t> pipeline::stage_parameter_counts() const {
-  std::vector<int64_t> counts;
-  for (const auto& st : impl_->stages) {
-    counts.push_back(st->parameter_count());
+  std::vector<int64_t> counts(stages(), 0);
+  for (std::size_t k = 0; k < impl_->stages.size(); ++k) {
+    counts[k % counts.size()] += impl_->stages[k]->parameter_count();
   }
   return counts;
 }

@@ -1,30 +1,123 @@
 #include <actorpipe/schedule.hpp>
 
 #include <algorithm>
+#include <fstream>
+#include <limits>
+#include <map>
 #include <set>
-#include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
 
 #include <actorpipe/errors.hpp>
 
 namespace actorpipe {
 namespace {
 
-void check_sizes(std::size_t stages, std::size_t microbatches) {
+void check_sizes(std::size_t stages, std::size_t microbatches, std::size_t chunks) {
   ACTORPIPE_CHECK(stages >= 1, "stages (", stages, ") must be >= 1");
   ACTORPIPE_CHECK(microbatches >= 1, "microbatches (", microbatches, ") must be >= 1");
+  ACTORPIPE_CHECK(chunks >= 1, "chunks (", chunks, ") must be >= 1");
 }
 
-action F(std::size_t mb) {
-  return {action_kind::forward, static_cast<int32_t>(mb)};
+action F(std::size_t mb, std::size_t chunk = 0) {
+  return {action_kind::forward, static_cast<int32_t>(mb), static_cast<int32_t>(chunk)};
 }
 
-action B(std::size_t mb) {
-  return {action_kind::backward, static_cast<int32_t>(mb)};
+action B(std::size_t mb, std::size_t chunk = 0) {
+  return {action_kind::backward, static_cast<int32_t>(mb), static_cast<int32_t>(chunk)};
 }
 
-std::string to_string(const action& a) {
-  return detail::concat(a.kind == action_kind::forward ? 'F' : 'B', a.microbatch);
+action W(std::size_t mb, std::size_t chunk = 0) {
+  return {action_kind::weight, static_cast<int32_t>(mb), static_cast<int32_t>(chunk)};
 }
+
+schedule make_gpipe(std::size_t p, std::size_t m) {
+  schedule result(p);
+  for (auto& program : result) {
+    for (std::size_t mb = 0; mb < m; ++mb) {
+      program.push_back(F(mb));
+    }
+    for (std::size_t mb = m; mb-- > 0;) {
+      program.push_back(B(mb));
+    }
+  }
+  return result;
+}
+
+// Stage s runs p - s - 1 warm-up forwards so that its first backward arrives just as its next
+// forward would, then alternates, then drains.
+schedule make_1f1b(std::size_t p, std::size_t m) {
+  schedule result(p);
+  for (std::size_t s = 0; s < p; ++s) {
+    auto& program = result[s];
+    auto warmup = std::min(p - s - 1, m);
+    for (std::size_t mb = 0; mb < warmup; ++mb) {
+      program.push_back(F(mb));
+    }
+    for (std::size_t k = 0; k + warmup < m; ++k) {
+      program.push_back(F(warmup + k));
+      program.push_back(B(k));
+    }
+    for (std::size_t mb = m - warmup; mb < m; ++mb) {
+      program.push_back(B(mb));
+    }
+  }
+  return result;
+}
+
+// Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p.
+schedule make_interleaved(std::size_t p, std::size_t m, std::size_t v) {
+  ACTORPIPE_CHECK(m % p == 0, "the interleaved schedule needs microbatches (", m,
+                  ") to be a multiple of stages (", p, ")");
+  auto total = m * v;
+  auto chunk_of = [&](std::size_t k, bool forward) {
+    auto c = (k / p) % v;
+    return forward ? c : v - 1 - c;
+  };
+  auto mb_of = [&](std::size_t k) { return (k / (p * v)) * p + k % p; };
+  schedule result(p);
+  for (std::size_t s = 0; s < p; ++s) {
+    auto& program = result[s];
+    auto warmup = std::min((p - s - 1) * 2 + (v - 1) * p, total);
+    for (std::size_t k = 0; k < warmup; ++k) {
+      program.push_back(F(mb_of(k), chunk_of(k, true)));
+    }
+    for (std::size_t k = 0; k + warmup < total; ++k) {
+      program.push_back(F(mb_of(warmup + k), chunk_of(warmup + k, true)));
+      program.push_back(B(mb_of(k), chunk_of(k, false)));
+    }
+    for (std::size_t k = total - warmup; k < total; ++k) {
+      program.push_back(B(mb_of(k), chunk_of(k, false)));
+    }
+  }
+  return result;
+}
+
+// ZB-H1 (Qi et al.): 1F1B's order of F and B, B computing only the input gradient, and stage s
+// deferring each weight gradient by s micro-batches: W(k - s) follows B(k). Later stages thus
+// pass their B's upstream sooner, earlier stages fill their cool-down with W's. With equal F, B
+// and W costs the bubble is (p - 1) units against 1F1B's 3(p - 1), and no stage holds more than
+// p micro-batches, 1F1B's peak (on its first stage).
+schedule make_zb_h1(std::size_t p, std::size_t m) {
+  auto one_f_one_b = make_1f1b(p, m);
+  schedule result(p);
+  for (std::size_t s = 0; s < p; ++s) {
+    std::size_t next_w = 0;
+    for (const auto& a : one_f_one_b[s]) {
+      result[s].push_back(a);
+      if (a.kind == action_kind::backward && static_cast<std::size_t>(a.microbatch) >= s + next_w) {
+        result[s].push_back(W(next_w++));
+      }
+    }
+    while (next_w < m) {
+      result[s].push_back(W(next_w++));
+    }
+  }
+  return result;
+}
+
+using action_key = std::tuple<action_kind, int32_t, std::size_t>; // kind, microbatch, virtual
 
 } // namespace
 
@@ -35,101 +128,275 @@ schedule_kind parse_schedule_kind(const std::string& name) {
   if (name == "1f1b") {
     return schedule_kind::one_f_one_b;
   }
-  throw invalid_argument(detail::concat("unknown schedule '", name, "' (known: gpipe, 1f1b)"));
+  if (name == "interleaved") {
+    return schedule_kind::interleaved;
+  }
+  if (name == "zb-h1") {
+    return schedule_kind::zb_h1;
+  }
+  throw invalid_argument(
+    detail::concat("unknown schedule '", name, "' (known: gpipe, 1f1b, interleaved, zb-h1)"));
 }
 
 std::string to_string(schedule_kind kind) {
-  return kind == schedule_kind::gpipe ? "gpipe" : "1f1b";
+  switch (kind) {
+    case schedule_kind::gpipe:
+      return "gpipe";
+    case schedule_kind::one_f_one_b:
+      return "1f1b";
+    case schedule_kind::interleaved:
+      return "interleaved";
+    case schedule_kind::zb_h1:
+      return "zb-h1";
+  }
+  return "?";
 }
 
-schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches) {
-  check_sizes(stages, microbatches);
+schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
+                       std::size_t chunks) {
+  check_sizes(stages, microbatches, chunks);
+  ACTORPIPE_CHECK(chunks == 1 || kind == schedule_kind::interleaved, "schedule ",
+                  to_string(kind), " runs one chunk per stage, not ", chunks,
+                  " (use interleaved for more)");
+  switch (kind) {
+    case schedule_kind::gpipe:
+      return make_gpipe(stages, microbatches);
+    case schedule_kind::one_f_one_b:
+      return make_1f1b(stages, microbatches);
+    case schedule_kind::interleaved:
+      return make_interleaved(stages, microbatches, chunks);
+    case schedule_kind::zb_h1:
+      return make_zb_h1(stages, microbatches);
+  }
+  return {};
+}
+
+schedule make_forward_schedule(std::size_t stages, std::size_t microbatches, std::size_t chunks) {
+  check_sizes(stages, microbatches, chunks);
   schedule result(stages);
-  for (std::size_t s = 0; s < stages; ++s) {
-    auto& program = result[s];
-    if (kind == schedule_kind::gpipe) {
+  for (auto& program : result) {
+    for (std::size_t c = 0; c < chunks; ++c) {
       for (std::size_t mb = 0; mb < microbatches; ++mb) {
-        program.push_back(F(mb));
+        program.push_back(F(mb, c));
       }
-      for (std::size_t mb = microbatches; mb-- > 0;) {
-        program.push_back(B(mb));
-      }
-      continue;
-    }
-    // 1F1B: stage s runs p - s - 1 warm-up forwards so that its first backward arrives just as
-    // its next forward would, then alternates, then drains.
-    auto warmup = std::min(stages - s - 1, microbatches);
-    for (std::size_t mb = 0; mb < warmup; ++mb) {
-      program.push_back(F(mb));
-    }
-    for (std::size_t k = 0; k + warmup < microbatches; ++k) {
-      program.push_back(F(warmup + k));
-      program.push_back(B(k));
-    }
-    for (std::size_t mb = microbatches - warmup; mb < microbatches; ++mb) {
-      program.push_back(B(mb));
     }
   }
   return result;
 }
 
-schedule make_forward_schedule(std::size_t stages, std::size_t microbatches) {
-  check_sizes(stages, microbatches);
-  schedule result(stages);
-  for (auto& program : result) {
-    for (std::size_t mb = 0; mb < microbatches; ++mb) {
-      program.push_back(F(mb));
+std::size_t chunks_of(const schedule& s) {
+  int32_t most = 0;
+  for (const auto& program : s) {
+    for (const auto& a : program) {
+      most = std::max(most, a.chunk);
     }
   }
+  return static_cast<std::size_t>(most) + 1;
+}
+
+bool splits_backward(const schedule& s) {
+  for (const auto& program : s) {
+    for (const auto& a : program) {
+      if (a.kind == action_kind::weight) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+std::string to_string(const action& a) {
+  char kind = a.kind == action_kind::forward ? 'F' : a.kind == action_kind::backward ? 'B' : 'W';
+  return a.chunk == 0 ? detail::concat(kind, a.microbatch)
+                      : detail::concat(kind, a.microbatch, '@', a.chunk);
+}
+
+std::string to_string(const stage_program& program) {
+  std::string out;
+  for (const auto& a : program) {
+    out += (out.empty() ? "" : " ") + to_string(a);
+  }
+  return out;
+}
+
+action parse_action(const std::string& text) {
+  auto bad = [&] {
+    return invalid_argument(detail::concat("'", text,
+                                           "' is not an action (F3, B0, W2 or with a chunk, F1@1)"));
+  };
+  if (text.size() < 2 || (text[0] != 'F' && text[0] != 'B' && text[0] != 'W')) {
+    throw bad();
+  }
+  auto at = text.find('@');
+  auto number = [&](const std::string& digits) {
+    if (digits.empty() || digits.size() > 9 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      throw bad();
+    }
+    return static_cast<int32_t>(std::stol(digits));
+  };
+  action a{text[0] == 'F' ? action_kind::forward
+                          : text[0] == 'B' ? action_kind::backward : action_kind::weight,
+           number(text.substr(1, at == std::string::npos ? std::string::npos : at - 1)),
+           at == std::string::npos ? 0 : number(text.substr(at + 1))};
+  return a;
+}
+
+schedule load_schedule(const std::string& path) {
+  std::ifstream in(path);
+  ACTORPIPE_CHECK(in.good(), "schedule file '", path, "' cannot be read");
+  schedule result;
+  try {
+    auto j = nlohmann::json::parse(in);
+    for (const auto& program : j.at("programs")) {
+      result.emplace_back();
+      for (const auto& item : program) {
+        result.back().push_back(parse_action(item.get<std::string>()));
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw invalid_argument(detail::concat("schedule file '", path, "': ", e.what(),
+                                          " (expected {\"programs\": [[\"F0\", ...], ...]})"));
+  } catch (const invalid_argument& e) {
+    throw invalid_argument(detail::concat("schedule file '", path, "': ", e.what()));
+  }
+  ACTORPIPE_CHECK(!result.empty(), "schedule file '", path, "' has no programs");
   return result;
 }
 
 void validate(const schedule& s, std::size_t microbatches, bool training) {
   auto p = s.size();
   ACTORPIPE_CHECK(p >= 1, "a schedule needs at least one stage");
-  // Per stage: every micro-batch forwarded once, and in training backed up once, after it.
+  auto v = chunks_of(s);
+  bool split = splits_backward(s);
   for (std::size_t st = 0; st < p; ++st) {
-    std::set<int32_t> forwarded;
-    std::set<int32_t> backed;
+    std::set<std::pair<int32_t, int32_t>> forwarded;
+    std::set<std::pair<int32_t, int32_t>> backed;
+    std::set<std::pair<int32_t, int32_t>> weighted;
     for (std::size_t i = 0; i < s[st].size(); ++i) {
       const auto& a = s[st][i];
+      auto where = [&] { return detail::concat("stage ", st, ", action ", i, " (", to_string(a), ")"); };
       ACTORPIPE_CHECK(a.microbatch >= 0 && static_cast<std::size_t>(a.microbatch) < microbatches,
-                      "stage ", st, ", action ", i, " (", to_string(a),
-                      "): micro-batch out of range 0..", microbatches - 1);
-      if (a.kind == action_kind::forward) {
-        ACTORPIPE_CHECK(forwarded.insert(a.microbatch).second, "stage ", st, ", action ", i,
-                        ": micro-batch ", a.microbatch, " is forwarded twice");
-      } else {
-        ACTORPIPE_CHECK(training, "stage ", st, ", action ", i,
-                        ": a forward-only schedule has a backward (", to_string(a), ")");
-        ACTORPIPE_CHECK(forwarded.count(a.microbatch) == 1, "stage ", st, ", action ", i,
-                        ": backward of micro-batch ", a.microbatch, " before its forward");
-        ACTORPIPE_CHECK(backed.insert(a.microbatch).second, "stage ", st, ", action ", i,
-                        ": micro-batch ", a.microbatch, " is backed up twice");
+                      where(), ": micro-batch out of range 0..", microbatches - 1);
+      ACTORPIPE_CHECK(a.chunk >= 0, where(), ": negative chunk");
+      std::pair<int32_t, int32_t> key{a.microbatch, a.chunk};
+      switch (a.kind) {
+        case action_kind::forward:
+          ACTORPIPE_CHECK(forwarded.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                          " is forwarded twice");
+          break;
+        case action_kind::backward:
+          ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a backward");
+          ACTORPIPE_CHECK(forwarded.count(key) == 1, where(), ": backward of micro-batch ",
+                          a.microbatch, " before its forward");
+          ACTORPIPE_CHECK(backed.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                          " is backed up twice");
+          break;
+        case action_kind::weight:
+          ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a weight action");
+          ACTORPIPE_CHECK(backed.count(key) == 1, where(), ": weight gradient of micro-batch ",
+                          a.microbatch, " before its backward");
+          ACTORPIPE_CHECK(weighted.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                          " has two weight actions");
+          break;
       }
     }
-    ACTORPIPE_CHECK(forwarded.size() == microbatches, "stage ", st, " forwards ", forwarded.size(),
-                    " of ", microbatches, " micro-batches");
-    ACTORPIPE_CHECK(!training || backed.size() == microbatches, "stage ", st, " backs up ",
-                    backed.size(), " of ", microbatches, " micro-batches");
+    auto expected = microbatches * v;
+    ACTORPIPE_CHECK(forwarded.size() == expected, "stage ", st, " forwards ", forwarded.size(),
+                    " of ", expected, " micro-batch chunks");
+    ACTORPIPE_CHECK(!training || backed.size() == expected, "stage ", st, " backs up ",
+                    backed.size(), " of ", expected, " micro-batch chunks");
+    ACTORPIPE_CHECK(!split || weighted.size() == expected, "stage ", st, " has ",
+                    weighted.size(), " weight actions for ", expected, " micro-batch chunks");
   }
-  // Across stages: run the programs with their data dependencies; if no stage can move before
-  // all are done, the schedule deadlocks.
-  std::vector<std::size_t> pc(p, 0);
-  std::vector<std::set<int32_t>> forward_done(p);
-  std::vector<std::set<int32_t>> backward_done(p);
-  auto ready = [&](std::size_t st, const action& a) {
+  simulate(s, microbatches, {action_costs{}});
+}
+
+double peak_stash(const stage_program& program, std::size_t chunks) {
+  bool split = false;
+  for (const auto& a : program) {
+    split = split || a.kind == action_kind::weight;
+  }
+  auto release = split ? action_kind::weight : action_kind::backward;
+  double live = 0;
+  double peak = 0;
+  for (const auto& a : program) {
     if (a.kind == action_kind::forward) {
-      return st == 0 || forward_done[st - 1].count(a.microbatch) == 1;
+      live += 1.0 / static_cast<double>(chunks);
+      peak = std::max(peak, live);
+    } else if (a.kind == release) {
+      live -= 1.0 / static_cast<double>(chunks);
     }
-    return st + 1 == p || backward_done[st + 1].count(a.microbatch) == 1;
+  }
+  return peak;
+}
+
+double simulation::mean_bubble() const {
+  double sum = 0;
+  for (auto b : bubble) {
+    sum += b;
+  }
+  return bubble.empty() ? 0 : sum / static_cast<double>(bubble.size());
+}
+
+simulation simulate(const schedule& s, std::size_t microbatches,
+                    const std::vector<action_costs>& costs, double send_latency) {
+  auto p = s.size();
+  auto v = chunks_of(s);
+  auto virtual_stages = p * v;
+  bool split = splits_backward(s);
+  ACTORPIPE_CHECK(costs.size() == 1 || costs.size() == virtual_stages, "simulate: ", costs.size(),
+                  " costs given for ", virtual_stages, " virtual stages");
+  auto cost_of = [&](const action& a, std::size_t vs) {
+    const auto& c = costs.size() == 1 ? costs[0] : costs[vs];
+    switch (a.kind) {
+      case action_kind::forward:
+        return c.forward;
+      case action_kind::backward:
+        return split ? c.backward : c.backward + c.weight;
+      case action_kind::weight:
+        return c.weight;
+    }
+    return 0.0;
+  };
+  std::map<action_key, double> finished;
+  simulation result;
+  result.busy.assign(p, 0);
+  result.timeline.assign(p, {});
+  std::vector<std::size_t> pc(p, 0);
+  std::vector<double> clock(p, 0);
+  // The time an action's cross-stage input is there, or -1 while it is not known yet.
+  auto input_ready = [&](std::size_t st, const action& a) -> double {
+    auto vs = static_cast<std::size_t>(a.chunk) * p + st;
+    if (a.kind == action_kind::forward) {
+      if (vs == 0) {
+        return 0;
+      }
+      auto it = finished.find({action_kind::forward, a.microbatch, vs - 1});
+      return it == finished.end() ? -1 : it->second + send_latency;
+    }
+    if (a.kind == action_kind::backward && vs + 1 < virtual_stages) {
+      auto it = finished.find({action_kind::backward, a.microbatch, vs + 1});
+      return it == finished.end() ? -1 : it->second + send_latency;
+    }
+    return 0; // the last virtual stage's backward and every W depend on the stage's own order
   };
   for (bool moved = true; moved;) {
     moved = false;
     for (std::size_t st = 0; st < p; ++st) {
-      while (pc[st] < s[st].size() && ready(st, s[st][pc[st]])) {
+      while (pc[st] < s[st].size()) {
         const auto& a = s[st][pc[st]];
-        (a.kind == action_kind::forward ? forward_done : backward_done)[st].insert(a.microbatch);
+        auto ready = input_ready(st, a);
+        if (ready < 0) {
+          break;
+        }
+        auto vs = static_cast<std::size_t>(a.chunk) * p + st;
+        auto start = std::max(clock[st], ready);
+        auto end = start + cost_of(a, vs);
+        finished[{a.kind, a.microbatch, vs}] = end;
+        result.timeline[st].push_back({a, start, end});
+        result.busy[st] += end - start;
+        clock[st] = end;
         ++pc[st];
         moved = true;
       }
@@ -139,33 +406,21 @@ void validate(const schedule& s, std::size_t microbatches, bool training) {
     if (pc[st] < s[st].size()) {
       const auto& a = s[st][pc[st]];
       bool fwd = a.kind == action_kind::forward;
+      auto vs = static_cast<std::size_t>(a.chunk) * p + st;
+      auto from = fwd ? vs - 1 : vs + 1;
       throw invalid_argument(detail::concat(
         "schedule deadlocks: stage ", st, " waits at action ", pc[st], " (", to_string(a),
         ") for the ", fwd ? "activation" : "gradient", " of micro-batch ", a.microbatch,
-        " from stage ", fwd ? st - 1 : st + 1, ", which never sends it"));
+        " from stage ", from % p, from / p > 0 ? detail::concat(" chunk ", from / p) : "",
+        ", which never sends it"));
     }
+    result.makespan = std::max(result.makespan, clock[st]);
   }
-}
-
-std::size_t peak_stash(const stage_program& program) {
-  std::size_t live = 0;
-  std::size_t peak = 0;
-  for (const auto& a : program) {
-    if (a.kind == action_kind::forward) {
-      peak = std::max(peak, ++live);
-    } else if (live > 0) {
-      --live;
-    }
+  for (std::size_t st = 0; st < p; ++st) {
+    result.bubble.push_back(result.makespan > 0 ? 1 - result.busy[st] / result.makespan : 0);
+    result.peak_stash.push_back(peak_stash(s[st], v));
   }
-  return peak;
-}
-
-std::string to_string(const stage_program& program) {
-  std::string out;
-  for (const auto& a : program) {
-    out += (out.empty() ? "" : " ") + to_string(a);
-  }
-  return out;
+  return result;
 }
 
 } // namespace actorpipe

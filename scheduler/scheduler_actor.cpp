@@ -91,8 +91,18 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   auto k = std::make_pair(microbatches, train);
   auto it = s.schedules.find(k);
   if (it == s.schedules.end()) {
-    auto plan = train ? make_schedule(s.options.schedule, s.stages.size(), microbatches)
-                      : make_forward_schedule(s.stages.size(), microbatches);
+    schedule plan;
+    if (!train) {
+      plan = make_forward_schedule(s.stages.size(), microbatches, s.options.chunks);
+    } else if (!s.options.custom.empty()) {
+      plan = s.options.custom;
+      ACTORPIPE_CHECK(plan.size() == s.stages.size(), "the custom schedule has ", plan.size(),
+                      " programs for ", s.stages.size(), " stages");
+      ACTORPIPE_CHECK(chunks_of(plan) == s.options.chunks, "the custom schedule uses ",
+                      chunks_of(plan), " chunks per stage, the pipeline has ", s.options.chunks);
+    } else {
+      plan = make_schedule(s.options.schedule, s.stages.size(), microbatches, s.options.chunks);
+    }
     validate(plan, microbatches, train);
     it = s.schedules.emplace(k, std::move(plan)).first;
   }
@@ -164,10 +174,14 @@ void start_next(scheduler_actor_type* self) {
     return;
   }
   auto last = s.stages.size() - 1;
+  auto origin = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                  s.started.time_since_epoch())
+                  .count();
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     step_plan plan;
     plan.step = s.step;
     plan.train = request.train();
+    plan.origin_ns = origin;
     plan.program = (*programs)[i];
     if (i == 0) {
       plan.inputs = request.inputs;
@@ -250,6 +264,7 @@ caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options opti
     [=](connect_atom, std::vector<caf::actor>& stages) {
       for (auto& stage : stages) {
         self->monitor(stage);
+        self->send(stage, connect_atom::value, stages);
       }
       self->state.stages = std::move(stages);
     },

@@ -68,6 +68,9 @@ struct step_request {
 
 struct scheduler_options {
   schedule_kind schedule = schedule_kind::one_f_one_b;
+  std::size_t chunks = 1;
+  /// Used for training instead of `schedule` when not empty.
+  actorpipe::schedule custom;
   std::chrono::milliseconds step_timeout{600000};
   /// How long a failing step waits for every stage to confirm its abort before reporting.
   std::chrono::milliseconds abort_timeout{60000};

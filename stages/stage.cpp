@@ -185,33 +185,97 @@ double stage::forward_loss(int32_t microbatch, const torch::Tensor& input,
   return value.item<double>();
 }
 
-torch::Tensor stage::backward(int32_t microbatch, const torch::Tensor& output_gradient) {
-  std::lock_guard<std::mutex> guard{mutex_};
-  auto it = stash_.find(microbatch);
-  if (it == stash_.end()) {
-    throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"));
+torch::Tensor stage::start_gradient(int32_t microbatch, const stash_entry& entry,
+                                    const torch::Tensor& output_gradient) const {
+  if (is_last()) {
+    return {};
   }
-  auto entry = std::move(it->second);
-  stash_.erase(it);
-  torch::AutoGradMode grad_mode{true};
-  if (entry.output.requires_grad()) {
-    if (is_last()) {
-      torch::autograd::backward({entry.output});
-    } else {
-      auto g = output_gradient.to(config_.device);
-      if (!g.sizes().equals(entry.output.sizes())) {
-        throw pipeline_error(detail::concat(
-          where(microbatch), ": the gradient from stage ", config_.index + 1, " has shape ",
-          shape_of(g), " but the stage's output has shape ", shape_of(entry.output)));
-      }
-      torch::autograd::backward({entry.output}, {g});
-    }
+  auto g = output_gradient.to(config_.device);
+  if (!g.sizes().equals(entry.output.sizes())) {
+    throw pipeline_error(detail::concat(where(microbatch), ": the gradient from stage ",
+                                        config_.index + 1, " has shape ", shape_of(g),
+                                        " but the stage's output has shape ",
+                                        shape_of(entry.output)));
   }
+  return g;
+}
+
+torch::Tensor stage::input_gradient(const stash_entry& entry) const {
   if (is_first() || !entry.input.requires_grad()) {
     return {};
   }
   auto grad = entry.input.grad();
   return grad.defined() ? grad.detach() : torch::zeros_like(entry.input);
+}
+
+torch::Tensor stage::backward(int32_t microbatch, const torch::Tensor& output_gradient) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  auto it = stash_.find(microbatch);
+  if (it == stash_.end()) {
+    throw pipeline_error(detail::concat(where(microbatch),
+                                        ": backward without a stashed forward"));
+  }
+  auto g = start_gradient(microbatch, it->second, output_gradient);
+  auto entry = std::move(it->second);
+  stash_.erase(it);
+  torch::AutoGradMode grad_mode{true};
+  if (entry.output.requires_grad()) {
+    if (g.defined()) {
+      torch::autograd::backward({entry.output}, {g});
+    } else {
+      torch::autograd::backward({entry.output});
+    }
+  }
+  return input_gradient(entry);
+}
+
+torch::Tensor stage::backward_input(int32_t microbatch, const torch::Tensor& output_gradient) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  auto it = stash_.find(microbatch);
+  if (it == stash_.end() || it->second.input_done) {
+    throw pipeline_error(detail::concat(where(microbatch), ": input-gradient backward without a "
+                                                           "stashed forward"));
+  }
+  auto& entry = it->second;
+  entry.output_gradient = start_gradient(microbatch, entry, output_gradient);
+  entry.input_done = true;
+  if (is_first() || !entry.input.requires_grad() || !entry.output.requires_grad()) {
+    return input_gradient(entry);
+  }
+  torch::AutoGradMode grad_mode{true};
+  // The graph is kept for the weight pass; only the input's gradient is computed now.
+  auto grads = torch::autograd::grad(
+    {entry.output}, {entry.input},
+    entry.output_gradient.defined() ? torch::autograd::variable_list{entry.output_gradient}
+                                    : torch::autograd::variable_list{},
+    /*retain_graph=*/true, /*create_graph=*/false, /*allow_unused=*/true);
+  return grads[0].defined() ? grads[0].detach() : torch::zeros_like(entry.input);
+}
+
+void stage::backward_weight(int32_t microbatch) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  auto it = stash_.find(microbatch);
+  if (it == stash_.end() || !it->second.input_done) {
+    throw pipeline_error(detail::concat(where(microbatch), ": weight-gradient backward before "
+                                                           "its input-gradient backward"));
+  }
+  auto entry = std::move(it->second);
+  stash_.erase(it);
+  std::vector<torch::Tensor> params;
+  for (auto& p : parameters()) {
+    if (p.requires_grad()) {
+      params.push_back(p);
+    }
+  }
+  if (params.empty() || !entry.output.requires_grad()) {
+    return;
+  }
+  torch::AutoGradMode grad_mode{true};
+  torch::autograd::backward(
+    {entry.output},
+    entry.output_gradient.defined() ? torch::autograd::variable_list{entry.output_gradient}
+                                    : torch::autograd::variable_list{},
+    /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
 }
 
 void stage::abort_step() {

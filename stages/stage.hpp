@@ -65,6 +65,14 @@ public:
   /// returns the input gradient, detached (undefined on the first stage).
   torch::Tensor backward(int32_t microbatch, const torch::Tensor& output_gradient);
 
+  /// Zero-bubble B: only the input gradient (undefined on the first stage), which the previous
+  /// stage waits for. Keeps the stash and the output gradient for backward_weight.
+  torch::Tensor backward_input(int32_t microbatch, const torch::Tensor& output_gradient);
+
+  /// Zero-bubble W: accumulates the parameter gradients of a micro-batch whose backward_input
+  /// ran, and releases its stash.
+  void backward_weight(int32_t microbatch);
+
   /// Drops the stash and gradients and restores the buffers snapshotted by begin_step.
   void abort_step();
 
@@ -103,7 +111,15 @@ private:
     torch::Tensor input;
     /// The output, or the scaled loss on the last stage.
     torch::Tensor output;
+    /// Zero-bubble schedules: the output gradient, kept from B for W.
+    torch::Tensor output_gradient;
+    bool input_done = false;
   };
+
+  // The gradient to start the entry's backward from (undefined on the last stage: the loss).
+  torch::Tensor start_gradient(int32_t microbatch, const stash_entry& entry,
+                               const torch::Tensor& output_gradient) const;
+  torch::Tensor input_gradient(const stash_entry& entry) const;
 
   torch::Tensor run(int32_t microbatch, const torch::Tensor& input) const;
   std::string where(int32_t microbatch) const;

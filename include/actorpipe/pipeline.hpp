@@ -53,6 +53,12 @@ struct pipeline_options {
   /// most one (earlier parts take the remainder); the batch must hold at least m samples.
   std::size_t microbatches = 1;
   schedule_kind schedule = schedule_kind::one_f_one_b;
+  /// Model chunks per stage actor (interleaved schedule): the partition must then have
+  /// stages x chunks parts, and chunk c of actor i holds part c * stages + i.
+  std::size_t chunks = 1;
+  /// A user-supplied training schedule (e.g. load_schedule(file)); used instead of `schedule`
+  /// when not empty, validated before its first step.
+  actorpipe::schedule custom_schedule;
   /// Required for train_step.
   loss_function loss;
   loss_reduction reduction = loss_reduction::mean;
@@ -70,6 +76,16 @@ struct pipeline_options {
   std::chrono::milliseconds step_timeout{600000};
 };
 
+/// One action as it ran. Times in milliseconds from the step's start (one clock for all stages
+/// of a process).
+struct action_record {
+  action what;
+  double start_ms = 0;
+  double end_ms = 0;
+  /// Bytes of the tensor sent to the neighbour (0 when nothing was sent).
+  int64_t bytes_sent = 0;
+};
+
 /// What one stage did during a step. Times in milliseconds on the stage's own clock.
 struct stage_stats {
   std::size_t stage = 0;
@@ -78,8 +94,10 @@ struct stage_stats {
   /// Time spent waiting for inputs (activations or gradients) while the program was not done.
   double wait_ms = 0;
   double optimizer_ms = 0;
-  /// Most micro-batches held stashed at once during the step.
-  std::size_t peak_stash = 0;
+  /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
+  double peak_stash = 0;
+  /// Every action in the order it ran.
+  std::vector<action_record> actions;
 };
 
 /// The outcome of a training step.
@@ -155,9 +173,10 @@ public:
   /// names the tensor otherwise.
   void load_state(const std::string& dir);
 
+  /// Stage actors (the partition's parts divided by chunks).
   std::size_t stages() const;
   const partition& cut() const;
-  /// Parameter elements per stage.
+  /// Parameter elements per stage actor.
   std::vector<int64_t> stage_parameter_counts() const;
 
   /// Copies of all parameters named "<layer>.<parameter>", in model order.

@@ -244,3 +244,101 @@ TEST_CASE("steps submitted together run one after another in order") {
     CHECK(r.loss == doctest::Approx(plain.step(xs[i], ts[i])).epsilon(1e-5));
   }
 }
+
+TEST_CASE("ZB-H1 and interleaved 1F1B give plain libtorch's gradients") {
+  engine sys;
+  auto x = torch::randn({12, 1, 4, 4});
+  auto t = torch::randn({12, 3});
+  // ZB-H1 over 1-4 stages and uneven micro-batches.
+  for (std::size_t stages = 1; stages <= 4; ++stages) {
+    for (std::size_t m : {1, 3, 5, 8}) {
+      CAPTURE(stages);
+      CAPTURE(m);
+      auto layers = tiny_mlp();
+      pipeline_options o;
+      o.microbatches = m;
+      o.schedule = schedule_kind::zb_h1;
+      o.loss = mse;
+      o.optimizer = sgd(0.1);
+      pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
+      plain_model plain(tiny_mlp(), sgd(0.1));
+      CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+      check_close(pipe.named_gradients(), named(plain.layers, true));
+      check_close(pipe.named_parameters(), named(plain.layers, false));
+    }
+  }
+  // Interleaved: 2 or 3 stage actors with 2 chunks each (4 or 6 model parts).
+  for (std::size_t stages : {2, 3}) {
+    CAPTURE(stages);
+    auto layers = tiny_mlp();
+    pipeline_options o;
+    o.microbatches = 2 * stages;
+    o.schedule = schedule_kind::interleaved;
+    o.chunks = 2;
+    o.loss = mse;
+    o.optimizer = sgd(0.1);
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2 * stages), o);
+    CHECK(pipe.stages() == stages);
+    plain_model plain(tiny_mlp(), sgd(0.1));
+    auto r = pipe.train_step(x, t);
+    CHECK(r.loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+    CHECK(r.stages.size() == stages);
+    check_close(pipe.named_gradients(), named(plain.layers, true));
+    check_close(pipe.named_parameters(), named(plain.layers, false));
+    torch::NoGradGuard no_grad;
+    CHECK(torch::allclose(pipe.forward(x), run_layers(plain.layers, x), 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("a user-supplied schedule runs, and an invalid one is refused up front") {
+  engine sys;
+  auto layers = tiny_mlp();
+  pipeline_options o;
+  o.microbatches = 2;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  action f0{action_kind::forward, 0, 0};
+  action f1{action_kind::forward, 1, 0};
+  action b0{action_kind::backward, 0, 0};
+  action b1{action_kind::backward, 1, 0};
+  o.custom_schedule = {{f0, f1, b1, b0}, {f1, f0, b0, b1}}; // out of order, yet valid
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  plain_model plain(tiny_mlp(), sgd(0.1));
+  auto x = torch::randn({6, 1, 4, 4});
+  auto t = torch::randn({6, 3});
+  CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+  check_close(pipe.named_parameters(), named(plain.layers, false));
+  o.custom_schedule = {{f0, b0, f1, b1}, {f1, f0, b1, b0}};
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_mlp(), partition_uniform(6, 2), o),
+                       doctest::Contains("schedule deadlocks"), actorpipe::invalid_argument);
+}
+
+TEST_CASE("every stage reports its actions in order with times and bytes sent") {
+  engine sys;
+  auto layers = tiny_mlp();
+  pipeline_options o;
+  o.microbatches = 4;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  auto r = pipe.train_step(torch::randn({8, 1, 4, 4}), torch::randn({8, 3}));
+  auto expected = make_schedule(schedule_kind::one_f_one_b, 2, 4);
+  for (std::size_t s = 0; s < 2; ++s) {
+    CAPTURE(s);
+    const auto& actions = r.stages[s].actions;
+    REQUIRE(actions.size() == expected[s].size());
+    for (std::size_t i = 0; i < actions.size(); ++i) {
+      CHECK(actions[i].what == expected[s][i]);
+      CHECK(actions[i].start_ms >= 0);
+      CHECK(actions[i].end_ms >= actions[i].start_ms);
+      CHECK(actions[i].end_ms <= r.wall_ms);
+      if (i > 0) {
+        CHECK(actions[i].start_ms >= actions[i - 1].end_ms);
+      }
+      bool sends = (s == 0 && actions[i].what.kind == action_kind::forward) ||
+                   (s == 1 && actions[i].what.kind == action_kind::backward);
+      // Stage 0 sends activations of 2 x 256 floats (fc1), stage 1 their gradients.
+      CHECK(actions[i].bytes_sent == (sends ? 2 * 256 * 4 : 0));
+    }
+  }
+}

@@ -1,3 +1,10 @@
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <unistd.h>
+
 #include <doctest/doctest.h>
 
 #include <actorpipe/errors.hpp>
@@ -35,6 +42,10 @@ TEST_CASE("built-in schedules are valid and bound their stash") {
       for (std::size_t i = 0; i < p; ++i) {
         CHECK(peak_stash(gpipe[i]) == m);
         CHECK(peak_stash(ofob[i]) == std::min(p - i, m));
+        auto zb = make_schedule(schedule_kind::zb_h1, p, m);
+        CHECK_NOTHROW(validate(zb, m, true));
+        CHECK(splits_backward(zb));
+        CHECK(peak_stash(zb[i]) <= std::min(p, m));
       }
     }
   }
@@ -45,10 +56,10 @@ TEST_CASE("invalid schedules are rejected naming stage, action and micro-batch")
   auto B = [](int32_t mb) { return action{action_kind::backward, mb}; };
   CHECK_THROWS_WITH_AS(
     validate({{B(0), F(0)}}, 1, true),
-    doctest::Contains("stage 0, action 0: backward of micro-batch 0 before its forward"),
+    doctest::Contains("stage 0, action 0 (B0): backward of micro-batch 0 before its forward"),
     actorpipe::invalid_argument);
   CHECK_THROWS_WITH_AS(validate({{F(0), F(1), B(1)}}, 2, true),
-                       doctest::Contains("stage 0 backs up 1 of 2 micro-batches"),
+                       doctest::Contains("stage 0 backs up 1 of 2 micro-batch chunks"),
                        actorpipe::invalid_argument);
   CHECK_THROWS_WITH_AS(validate({{F(0), F(0)}}, 1, false), doctest::Contains("forwarded twice"),
                        actorpipe::invalid_argument);
@@ -67,9 +78,129 @@ TEST_CASE("invalid schedules are rejected naming stage, action and micro-batch")
 TEST_CASE("schedule names and sizes are checked") {
   CHECK(parse_schedule_kind("gpipe") == schedule_kind::gpipe);
   CHECK(parse_schedule_kind("1f1b") == schedule_kind::one_f_one_b);
+  CHECK(parse_schedule_kind("interleaved") == schedule_kind::interleaved);
+  CHECK(parse_schedule_kind("zb-h1") == schedule_kind::zb_h1);
   CHECK_THROWS_WITH_AS(parse_schedule_kind("zb"), doctest::Contains("unknown schedule 'zb'"),
                        actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(make_schedule(schedule_kind::interleaved, 4, 6, 2),
+                       doctest::Contains("microbatches (6) to be a multiple of stages (4)"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(make_schedule(schedule_kind::one_f_one_b, 4, 8, 2),
+                       doctest::Contains("runs one chunk per stage"), actorpipe::invalid_argument);
   CHECK_THROWS_WITH_AS(make_schedule(schedule_kind::gpipe, 2, 0),
                        doctest::Contains("microbatches (0) must be >= 1"),
                        actorpipe::invalid_argument);
+}
+
+TEST_CASE("interleaved schedules are valid for 1-4 stages and 2-3 chunks") {
+  for (std::size_t p = 1; p <= 4; ++p) {
+    for (std::size_t v = 2; v <= 3; ++v) {
+      for (std::size_t m = p; m <= 3 * p; m += p) {
+        CAPTURE(p);
+        CAPTURE(v);
+        CAPTURE(m);
+        auto s = make_schedule(schedule_kind::interleaved, p, m, v);
+        CHECK(chunks_of(s) == v);
+        CHECK_NOTHROW(validate(s, m, true));
+        CHECK_NOTHROW(validate(make_forward_schedule(p, m, v), m, false));
+      }
+    }
+  }
+}
+
+TEST_CASE("the simulator reproduces the textbook bubbles with equal costs") {
+  // Forward 1, backward 2 per micro-batch and stage: GPipe and 1F1B take (m + p - 1) * 3, a
+  // bubble of (p - 1) / (m + p - 1).
+  for (std::size_t p : {2, 4, 8}) {
+    for (std::size_t m : {4, 8, 16}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      std::vector<action_costs> costs{action_costs{1, 2, 0}};
+      for (auto kind : {schedule_kind::gpipe, schedule_kind::one_f_one_b}) {
+        auto r = simulate(make_schedule(kind, p, m), m, costs);
+        CHECK(r.makespan == doctest::Approx(3.0 * static_cast<double>(m + p - 1)));
+        for (auto b : r.bubble) {
+          CHECK(b == doctest::Approx(static_cast<double>(p - 1) / static_cast<double>(m + p - 1)));
+        }
+      }
+      // Interleaved with v chunks of 1/v the cost each: bubble (1/v)(p - 1) over m.
+      if (m % p == 0) {
+        for (std::size_t v : {2, 4}) {
+          CAPTURE(v);
+          auto dv = static_cast<double>(v);
+          auto r = simulate(make_schedule(schedule_kind::interleaved, p, m, v), m,
+                            {action_costs{1 / dv, 2 / dv, 0}});
+          auto stretch = static_cast<double>(p - 1) / dv;
+          CHECK(r.makespan == doctest::Approx(3.0 * (static_cast<double>(m) + stretch)));
+          CHECK(r.mean_bubble() == doctest::Approx(stretch / (static_cast<double>(m) + stretch)));
+        }
+      }
+      // ZB-H1 with F = B = W and m >= p (the paper's setting): a third of 1F1B's bubble, no
+      // more memory than 1F1B's peak.
+      if (m < p) {
+        continue;
+      }
+      auto zb = simulate(make_schedule(schedule_kind::zb_h1, p, m), m, {action_costs{1, 1, 1}});
+      auto ofob = simulate(make_schedule(schedule_kind::one_f_one_b, p, m), m,
+                           {action_costs{1, 1, 1}});
+      auto work = 3.0 * static_cast<double>(m);
+      CHECK((zb.makespan - work) == doctest::Approx((ofob.makespan - work) / 3));
+      CHECK(*std::max_element(zb.peak_stash.begin(), zb.peak_stash.end()) <=
+            *std::max_element(ofob.peak_stash.begin(), ofob.peak_stash.end()));
+    }
+  }
+}
+
+TEST_CASE("the simulator charges per-stage costs and send latency") {
+  auto s = make_schedule(schedule_kind::gpipe, 2, 1);
+  auto r = simulate(s, 1, {action_costs{1, 1, 0}, action_costs{3, 3, 0}}, 0.5);
+  // F on stage 0 [0,1), F on stage 1 [1.5,4.5), B on stage 1 [4.5,7.5), B on stage 0 [8,9).
+  CHECK(r.makespan == doctest::Approx(9));
+  CHECK(r.timeline[1][0].start == doctest::Approx(1.5));
+  CHECK(r.busy[0] == doctest::Approx(2));
+  CHECK_THROWS_WITH_AS(simulate(s, 1, {action_costs{}, action_costs{}, action_costs{}}),
+                       doctest::Contains("3 costs given for 2 virtual stages"),
+                       actorpipe::invalid_argument);
+}
+
+TEST_CASE("actions parse as they print, and schedules load from JSON") {
+  for (const auto* text : {"F0", "B12", "W3", "F1@1", "B7@3"}) {
+    CHECK(to_string(parse_action(text)) == text);
+  }
+  for (const auto* bad : {"X1", "F", "Fa", "F1@", "F-1", ""}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(parse_action(bad), actorpipe::invalid_argument);
+  }
+  auto path = std::string("/tmp/actorpipe_schedule_test_") + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << R"({"programs": [["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]]})";
+  }
+  auto s = load_schedule(path);
+  REQUIRE(s.size() == 2);
+  CHECK(to_string(s[0]) == "F0 F1 B0 B1");
+  CHECK_NOTHROW(validate(s, 2, true));
+  {
+    std::ofstream out(path);
+    out << R"({"programs": [["F0", "G1"]]})";
+  }
+  CHECK_THROWS_WITH_AS(load_schedule(path), doctest::Contains("'G1' is not an action"),
+                       actorpipe::invalid_argument);
+  {
+    std::ofstream out(path);
+    out << R"({"stages": 2})";
+  }
+  CHECK_THROWS_WITH_AS(load_schedule(path), doctest::Contains("expected {\"programs\""),
+                       actorpipe::invalid_argument);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("a weight action before its backward is rejected") {
+  action f{action_kind::forward, 0, 0};
+  action b{action_kind::backward, 0, 0};
+  action w{action_kind::weight, 0, 0};
+  CHECK_THROWS_WITH_AS(validate({{f, w, b}}, 1, true),
+                       doctest::Contains("weight gradient of micro-batch 0 before its backward"),
+                       actorpipe::invalid_argument);
+  CHECK_NOTHROW(validate({{f, b, w}}, 1, true));
 }
