@@ -5,6 +5,7 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "cli/plan_command.hpp"
 #include "cli/train_command.hpp"
 
 int main(int argc, char** argv) {
@@ -13,6 +14,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   actorpipe::cli::train_args train;
   auto* train_cmd = actorpipe::cli::add_train_command(app, train);
+  actorpipe::cli::plan_args plan;
+  auto* plan_cmd = actorpipe::cli::add_plan_command(app, plan);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -21,6 +24,9 @@ int main(int argc, char** argv) {
   try {
     if (*train_cmd) {
       return actorpipe::cli::run_train(train);
+    }
+    if (*plan_cmd) {
+      return actorpipe::cli::run_plan(plan);
     }
   } catch (const actorpipe::invalid_argument& e) {
     std::cerr << "actorpipe: error: " << e.what() << '\n';

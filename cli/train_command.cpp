@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <actorpipe/actorpipe.hpp>
+#include <actorpipe/trace.hpp>
 #include <actorpipe/training.hpp>
 
 namespace actorpipe::cli {
@@ -18,32 +19,18 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
     "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
              "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
              "(random images, one-hot targets, MSE loss, SGD)");
+  add_model_flags(cmd, a.model);
+  add_pipeline_flags(cmd, a.plan);
   auto opt = [&](const std::string& name, auto& value, const std::string& help) {
     return cmd->add_option(name, value, help)->capture_default_str();
   };
-  opt("--data", a.data, "Data: fashion-mnist (real, 1x28x28, 10 classes) or synthetic")
-    ->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
   opt("--data-dir", a.data_dir,
       "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
-  opt("--model", a.model,
-      "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn (default: cnn for "
-      "fashion-mnist, resnet50 for synthetic)");
-  opt("--stages", a.stages, "Pipeline stages (stage actors), >= 1");
-  opt("--microbatches", a.microbatches, "Micro-batches per batch, >= 1");
-  opt("--schedule", a.schedule, "Schedule: gpipe or 1f1b");
-  opt("--partition", a.partition,
-      "How to cut the layer list: uniform (by layer count), params (balance parameters) or "
-      "cut:I,J (stages start at layers I, J)");
-  opt("--batch", a.batch, "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)");
-  opt("--image", a.image, "Synthetic data: image side length for the ResNets");
-  opt("--classes", a.classes, "Synthetic data: output classes (0: 1000 for ResNets, else 10)");
   opt("--steps", a.steps, "Synthetic data: training steps (batches)");
   opt("--epochs", a.epochs, "Fashion-MNIST: epochs");
   opt("--lr", a.lr, "Learning rate (fashion-mnist: peak of the cosine schedule)");
   opt("--momentum", a.momentum, "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic)");
   opt("--warmup", a.warmup, "Fashion-MNIST: linear warm-up steps of the cosine schedule");
-  opt("--seed", a.seed, "Seed for parameters and data order");
-  opt("--threads", a.threads, "Intra-op threads per stage (0: cores divided among the stages)");
   opt("--wait-timeout", a.wait_timeout_ms,
       "Milliseconds a stage waits for an input before failing the step");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
@@ -59,6 +46,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--metrics", a.metrics, "Fashion-MNIST: per-epoch metrics file (.csv, else JSON lines)");
   cmd->add_flag("--no-progress", a.no_progress, "Fashion-MNIST: no progress bar");
   opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
+  opt("--trace", a.trace,
+      "Synthetic data: write a Chrome trace (Perfetto, chrome://tracing) of every step and print "
+      "planned against measured bubbles");
   return cmd;
 }
 
@@ -72,12 +62,19 @@ torch::Tensor cross_entropy(const torch::Tensor& y, const torch::Tensor& t) {
   return torch::nn::functional::cross_entropy(y, t);
 }
 
-void print_plan(const std::string& model, const layer_list& layers, const partition& cut) {
-  auto counts = stage_parameter_counts(layers, cut);
-  for (std::size_t s = 0; s < cut.stages(); ++s) {
-    std::cout << "  stage " << s << ": layers " << layers[cut.begin(s)].name() << ".."
-              << layers[cut.end(s) - 1].name() << ", " << counts[s] << " parameters\n";
+void print_plan(const model_setup& setup, const plan_choice& choice) {
+  const auto& cut = choice.cut;
+  auto counts = stage_parameter_counts(setup.layers, cut);
+  auto p = cut.stages() / choice.chunks;
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
+    std::cout << "  stage " << k % p;
+    if (choice.chunks > 1) {
+      std::cout << " chunk " << k / p;
+    }
+    std::cout << ": layers " << setup.layers[cut.begin(k)].name() << ".."
+              << setup.layers[cut.end(k) - 1].name() << ", " << counts[k] << " parameters\n";
   }
+  std::cout << std::flush;
 }
 
 void write_json(const std::string& path, const nlohmann::json& report) {
@@ -89,28 +86,34 @@ void write_json(const std::string& path, const nlohmann::json& report) {
   out << report.dump(2) << '\n';
 }
 
-int run_fashion_mnist(const train_args& a, pipeline_options po) {
-  std::string model = a.model.empty() ? "cnn" : a.model;
-  ACTORPIPE_CHECK(model.rfind("resnet", 0) != 0, "--data fashion-mnist takes 1x28x28 images: use "
-                  "--model cnn or mlp (ResNets train on --data synthetic)");
+nlohmann::json config_json(const train_args& a, const model_setup& setup, const plan_choice& c) {
+  return {{"data", a.model.data},
+          {"model", setup.name},
+          {"stages", c.cut.stages() / c.chunks},
+          {"chunks", c.chunks},
+          {"bounds", c.cut.bounds},
+          {"microbatches", c.microbatches},
+          {"schedule", c.schedule_name},
+          {"batch", setup.batch},
+          {"image", setup.options.image_size},
+          {"classes", setup.options.num_classes},
+          {"lr", a.lr},
+          {"seed", a.model.seed},
+          {"stage_parameters", stage_parameter_counts(setup.layers, c.cut)}};
+}
+
+int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                      pipeline_options po) {
   auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
   auto train = load_fashion_mnist(dir, true).head(a.train_samples);
   auto test = load_fashion_mnist(dir, false).head(a.test_samples);
-
-  model_options mo;
-  mo.in_channels = 1;
-  mo.image_size = 28;
-  mo.num_classes = 10;
-  torch::manual_seed(a.seed);
-  auto layers = make_model(model, mo);
-  auto cut = parse_partition(a.partition, layers, a.stages);
   po.loss = cross_entropy;
   po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.9 : a.momentum);
 
   train_options to;
   to.epochs = a.epochs;
-  to.batch = a.batch > 0 ? a.batch : 64;
-  to.seed = a.seed;
+  to.batch = setup.batch;
+  to.seed = a.model.seed;
   to.lr = a.lr;
   to.warmup_steps = a.warmup;
   to.checkpoint_dir = a.checkpoint_dir;
@@ -120,25 +123,23 @@ int run_fashion_mnist(const train_args& a, pipeline_options po) {
   to.metrics = a.metrics;
   to.max_steps = a.max_steps;
   to.progress = !a.no_progress;
-  to.model = model;
+  to.model = setup.name;
   to.dataset = "fashion-mnist";
 
-  std::cout << "actorpipe train: " << model << " on Fashion-MNIST (" << train.size() << " train, "
-            << test.size() << " test), " << cut.stages() << " stages " << cut.to_string()
-            << ", schedule " << a.schedule << ", " << a.microbatches << " micro-batches, batch "
-            << to.batch << ", " << a.epochs << " epochs, lr " << a.lr << " (cosine, "
-            << a.warmup << " warm-up steps), seed " << a.seed << '\n';
-  print_plan(model, layers, cut);
-  std::cout << std::flush;
+  std::cout << "actorpipe train: " << setup.name << " on Fashion-MNIST (" << train.size()
+            << " train, " << test.size() << " test), " << choice.cut.stages() / choice.chunks
+            << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name
+            << ", " << choice.microbatches << " micro-batches, batch " << to.batch << ", "
+            << a.epochs << " epochs, lr " << a.lr << " (cosine, " << a.warmup
+            << " warm-up steps), seed " << a.model.seed << '\n';
+  print_plan(setup, choice);
 
   engine sys;
-  pipeline pipe(sys, layers, cut, po);
+  pipeline pipe(sys, setup.layers, choice.cut, po);
   auto report = train_classifier(pipe, train, test, to);
 
   nlohmann::json j;
-  j["config"] = {{"data", "fashion-mnist"}, {"model", model},       {"stages", cut.stages()},
-                 {"bounds", cut.bounds},    {"batch", to.batch},     {"seed", a.seed},
-                 {"microbatches", a.microbatches}, {"schedule", a.schedule}};
+  j["config"] = config_json(a, setup, choice);
   j["steps"] = nlohmann::json::array();
   for (const auto& [step, loss] : report.steps) {
     j["steps"].push_back({{"step", step}, {"loss", loss}});
@@ -160,44 +161,27 @@ int run_fashion_mnist(const train_args& a, pipeline_options po) {
   return 0;
 }
 
-int run_synthetic(const train_args& a, pipeline_options po) {
-  std::string model = a.model.empty() ? "resnet50" : a.model;
-  bool resnet = model.rfind("resnet", 0) == 0;
-  model_options mo;
-  mo.in_channels = resnet ? 3 : 1;
-  mo.image_size = resnet ? a.image : 28;
-  mo.num_classes = a.classes > 0 ? a.classes : (resnet ? 1000 : 10);
-  int64_t batch = a.batch > 0 ? a.batch : 120;
-  ACTORPIPE_CHECK(a.image >= 1, "--image (", a.image, ") must be >= 1");
-
-  torch::manual_seed(a.seed);
-  auto layers = make_model(model, mo);
-  auto cut = parse_partition(a.partition, layers, a.stages);
+int run_synthetic(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                  pipeline_options po) {
+  const auto& mo = setup.options;
   po.loss = mse;
   po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.0 : a.momentum);
-
-  std::cout << "actorpipe train: " << model << " on synthetic data, " << cut.stages()
-            << " stages " << cut.to_string() << ", schedule " << a.schedule << ", "
-            << a.microbatches << " micro-batches, batch " << batch << ", input "
-            << mo.in_channels << 'x' << mo.image_size << 'x' << mo.image_size << ", seed "
-            << a.seed << '\n';
-  print_plan(model, layers, cut);
-  std::cout << std::flush;
+  std::cout << "actorpipe train: " << setup.name << " on synthetic data, "
+            << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
+            << ", schedule " << choice.schedule_name << ", " << choice.microbatches
+            << " micro-batches, batch " << setup.batch << ", input " << mo.in_channels << 'x'
+            << mo.image_size << 'x' << mo.image_size << ", seed " << a.model.seed << '\n';
+  print_plan(setup, choice);
 
   engine sys;
-  pipeline pipe(sys, layers, cut, po);
-
+  pipeline pipe(sys, setup.layers, choice.cut, po);
   nlohmann::json report;
-  report["config"] = {{"data", "synthetic"},          {"model", model},
-                      {"stages", cut.stages()},       {"bounds", cut.bounds},
-                      {"microbatches", a.microbatches}, {"schedule", a.schedule},
-                      {"batch", batch},               {"image", mo.image_size},
-                      {"classes", mo.num_classes},    {"lr", a.lr},
-                      {"seed", a.seed},               {"stage_parameters", stage_parameter_counts(layers, cut)}};
+  report["config"] = config_json(a, setup, choice);
   report["steps"] = nlohmann::json::array();
+  std::vector<step_result> results;
   for (std::size_t step = 0; step < a.steps; ++step) {
-    auto x = torch::randn({batch, mo.in_channels, mo.image_size, mo.image_size});
-    auto labels = torch::randint(mo.num_classes, {batch}, torch::kLong);
+    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
+    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
     auto y = torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat);
     auto r = pipe.train_step(x, y);
     std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9)
@@ -214,23 +198,35 @@ int run_synthetic(const train_args& a, pipeline_options po) {
     }
     report["steps"].push_back(
       {{"step", r.step}, {"loss", r.loss}, {"wall_ms", r.wall_ms}, {"stages", stages}});
+    results.push_back(std::move(r));
   }
   write_json(a.json, report);
+  if (!a.trace.empty()) {
+    write_chrome_trace(a.trace, results);
+    std::cout << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
+              << "planned against measured, last step:\n"
+              << compare_bubbles(pipe.training_schedule(), choice.microbatches, results.back())
+                   .to_string();
+  }
   return 0;
 }
 
 } // namespace
 
 int run_train(const train_args& a) {
-  ACTORPIPE_CHECK(a.batch >= 0, "--batch (", a.batch, ") must be >= 1");
   ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms,
                   ") must be >= 1");
+  auto setup = build_model(a.model);
+  auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   pipeline_options po;
-  po.microbatches = a.microbatches;
-  po.schedule = parse_schedule_kind(a.schedule);
-  po.threads_per_stage = a.threads;
+  po.microbatches = choice.microbatches;
+  po.schedule = choice.kind;
+  po.chunks = choice.chunks;
+  po.custom_schedule = choice.custom;
+  po.threads_per_stage = a.plan.threads;
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
-  return a.data == "synthetic" ? run_synthetic(a, std::move(po)) : run_fashion_mnist(a, std::move(po));
+  return a.model.data == "synthetic" ? run_synthetic(a, setup, choice, std::move(po))
+                                     : run_fashion_mnist(a, setup, choice, std::move(po));
 }
 
 } // namespace actorpipe::cli

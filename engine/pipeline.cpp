@@ -321,6 +321,12 @@ void pipeline::load_state(const std::string& dir) {
   self.wait(future, "load_state");
 }
 
+actorpipe::schedule pipeline::training_schedule() const {
+  const auto& o = impl_->options;
+  return o.custom_schedule.empty() ? make_schedule(o.schedule, stages(), o.microbatches, o.chunks)
+                                   : o.custom_schedule;
+}
+
 std::size_t pipeline::stages() const {
   return impl_->stage_actors.size();
 }

@@ -173,6 +173,9 @@ public:
   /// names the tensor otherwise.
   void load_state(const std::string& dir);
 
+  /// The training schedule for the configured micro-batch count (built in or custom).
+  actorpipe::schedule training_schedule() const;
+
   /// Stage actors (the partition's parts divided by chunks).
   std::size_t stages() const;
   const partition& cut() const;

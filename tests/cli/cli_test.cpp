@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
 
 #include <doctest/doctest.h>
@@ -231,4 +233,78 @@ TEST_CASE("a missing data folder names the file and the package") {
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("/nonexistent/fm/train-images-idx3-ubyte.gz' not found; install Debian's "
                       "package dataset-fashion-mnist") != std::string::npos);
+}
+
+TEST_CASE("a traced run writes a Chrome trace with a track per stage and send arrows, and "
+          "reports planned against measured bubbles") {
+  auto trace = temp_file("trace.json");
+  auto r = run("train --data synthetic --model mlp --batch 16 --stages 3 --microbatches 4 "
+               "--steps 2 --schedule zb-h1 --trace " + trace.string());
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("planned against measured") != std::string::npos);
+  CHECK(r.output.find("stage 2 bubble: planned") != std::string::npos);
+  std::ifstream in(trace);
+  auto j = nlohmann::json::parse(in);
+  std::map<std::string, int> phases;
+  std::set<int> tracks;
+  for (const auto& e : j["traceEvents"]) {
+    phases[e["ph"].get<std::string>()]++;
+    if (e["ph"] == "X") {
+      tracks.insert(e["tid"].get<int>());
+      CHECK(e["dur"].get<double>() >= 0);
+    }
+  }
+  CHECK(tracks == std::set<int>{0, 1, 2});
+  // 2 steps x 3 stages x 4 micro-batches x (F, B, W).
+  CHECK(phases["X"] == 72);
+  // Per step: activations 0->1, 1->2 and gradients 2->1, 1->0, for 4 micro-batches each.
+  CHECK(phases["s"] == 32);
+  CHECK(phases["f"] == 32);
+  CHECK(phases["M"] == 3);
+  std::filesystem::remove(trace);
+}
+
+TEST_CASE("plan profiles the model, prints the cut and draws the schedule") {
+  auto svg = temp_file("plan.svg");
+  auto r = run("plan --data synthetic --model resnet18 --image 32 --batch 8 --stages 2 "
+               "--partition time --schedule interleaved --chunks 2 --microbatches 4 --svg " +
+               svg.string());
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("simulated step:") != std::string::npos);
+  CHECK(r.output.find("stage 1: busy") != std::string::npos);
+  std::ifstream in(svg);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(text.rfind("<svg", 0) == 0);
+  CHECK(text.find("planned interleaved") != std::string::npos);
+  std::filesystem::remove(svg);
+}
+
+TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
+  auto file = temp_file("schedule.json");
+  {
+    std::ofstream out(file);
+    out << R"({"programs": [["F0", "F1", "B1", "B0"], ["F0", "B0", "F1", "B1"]]})";
+  }
+  auto from_file = run("train --data synthetic --model mlp --batch 8 --stages 2 --microbatches 2 "
+                       "--steps 1 --schedule file:" + file.string());
+  CAPTURE(from_file.output);
+  CHECK(from_file.exit_code == 0);
+  auto automatic = run("train --data synthetic --model mlp --batch 16 --stages 2 --microbatches 0 "
+                       "--steps 1 --schedule auto --max-stash 2");
+  CAPTURE(automatic.output);
+  CHECK(automatic.exit_code == 0);
+  CHECK(automatic.output.find("chosen: ") != std::string::npos);
+  CHECK(automatic.output.find("(over --max-stash)") != std::string::npos);
+  {
+    std::ofstream out(file);
+    out << R"({"programs": [["F0", "B0", "F1", "B1"], ["F1", "F0", "B1", "B0"]]})";
+  }
+  auto deadlock = run("train --data synthetic --model mlp --batch 8 --stages 2 --microbatches 2 "
+                      "--steps 1 --schedule file:" + file.string());
+  CHECK(deadlock.exit_code == 2);
+  CHECK(deadlock.output.find("schedule deadlocks: stage 0 waits at action 1 (B0)") !=
+        std::string::npos);
+  std::filesystem::remove(file);
 }

@@ -1,0 +1,27 @@
+/// \file
+/// `actorpipe plan`: shows how a model would be cut and scheduled, without training.
+#pragma once
+
+#include <string>
+
+#include "cli/planning.hpp"
+
+namespace CLI {
+class App;
+}
+
+namespace actorpipe::cli {
+
+struct plan_args {
+  model_args model;
+  planning_args plan;
+  std::string svg;
+};
+
+CLI::App* add_plan_command(CLI::App& app, plan_args& args);
+
+/// Profiles the layers, prints per-stage layers, parameters, time and activation sizes and the
+/// simulated step; draws the planned schedule with --svg. Returns the exit code.
+int run_plan(const plan_args& args);
+
+} // namespace actorpipe::cli

@@ -1,0 +1,182 @@
+#include "cli/planning.hpp"
+
+#include <cstdio>
+#include <iostream>
+#include <limits>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+namespace actorpipe::cli {
+namespace {
+
+partition cut_for(const layer_list& layers, const std::string& spec, std::size_t parts,
+                  const std::vector<layer_profile>& profile) {
+  if (spec == "time") {
+    return partition_by_time(profile, parts);
+  }
+  return parse_partition(spec, layers, parts);
+}
+
+std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
+                                      int64_t samples, std::size_t threads) {
+  auto previous = at::get_num_threads();
+  at::set_num_threads(static_cast<int>(threads));
+  auto profile = profile_layers(layers, batch.slice(0, 0, samples));
+  at::set_num_threads(previous);
+  return profile;
+}
+
+} // namespace
+
+void add_model_flags(CLI::App* cmd, model_args& m) {
+  cmd->add_option("--data", m.data, "Data: fashion-mnist (real, 1x28x28, 10 classes) or synthetic")
+    ->capture_default_str()
+    ->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
+  cmd->add_option("--model", m.model,
+                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn (default: cnn for "
+                  "fashion-mnist, resnet50 for synthetic)");
+  cmd->add_option("--batch", m.batch, "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)")
+    ->capture_default_str();
+  cmd->add_option("--image", m.image, "Synthetic data: image side length for the ResNets")
+    ->capture_default_str();
+  cmd->add_option("--classes", m.classes, "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
+    ->capture_default_str();
+  cmd->add_option("--seed", m.seed, "Seed for parameters and data")->capture_default_str();
+}
+
+void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
+  cmd->add_option("--stages", a.stages, "Pipeline stages (stage actors), >= 1")->capture_default_str();
+  cmd->add_option("--microbatches", a.microbatches,
+                  "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose)")
+    ->capture_default_str();
+  cmd->add_option("--chunks", a.chunks, "Model chunks per stage (interleaved schedule)")
+    ->capture_default_str();
+  cmd->add_option("--schedule", a.schedule,
+                  "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
+                  "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]})")
+    ->capture_default_str();
+  cmd->add_option("--partition", a.partition,
+                  "How to cut the layer list: uniform (by layer count), params (balance "
+                  "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J)")
+    ->capture_default_str();
+  cmd->add_option("--max-stash", a.max_stash,
+                  "--schedule auto: most micro-batches a stage may stash (0: no limit)")
+    ->capture_default_str();
+  cmd->add_option("--threads", a.threads, "Intra-op threads per stage (0: cores divided among the stages)")
+    ->capture_default_str();
+}
+
+model_setup build_model(const model_args& m) {
+  model_setup setup;
+  setup.name = m.model.empty() ? (m.data == "synthetic" ? "resnet50" : "cnn") : m.model;
+  bool resnet = setup.name.rfind("resnet", 0) == 0;
+  ACTORPIPE_CHECK(m.data == "synthetic" || !resnet, "--data fashion-mnist takes 1x28x28 images: "
+                  "use --model cnn or mlp (ResNets train on --data synthetic)");
+  ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
+  ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
+  setup.options.in_channels = resnet ? 3 : 1;
+  setup.options.image_size = resnet ? m.image : 28;
+  setup.options.num_classes = m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet ? 1000 : 10);
+  setup.batch = m.batch > 0 ? m.batch : (m.data == "synthetic" ? 120 : 64);
+  torch::manual_seed(m.seed);
+  setup.layers = make_model(setup.name, setup.options);
+  return setup;
+}
+
+torch::Tensor model_setup::sample() const {
+  return torch::randn({batch, options.in_channels, options.image_size, options.image_size});
+}
+
+std::size_t threads_per_stage(std::size_t stages, std::size_t flag) {
+  if (flag > 0) {
+    return flag;
+  }
+  auto cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max<std::size_t>(1, cores / std::max<std::size_t>(1, stages));
+}
+
+plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
+                        const planning_args& a, bool always_profile) {
+  auto batch_size = batch.size(0);
+  bool automatic = a.schedule == "auto";
+  ACTORPIPE_CHECK(automatic || a.microbatches >= 1, "microbatches (", a.microbatches,
+                  ") must be >= 1 (0 only with --schedule auto)");
+  ACTORPIPE_CHECK(a.stages >= 1, "stages (", a.stages, ") must be >= 1");
+  plan_choice choice;
+  choice.microbatches = a.microbatches;
+  choice.chunks = a.chunks;
+  auto threads = threads_per_stage(a.stages, a.threads);
+  bool need_profile = always_profile || automatic || a.partition == "time";
+  auto reference_m = static_cast<int64_t>(a.microbatches > 0 ? a.microbatches : 4);
+  choice.profiled_samples = std::max<int64_t>(1, batch_size / reference_m);
+  if (need_profile) {
+    choice.profile = profile_at(layers, batch, choice.profiled_samples, threads);
+  }
+  if (a.schedule.rfind("file:", 0) == 0) {
+    choice.custom = load_schedule(a.schedule.substr(5));
+    choice.schedule_name = a.schedule;
+    choice.chunks = chunks_of(choice.custom);
+    choice.cut = cut_for(layers, a.partition, a.stages * choice.chunks, choice.profile);
+    return choice;
+  }
+  if (!automatic) {
+    choice.kind = parse_schedule_kind(a.schedule);
+    choice.schedule_name = a.schedule;
+    choice.cut = cut_for(layers, a.partition, a.stages * a.chunks, choice.profile);
+    return choice;
+  }
+  // auto: simulate every built-in schedule (and micro-batch count when not fixed) with the
+  // profiled costs, scaled to each micro-batch size, and keep the fastest within --max-stash.
+  std::vector<std::size_t> counts;
+  if (a.microbatches > 0) {
+    counts.push_back(a.microbatches);
+  } else {
+    for (std::size_t m = 1; m <= 64 && static_cast<int64_t>(m) <= batch_size; m *= 2) {
+      counts.push_back(m);
+    }
+  }
+  std::printf("schedule auto: simulated with per-layer costs profiled at %lld samples\n",
+              static_cast<long long>(choice.profiled_samples));
+  std::printf("  %-12s %6s %6s %12s %8s %10s\n", "schedule", "chunks", "m", "makespan ms",
+              "bubble", "max stash");
+  double best = std::numeric_limits<double>::infinity();
+  for (auto m : counts) {
+    auto scale = static_cast<double>(batch_size) / static_cast<double>(m) /
+                 static_cast<double>(choice.profiled_samples);
+    for (auto kind : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::zb_h1,
+                      schedule_kind::interleaved}) {
+      std::size_t v = kind == schedule_kind::interleaved ? std::max<std::size_t>(2, a.chunks) : 1;
+      if (a.stages * v > layers.size() ||
+          (kind == schedule_kind::interleaved && (a.stages < 2 || m % a.stages != 0))) {
+        continue;
+      }
+      auto cut = cut_for(layers, a.partition, a.stages * v, choice.profile);
+      auto plan = make_schedule(kind, a.stages, m, v);
+      auto sim = simulate(plan, m, costs_of(choice.profile, cut, scale));
+      auto stash = *std::max_element(sim.peak_stash.begin(), sim.peak_stash.end());
+      bool fits = a.max_stash <= 0 || stash <= a.max_stash;
+      std::printf("  %-12s %6zu %6zu %12.1f %7.1f%% %10.2f%s\n", to_string(kind).c_str(), v, m,
+                  sim.makespan, 100 * sim.mean_bubble(), stash, fits ? "" : "  (over --max-stash)");
+      if (fits && sim.makespan < best) {
+        best = sim.makespan;
+        choice.kind = kind;
+        choice.schedule_name = to_string(kind);
+        choice.microbatches = m;
+        choice.chunks = v;
+        choice.cut = cut;
+      }
+    }
+  }
+  ACTORPIPE_CHECK(best < std::numeric_limits<double>::infinity(),
+                  "--schedule auto: no schedule fits --max-stash ", a.max_stash);
+  std::printf("  chosen: %s, %zu micro-batches, %zu chunk(s), cut %s\n",
+              choice.schedule_name.c_str(), choice.microbatches, choice.chunks,
+              choice.cut.to_string().c_str());
+  std::fflush(stdout);
+  return choice;
+}
+
+} // namespace actorpipe::cli

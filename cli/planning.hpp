@@ -1,0 +1,90 @@
+/// \file
+/// Choosing a pipeline's cut and schedule from flags, with per-layer profiles where asked for
+/// (`--partition time`, `--schedule auto`), shared by `actorpipe train` and `actorpipe plan`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <actorpipe/layers.hpp>
+#include <actorpipe/models.hpp>
+#include <actorpipe/partition.hpp>
+#include <actorpipe/profile.hpp>
+#include <actorpipe/schedule.hpp>
+
+namespace CLI {
+class App;
+}
+
+namespace actorpipe::cli {
+
+/// What model and data a command uses.
+struct model_args {
+  std::string data = "fashion-mnist";
+  std::string model;
+  int64_t batch = 0;
+  int64_t image = 128;
+  int64_t classes = 0;
+  uint64_t seed = 0;
+};
+
+/// A built model with its input shape.
+struct model_setup {
+  std::string name;
+  model_options options;
+  layer_list layers;
+  int64_t batch = 0;
+
+  /// A random batch shaped like the real one.
+  torch::Tensor sample() const;
+};
+
+/// Builds the model (parameters drawn after torch::manual_seed(seed)).
+model_setup build_model(const model_args& args);
+
+struct planning_args {
+  std::size_t stages = 2;
+  /// 0: chosen by --schedule auto.
+  std::size_t microbatches = 4;
+  std::size_t chunks = 1;
+  /// gpipe, 1f1b, interleaved, zb-h1, auto, or file:PATH.
+  std::string schedule = "1f1b";
+  /// uniform, params, time, or cut:I,J.
+  std::string partition = "uniform";
+  /// Most micro-batches a stage may stash, for --schedule auto (0: no limit).
+  double max_stash = 0;
+  /// Intra-op threads per stage (0: cores / stages).
+  std::size_t threads = 0;
+};
+
+void add_model_flags(CLI::App* cmd, model_args& args);
+void add_pipeline_flags(CLI::App* cmd, planning_args& args);
+
+/// What to run.
+struct plan_choice {
+  partition cut;
+  schedule_kind kind = schedule_kind::one_f_one_b;
+  std::string schedule_name;
+  /// Set for file: schedules.
+  schedule custom;
+  std::size_t microbatches = 1;
+  std::size_t chunks = 1;
+  /// Per-layer costs at the chosen micro-batch size (empty unless something needed them).
+  std::vector<layer_profile> profile;
+  /// Micro-batch size the profile was taken at.
+  int64_t profiled_samples = 0;
+};
+
+/// Resolves the flags for `layers` and a batch shaped like `batch` (whose first dimension is the
+/// batch size). Profiles the layers (on the calling thread, with the stages' thread count) when
+/// --partition time or --schedule auto needs it, and prints what --schedule auto compared.
+plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
+                        const planning_args& args, bool always_profile = false);
+
+/// The threads each stage gets for `stages` stage actors and the --threads flag.
+std::size_t threads_per_stage(std::size_t stages, std::size_t flag);
+
+} // namespace actorpipe::cli

@@ -1,0 +1,44 @@
+/// \file
+/// Timelines people can open: Chrome trace event files (Perfetto, chrome://tracing), SVG Gantt
+/// charts of planned or measured schedules, and planned-versus-measured bubble reports.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <actorpipe/pipeline.hpp>
+#include <actorpipe/schedule.hpp>
+
+namespace actorpipe {
+
+/// Writes `steps` (one after another on the time axis) as Chrome trace events: one track per
+/// stage, an event per action (name "F3", "B0@1"; args: step, micro-batch, chunk, bytes sent),
+/// and flow arrows from each send to the action that received it. Throws pipeline_error when the
+/// file cannot be written.
+void write_chrome_trace(const std::string& path, const std::vector<step_result>& steps);
+
+/// The measured timeline of a step, per stage, in milliseconds from its start.
+std::vector<std::vector<timed_action>> timeline_of(const step_result& step);
+
+/// Writes a Gantt chart (one row per stage; forward, backward and weight actions in three
+/// colours, labelled with their micro-batch) as SVG. `unit` labels the time axis ("ms").
+void write_gantt_svg(const std::string& path, const std::vector<std::vector<timed_action>>& rows,
+                     const std::string& title, const std::string& unit);
+
+/// Planned against measured: the simulator's bubble per stage and makespan with costs taken
+/// from the step's own actions (median per stage, chunk and kind), beside what happened.
+struct bubble_report {
+  std::vector<double> planned_bubble;
+  std::vector<double> measured_bubble;
+  double planned_ms = 0;
+  /// From the first action's start to the last action's end (optimizer steps excluded).
+  double measured_ms = 0;
+
+  /// A short table, one line per stage.
+  std::string to_string() const;
+};
+
+bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
+                              const step_result& measured);
+
+} // namespace actorpipe

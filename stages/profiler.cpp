@@ -1,0 +1,133 @@
+#include <actorpipe/profile.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include <torch/torch.h>
+
+namespace actorpipe {
+namespace {
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs.empty() ? 0 : xs[xs.size() / 2];
+}
+
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+} // namespace
+
+std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
+                                          int repeats) {
+  ACTORPIPE_CHECK(repeats >= 1, "profile repeats (", repeats, ") must be >= 1");
+  std::vector<torch::Tensor> saved_buffers;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& l : layers) {
+      if (auto m = l.module()) {
+        m->train(true);
+        for (auto& b : m->buffers()) {
+          saved_buffers.push_back(b.clone());
+        }
+      }
+    }
+  }
+  std::vector<layer_profile> result;
+  auto x = sample.detach();
+  for (const auto& l : layers) {
+    layer_profile p;
+    p.name = l.name();
+    p.parameters = l.parameter_count();
+    std::vector<double> forward;
+    std::vector<double> backward;
+    torch::Tensor y;
+    for (int r = 0; r <= repeats; ++r) {
+      auto input = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+      auto t0 = std::chrono::steady_clock::now();
+      y = l.forward(input);
+      auto t1 = std::chrono::steady_clock::now();
+      if (y.requires_grad()) {
+        y.backward(torch::randn_like(y));
+      }
+      auto t2 = std::chrono::steady_clock::now();
+      if (r > 0) { // the first run warms caches and allocators
+        forward.push_back(ms_between(t0, t1));
+        backward.push_back(ms_between(t1, t2));
+      }
+    }
+    p.forward_ms = median(forward);
+    p.backward_ms = median(backward);
+    p.output_bytes = static_cast<int64_t>(y.nbytes());
+    result.push_back(p);
+    x = y.detach();
+  }
+  torch::NoGradGuard no_grad;
+  std::size_t i = 0;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (auto& param : m->parameters()) {
+        param.mutable_grad().reset();
+      }
+      for (auto& b : m->buffers()) {
+        b.copy_(saved_buffers[i++]);
+      }
+    }
+  }
+  return result;
+}
+
+partition partition_by_time(const std::vector<layer_profile>& profile, std::size_t stages) {
+  auto n = profile.size();
+  ACTORPIPE_CHECK(stages >= 1 && stages <= n, "stages (", stages, ") must be in 1..", n,
+                  " (the model's layers)");
+  std::vector<double> prefix(n + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    prefix[i + 1] = prefix[i] + profile[i].forward_ms + profile[i].backward_ms;
+  }
+  constexpr auto inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<std::size_t>> from(stages + 1, std::vector<std::size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (std::size_t k = 1; k <= stages; ++k) {
+    for (std::size_t i = k; i <= n; ++i) {
+      for (std::size_t j = k - 1; j < i; ++j) {
+        auto cost = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (cost < best[k][i]) {
+          best[k][i] = cost;
+          from[k][i] = j;
+        }
+      }
+    }
+  }
+  partition p;
+  p.bounds.assign(stages + 1, 0);
+  p.bounds[stages] = n;
+  for (std::size_t k = stages; k > 0; --k) {
+    p.bounds[k - 1] = from[k][p.bounds[k]];
+  }
+  return p;
+}
+
+std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile,
+                                   const partition& cut, double scale) {
+  ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.back() == profile.size(), "costs_of: partition ",
+                  cut.to_string(), " does not cover the ", profile.size(), " profiled layers");
+  std::vector<action_costs> costs;
+  for (std::size_t s = 0; s < cut.stages(); ++s) {
+    action_costs c{0, 0, 0};
+    double backward = 0;
+    for (std::size_t i = cut.begin(s); i < cut.end(s); ++i) {
+      c.forward += profile[i].forward_ms * scale;
+      backward += profile[i].backward_ms * scale;
+    }
+    c.backward = s == 0 ? 0 : backward / 2;
+    c.weight = backward - c.backward;
+    costs.push_back(c);
+  }
+  return costs;
+}
+
+} // namespace actorpipe

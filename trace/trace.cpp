@@ -1,0 +1,244 @@
+#include <actorpipe/trace.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+namespace actorpipe {
+namespace {
+
+std::size_t chunks_in(const step_result& step) {
+  int32_t most = 0;
+  for (const auto& s : step.stages) {
+    for (const auto& a : s.actions) {
+      most = std::max(most, a.what.chunk);
+    }
+  }
+  return static_cast<std::size_t>(most) + 1;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  out.flush();
+  if (!out) {
+    throw pipeline_error(detail::concat("cannot write '", path, "'"));
+  }
+}
+
+const char* colour_of(action_kind kind) {
+  switch (kind) {
+    case action_kind::forward:
+      return "#4C78A8";
+    case action_kind::backward:
+      return "#54A24B";
+    case action_kind::weight:
+      return "#F58518";
+  }
+  return "#999999";
+}
+
+} // namespace
+
+void write_chrome_trace(const std::string& path, const std::vector<step_result>& steps) {
+  nlohmann::json events = nlohmann::json::array();
+  std::size_t stages = steps.empty() ? 0 : steps.front().stages.size();
+  for (std::size_t s = 0; s < stages; ++s) {
+    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", 1}, {"tid", s},
+                      {"args", {{"name", detail::concat("stage ", s)}}}});
+  }
+  double offset_ms = 0;
+  uint64_t flow_id = 0;
+  for (const auto& step : steps) {
+    auto p = step.stages.size();
+    auto chunks = chunks_in(step);
+    // Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).
+    std::map<std::tuple<action_kind, int32_t, std::size_t>, std::pair<std::size_t, action_record>>
+      placed;
+    for (std::size_t s = 0; s < p; ++s) {
+      for (const auto& a : step.stages[s].actions) {
+        auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
+        placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
+        events.push_back(
+          {{"ph", "X"},
+           {"name", to_string(a.what)},
+           {"cat", a.what.kind == action_kind::forward    ? "forward"
+                   : a.what.kind == action_kind::backward ? "backward"
+                                                          : "weight"},
+           {"pid", 1},
+           {"tid", s},
+           {"ts", (offset_ms + a.start_ms) * 1000},
+           {"dur", (a.end_ms - a.start_ms) * 1000},
+           {"args",
+            {{"step", step.step}, {"microbatch", a.what.microbatch}, {"chunk", a.what.chunk},
+             {"bytes_sent", a.bytes_sent}}}});
+      }
+    }
+    // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
+    for (const auto& [k, where] : placed) {
+      auto [kind, mb, vs] = k;
+      if (kind == action_kind::weight || where.second.bytes_sent == 0) {
+        continue;
+      }
+      auto to_vs = kind == action_kind::forward ? vs + 1 : vs - 1;
+      auto it = placed.find({kind, mb, to_vs});
+      if (it == placed.end() || to_vs >= p * chunks) {
+        continue;
+      }
+      const char* name = kind == action_kind::forward ? "activation" : "gradient";
+      ++flow_id;
+      events.push_back({{"ph", "s"}, {"name", name}, {"cat", "send"}, {"id", flow_id}, {"pid", 1},
+                        {"tid", where.first}, {"ts", (offset_ms + where.second.end_ms) * 1000}});
+      events.push_back({{"ph", "f"}, {"bp", "e"}, {"name", name}, {"cat", "send"},
+                        {"id", flow_id}, {"pid", 1}, {"tid", it->second.first},
+                        {"ts", (offset_ms + it->second.second.start_ms) * 1000}});
+    }
+    offset_ms += step.wall_ms;
+  }
+  nlohmann::json trace{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  write_file(path, trace.dump());
+}
+
+std::vector<std::vector<timed_action>> timeline_of(const step_result& step) {
+  std::vector<std::vector<timed_action>> rows;
+  for (const auto& s : step.stages) {
+    rows.emplace_back();
+    for (const auto& a : s.actions) {
+      rows.back().push_back({a.what, a.start_ms, a.end_ms});
+    }
+  }
+  return rows;
+}
+
+void write_gantt_svg(const std::string& path, const std::vector<std::vector<timed_action>>& rows,
+                     const std::string& title, const std::string& unit) {
+  double end = 0;
+  for (const auto& row : rows) {
+    for (const auto& a : row) {
+      end = std::max(end, a.end);
+    }
+  }
+  end = std::max(end, 1e-9);
+  const double left = 80;
+  const double width = 1000;
+  const double row_height = 36;
+  const double top = 50;
+  auto height = top + row_height * static_cast<double>(rows.size()) + 60;
+  std::ostringstream svg;
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20
+      << "\" height=\"" << height << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"" << left << "\" y=\"24\" font-size=\"15\">" << title << "</text>\n";
+  for (std::size_t s = 0; s < rows.size(); ++s) {
+    auto y = top + row_height * static_cast<double>(s);
+    svg << "<text x=\"8\" y=\"" << y + row_height / 2 + 4 << "\">stage " << s << "</text>\n";
+    for (const auto& a : rows[s]) {
+      auto x = left + width * a.start / end;
+      auto w = std::max(0.5, width * (a.end - a.start) / end);
+      svg << "<rect x=\"" << x << "\" y=\"" << y + 4 << "\" width=\"" << w << "\" height=\""
+          << row_height - 8 << "\" fill=\"" << colour_of(a.what.kind)
+          << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << to_string(a.what) << ": "
+          << a.start << " - " << a.end << ' ' << unit << "</title></rect>\n";
+      if (w > 14) {
+        svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + row_height / 2 + 4
+            << "\" fill=\"white\" text-anchor=\"middle\">" << a.what.microbatch
+            << (a.what.chunk > 0 ? detail::concat("@", a.what.chunk) : std::string{})
+            << "</text>\n";
+      }
+    }
+  }
+  auto axis_y = top + row_height * static_cast<double>(rows.size()) + 10;
+  svg << "<line x1=\"" << left << "\" y1=\"" << axis_y << "\" x2=\"" << left + width << "\" y2=\""
+      << axis_y << "\" stroke=\"black\"/>\n";
+  for (int tick = 0; tick <= 10; ++tick) {
+    auto x = left + width * tick / 10.0;
+    char label[32];
+    std::snprintf(label, sizeof label, end >= 100 ? "%.0f" : "%.3g", end * tick / 10.0);
+    svg << "<line x1=\"" << x << "\" y1=\"" << axis_y << "\" x2=\"" << x << "\" y2=\""
+        << axis_y + 5 << "\" stroke=\"black\"/><text x=\"" << x << "\" y=\"" << axis_y + 18
+        << "\" text-anchor=\"middle\">" << label << "</text>\n";
+  }
+  svg << "<text x=\"" << left + width << "\" y=\"" << axis_y + 34 << "\" text-anchor=\"end\">"
+      << unit << "</text>\n";
+  double lx = left;
+  for (auto kind : {action_kind::forward, action_kind::backward, action_kind::weight}) {
+    const char* name = kind == action_kind::forward    ? "forward"
+                       : kind == action_kind::backward ? "backward (B)"
+                                                       : "weight gradient (W)";
+    svg << "<rect x=\"" << lx << "\" y=\"" << axis_y + 26 << "\" width=\"12\" height=\"12\" fill=\""
+        << colour_of(kind) << "\"/><text x=\"" << lx + 16 << "\" y=\"" << axis_y + 36 << "\">"
+        << name << "</text>\n";
+    lx += 150;
+  }
+  svg << "</svg>\n";
+  write_file(path, svg.str());
+}
+
+bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
+                              const step_result& measured) {
+  auto p = measured.stages.size();
+  auto chunks = chunks_of(planned);
+  ACTORPIPE_CHECK(planned.size() == p, "compare_bubbles: ", planned.size(),
+                  " planned programs for ", p, " measured stages");
+  // Median duration per virtual stage and kind.
+  std::map<std::pair<std::size_t, action_kind>, std::vector<double>> durations;
+  double first = 1e300;
+  double last = 0;
+  std::vector<double> busy(p, 0);
+  for (std::size_t s = 0; s < p; ++s) {
+    for (const auto& a : measured.stages[s].actions) {
+      auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
+      durations[{vs, a.what.kind}].push_back(a.end_ms - a.start_ms);
+      first = std::min(first, a.start_ms);
+      last = std::max(last, a.end_ms);
+      busy[s] += a.end_ms - a.start_ms;
+    }
+  }
+  auto median = [&](std::size_t vs, action_kind kind) {
+    auto it = durations.find({vs, kind});
+    if (it == durations.end()) {
+      return 0.0;
+    }
+    auto xs = it->second;
+    std::sort(xs.begin(), xs.end());
+    return xs[xs.size() / 2];
+  };
+  bool split = splits_backward(planned);
+  std::vector<action_costs> costs;
+  for (std::size_t vs = 0; vs < p * chunks; ++vs) {
+    // Without weight actions the simulator charges backward + weight for B: put it all in B.
+    costs.push_back({median(vs, action_kind::forward), median(vs, action_kind::backward),
+                     split ? median(vs, action_kind::weight) : 0.0});
+  }
+  auto sim = simulate(planned, microbatches, costs);
+  bubble_report r;
+  r.planned_bubble = sim.bubble;
+  r.planned_ms = sim.makespan;
+  r.measured_ms = last > first ? last - first : 0;
+  for (std::size_t s = 0; s < p; ++s) {
+    r.measured_bubble.push_back(r.measured_ms > 0 ? 1 - busy[s] / r.measured_ms : 0);
+  }
+  return r;
+}
+
+std::string bubble_report::to_string() const {
+  std::ostringstream out;
+  char line[160];
+  std::snprintf(line, sizeof line, "step time: planned %.1f ms, measured %.1f ms (%+.1f%%)\n",
+                planned_ms, measured_ms,
+                planned_ms > 0 ? 100 * (measured_ms - planned_ms) / planned_ms : 0.0);
+  out << line;
+  for (std::size_t s = 0; s < planned_bubble.size(); ++s) {
+    std::snprintf(line, sizeof line, "  stage %zu bubble: planned %5.1f%%, measured %5.1f%%\n", s,
+                  100 * planned_bubble[s], 100 * measured_bubble[s]);
+    out << line;
+  }
+  return out.str();
+}
+
+} // namespace actorpipe
