@@ -5,6 +5,7 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "cli/bench_command.hpp"
 #include "cli/plan_command.hpp"
 #include "cli/train_command.hpp"
 
@@ -16,6 +17,8 @@ int main(int argc, char** argv) {
   auto* train_cmd = actorpipe::cli::add_train_command(app, train);
   actorpipe::cli::plan_args plan;
   auto* plan_cmd = actorpipe::cli::add_plan_command(app, plan);
+  actorpipe::bench::sweep_options bench;
+  auto* bench_cmd = actorpipe::cli::add_bench_command(app, bench);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -27,6 +30,10 @@ int main(int argc, char** argv) {
     }
     if (*plan_cmd) {
       return actorpipe::cli::run_plan(plan);
+    }
+    if (*bench_cmd) {
+      actorpipe::bench::run_sweep(bench);
+      return 0;
     }
   } catch (const actorpipe::invalid_argument& e) {
     std::cerr << "actorpipe: error: " << e.what() << '\n';

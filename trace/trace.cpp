@@ -185,7 +185,8 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
   auto chunks = chunks_of(planned);
   ACTORPIPE_CHECK(planned.size() == p, "compare_bubbles: ", planned.size(),
                   " planned programs for ", p, " measured stages");
-  // Median duration per virtual stage and kind.
+  // Mean duration per virtual stage and kind: the schedule adds durations up, and with few
+  // micro-batches a median is just the slowest one.
   std::map<std::pair<std::size_t, action_kind>, std::vector<double>> durations;
   double first = 1e300;
   double last = 0;
@@ -199,21 +200,23 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
       busy[s] += a.end_ms - a.start_ms;
     }
   }
-  auto median = [&](std::size_t vs, action_kind kind) {
+  auto mean = [&](std::size_t vs, action_kind kind) {
     auto it = durations.find({vs, kind});
     if (it == durations.end()) {
       return 0.0;
     }
-    auto xs = it->second;
-    std::sort(xs.begin(), xs.end());
-    return xs[xs.size() / 2];
+    double sum = 0;
+    for (auto d : it->second) {
+      sum += d;
+    }
+    return sum / static_cast<double>(it->second.size());
   };
   bool split = splits_backward(planned);
   std::vector<action_costs> costs;
   for (std::size_t vs = 0; vs < p * chunks; ++vs) {
     // Without weight actions the simulator charges backward + weight for B: put it all in B.
-    costs.push_back({median(vs, action_kind::forward), median(vs, action_kind::backward),
-                     split ? median(vs, action_kind::weight) : 0.0});
+    costs.push_back({mean(vs, action_kind::forward), mean(vs, action_kind::backward),
+                     split ? mean(vs, action_kind::weight) : 0.0});
   }
   auto sim = simulate(planned, microbatches, costs);
   bubble_report r;

@@ -26,7 +26,7 @@ void write_gantt_svg(const std::string& path, const std::vector<std::vector<time
                      const std::string& title, const std::string& unit);
 
 /// Planned against measured: the simulator's bubble per stage and makespan with costs taken
-/// from the step's own actions (median per stage, chunk and kind), beside what happened.
+/// from the step's own actions (mean per stage, chunk and kind), beside what happened.
 struct bubble_report {
   std::vector<double> planned_bubble;
   std::vector<double> measured_bubble;

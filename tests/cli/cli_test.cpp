@@ -308,3 +308,38 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
         std::string::npos);
   std::filesystem::remove(file);
 }
+
+TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a plot") {
+  auto json = temp_file("bench.json");
+  auto csv = temp_file("bench.csv");
+  auto svg = temp_file("bench.svg");
+  auto r = run("bench --model mlp --batch 16 --splits 1,2,4 --steps 1 --no-progress --json " +
+               json.string() + " --csv " + csv.string() + " --plot " + svg.string());
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("plain libtorch 1t") != std::string::npos);
+  std::ifstream in(json);
+  auto j = nlohmann::json::parse(in);
+  CHECK(j["gflop_per_step"].get<double>() > 0);
+  REQUIRE(j["rows"].size() == 5); // 2 baselines + 3 splits
+  for (const auto& row : j["rows"]) {
+    CAPTURE(row.dump());
+    CHECK(row["median_ms"].get<double>() > 0);
+    if (row["splits"].get<int>() > 0) {
+      CHECK(row["lower_bound_ms"].get<double>() > 0);
+      CHECK(row["efficiency"].get<double>() > 0);
+      CHECK(row["predicted_ms"].get<double>() > 0);
+      CHECK(row["speedup_1t"].get<double>() > 0);
+    }
+  }
+  std::ifstream c(csv);
+  std::string header;
+  std::getline(c, header);
+  CHECK(header.rfind("config,partition,splits,median_ms", 0) == 0);
+  std::ifstream s(svg);
+  std::string text((std::istreambuf_iterator<char>(s)), std::istreambuf_iterator<char>());
+  CHECK(text.find("micro-batches (splits)") != std::string::npos);
+  for (const auto& f : {json, csv, svg}) {
+    std::filesystem::remove(f);
+  }
+}

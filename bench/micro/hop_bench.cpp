@@ -1,0 +1,65 @@
+// Per-hop overhead of the actor pipeline: a micro-batch through trivial stages (identity on a
+// small tensor), so that what is measured is messaging, scheduling and bookkeeping, not compute.
+//
+//   build/bench/actorpipe_micro_bench --benchmark_counters_tabular=true
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+
+namespace {
+
+actorpipe::layer_list identity_layers(std::size_t n) {
+  actorpipe::layer_list layers;
+  for (std::size_t i = 0; i < n; ++i) {
+    layers.emplace_back("identity" + std::to_string(i),
+                        [](const torch::Tensor& x) { return x; });
+  }
+  return layers;
+}
+
+// Forward-only: m micro-batches through p stages; the counter is the time per micro-batch per
+// stage (one hop).
+void BM_forward_hop(benchmark::State& state) {
+  auto p = static_cast<std::size_t>(state.range(0));
+  auto m = static_cast<std::size_t>(state.range(1));
+  actorpipe::engine sys;
+  actorpipe::pipeline_options o;
+  o.microbatches = m;
+  o.threads_per_stage = 1;
+  actorpipe::pipeline pipe(sys, identity_layers(p), actorpipe::partition_uniform(p, p), o);
+  auto x = torch::ones({static_cast<int64_t>(m), 16});
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(pipe.forward_scattered(x));
+  }
+  // Seconds per hop, printed with an SI prefix (15u = 15 microseconds).
+  state.counters["per_hop"] =
+    benchmark::Counter(static_cast<double>(m * p),
+                       benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_forward_hop)
+  ->ArgsProduct({{1, 2, 4, 8}, {1, 8, 64}})
+  ->Unit(benchmark::kMicrosecond)
+  ->UseRealTime();
+
+// A whole training step of one tiny stage: the scheduler's fixed cost per step (plan, report,
+// optimizer round trip).
+void BM_scheduler_step(benchmark::State& state) {
+  actorpipe::engine sys;
+  actorpipe::layer_list layers;
+  layers.emplace_back("fc", torch::nn::AnyModule(torch::nn::Linear(4, 4)));
+  actorpipe::pipeline_options o;
+  o.threads_per_stage = 1;
+  o.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  o.optimizer = actorpipe::sgd(0.01);
+  actorpipe::pipeline pipe(sys, layers, actorpipe::partition_uniform(1, 1), o);
+  auto x = torch::ones({2, 4});
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(pipe.train_step(x, x));
+  }
+}
+BENCHMARK(BM_scheduler_step)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+} // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,408 @@
+#include "bench/sweep.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+#include <actorpipe/trace.hpp>
+
+#include "training/progress.hpp"
+
+namespace actorpipe::bench {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+int64_t rss_mb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) {
+      return std::stoll(line.substr(6)) / 1024;
+    }
+  }
+  return 0;
+}
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs.empty() ? 0 : xs[xs.size() / 2];
+}
+
+torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
+  return torch::mse_loss(y, t);
+}
+
+// One configuration under test: a pipeline, or plain libtorch with a thread count.
+struct contender {
+  sweep_row row;
+  std::unique_ptr<pipeline> pipe;
+  schedule plan;
+  // Plain libtorch.
+  layer_list layers;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  int threads = 0;
+  std::vector<double> times;
+  std::vector<double> lower;
+  std::vector<double> fill_drain;
+  std::vector<double> predicted;
+  std::vector<double> per_sample;
+
+  void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
+    if (pipe) {
+      auto r = pipe->train_step(x, y);
+      if (!record) {
+        return;
+      }
+      times.push_back(r.wall_ms);
+      auto p = r.stages.size();
+      auto m = static_cast<double>(row.splits);
+      double sum = 0;
+      double slowest = 0;
+      double optimizer_ms = 0;
+      for (const auto& s : r.stages) {
+        double busy = 0;
+        for (const auto& a : s.actions) {
+          busy += a.end_ms - a.start_ms;
+        }
+        sum += busy;
+        slowest = std::max(slowest, busy);
+        optimizer_ms = std::max(optimizer_ms, s.optimizer_ms);
+      }
+      lower.push_back(std::max(sum / static_cast<double>(p), slowest) + optimizer_ms);
+      fill_drain.push_back((m + static_cast<double>(p) - 1) * slowest / m + optimizer_ms);
+      predicted.push_back(compare_bubbles(plan, row.splits, r).planned_ms + optimizer_ms);
+      per_sample.push_back(sum / static_cast<double>(x.size(0)));
+    } else {
+      auto previous = at::get_num_threads();
+      at::set_num_threads(threads);
+      auto start = clock_type::now();
+      optimizer->zero_grad();
+      auto loss = mse(run_layers(layers, x), y);
+      loss.backward();
+      optimizer->step();
+      auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+      at::set_num_threads(previous);
+      if (record) {
+        times.push_back(ms);
+      }
+    }
+    row.rss_mb = std::max(row.rss_mb, rss_mb());
+  }
+};
+
+std::string format_row(const sweep_row& r) {
+  char line[400];
+  std::snprintf(line, sizeof line,
+                "%-22s %6zu %8.2f %8.2f %8.2f %8.2f %8.2f %6.2f %8.2f %7.2fx %7.2fx %7.1f %5.0f%% "
+                "%8.2f %7lld",
+                r.name.c_str(), r.splits, r.median_ms / 1000, r.min_ms / 1000, r.max_ms / 1000,
+                r.lower_bound_ms / 1000, r.fill_drain_ms / 1000, r.efficiency,
+                r.predicted_ms / 1000, r.speedup_1t, r.speedup_all, r.gflops,
+                100 * r.peak_share, r.compute_ms_per_sample, static_cast<long long>(r.rss_mb));
+  return line;
+}
+
+void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
+                const std::string& title) {
+  std::vector<sweep_row> piped;
+  double top = 0;
+  std::vector<std::size_t> splits;
+  for (const auto& r : rows) {
+    if (r.splits > 0) {
+      piped.push_back(r);
+      top = std::max({top, r.median_ms, r.fill_drain_ms});
+      if (std::find(splits.begin(), splits.end(), r.splits) == splits.end()) {
+        splits.push_back(r.splits);
+      }
+    }
+  }
+  for (const auto& r : rows) {
+    if (r.splits == 0) {
+      top = std::max(top, r.median_ms);
+    }
+  }
+  std::sort(splits.begin(), splits.end());
+  const double left = 70, width = 700, plot_top = 50, height = 320;
+  auto x_of = [&](std::size_t m) {
+    auto i = std::find(splits.begin(), splits.end(), m) - splits.begin();
+    return left + (splits.size() > 1 ? width * static_cast<double>(i) /
+                                         static_cast<double>(splits.size() - 1)
+                                     : width / 2);
+  };
+  auto y_of = [&](double ms) { return plot_top + height * (1 - ms / (top * 1.05)); };
+  auto y_eff = [&](double e) { return plot_top + height * (1 - e); };
+  std::ostringstream svg;
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 220
+      << "\" height=\"" << plot_top + height + 70
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"" << left << "\" y=\"28\" font-size=\"15\">" << title << "</text>\n"
+      << "<line x1=\"" << left << "\" y1=\"" << plot_top + height << "\" x2=\"" << left + width
+      << "\" y2=\"" << plot_top + height << "\" stroke=\"black\"/>\n"
+      << "<line x1=\"" << left << "\" y1=\"" << plot_top << "\" x2=\"" << left << "\" y2=\""
+      << plot_top + height << "\" stroke=\"black\"/>\n"
+      << "<line x1=\"" << left + width << "\" y1=\"" << plot_top << "\" x2=\"" << left + width
+      << "\" y2=\"" << plot_top + height << "\" stroke=\"#888\"/>\n";
+  for (int t = 0; t <= 5; ++t) {
+    auto ms = top * 1.05 * t / 5;
+    svg << "<text x=\"" << left - 8 << "\" y=\"" << y_of(ms) + 4 << "\" text-anchor=\"end\">"
+        << std::fixed << std::setprecision(1) << ms / 1000 << "</text>\n"
+        << "<text x=\"" << left + width + 8 << "\" y=\"" << y_eff(t / 5.0) + 4 << "\" fill=\"#888\">"
+        << std::setprecision(1) << t / 5.0 << "</text>\n";
+  }
+  for (auto m : splits) {
+    svg << "<text x=\"" << x_of(m) << "\" y=\"" << plot_top + height + 18
+        << "\" text-anchor=\"middle\">" << m << "</text>\n";
+  }
+  svg << "<text x=\"" << left + width / 2 << "\" y=\"" << plot_top + height + 40
+      << "\" text-anchor=\"middle\">micro-batches (splits)</text>\n"
+      << "<text x=\"14\" y=\"" << plot_top - 12 << "\">step time (s)</text>\n"
+      << "<text x=\"" << left + width - 40 << "\" y=\"" << plot_top - 12
+      << "\" fill=\"#888\">efficiency</text>\n";
+  const char* colours[] = {"#4C78A8", "#E45756", "#54A24B", "#B279A2"};
+  std::vector<std::string> partitions;
+  for (const auto& r : piped) {
+    if (std::find(partitions.begin(), partitions.end(), r.partition) == partitions.end()) {
+      partitions.push_back(r.partition);
+    }
+  }
+  double legend_y = plot_top + 10;
+  for (std::size_t k = 0; k < partitions.size(); ++k) {
+    const char* colour = colours[k % 4];
+    std::ostringstream measured, ideal;
+    for (const auto& r : piped) {
+      if (r.partition != partitions[k]) {
+        continue;
+      }
+      measured << x_of(r.splits) << ',' << y_of(r.median_ms) << ' ';
+      ideal << x_of(r.splits) << ',' << y_of(r.lower_bound_ms) << ' ';
+      svg << "<circle cx=\"" << x_of(r.splits) << "\" cy=\"" << y_eff(r.efficiency)
+          << "\" r=\"4\" fill=\"none\" stroke=\"" << colour << "\"/>\n";
+    }
+    svg << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\""
+        << measured.str() << "\"/>\n"
+        << "<polyline fill=\"none\" stroke=\"" << colour
+        << "\" stroke-dasharray=\"5,4\" points=\"" << ideal.str() << "\"/>\n"
+        << "<text x=\"" << left + width + 40 << "\" y=\"" << legend_y << "\" fill=\"" << colour
+        << "\">" << partitions[k] << ": measured (line),</text>\n"
+        << "<text x=\"" << left + width + 40 << "\" y=\"" << legend_y + 14 << "\" fill=\""
+        << colour << "\">ideal (dashed), efficiency (o)</text>\n";
+    legend_y += 36;
+  }
+  for (const auto& r : rows) {
+    if (r.splits == 0) {
+      svg << "<line x1=\"" << left << "\" y1=\"" << y_of(r.median_ms) << "\" x2=\""
+          << left + width << "\" y2=\"" << y_of(r.median_ms)
+          << "\" stroke=\"#999\" stroke-dasharray=\"2,3\"/>\n<text x=\"" << left + 6 << "\" y=\""
+          << y_of(r.median_ms) - 4 << "\" fill=\"#666\">" << r.name << "</text>\n";
+    }
+  }
+  svg << "</svg>\n";
+  std::ofstream out(path);
+  out << svg.str();
+  ACTORPIPE_CHECK(out.good(), "--plot: cannot write '", path, "'");
+}
+
+} // namespace
+
+std::vector<sweep_row> run_sweep(const sweep_options& o) {
+  ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
+  ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");
+  auto setup = cli::build_model(o.model);
+  const auto& mo = setup.options;
+  auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto partitions = o.partitions.empty() ? std::vector<std::string>{o.plan.partition}
+                                         : o.partitions;
+
+  // The batches: one warm-up and `steps` timed, the same for every contender.
+  torch::manual_seed(o.model.seed + 1);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (std::size_t i = 0; i <= o.steps; ++i) {
+    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
+    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
+    batches.emplace_back(x,
+                         torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat));
+  }
+  auto flops = training_flops(setup.layers, batches[0].first);
+  auto peak_1 = gemm_gflops(1);
+  auto peak_all = gemm_gflops(cores);
+
+  engine sys;
+  std::vector<contender> contenders;
+  auto fresh_layers = [&] {
+    torch::manual_seed(o.model.seed);
+    return make_model(setup.name, mo);
+  };
+  if (o.baselines) {
+    for (int threads : {1, cores}) {
+      contender c;
+      c.row.name = detail::concat("plain libtorch ", threads, "t");
+      c.layers = fresh_layers();
+      std::vector<torch::Tensor> params;
+      for (const auto& l : c.layers) {
+        if (auto m = l.module()) {
+          for (auto& p : m->parameters()) {
+            params.push_back(p);
+          }
+        }
+      }
+      c.optimizer = sgd(o.lr)(params);
+      c.threads = threads;
+      contenders.push_back(std::move(c));
+    }
+  }
+  for (const auto& spec : partitions) {
+    for (auto m : o.splits) {
+      auto plan_args = o.plan;
+      plan_args.partition = spec;
+      plan_args.microbatches = m;
+      auto choice = cli::choose_plan(setup.layers, setup.sample(), plan_args);
+      pipeline_options po;
+      po.microbatches = choice.microbatches;
+      po.schedule = choice.kind;
+      po.chunks = choice.chunks;
+      po.custom_schedule = choice.custom;
+      po.threads_per_stage = plan_args.threads;
+      po.loss = mse;
+      po.optimizer = sgd(o.lr);
+      contender c;
+      c.row.name = detail::concat(choice.schedule_name, " ", spec, " ", choice.cut.stages(), "p");
+      c.row.partition = spec;
+      c.row.splits = choice.microbatches;
+      c.pipe = std::make_unique<pipeline>(sys, fresh_layers(), choice.cut, po);
+      c.plan = c.pipe->training_schedule();
+      contenders.push_back(std::move(c));
+    }
+  }
+
+  std::printf("actorpipe bench: %s, batch %lld, input %lldx%lldx%lld, %zu stages, schedule %s, "
+              "%zu timed steps after 1 warm-up, %d cores, seed %llu\n",
+              setup.name.c_str(), static_cast<long long>(setup.batch),
+              static_cast<long long>(mo.in_channels), static_cast<long long>(mo.image_size),
+              static_cast<long long>(mo.image_size), o.plan.stages, o.plan.schedule.c_str(),
+              o.steps, cores, static_cast<unsigned long long>(o.model.seed));
+  std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
+              "thread, %.1f on %d\n",
+              flops / 1e9, peak_1, peak_all, cores);
+  std::fflush(stdout);
+
+  training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * contenders.size()));
+  int64_t done = 0;
+  for (std::size_t i = 0; i <= o.steps; ++i) {
+    for (auto& c : contenders) {
+      c.step(batches[i].first, batches[i].second, /*record=*/i > 0);
+      if (o.progress) {
+        bar.update(++done, c.row.name);
+      }
+    }
+  }
+
+  std::vector<sweep_row> rows;
+  double plain_1 = 0;
+  double plain_all = 0;
+  for (auto& c : contenders) {
+    auto& r = c.row;
+    r.min_ms = *std::min_element(c.times.begin(), c.times.end());
+    r.max_ms = *std::max_element(c.times.begin(), c.times.end());
+    r.median_ms = median(c.times);
+    r.gflops = flops / (r.median_ms / 1000) / 1e9;
+    r.peak_share = r.gflops / peak_all;
+    if (c.pipe) {
+      r.lower_bound_ms = median(c.lower);
+      r.fill_drain_ms = median(c.fill_drain);
+      r.efficiency = r.lower_bound_ms / r.median_ms;
+      r.predicted_ms = median(c.predicted);
+      r.compute_ms_per_sample = median(c.per_sample);
+    } else if (c.threads == 1) {
+      plain_1 = r.median_ms;
+    } else {
+      plain_all = r.median_ms;
+    }
+    rows.push_back(r);
+  }
+  for (auto& r : rows) {
+    r.speedup_1t = plain_1 > 0 ? plain_1 / r.median_ms : 0;
+    r.speedup_all = plain_all > 0 ? plain_all / r.median_ms : 0;
+  }
+
+  std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %7s %6s %8s %7s\n", "config",
+              "splits", "median", "min", "max", "ideal", "fill", "eff", "predict", "vs 1t",
+              "vs all", "GFLOP/s", "peak", "ms/smpl", "RSS MB");
+  std::printf("%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %7s %6s %8s %7s\n", "", "", "s/step",
+              "s", "s", "s", "drain s", "", "s", "", "", "", "", "compute", "");
+  for (const auto& r : rows) {
+    std::printf("%s\n", format_row(r).c_str());
+  }
+  std::printf("ideal: lower bound max(sum/p, slowest stage) of the stages' own measured compute "
+              "plus the optimizer step; eff = ideal / median; predict: the simulator with the "
+              "step's mean action costs\n");
+
+  if (!o.json.empty() || !o.csv.empty()) {
+    nlohmann::json j = nlohmann::json::array();
+    std::ofstream csv;
+    if (!o.csv.empty()) {
+      csv.open(o.csv);
+      csv << "config,partition,splits,median_ms,min_ms,max_ms,lower_bound_ms,fill_drain_ms,"
+             "efficiency,predicted_ms,speedup_1t,speedup_all,gflops,peak_share,"
+             "compute_ms_per_sample,rss_mb\n";
+    }
+    for (const auto& r : rows) {
+      j.push_back({{"config", r.name},
+                   {"partition", r.partition},
+                   {"splits", r.splits},
+                   {"median_ms", r.median_ms},
+                   {"min_ms", r.min_ms},
+                   {"max_ms", r.max_ms},
+                   {"lower_bound_ms", r.lower_bound_ms},
+                   {"fill_drain_ms", r.fill_drain_ms},
+                   {"efficiency", r.efficiency},
+                   {"predicted_ms", r.predicted_ms},
+                   {"speedup_1t", r.speedup_1t},
+                   {"speedup_all", r.speedup_all},
+                   {"gflops", r.gflops},
+                   {"peak_share", r.peak_share},
+                   {"compute_ms_per_sample", r.compute_ms_per_sample},
+                   {"rss_mb", r.rss_mb}});
+      if (csv.is_open()) {
+        csv << r.name << ',' << r.partition << ',' << r.splits << ',' << r.median_ms << ','
+            << r.min_ms << ',' << r.max_ms << ',' << r.lower_bound_ms << ',' << r.fill_drain_ms
+            << ',' << r.efficiency << ',' << r.predicted_ms << ',' << r.speedup_1t << ','
+            << r.speedup_all << ',' << r.gflops << ',' << r.peak_share << ','
+            << r.compute_ms_per_sample << ',' << r.rss_mb << '\n';
+      }
+    }
+    if (!o.json.empty()) {
+      std::ofstream out(o.json);
+      out << nlohmann::json{{"model", setup.name},
+                            {"batch", setup.batch},
+                            {"image", mo.image_size},
+                            {"stages", o.plan.stages},
+                            {"schedule", o.plan.schedule},
+                            {"steps", o.steps},
+                            {"gflop_per_step", flops / 1e9},
+                            {"gemm_gflops_1t", peak_1},
+                            {"gemm_gflops_all", peak_all},
+                            {"rows", j}}
+               .dump(2)
+          << '\n';
+    }
+  }
+  if (!o.plot.empty()) {
+    write_plot(o.plot, rows,
+               detail::concat(setup.name, ", batch ", setup.batch, ", ", o.plan.stages,
+                              " stages, ", o.plan.schedule));
+  }
+  return rows;
+}
+
+} // namespace actorpipe::bench

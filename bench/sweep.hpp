@@ -1,0 +1,66 @@
+/// \file
+/// The split-size sweep behind `actorpipe bench`: the same training steps through pipelines of
+/// 1, 2, 4, 8, ... micro-batches and through plain libtorch (1 thread and all cores), interleaved
+/// step by step in one process so that ratios hold on a noisy machine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cli/planning.hpp"
+
+namespace actorpipe::bench {
+
+struct sweep_options {
+  cli::model_args model;
+  cli::planning_args plan;
+  std::vector<std::size_t> splits{1, 2, 4, 8};
+  /// Partitions to measure (each with every split); empty: plan.partition only.
+  std::vector<std::string> partitions;
+  std::size_t steps = 3;
+  double lr = 0.05;
+  bool baselines = true;
+  bool progress = true;
+  std::string json;
+  std::string csv;
+  std::string plot;
+};
+
+/// One measured configuration.
+struct sweep_row {
+  std::string name;
+  std::string partition;
+  std::size_t splits = 0;
+  /// Per step, milliseconds.
+  double min_ms = 0;
+  double median_ms = 0;
+  double max_ms = 0;
+  /// Ideal step times from the stages' own measured compute (median over steps):
+  /// fill-drain (m + p - 1) * slowest stage per micro-batch, and the lower bound
+  /// max(sum / p, slowest stage total).
+  double fill_drain_ms = 0;
+  double lower_bound_ms = 0;
+  double efficiency = 0;
+  /// Simulator's prediction from the same per-action costs.
+  double predicted_ms = 0;
+  /// Compute per sample summed over stages (no waiting): shows a small-micro-batch cliff.
+  double compute_ms_per_sample = 0;
+  double gflops = 0;
+  double peak_share = 0;
+  double speedup_1t = 0;
+  double speedup_all = 0;
+  int64_t rss_mb = 0;
+};
+
+/// Runs the sweep, prints the table (and writes --json, --csv, --plot); returns its rows.
+std::vector<sweep_row> run_sweep(const sweep_options& options);
+
+/// Training FLOPs of one step of `layers` on `batch` (3 x the forward's convolution and matrix
+/// multiply FLOPs, counted from libtorch's operator calls).
+double training_flops(const layer_list& layers, const torch::Tensor& batch);
+
+/// GFLOP/s of a 2048 x 2048 float GEMM with `threads` intra-op threads (best of 3).
+double gemm_gflops(int threads);
+
+} // namespace actorpipe::bench

@@ -1,0 +1,34 @@
+#include "cli/bench_command.hpp"
+
+#include <CLI/CLI.hpp>
+
+namespace actorpipe::cli {
+
+CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
+  auto* cmd = app.add_subcommand(
+    "bench", "Sweep the number of micro-batches (splits) on the PyTorch RPC pipeline tutorial's "
+             "scenario (ResNet-50 in two stages, batch 120 of 3x128x128 random images, MSE, SGD) "
+             "and compare with the ideal pipeline and with plain libtorch in the same process");
+  o.model.data = "synthetic";
+  o.plan.schedule = "1f1b";
+  add_model_flags(cmd, o.model);
+  add_pipeline_flags(cmd, o.plan);
+  cmd->add_option("--splits", o.splits, "Micro-batch counts to sweep, e.g. 1,2,4,8,16,32")
+    ->delimiter(',')
+    ->capture_default_str();
+  cmd->add_option("--partitions", o.partitions,
+                  "Partitions to measure side by side, e.g. uniform,params,time (default: "
+                  "--partition)")
+    ->delimiter(',');
+  cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
+    ->capture_default_str();
+  cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();
+  cmd->add_flag("!--no-baselines", o.baselines, "Skip plain libtorch");
+  cmd->add_flag("!--no-progress", o.progress, "No progress bar");
+  cmd->add_option("--json", o.json, "Write the rows as JSON");
+  cmd->add_option("--csv", o.csv, "Write the rows as CSV");
+  cmd->add_option("--plot", o.plot, "Plot step time and efficiency against splits (SVG)");
+  return cmd;
+}
+
+} // namespace actorpipe::cli

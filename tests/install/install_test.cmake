@@ -1,0 +1,27 @@
+# cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -P install_test.cmake
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${what}: ok\n${out}")
+endfunction()
+
+run_step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+foreach(file include/actorpipe/actorpipe.hpp lib/cmake/ActorPipe/ActorPipeConfig.cmake bin/actorpipe)
+  if(NOT EXISTS ${prefix}/${file})
+    message(FATAL_ERROR "install did not put ${file} into ${prefix}")
+  endif()
+endforeach()
+find_program(CCACHE ccache)
+set(launcher)
+if(CCACHE)
+  set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
+endif()
+run_step("configure examples/embed" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/embed
+  -B ${WORK_DIR}/build -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} ${launcher})
+run_step("build examples/embed" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
+run_step("run examples/embed" ${WORK_DIR}/build/embed)
