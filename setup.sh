@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 packages=(
-  build-essential cmake ccache
+  build-essential cmake ccache clang-format
   libtorch-dev            # libtorch 1.13 (CPU), with c10d Gloo
   libopenblas0-openmp     # without it Debian's libtorch falls back to the reference BLAS
   libcaf-dev              # C++ Actor Framework 0.17

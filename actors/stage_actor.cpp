@@ -104,8 +104,8 @@ template <class Atom>
 void send_to_virtual(stage_actor_type* self, std::size_t vs, Atom atom, int32_t microbatch,
                      torch::Tensor t) {
   auto& s = self->state;
-  self->send(s.stages[vs % s.p()], atom, s.plan.step, microbatch,
-             static_cast<int32_t>(vs / s.p()), std::move(t));
+  self->send(s.stages[vs % s.p()], atom, s.plan.step, microbatch, static_cast<int32_t>(vs / s.p()),
+             std::move(t));
 }
 
 // Runs one action whose input is there; returns the bytes it sent.
@@ -117,49 +117,49 @@ int64_t run_action(stage_actor_type* self, const action& a) {
   auto mb = static_cast<std::size_t>(a.microbatch);
   bool split = s.split;
   switch (a.kind) {
-    case action_kind::forward: {
-      auto input = std::move(s.activations[k]);
-      s.activations.erase(k);
-      if (s.plan.train) {
-        s.peak_live = std::max(s.peak_live, ++s.live);
-      }
-      if (s.plan.train && st.is_last()) {
-        auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(mb), s.options.loss,
-                                     s.plan.loss_scales.at(mb));
-        s.report.loss += s.plan.loss_scales.at(mb) * value;
-        return 0;
-      }
-      auto output = st.forward(a.microbatch, input);
-      if (st.is_last()) {
-        s.report.outputs.at(mb) = std::move(output);
-        return 0;
-      }
-      auto bytes = static_cast<int64_t>(output.nbytes());
-      send_to_virtual(self, vs + 1, forward_atom::value, a.microbatch, std::move(output));
-      return bytes;
+  case action_kind::forward: {
+    auto input = std::move(s.activations[k]);
+    s.activations.erase(k);
+    if (s.plan.train) {
+      s.peak_live = std::max(s.peak_live, ++s.live);
     }
-    case action_kind::backward: {
-      torch::Tensor grad;
-      if (!st.is_last()) {
-        grad = std::move(s.gradients[k]);
-        s.gradients.erase(k);
-      }
-      auto input_grad = split ? st.backward_input(a.microbatch, grad)
-                              : st.backward(a.microbatch, grad);
-      if (!split) {
-        --s.live;
-      }
-      if (st.is_first()) {
-        return 0;
-      }
-      auto bytes = static_cast<int64_t>(input_grad.nbytes());
-      send_to_virtual(self, vs - 1, backward_atom::value, a.microbatch, std::move(input_grad));
-      return bytes;
-    }
-    case action_kind::weight:
-      st.backward_weight(a.microbatch);
-      --s.live;
+    if (s.plan.train && st.is_last()) {
+      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(mb), s.options.loss,
+                                   s.plan.loss_scales.at(mb));
+      s.report.loss += s.plan.loss_scales.at(mb) * value;
       return 0;
+    }
+    auto output = st.forward(a.microbatch, input);
+    if (st.is_last()) {
+      s.report.outputs.at(mb) = std::move(output);
+      return 0;
+    }
+    auto bytes = static_cast<int64_t>(output.nbytes());
+    send_to_virtual(self, vs + 1, forward_atom::value, a.microbatch, std::move(output));
+    return bytes;
+  }
+  case action_kind::backward: {
+    torch::Tensor grad;
+    if (!st.is_last()) {
+      grad = std::move(s.gradients[k]);
+      s.gradients.erase(k);
+    }
+    auto input_grad =
+      split ? st.backward_input(a.microbatch, grad) : st.backward(a.microbatch, grad);
+    if (!split) {
+      --s.live;
+    }
+    if (st.is_first()) {
+      return 0;
+    }
+    auto bytes = static_cast<int64_t>(input_grad.nbytes());
+    send_to_virtual(self, vs - 1, backward_atom::value, a.microbatch, std::move(input_grad));
+    return bytes;
+  }
+  case action_kind::weight:
+    st.backward_weight(a.microbatch);
+    --s.live;
+    return 0;
   }
   return 0;
 }

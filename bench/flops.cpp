@@ -89,8 +89,8 @@ double gemm_gflops(int threads) {
   for (int r = 0; r < 3; ++r) {
     auto t0 = std::chrono::steady_clock::now();
     c = torch::mm(a, b);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                            .count());
+    best =
+      std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   at::set_num_threads(previous);
   return 2.0 * static_cast<double>(n * n * n) / best / 1e9;

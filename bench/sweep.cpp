@@ -107,8 +107,8 @@ std::string format_row(const sweep_row& r) {
                 "%8.2f %7lld",
                 r.name.c_str(), r.splits, r.median_ms / 1000, r.min_ms / 1000, r.max_ms / 1000,
                 r.lower_bound_ms / 1000, r.fill_drain_ms / 1000, r.efficiency,
-                r.predicted_ms / 1000, r.speedup_1t, r.speedup_all, r.gflops,
-                100 * r.peak_share, r.compute_ms_per_sample, static_cast<long long>(r.rss_mb));
+                r.predicted_ms / 1000, r.speedup_1t, r.speedup_all, r.gflops, 100 * r.peak_share,
+                r.compute_ms_per_sample, static_cast<long long>(r.rss_mb));
   return line;
 }
 
@@ -135,9 +135,9 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
   const double left = 70, width = 700, plot_top = 50, height = 320;
   auto x_of = [&](std::size_t m) {
     auto i = std::find(splits.begin(), splits.end(), m) - splits.begin();
-    return left + (splits.size() > 1 ? width * static_cast<double>(i) /
-                                         static_cast<double>(splits.size() - 1)
-                                     : width / 2);
+    return left + (splits.size() > 1
+                     ? width * static_cast<double>(i) / static_cast<double>(splits.size() - 1)
+                     : width / 2);
   };
   auto y_of = [&](double ms) { return plot_top + height * (1 - ms / (top * 1.05)); };
   auto y_eff = [&](double e) { return plot_top + height * (1 - e); };
@@ -157,8 +157,8 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
     auto ms = top * 1.05 * t / 5;
     svg << "<text x=\"" << left - 8 << "\" y=\"" << y_of(ms) + 4 << "\" text-anchor=\"end\">"
         << std::fixed << std::setprecision(1) << ms / 1000 << "</text>\n"
-        << "<text x=\"" << left + width + 8 << "\" y=\"" << y_eff(t / 5.0) + 4 << "\" fill=\"#888\">"
-        << std::setprecision(1) << t / 5.0 << "</text>\n";
+        << "<text x=\"" << left + width + 8 << "\" y=\"" << y_eff(t / 5.0) + 4
+        << "\" fill=\"#888\">" << std::setprecision(1) << t / 5.0 << "</text>\n";
   }
   for (auto m : splits) {
     svg << "<text x=\"" << x_of(m) << "\" y=\"" << plot_top + height + 18
@@ -191,18 +191,18 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
     }
     svg << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\""
         << measured.str() << "\"/>\n"
-        << "<polyline fill=\"none\" stroke=\"" << colour
-        << "\" stroke-dasharray=\"5,4\" points=\"" << ideal.str() << "\"/>\n"
+        << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-dasharray=\"5,4\" points=\""
+        << ideal.str() << "\"/>\n"
         << "<text x=\"" << left + width + 40 << "\" y=\"" << legend_y << "\" fill=\"" << colour
         << "\">" << partitions[k] << ": measured (line),</text>\n"
-        << "<text x=\"" << left + width + 40 << "\" y=\"" << legend_y + 14 << "\" fill=\""
-        << colour << "\">ideal (dashed), efficiency (o)</text>\n";
+        << "<text x=\"" << left + width + 40 << "\" y=\"" << legend_y + 14 << "\" fill=\"" << colour
+        << "\">ideal (dashed), efficiency (o)</text>\n";
     legend_y += 36;
   }
   for (const auto& r : rows) {
     if (r.splits == 0) {
-      svg << "<line x1=\"" << left << "\" y1=\"" << y_of(r.median_ms) << "\" x2=\""
-          << left + width << "\" y2=\"" << y_of(r.median_ms)
+      svg << "<line x1=\"" << left << "\" y1=\"" << y_of(r.median_ms) << "\" x2=\"" << left + width
+          << "\" y2=\"" << y_of(r.median_ms)
           << "\" stroke=\"#999\" stroke-dasharray=\"2,3\"/>\n<text x=\"" << left + 6 << "\" y=\""
           << y_of(r.median_ms) - 4 << "\" fill=\"#666\">" << r.name << "</text>\n";
     }
@@ -221,8 +221,8 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   auto setup = cli::build_model(o.model);
   const auto& mo = setup.options;
   auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  auto partitions = o.partitions.empty() ? std::vector<std::string>{o.plan.partition}
-                                         : o.partitions;
+  auto partitions =
+    o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions;
 
   // The batches: one warm-up and `steps` timed, the same for every contender.
   torch::manual_seed(o.model.seed + 1);
@@ -383,24 +383,19 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     }
     if (!o.json.empty()) {
       std::ofstream out(o.json);
-      out << nlohmann::json{{"model", setup.name},
-                            {"batch", setup.batch},
-                            {"image", mo.image_size},
-                            {"stages", o.plan.stages},
-                            {"schedule", o.plan.schedule},
-                            {"steps", o.steps},
-                            {"gflop_per_step", flops / 1e9},
-                            {"gemm_gflops_1t", peak_1},
-                            {"gemm_gflops_all", peak_all},
-                            {"rows", j}}
+      out << nlohmann::json{{"model", setup.name},           {"batch", setup.batch},
+                            {"image", mo.image_size},        {"stages", o.plan.stages},
+                            {"schedule", o.plan.schedule},   {"steps", o.steps},
+                            {"gflop_per_step", flops / 1e9}, {"gemm_gflops_1t", peak_1},
+                            {"gemm_gflops_all", peak_all},   {"rows", j}}
                .dump(2)
           << '\n';
     }
   }
   if (!o.plot.empty()) {
     write_plot(o.plot, rows,
-               detail::concat(setup.name, ", batch ", setup.batch, ", ", o.plan.stages,
-                              " stages, ", o.plan.schedule));
+               detail::concat(setup.name, ", batch ", setup.batch, ", ", o.plan.stages, " stages, ",
+                              o.plan.schedule));
   }
   return rows;
 }

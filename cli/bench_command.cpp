@@ -16,9 +16,10 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
   cmd->add_option("--splits", o.splits, "Micro-batch counts to sweep, e.g. 1,2,4,8,16,32")
     ->delimiter(',')
     ->capture_default_str();
-  cmd->add_option("--partitions", o.partitions,
-                  "Partitions to measure side by side, e.g. uniform,params,time (default: "
-                  "--partition)")
+  cmd
+    ->add_option("--partitions", o.partitions,
+                 "Partitions to measure side by side, e.g. uniform,params,time (default: "
+                 "--partition)")
     ->delimiter(',');
   cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
     ->capture_default_str();

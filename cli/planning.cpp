@@ -38,34 +38,46 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd->add_option("--model", m.model,
                   "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn (default: cnn for "
                   "fashion-mnist, resnet50 for synthetic)");
-  cmd->add_option("--batch", m.batch, "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)")
+  cmd
+    ->add_option("--batch", m.batch,
+                 "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)")
     ->capture_default_str();
   cmd->add_option("--image", m.image, "Synthetic data: image side length for the ResNets")
     ->capture_default_str();
-  cmd->add_option("--classes", m.classes, "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
+  cmd
+    ->add_option("--classes", m.classes,
+                 "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
     ->capture_default_str();
   cmd->add_option("--seed", m.seed, "Seed for parameters and data")->capture_default_str();
 }
 
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
-  cmd->add_option("--stages", a.stages, "Pipeline stages (stage actors), >= 1")->capture_default_str();
-  cmd->add_option("--microbatches", a.microbatches,
-                  "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose)")
+  cmd->add_option("--stages", a.stages, "Pipeline stages (stage actors), >= 1")
+    ->capture_default_str();
+  cmd
+    ->add_option("--microbatches", a.microbatches,
+                 "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose)")
     ->capture_default_str();
   cmd->add_option("--chunks", a.chunks, "Model chunks per stage (interleaved schedule)")
     ->capture_default_str();
-  cmd->add_option("--schedule", a.schedule,
-                  "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
-                  "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]})")
+  cmd
+    ->add_option("--schedule", a.schedule,
+                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
+                 "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]})")
     ->capture_default_str();
-  cmd->add_option("--partition", a.partition,
-                  "How to cut the layer list: uniform (by layer count), params (balance "
-                  "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J)")
+  cmd
+    ->add_option(
+      "--partition", a.partition,
+      "How to cut the layer list: uniform (by layer count), params (balance "
+      "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J)")
     ->capture_default_str();
-  cmd->add_option("--max-stash", a.max_stash,
-                  "--schedule auto: most micro-batches a stage may stash (0: no limit)")
+  cmd
+    ->add_option("--max-stash", a.max_stash,
+                 "--schedule auto: most micro-batches a stage may stash (0: no limit)")
     ->capture_default_str();
-  cmd->add_option("--threads", a.threads, "Intra-op threads per stage (0: cores divided among the stages)")
+  cmd
+    ->add_option("--threads", a.threads,
+                 "Intra-op threads per stage (0: cores divided among the stages)")
     ->capture_default_str();
 }
 
@@ -73,13 +85,15 @@ model_setup build_model(const model_args& m) {
   model_setup setup;
   setup.name = m.model.empty() ? (m.data == "synthetic" ? "resnet50" : "cnn") : m.model;
   bool resnet = setup.name.rfind("resnet", 0) == 0;
-  ACTORPIPE_CHECK(m.data == "synthetic" || !resnet, "--data fashion-mnist takes 1x28x28 images: "
+  ACTORPIPE_CHECK(m.data == "synthetic" || !resnet,
+                  "--data fashion-mnist takes 1x28x28 images: "
                   "use --model cnn or mlp (ResNets train on --data synthetic)");
   ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
   ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
   setup.options.in_channels = resnet ? 3 : 1;
   setup.options.image_size = resnet ? m.image : 28;
-  setup.options.num_classes = m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet ? 1000 : 10);
+  setup.options.num_classes =
+    m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet ? 1000 : 10);
   setup.batch = m.batch > 0 ? m.batch : (m.data == "synthetic" ? 120 : 64);
   torch::manual_seed(m.seed);
   setup.layers = make_model(setup.name, setup.options);
@@ -143,8 +157,8 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   }
   std::printf("schedule auto: simulated with per-layer costs profiled at %lld samples\n",
               static_cast<long long>(choice.profiled_samples));
-  std::printf("  %-12s %6s %6s %12s %8s %10s\n", "schedule", "chunks", "m", "makespan ms",
-              "bubble", "max stash");
+  std::printf("  %-12s %6s %6s %12s %8s %10s\n", "schedule", "chunks", "m", "makespan ms", "bubble",
+              "max stash");
   double best = std::numeric_limits<double>::infinity();
   for (auto m : counts) {
     auto scale = static_cast<double>(batch_size) / static_cast<double>(m) /

@@ -128,10 +128,10 @@ int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_
 
   std::cout << "actorpipe train: " << setup.name << " on Fashion-MNIST (" << train.size()
             << " train, " << test.size() << " test), " << choice.cut.stages() / choice.chunks
-            << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name
-            << ", " << choice.microbatches << " micro-batches, batch " << to.batch << ", "
-            << a.epochs << " epochs, lr " << a.lr << " (cosine, " << a.warmup
-            << " warm-up steps), seed " << a.model.seed << '\n';
+            << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name << ", "
+            << choice.microbatches << " micro-batches, batch " << to.batch << ", " << a.epochs
+            << " epochs, lr " << a.lr << " (cosine, " << a.warmup << " warm-up steps), seed "
+            << a.model.seed << '\n';
   print_plan(setup, choice);
 
   engine sys;
@@ -184,8 +184,8 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
     auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
     auto y = torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat);
     auto r = pipe.train_step(x, y);
-    std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9)
-              << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+    std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9) << r.loss
+              << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
               << std::flush;
     nlohmann::json stages = nlohmann::json::array();
     for (const auto& s : r.stages) {
@@ -203,10 +203,10 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
   write_json(a.json, report);
   if (!a.trace.empty()) {
     write_chrome_trace(a.trace, results);
-    std::cout << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
-              << "planned against measured, last step:\n"
-              << compare_bubbles(pipe.training_schedule(), choice.microbatches, results.back())
-                   .to_string();
+    std::cout
+      << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
+      << "planned against measured, last step:\n"
+      << compare_bubbles(pipe.training_schedule(), choice.microbatches, results.back()).to_string();
   }
   return 0;
 }
@@ -214,8 +214,7 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
 } // namespace
 
 int run_train(const train_args& a) {
-  ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms,
-                  ") must be >= 1");
+  ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   pipeline_options po;

@@ -32,8 +32,8 @@ std::pair<std::vector<int64_t>, std::vector<uint8_t>> read_idx(const std::string
   auto read_exact = [&](void* buffer, std::size_t bytes, const char* what) {
     auto n = gzread(file.get(), buffer, static_cast<unsigned>(bytes));
     if (n < 0 || static_cast<std::size_t>(n) != bytes) {
-      throw pipeline_error(detail::concat("'", path, "' is truncated: could not read ", what,
-                                          " (", bytes, " bytes)"));
+      throw pipeline_error(
+        detail::concat("'", path, "' is truncated: could not read ", what, " (", bytes, " bytes)"));
     }
   };
   std::array<uint8_t, 4> magic{};
@@ -71,7 +71,8 @@ std::string find_file(const std::string& dir, const std::string& name) {
     }
   }
   throw invalid_argument(detail::concat(
-    "Fashion-MNIST file '", dir, "/", name, ".gz' not found; install Debian's package "
+    "Fashion-MNIST file '", dir, "/", name,
+    ".gz' not found; install Debian's package "
     "dataset-fashion-mnist (apt-get install dataset-fashion-mnist) or point --data-dir at a "
     "folder holding the IDX files"));
 }
@@ -103,19 +104,19 @@ dataset load_fashion_mnist(const std::string& dir, bool train) {
     }
   }
   auto n = image_dims[0];
-  auto images = torch::from_blob(image_bytes.data(), {n, 1, image_dims[1], image_dims[2]},
-                                 torch::kUInt8)
-                  .to(torch::kFloat32)
-                  .div_(255.0f)
-                  .sub_(fashion_mnist_mean)
-                  .div_(fashion_mnist_std);
+  auto images =
+    torch::from_blob(image_bytes.data(), {n, 1, image_dims[1], image_dims[2]}, torch::kUInt8)
+      .to(torch::kFloat32)
+      .div_(255.0f)
+      .sub_(fashion_mnist_mean)
+      .div_(fashion_mnist_std);
   auto labels = torch::from_blob(label_bytes.data(), {n}, torch::kUInt8).to(torch::kInt64);
   return {images, labels};
 }
 
 torch::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL +
-                                                           static_cast<uint64_t>(epoch));
+  auto generator =
+    at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(epoch));
   return torch::randperm(n, generator, torch::TensorOptions().dtype(torch::kInt64));
 }
 

@@ -115,6 +115,38 @@ struct pipeline::impl {
     return future.get();
   }
 
+  // Checks and queues a training step on micro-batches.
+  std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
+                                        std::vector<torch::Tensor> targets) {
+    ACTORPIPE_CHECK(static_cast<bool>(options.loss),
+                    "train_step: pipeline_options.loss is not set");
+    ACTORPIPE_CHECK(static_cast<bool>(options.optimizer),
+                    "train_step: pipeline_options.optimizer is not set");
+    ACTORPIPE_CHECK(inputs.size() == options.microbatches && targets.size() == inputs.size(),
+                    "train_step: ", inputs.size(), " input and ", targets.size(),
+                    " target micro-batches given for ", options.microbatches);
+    double total = 0;
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      ACTORPIPE_CHECK(inputs[k].defined() && targets[k].defined() && inputs[k].dim() >= 1 &&
+                        targets[k].dim() >= 1 && inputs[k].size(0) >= 1 &&
+                        inputs[k].size(0) == targets[k].size(0),
+                      "train_step: micro-batch ", k,
+                      " needs inputs and targets with the same, non-zero batch size");
+      total += static_cast<double>(inputs[k].size(0));
+    }
+    auto request = std::make_shared<scheduler::step_request>();
+    request->kind = scheduler::request_kind::train;
+    request->learning_rate = learning_rate;
+    for (const auto& mb : inputs) {
+      request->loss_scales.push_back(
+        options.reduction == loss_reduction::mean ? static_cast<double>(mb.size(0)) / total : 1.0);
+    }
+    request->inputs = std::move(inputs);
+    request->targets = std::move(targets);
+    return submit<step_result>(std::move(request),
+                               [](scheduler::step_outcome& o) { return std::move(o.result); });
+  }
+
   std::vector<std::pair<std::string, torch::Tensor>> named(bool gradients) const {
     std::vector<std::pair<std::string, torch::Tensor>> all;
     for (const auto& st : stages) {
@@ -144,8 +176,9 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   ACTORPIPE_CHECK(cut.stages() % options.chunks == 0, "pipeline: a partition of ", cut.stages(),
                   " parts cannot be spread over stage actors of ", options.chunks, " chunks each");
   auto stage_count = cut.stages() / options.chunks;
-  ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == stage_count, "pipeline: ",
-                  options.devices.size(), " devices given for ", stage_count, " stages");
+  ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == stage_count,
+                  "pipeline: ", options.devices.size(), " devices given for ", stage_count,
+                  " stages");
   if (!options.custom_schedule.empty()) {
     validate(options.custom_schedule, options.microbatches, true);
   }
@@ -192,8 +225,8 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.wait_timeout = options.wait_timeout;
     actor_options.threads = threads;
     actor_options.loss = options.loss;
-    self.stage_actors.push_back(
-      actors::spawn_stage(actor_system, std::move(chunks), self.scheduler, std::move(actor_options)));
+    self.stage_actors.push_back(actors::spawn_stage(actor_system, std::move(chunks), self.scheduler,
+                                                    std::move(actor_options)));
   }
   caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
 }
@@ -202,28 +235,19 @@ pipeline::~pipeline() = default;
 
 std::future<step_result> pipeline::train_step_async(torch::Tensor inputs, torch::Tensor targets) {
   auto& self = *impl_;
-  ACTORPIPE_CHECK(static_cast<bool>(self.options.loss),
-                  "train_step: pipeline_options.loss is not set");
-  ACTORPIPE_CHECK(static_cast<bool>(self.options.optimizer),
-                  "train_step: pipeline_options.optimizer is not set");
   ACTORPIPE_CHECK(targets.defined() && targets.dim() >= 1 && inputs.defined() &&
                     inputs.dim() >= 1 && targets.size(0) == inputs.size(0),
                   "train_step: inputs and targets must have the same batch size, got ",
                   inputs.defined() ? inputs.sizes() : c10::IntArrayRef{}, " and ",
                   targets.defined() ? targets.sizes() : c10::IntArrayRef{});
-  auto request = std::make_shared<scheduler::step_request>();
-  request->kind = scheduler::request_kind::train;
-  request->learning_rate = self.learning_rate;
-  request->inputs = self.split(inputs, "train_step inputs");
-  request->targets = self.split(targets, "train_step targets");
-  auto batch = static_cast<double>(inputs.size(0));
-  for (const auto& mb : request->inputs) {
-    request->loss_scales.push_back(self.options.reduction == loss_reduction::mean
-                                     ? static_cast<double>(mb.size(0)) / batch
-                                     : 1.0);
-  }
-  return self.submit<step_result>(std::move(request),
-                                  [](scheduler::step_outcome& o) { return std::move(o.result); });
+  return self.submit_train(self.split(inputs, "train_step inputs"),
+                           self.split(targets, "train_step targets"));
+}
+
+step_result pipeline::train_step(std::vector<torch::Tensor> inputs,
+                                 std::vector<torch::Tensor> targets) {
+  auto future = impl_->submit_train(std::move(inputs), std::move(targets));
+  return impl_->wait(future, "train_step");
 }
 
 step_result pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
@@ -260,7 +284,8 @@ void pipeline::save_state(const std::string& dir) {
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::save;
   request->path = dir;
-  auto future = self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  auto future =
+    self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
   self.wait(future, "save_state");
 }
 
@@ -277,8 +302,8 @@ void pipeline::load_state(const std::string& dir) {
     ++files;
     for (auto& [key, value] : stages::load_tensors(entry.path().string())) {
       if (!all->emplace(key, std::move(value)).second) {
-        throw pipeline_error(detail::concat("load_state: tensor '", key, "' appears twice in '",
-                                            dir, "'"));
+        throw pipeline_error(
+          detail::concat("load_state: tensor '", key, "' appears twice in '", dir, "'"));
       }
     }
   }
@@ -296,10 +321,9 @@ void pipeline::load_state(const std::string& dir) {
                                             "' (needed by stage ", st->config().index, ")"));
       }
       if (it->second.sizes().vec() != shape) {
-        throw pipeline_error(detail::concat("load_state: tensor '", key, "' in '", dir,
-                                            "' has shape ", it->second.sizes(), " but stage ",
-                                            st->config().index, " needs ",
-                                            c10::IntArrayRef(shape)));
+        throw pipeline_error(detail::concat(
+          "load_state: tensor '", key, "' in '", dir, "' has shape ", it->second.sizes(),
+          " but stage ", st->config().index, " needs ", c10::IntArrayRef(shape)));
       }
       known.insert(key);
     }
@@ -317,7 +341,8 @@ void pipeline::load_state(const std::string& dir) {
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::load;
   request->state = all;
-  auto future = self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  auto future =
+    self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
   self.wait(future, "load_state");
 }
 

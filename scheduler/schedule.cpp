@@ -140,14 +140,14 @@ schedule_kind parse_schedule_kind(const std::string& name) {
 
 std::string to_string(schedule_kind kind) {
   switch (kind) {
-    case schedule_kind::gpipe:
-      return "gpipe";
-    case schedule_kind::one_f_one_b:
-      return "1f1b";
-    case schedule_kind::interleaved:
-      return "interleaved";
-    case schedule_kind::zb_h1:
-      return "zb-h1";
+  case schedule_kind::gpipe:
+    return "gpipe";
+  case schedule_kind::one_f_one_b:
+    return "1f1b";
+  case schedule_kind::interleaved:
+    return "interleaved";
+  case schedule_kind::zb_h1:
+    return "zb-h1";
   }
   return "?";
 }
@@ -155,18 +155,17 @@ std::string to_string(schedule_kind kind) {
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks) {
   check_sizes(stages, microbatches, chunks);
-  ACTORPIPE_CHECK(chunks == 1 || kind == schedule_kind::interleaved, "schedule ",
-                  to_string(kind), " runs one chunk per stage, not ", chunks,
-                  " (use interleaved for more)");
+  ACTORPIPE_CHECK(chunks == 1 || kind == schedule_kind::interleaved, "schedule ", to_string(kind),
+                  " runs one chunk per stage, not ", chunks, " (use interleaved for more)");
   switch (kind) {
-    case schedule_kind::gpipe:
-      return make_gpipe(stages, microbatches);
-    case schedule_kind::one_f_one_b:
-      return make_1f1b(stages, microbatches);
-    case schedule_kind::interleaved:
-      return make_interleaved(stages, microbatches, chunks);
-    case schedule_kind::zb_h1:
-      return make_zb_h1(stages, microbatches);
+  case schedule_kind::gpipe:
+    return make_gpipe(stages, microbatches);
+  case schedule_kind::one_f_one_b:
+    return make_1f1b(stages, microbatches);
+  case schedule_kind::interleaved:
+    return make_interleaved(stages, microbatches, chunks);
+  case schedule_kind::zb_h1:
+    return make_zb_h1(stages, microbatches);
   }
   return {};
 }
@@ -221,8 +220,8 @@ std::string to_string(const stage_program& program) {
 
 action parse_action(const std::string& text) {
   auto bad = [&] {
-    return invalid_argument(detail::concat("'", text,
-                                           "' is not an action (F3, B0, W2 or with a chunk, F1@1)"));
+    return invalid_argument(
+      detail::concat("'", text, "' is not an action (F3, B0, W2 or with a chunk, F1@1)"));
   };
   if (text.size() < 2 || (text[0] != 'F' && text[0] != 'B' && text[0] != 'W')) {
     throw bad();
@@ -235,8 +234,9 @@ action parse_action(const std::string& text) {
     }
     return static_cast<int32_t>(std::stol(digits));
   };
-  action a{text[0] == 'F' ? action_kind::forward
-                          : text[0] == 'B' ? action_kind::backward : action_kind::weight,
+  action a{text[0] == 'F'   ? action_kind::forward
+           : text[0] == 'B' ? action_kind::backward
+                            : action_kind::weight,
            number(text.substr(1, at == std::string::npos ? std::string::npos : at - 1)),
            at == std::string::npos ? 0 : number(text.substr(at + 1))};
   return a;
@@ -275,30 +275,32 @@ void validate(const schedule& s, std::size_t microbatches, bool training) {
     std::set<std::pair<int32_t, int32_t>> weighted;
     for (std::size_t i = 0; i < s[st].size(); ++i) {
       const auto& a = s[st][i];
-      auto where = [&] { return detail::concat("stage ", st, ", action ", i, " (", to_string(a), ")"); };
+      auto where = [&] {
+        return detail::concat("stage ", st, ", action ", i, " (", to_string(a), ")");
+      };
       ACTORPIPE_CHECK(a.microbatch >= 0 && static_cast<std::size_t>(a.microbatch) < microbatches,
                       where(), ": micro-batch out of range 0..", microbatches - 1);
       ACTORPIPE_CHECK(a.chunk >= 0, where(), ": negative chunk");
       std::pair<int32_t, int32_t> key{a.microbatch, a.chunk};
       switch (a.kind) {
-        case action_kind::forward:
-          ACTORPIPE_CHECK(forwarded.insert(key).second, where(), ": micro-batch ", a.microbatch,
-                          " is forwarded twice");
-          break;
-        case action_kind::backward:
-          ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a backward");
-          ACTORPIPE_CHECK(forwarded.count(key) == 1, where(), ": backward of micro-batch ",
-                          a.microbatch, " before its forward");
-          ACTORPIPE_CHECK(backed.insert(key).second, where(), ": micro-batch ", a.microbatch,
-                          " is backed up twice");
-          break;
-        case action_kind::weight:
-          ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a weight action");
-          ACTORPIPE_CHECK(backed.count(key) == 1, where(), ": weight gradient of micro-batch ",
-                          a.microbatch, " before its backward");
-          ACTORPIPE_CHECK(weighted.insert(key).second, where(), ": micro-batch ", a.microbatch,
-                          " has two weight actions");
-          break;
+      case action_kind::forward:
+        ACTORPIPE_CHECK(forwarded.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                        " is forwarded twice");
+        break;
+      case action_kind::backward:
+        ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a backward");
+        ACTORPIPE_CHECK(forwarded.count(key) == 1, where(), ": backward of micro-batch ",
+                        a.microbatch, " before its forward");
+        ACTORPIPE_CHECK(backed.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                        " is backed up twice");
+        break;
+      case action_kind::weight:
+        ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a weight action");
+        ACTORPIPE_CHECK(backed.count(key) == 1, where(), ": weight gradient of micro-batch ",
+                        a.microbatch, " before its backward");
+        ACTORPIPE_CHECK(weighted.insert(key).second, where(), ": micro-batch ", a.microbatch,
+                        " has two weight actions");
+        break;
       }
     }
     auto expected = microbatches * v;
@@ -306,8 +308,8 @@ void validate(const schedule& s, std::size_t microbatches, bool training) {
                     " of ", expected, " micro-batch chunks");
     ACTORPIPE_CHECK(!training || backed.size() == expected, "stage ", st, " backs up ",
                     backed.size(), " of ", expected, " micro-batch chunks");
-    ACTORPIPE_CHECK(!split || weighted.size() == expected, "stage ", st, " has ",
-                    weighted.size(), " weight actions for ", expected, " micro-batch chunks");
+    ACTORPIPE_CHECK(!split || weighted.size() == expected, "stage ", st, " has ", weighted.size(),
+                    " weight actions for ", expected, " micro-batch chunks");
   }
   simulate(s, microbatches, {action_costs{}});
 }
@@ -350,12 +352,12 @@ simulation simulate(const schedule& s, std::size_t microbatches,
   auto cost_of = [&](const action& a, std::size_t vs) {
     const auto& c = costs.size() == 1 ? costs[0] : costs[vs];
     switch (a.kind) {
-      case action_kind::forward:
-        return c.forward;
-      case action_kind::backward:
-        return split ? c.backward : c.backward + c.weight;
-      case action_kind::weight:
-        return c.weight;
+    case action_kind::forward:
+      return c.forward;
+    case action_kind::backward:
+      return split ? c.backward : c.backward + c.weight;
+    case action_kind::weight:
+      return c.weight;
     }
     return 0.0;
   };

@@ -174,9 +174,8 @@ void start_next(scheduler_actor_type* self) {
     return;
   }
   auto last = s.stages.size() - 1;
-  auto origin = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                  s.started.time_since_epoch())
-                  .count();
+  auto origin =
+    std::chrono::duration_cast<std::chrono::nanoseconds>(s.started.time_since_epoch()).count();
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     step_plan plan;
     plan.step = s.step;
@@ -217,8 +216,9 @@ void on_all_reported(scheduler_actor_type* self) {
   // changes no parameter anywhere.
   auto step = s.step;
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
-    self->request(s.stages[i], s.options.step_timeout, update_atom::value, step,
-                  s.current->learning_rate)
+    self
+      ->request(s.stages[i], s.options.step_timeout, update_atom::value, step,
+                s.current->learning_rate)
       .then(
         [=](double optimizer_ms, const std::string& error) {
           auto& st = self->state;

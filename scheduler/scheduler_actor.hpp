@@ -5,8 +5,8 @@
 /// Protocol
 /// - in  (connect_atom, std::vector<caf::actor> stages): the stage actors, in order; monitored.
 /// - in  (run_atom, std::shared_ptr<step_request>): queue a request (train, forward, save, load);
-///       requests run one at a time, in arrival order. The request's `finish` is called exactly once, from the scheduler's
-///       thread, with the result or an error.
+///       requests run one at a time, in arrival order. The request's `finish` is called exactly
+///       once, from the scheduler's thread, with the result or an error.
 /// - in  (done_atom, stage_report), (failed_atom, step, message): from the stages.
 /// - A step fails (and every stage is told to abort, leaving parameters and buffers as they
 ///   were) when a stage fails, a stage actor terminates, or the step passes step_timeout.
@@ -16,8 +16,8 @@
 #include <exception>
 #include <functional>
 #include <map>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <caf/actor.hpp>

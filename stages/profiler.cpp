@@ -14,7 +14,8 @@ double median(std::vector<double> xs) {
   return xs.empty() ? 0 : xs[xs.size() / 2];
 }
 
-double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+double ms_between(std::chrono::steady_clock::time_point a,
+                  std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
@@ -111,8 +112,8 @@ partition partition_by_time(const std::vector<layer_profile>& profile, std::size
   return p;
 }
 
-std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile,
-                                   const partition& cut, double scale) {
+std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile, const partition& cut,
+                                   double scale) {
   ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.back() == profile.size(), "costs_of: partition ",
                   cut.to_string(), " does not cover the ", profile.size(), " profiled layers");
   std::vector<action_costs> costs;

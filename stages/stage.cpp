@@ -152,7 +152,7 @@ torch::Tensor stage::forward(int32_t microbatch, const torch::Tensor& input) {
     x.requires_grad_(true);
   }
   auto y = run(microbatch, x);
-  stash_[microbatch] = stash_entry{x, y};
+  stash_[microbatch] = stash_entry{x, y, {}, false};
   peak_stash_ = std::max(peak_stash_, stash_.size());
   return y.detach();
 }
@@ -180,7 +180,7 @@ double stage::forward_loss(int32_t microbatch, const torch::Tensor& input,
     throw pipeline_error(detail::concat(
       where(microbatch), ": the loss function must return a scalar, got shape ", shape_of(value)));
   }
-  stash_[microbatch] = stash_entry{x, value * scale};
+  stash_[microbatch] = stash_entry{x, value * scale, {}, false};
   peak_stash_ = std::max(peak_stash_, stash_.size());
   return value.item<double>();
 }
@@ -192,10 +192,9 @@ torch::Tensor stage::start_gradient(int32_t microbatch, const stash_entry& entry
   }
   auto g = output_gradient.to(config_.device);
   if (!g.sizes().equals(entry.output.sizes())) {
-    throw pipeline_error(detail::concat(where(microbatch), ": the gradient from stage ",
-                                        config_.index + 1, " has shape ", shape_of(g),
-                                        " but the stage's output has shape ",
-                                        shape_of(entry.output)));
+    throw pipeline_error(detail::concat(
+      where(microbatch), ": the gradient from stage ", config_.index + 1, " has shape ",
+      shape_of(g), " but the stage's output has shape ", shape_of(entry.output)));
   }
   return g;
 }
@@ -212,8 +211,7 @@ torch::Tensor stage::backward(int32_t microbatch, const torch::Tensor& output_gr
   std::lock_guard<std::mutex> guard{mutex_};
   auto it = stash_.find(microbatch);
   if (it == stash_.end()) {
-    throw pipeline_error(detail::concat(where(microbatch),
-                                        ": backward without a stashed forward"));
+    throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"));
   }
   auto g = start_gradient(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
@@ -271,11 +269,11 @@ void stage::backward_weight(int32_t microbatch) {
     return;
   }
   torch::AutoGradMode grad_mode{true};
-  torch::autograd::backward(
-    {entry.output},
-    entry.output_gradient.defined() ? torch::autograd::variable_list{entry.output_gradient}
-                                    : torch::autograd::variable_list{},
-    /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
+  torch::autograd::backward({entry.output},
+                            entry.output_gradient.defined()
+                              ? torch::autograd::variable_list{entry.output_gradient}
+                              : torch::autograd::variable_list{},
+                            /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
 }
 
 void stage::abort_step() {

@@ -33,12 +33,12 @@ void write_file(const std::string& path, const std::string& text) {
 
 const char* colour_of(action_kind kind) {
   switch (kind) {
-    case action_kind::forward:
-      return "#4C78A8";
-    case action_kind::backward:
-      return "#54A24B";
-    case action_kind::weight:
-      return "#F58518";
+  case action_kind::forward:
+    return "#4C78A8";
+  case action_kind::backward:
+    return "#54A24B";
+  case action_kind::weight:
+    return "#F58518";
   }
   return "#999999";
 }
@@ -49,7 +49,10 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
   nlohmann::json events = nlohmann::json::array();
   std::size_t stages = steps.empty() ? 0 : steps.front().stages.size();
   for (std::size_t s = 0; s < stages; ++s) {
-    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", 1}, {"tid", s},
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", 1},
+                      {"tid", s},
                       {"args", {{"name", detail::concat("stage ", s)}}}});
   }
   double offset_ms = 0;
@@ -64,19 +67,20 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
       for (const auto& a : step.stages[s].actions) {
         auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
         placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
-        events.push_back(
-          {{"ph", "X"},
-           {"name", to_string(a.what)},
-           {"cat", a.what.kind == action_kind::forward    ? "forward"
-                   : a.what.kind == action_kind::backward ? "backward"
-                                                          : "weight"},
-           {"pid", 1},
-           {"tid", s},
-           {"ts", (offset_ms + a.start_ms) * 1000},
-           {"dur", (a.end_ms - a.start_ms) * 1000},
-           {"args",
-            {{"step", step.step}, {"microbatch", a.what.microbatch}, {"chunk", a.what.chunk},
-             {"bytes_sent", a.bytes_sent}}}});
+        events.push_back({{"ph", "X"},
+                          {"name", to_string(a.what)},
+                          {"cat", a.what.kind == action_kind::forward    ? "forward"
+                                  : a.what.kind == action_kind::backward ? "backward"
+                                                                         : "weight"},
+                          {"pid", 1},
+                          {"tid", s},
+                          {"ts", (offset_ms + a.start_ms) * 1000},
+                          {"dur", (a.end_ms - a.start_ms) * 1000},
+                          {"args",
+                           {{"step", step.step},
+                            {"microbatch", a.what.microbatch},
+                            {"chunk", a.what.chunk},
+                            {"bytes_sent", a.bytes_sent}}}});
       }
     }
     // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
@@ -92,10 +96,20 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
       }
       const char* name = kind == action_kind::forward ? "activation" : "gradient";
       ++flow_id;
-      events.push_back({{"ph", "s"}, {"name", name}, {"cat", "send"}, {"id", flow_id}, {"pid", 1},
-                        {"tid", where.first}, {"ts", (offset_ms + where.second.end_ms) * 1000}});
-      events.push_back({{"ph", "f"}, {"bp", "e"}, {"name", name}, {"cat", "send"},
-                        {"id", flow_id}, {"pid", 1}, {"tid", it->second.first},
+      events.push_back({{"ph", "s"},
+                        {"name", name},
+                        {"cat", "send"},
+                        {"id", flow_id},
+                        {"pid", 1},
+                        {"tid", where.first},
+                        {"ts", (offset_ms + where.second.end_ms) * 1000}});
+      events.push_back({{"ph", "f"},
+                        {"bp", "e"},
+                        {"name", name},
+                        {"cat", "send"},
+                        {"id", flow_id},
+                        {"pid", 1},
+                        {"tid", it->second.first},
                         {"ts", (offset_ms + it->second.second.start_ms) * 1000}});
     }
     offset_ms += step.wall_ms;
@@ -130,8 +144,8 @@ void write_gantt_svg(const std::string& path, const std::vector<std::vector<time
   const double top = 50;
   auto height = top + row_height * static_cast<double>(rows.size()) + 60;
   std::ostringstream svg;
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20
-      << "\" height=\"" << height << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20 << "\" height=\""
+      << height << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"" << left << "\" y=\"24\" font-size=\"15\">" << title << "</text>\n";
   for (std::size_t s = 0; s < rows.size(); ++s) {
@@ -159,8 +173,8 @@ void write_gantt_svg(const std::string& path, const std::vector<std::vector<time
     auto x = left + width * tick / 10.0;
     char label[32];
     std::snprintf(label, sizeof label, end >= 100 ? "%.0f" : "%.3g", end * tick / 10.0);
-    svg << "<line x1=\"" << x << "\" y1=\"" << axis_y << "\" x2=\"" << x << "\" y2=\""
-        << axis_y + 5 << "\" stroke=\"black\"/><text x=\"" << x << "\" y=\"" << axis_y + 18
+    svg << "<line x1=\"" << x << "\" y1=\"" << axis_y << "\" x2=\"" << x << "\" y2=\"" << axis_y + 5
+        << "\" stroke=\"black\"/><text x=\"" << x << "\" y=\"" << axis_y + 18
         << "\" text-anchor=\"middle\">" << label << "</text>\n";
   }
   svg << "<text x=\"" << left + width << "\" y=\"" << axis_y + 34 << "\" text-anchor=\"end\">"

@@ -53,16 +53,11 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
   fs::create_directories(root, ec);
   fs::remove_all(tmp, ec);
   pipe.save_state(tmp.string());
-  nlohmann::json j{{"format", manifest_format},
-                   {"model", manifest.model},
-                   {"bounds", manifest.bounds},
-                   {"step", manifest.step},
-                   {"epoch", manifest.epoch},
-                   {"batch_in_epoch", manifest.batch_in_epoch},
-                   {"seed", manifest.seed},
-                   {"batch_size", manifest.batch_size},
-                   {"dataset", manifest.dataset},
-                   {"stage_files", pipe.stages()}};
+  nlohmann::json j{{"format", manifest_format},   {"model", manifest.model},
+                   {"bounds", manifest.bounds},   {"step", manifest.step},
+                   {"epoch", manifest.epoch},     {"batch_in_epoch", manifest.batch_in_epoch},
+                   {"seed", manifest.seed},       {"batch_size", manifest.batch_size},
+                   {"dataset", manifest.dataset}, {"stage_files", pipe.stages()}};
   {
     std::ofstream out(tmp / "manifest.json");
     out << j.dump(2) << '\n';
@@ -75,8 +70,8 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);
   if (ec) {
-    throw pipeline_error(detail::concat("cannot publish checkpoint '", dir.string(),
-                                        "': ", ec.message()));
+    throw pipeline_error(
+      detail::concat("cannot publish checkpoint '", dir.string(), "': ", ec.message()));
   }
   auto all = checkpoints_in(root);
   for (std::size_t i = 0; i + keep < all.size(); ++i) {

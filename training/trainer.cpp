@@ -35,8 +35,8 @@ public:
       return;
     }
     if (csv_) {
-      out_ << e.epoch << ',' << e.step << ',' << e.lr << ',' << e.train_loss << ','
-           << e.test.loss << ',' << e.test.top1 << ',' << e.test.top5 << ',' << e.seconds << ','
+      out_ << e.epoch << ',' << e.step << ',' << e.lr << ',' << e.train_loss << ',' << e.test.loss
+           << ',' << e.test.top1 << ',' << e.test.top5 << ',' << e.seconds << ','
            << e.samples_per_second << '\n';
     } else {
       out_ << nlohmann::json{{"epoch", e.epoch},
@@ -67,7 +67,8 @@ double cosine_schedule::at(int64_t step) const {
     return base_lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   }
   auto span = std::max<int64_t>(1, total_steps - warmup_steps);
-  auto progress = std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(span));
+  auto progress =
+    std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(span));
   return min_lr + 0.5 * (base_lr - min_lr) * (1 + std::cos(pi * progress));
 }
 
@@ -86,9 +87,10 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
     auto x = data.images.slice(0, begin, end);
     auto y = data.labels.slice(0, begin, end);
     auto logits = pipe.forward(x);
-    loss_sum += torch::nn::functional::cross_entropy(
-                  logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                  .item<double>();
+    loss_sum +=
+      torch::nn::functional::cross_entropy(
+        logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+        .item<double>();
     auto k = std::min<int64_t>(5, logits.size(1));
     auto best = std::get<1>(logits.topk(k, 1));
     auto hits = best.eq(y.unsqueeze(1));
@@ -117,8 +119,8 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
   if (!o.resume.empty()) {
     auto dir = find_checkpoint(o.resume);
     auto m = read_manifest(dir);
-    ACTORPIPE_CHECK(m.model == o.model, "checkpoint '", dir, "' is of model '", m.model,
-                    "', not '", o.model, "'");
+    ACTORPIPE_CHECK(m.model == o.model, "checkpoint '", dir, "' is of model '", m.model, "', not '",
+                    o.model, "'");
     ACTORPIPE_CHECK(m.batch_size == o.batch && m.seed == o.seed && m.dataset == o.dataset,
                     "checkpoint '", dir, "' was written with batch ", m.batch_size, ", seed ",
                     m.seed, ", data ", m.dataset, "; this run has batch ", o.batch, ", seed ",
@@ -162,8 +164,8 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
       auto index = order.slice(0, b * o.batch, (b + 1) * o.batch);
       auto current_lr = lr.at(static_cast<int64_t>(step));
       pipe.set_learning_rate(current_lr);
-      auto r = pipe.train_step(train.images.index_select(0, index),
-                               train.labels.index_select(0, index));
+      auto r =
+        pipe.train_step(train.images.index_select(0, index), train.labels.index_select(0, index));
       ++step;
       report.steps.emplace_back(step, r.loss);
       loss_sum += r.loss;
@@ -176,7 +178,8 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
                                   " samples/s, loss ", loss_sum / static_cast<double>(loss_count)));
       }
       bool stop = o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps);
-      if (stop || (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
+      if (stop ||
+          (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
         checkpoint(epoch, b + 1);
       }
       if (stop) {
@@ -193,8 +196,7 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
     e.test = evaluate(pipe, test, o.eval_batch);
     std::cout << "epoch " << e.epoch << "/" << o.epochs << "  train loss " << e.train_loss
               << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
-              << e.test.top5 << "  " << static_cast<int64_t>(e.samples_per_second)
-              << " samples/s\n"
+              << e.test.top5 << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n"
               << std::flush;
     metrics.write(e);
     report.epochs.push_back(e);

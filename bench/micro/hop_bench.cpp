@@ -12,8 +12,7 @@ namespace {
 actorpipe::layer_list identity_layers(std::size_t n) {
   actorpipe::layer_list layers;
   for (std::size_t i = 0; i < n; ++i) {
-    layers.emplace_back("identity" + std::to_string(i),
-                        [](const torch::Tensor& x) { return x; });
+    layers.emplace_back("identity" + std::to_string(i), [](const torch::Tensor& x) { return x; });
   }
   return layers;
 }

@@ -8,8 +8,9 @@
 int main() {
   torch::manual_seed(0);
   // Any sequential model: its children become the layers actorpipe cuts.
-  torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::Tanh(), torch::nn::Linear(64, 64),
-                              torch::nn::Tanh(), torch::nn::Linear(64, 1));
+  torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::Tanh(),
+                              torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                              torch::nn::Linear(64, 1));
   auto layers = actorpipe::to_layer_list(model);
 
   actorpipe::engine sys;

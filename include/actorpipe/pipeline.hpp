@@ -150,6 +150,11 @@ public:
   /// train_step_async(...).get(), bounded by the step timeout.
   step_result train_step(torch::Tensor inputs, torch::Tensor targets);
 
+  /// A training step on inputs already split into micro-batches (one tensor each, batch
+  /// dimension first; as many as pipeline_options::microbatches), e.g. produced scattered by
+  /// another pipeline. Losses are scaled by each part's share of all samples.
+  step_result train_step(std::vector<torch::Tensor> inputs, std::vector<torch::Tensor> targets);
+
   /// Forward-only pass (no stash, no gradients), one output per micro-batch on the last stage's
   /// device. A batch smaller than the micro-batch count runs as that many micro-batches.
   std::vector<torch::Tensor> forward_scattered(torch::Tensor inputs);

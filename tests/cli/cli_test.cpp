@@ -19,8 +19,8 @@ struct run_result {
 
 // Runs `actorpipe <args>` (or the shell command `args` itself) and collects its output.
 run_result run(const std::string& args, bool prefix_cli = true) {
-  std::string command = (prefix_cli ? std::string(ACTORPIPE_CLI_PATH) + " " : std::string{}) +
-                        args + " 2>&1";
+  std::string command =
+    (prefix_cli ? std::string(ACTORPIPE_CLI_PATH) + " " : std::string{}) + args + " 2>&1";
   std::string output;
   FILE* pipe = popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
@@ -136,8 +136,8 @@ TEST_CASE("Fashion-MNIST training prints progress and test accuracy, and pipelin
   auto two = temp_file("fm_two.json");
   auto metrics = temp_file("fm_metrics.csv");
   auto a = run(small_fashion + " --stages 1 --json " + one.string());
-  auto b = run(small_fashion + " --stages 2 --json " + two.string() + " --metrics " +
-               metrics.string());
+  auto b =
+    run(small_fashion + " --stages 2 --json " + two.string() + " --metrics " + metrics.string());
   CAPTURE(a.output);
   CAPTURE(b.output);
   REQUIRE(a.exit_code == 0);
@@ -178,8 +178,8 @@ TEST_CASE("a resumed run continues with exactly the losses of an uninterrupted o
   CAPTURE(first.output);
   REQUIRE(first.exit_code == 0);
   REQUIRE(std::filesystem::exists(dir / "step-25" / "manifest.json"));
-  auto second = run(small_fashion + " --stages 2 --resume " + dir.string() + " --json " +
-                    resumed.string());
+  auto second =
+    run(small_fashion + " --stages 2 --resume " + dir.string() + " --json " + resumed.string());
   CAPTURE(second.output);
   REQUIRE(second.exit_code == 0);
   auto third = run(small_fashion + " --stages 3 --resume " + (dir / "step-25").string() +
@@ -239,7 +239,8 @@ TEST_CASE("a traced run writes a Chrome trace with a track per stage and send ar
           "reports planned against measured bubbles") {
   auto trace = temp_file("trace.json");
   auto r = run("train --data synthetic --model mlp --batch 16 --stages 3 --microbatches 4 "
-               "--steps 2 --schedule zb-h1 --trace " + trace.string());
+               "--steps 2 --schedule zb-h1 --trace " +
+               trace.string());
   CAPTURE(r.output);
   REQUIRE(r.exit_code == 0);
   CHECK(r.output.find("planned against measured") != std::string::npos);
@@ -288,7 +289,8 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
     out << R"({"programs": [["F0", "F1", "B1", "B0"], ["F0", "B0", "F1", "B1"]]})";
   }
   auto from_file = run("train --data synthetic --model mlp --batch 8 --stages 2 --microbatches 2 "
-                       "--steps 1 --schedule file:" + file.string());
+                       "--steps 1 --schedule file:" +
+                       file.string());
   CAPTURE(from_file.output);
   CHECK(from_file.exit_code == 0);
   auto automatic = run("train --data synthetic --model mlp --batch 16 --stages 2 --microbatches 0 "
@@ -302,7 +304,8 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
     out << R"({"programs": [["F0", "B0", "F1", "B1"], ["F1", "F0", "B1", "B0"]]})";
   }
   auto deadlock = run("train --data synthetic --model mlp --batch 8 --stages 2 --microbatches 2 "
-                      "--steps 1 --schedule file:" + file.string());
+                      "--steps 1 --schedule file:" +
+                      file.string());
   CHECK(deadlock.exit_code == 2);
   CHECK(deadlock.output.find("schedule deadlocks: stage 0 waits at action 1 (B0)") !=
         std::string::npos);

@@ -342,3 +342,25 @@ TEST_CASE("every stage reports its actions in order with times and bytes sent") 
     }
   }
 }
+
+TEST_CASE("micro-batches given already split train like the whole batch") {
+  engine sys;
+  auto layers = tiny_mlp(8);
+  pipeline_options o;
+  o.microbatches = 3;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  plain_model plain(tiny_mlp(8), sgd(0.1));
+  auto x = torch::randn({9, 1, 4, 4});
+  auto t = torch::randn({9, 3});
+  // Uneven parts of 2, 3 and 4 samples.
+  auto xs = std::vector<torch::Tensor>{x.slice(0, 0, 2), x.slice(0, 2, 5), x.slice(0, 5, 9)};
+  auto ts = std::vector<torch::Tensor>{t.slice(0, 0, 2), t.slice(0, 2, 5), t.slice(0, 5, 9)};
+  CHECK(pipe.train_step(xs, ts).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+  check_close(pipe.named_parameters(), named(plain.layers, false));
+  CHECK_THROWS_WITH_AS(
+    pipe.train_step(std::vector<torch::Tensor>{x}, std::vector<torch::Tensor>{t}),
+    doctest::Contains("1 input and 1 target micro-batches given for 3"),
+    actorpipe::invalid_argument);
+}

@@ -141,8 +141,8 @@ TEST_CASE("the simulator reproduces the textbook bubbles with equal costs") {
         continue;
       }
       auto zb = simulate(make_schedule(schedule_kind::zb_h1, p, m), m, {action_costs{1, 1, 1}});
-      auto ofob = simulate(make_schedule(schedule_kind::one_f_one_b, p, m), m,
-                           {action_costs{1, 1, 1}});
+      auto ofob =
+        simulate(make_schedule(schedule_kind::one_f_one_b, p, m), m, {action_costs{1, 1, 1}});
       auto work = 3.0 * static_cast<double>(m);
       CHECK((zb.makespan - work) == doctest::Approx((ofob.makespan - work) / 3));
       CHECK(*std::max_element(zb.peak_stash.begin(), zb.peak_stash.end()) <=

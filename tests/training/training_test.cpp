@@ -68,7 +68,8 @@ TEST_CASE("missing or malformed Fashion-MNIST files are named") {
   CHECK_THROWS_WITH_AS(load_fashion_mnist(dir.string(), false),
                        doctest::Contains("is not an IDX file of unsigned bytes with 3 dimensions"),
                        actorpipe::pipeline_error);
-  write_gz(dir / "t10k-images-idx3-ubyte.gz", {0, 0, 8, 3, 0, 0, 0, 1, 0, 0, 0, 28, 0, 0, 0, 28, 7});
+  write_gz(dir / "t10k-images-idx3-ubyte.gz",
+           {0, 0, 8, 3, 0, 0, 0, 1, 0, 0, 0, 28, 0, 0, 0, 28, 7});
   CHECK_THROWS_WITH_AS(load_fashion_mnist(dir.string(), false),
                        doctest::Contains("is truncated: could not read the data (784 bytes)"),
                        actorpipe::pipeline_error);
@@ -144,7 +145,8 @@ TEST_CASE("checkpoints keep the newest K and a bad state loads nothing") {
   pipeline other(sys, wrong, partition_uniform(3, 2), sgd_options(1));
   auto before = other.named_parameters();
   CHECK_THROWS_WITH_AS(other.load_state((root / "step-4").string()),
-                       doctest::Contains("has shape [256] but stage 0 needs [8]"), actorpipe::pipeline_error);
+                       doctest::Contains("has shape [256] but stage 0 needs [8]"),
+                       actorpipe::pipeline_error);
   test::check_close(other.named_parameters(), before, 0, 0);
   CHECK_THROWS_WITH_AS(find_checkpoint((root / "nothing").string()),
                        doctest::Contains("no checkpoint in"), actorpipe::invalid_argument);
