@@ -64,24 +64,21 @@ partition partition_uniform(std::size_t layers, std::size_t stages) {
   return p;
 }
 
-partition partition_by_params(const layer_list& layers, std::size_t stages) {
-  auto n = layers.size();
+partition partition_by_cost(const std::vector<double>& costs, std::size_t stages) {
+  auto n = costs.size();
   check_stage_count(n, stages);
-  std::vector<int64_t> prefix(n + 1, 0);
+  std::vector<double> prefix(n + 1, 0);
   for (std::size_t i = 0; i < n; ++i) {
-    prefix[i + 1] = prefix[i] + layers[i].parameter_count();
+    prefix[i + 1] = prefix[i] + costs[i];
   }
   // best[k][i]: smallest possible largest stage over the first i layers cut into k stages.
-  constexpr auto inf = std::numeric_limits<int64_t>::max();
-  std::vector<std::vector<int64_t>> best(stages + 1, std::vector<int64_t>(n + 1, inf));
+  constexpr auto inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
   std::vector<std::vector<std::size_t>> from(stages + 1, std::vector<std::size_t>(n + 1, 0));
   best[0][0] = 0;
   for (std::size_t k = 1; k <= stages; ++k) {
     for (std::size_t i = k; i <= n; ++i) {
       for (std::size_t j = k - 1; j < i; ++j) {
-        if (best[k - 1][j] == inf) {
-          continue;
-        }
         auto cost = std::max(best[k - 1][j], prefix[i] - prefix[j]);
         if (cost < best[k][i]) {
           best[k][i] = cost;
@@ -97,6 +94,15 @@ partition partition_by_params(const layer_list& layers, std::size_t stages) {
     p.bounds[k - 1] = from[k][p.bounds[k]];
   }
   return p;
+}
+
+partition partition_by_params(const layer_list& layers, std::size_t stages) {
+  // Parameter counts stay far below 2^53, so doubles hold them exactly.
+  std::vector<double> counts;
+  for (const auto& l : layers) {
+    counts.push_back(static_cast<double>(l.parameter_count()));
+  }
+  return partition_by_cost(counts, stages);
 }
 
 partition parse_partition(const std::string& spec, const layer_list& layers, std::size_t stages) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 
 #include <torch/torch.h>
 
@@ -81,35 +80,11 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
 }
 
 partition partition_by_time(const std::vector<layer_profile>& profile, std::size_t stages) {
-  auto n = profile.size();
-  ACTORPIPE_CHECK(stages >= 1 && stages <= n, "stages (", stages, ") must be in 1..", n,
-                  " (the model's layers)");
-  std::vector<double> prefix(n + 1, 0);
-  for (std::size_t i = 0; i < n; ++i) {
-    prefix[i + 1] = prefix[i] + profile[i].forward_ms + profile[i].backward_ms;
+  std::vector<double> times;
+  for (const auto& layer : profile) {
+    times.push_back(layer.forward_ms + layer.backward_ms);
   }
-  constexpr auto inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
-  std::vector<std::vector<std::size_t>> from(stages + 1, std::vector<std::size_t>(n + 1, 0));
-  best[0][0] = 0;
-  for (std::size_t k = 1; k <= stages; ++k) {
-    for (std::size_t i = k; i <= n; ++i) {
-      for (std::size_t j = k - 1; j < i; ++j) {
-        auto cost = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        if (cost < best[k][i]) {
-          best[k][i] = cost;
-          from[k][i] = j;
-        }
-      }
-    }
-  }
-  partition p;
-  p.bounds.assign(stages + 1, 0);
-  p.bounds[stages] = n;
-  for (std::size_t k = stages; k > 0; --k) {
-    p.bounds[k - 1] = from[k][p.bounds[k]];
-  }
-  return p;
+  return partition_by_cost(times, stages);
 }
 
 std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile, const partition& cut,

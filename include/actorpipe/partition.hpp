@@ -33,8 +33,11 @@ partition partition_at(std::size_t layers, const std::vector<std::size_t>& cuts)
 /// Throws invalid_argument when stages is 0 or exceeds the layer count.
 partition partition_uniform(std::size_t layers, std::size_t stages);
 
-/// `stages` non-empty stages minimising the largest per-stage parameter count (exact, by
-/// dynamic programming). Throws as partition_uniform.
+/// `stages` non-empty contiguous stages minimising the largest per-stage sum of `costs` (one
+/// per layer; exact, by dynamic programming). Throws as partition_uniform.
+partition partition_by_cost(const std::vector<double>& costs, std::size_t stages);
+
+/// `stages` non-empty stages minimising the largest per-stage parameter count.
 partition partition_by_params(const layer_list& layers, std::size_t stages);
 
 /// Parses "uniform", "params" or "cut:3,7" (with `stages` used by the first two; for cut
