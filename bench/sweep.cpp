@@ -66,21 +66,20 @@ struct contender {
       times.push_back(r.wall_ms);
       auto p = r.stages.size();
       auto m = static_cast<double>(row.splits);
+      auto report = compare_bubbles(plan, row.splits, r);
       double sum = 0;
       double slowest = 0;
-      double optimizer_ms = 0;
-      for (const auto& s : r.stages) {
-        double busy = 0;
-        for (const auto& a : s.actions) {
-          busy += a.end_ms - a.start_ms;
-        }
+      for (auto busy : report.busy_ms) {
         sum += busy;
         slowest = std::max(slowest, busy);
+      }
+      double optimizer_ms = 0;
+      for (const auto& s : r.stages) {
         optimizer_ms = std::max(optimizer_ms, s.optimizer_ms);
       }
       lower.push_back(std::max(sum / static_cast<double>(p), slowest) + optimizer_ms);
       fill_drain.push_back((m + static_cast<double>(p) - 1) * slowest / m + optimizer_ms);
-      predicted.push_back(compare_bubbles(plan, row.splits, r).planned_ms + optimizer_ms);
+      predicted.push_back(report.planned_ms + optimizer_ms);
       per_sample.push_back(sum / static_cast<double>(x.size(0)));
     } else {
       auto previous = at::get_num_threads();

@@ -51,7 +51,6 @@ engine::engine(std::size_t worker_threads) : impl_(std::make_unique<impl>(worker
 engine::~engine() = default;
 
 struct pipeline::impl {
-  engine& owner;
   partition cut;
   pipeline_options options;
   std::vector<std::shared_ptr<stages::stage>> stages;
@@ -60,8 +59,7 @@ struct pipeline::impl {
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
 
-  impl(engine& e, layer_list layers, partition p, pipeline_options o)
-    : owner(e), cut(std::move(p)), options(std::move(o)) {}
+  impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
   ~impl() {
     for (auto& a : stage_actors) {
@@ -187,7 +185,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     auto cores = std::max(1u, std::thread::hardware_concurrency());
     threads = std::max<std::size_t>(1, cores / stage_count);
   }
-  impl_ = std::make_unique<impl>(sys, layers, cut, options);
+  impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
   auto& actor_system = sys.internals().system;
   scheduler::scheduler_options scheduler_options;

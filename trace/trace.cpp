@@ -204,7 +204,9 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
   std::map<std::pair<std::size_t, action_kind>, std::vector<double>> durations;
   double first = 1e300;
   double last = 0;
-  std::vector<double> busy(p, 0);
+  bubble_report r;
+  auto& busy = r.busy_ms;
+  busy.assign(p, 0);
   for (std::size_t s = 0; s < p; ++s) {
     for (const auto& a : measured.stages[s].actions) {
       auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
@@ -233,7 +235,6 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
                      split ? mean(vs, action_kind::weight) : 0.0});
   }
   auto sim = simulate(planned, microbatches, costs);
-  bubble_report r;
   r.planned_bubble = sim.bubble;
   r.planned_ms = sim.makespan;
   r.measured_ms = last > first ? last - first : 0;

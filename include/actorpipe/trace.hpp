@@ -33,6 +33,8 @@ struct bubble_report {
   double planned_ms = 0;
   /// From the first action's start to the last action's end (optimizer steps excluded).
   double measured_ms = 0;
+  /// Per stage: milliseconds spent in its actions.
+  std::vector<double> busy_ms;
 
   /// A short table, one line per stage.
   std::string to_string() const;
