@@ -9,6 +9,7 @@ cd "$(dirname "$0")"
 packages=(
   build-essential cmake ccache clang-format
   libtorch-dev            # libtorch 1.13 (CPU), with c10d Gloo
+  libgloo-dev             # headers of Gloo, which c10d's ProcessGroupGloo.hpp includes
   libopenblas0-openmp     # without it Debian's libtorch falls back to the reference BLAS
   libcaf-dev              # C++ Actor Framework 0.17
   libboost-dev            # Boost.Asio

@@ -37,8 +37,8 @@ using done_atom = caf::atom_constant<caf::atom("done")>;
 using failed_atom = caf::atom_constant<caf::atom("failed")>;
 /// scheduler -> stage: (abort_atom, step): drop the step, restore the stage as it was.
 using abort_atom = caf::atom_constant<caf::atom("abort")>;
-/// scheduler -> stage request: (update_atom, step, learning_rate) -> (optimizer_ms, error text
-/// or empty); a negative learning rate keeps the current one.
+/// scheduler -> stage request: (update_atom, step, learning_rate, gradient_scale) ->
+/// (optimizer_ms, error text or empty); a negative learning rate keeps the current one.
 using update_atom = caf::atom_constant<caf::atom("update")>;
 /// self-timer: (timeout_atom, step, wait_token).
 using timeout_atom = caf::atom_constant<caf::atom("timeout")>;
@@ -66,14 +66,19 @@ struct step_plan {
   /// losses before backward (so that accumulated gradients equal the full batch's).
   std::vector<torch::Tensor> targets;
   std::vector<double> loss_scales;
+  /// Samples in this replica's batch (weights the replica's gradients in the replica sync).
+  int64_t samples = 0;
 };
 
 /// What a stage reports when its program has run.
 struct stage_report {
   uint64_t step = 0;
   stage_stats stats;
-  /// Last stage, training: sum of scale * loss over micro-batches.
+  /// Last stage, training: sum of scale * loss over micro-batches (over all replicas' samples
+  /// when there are replicas).
   double loss = 0;
+  /// Sum of squared gradients after the replica sync (when the scheduler clips).
+  double gradient_square_sum = 0;
   /// Last stage, forward-only: the outputs, by micro-batch.
   std::vector<torch::Tensor> outputs;
 };

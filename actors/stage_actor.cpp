@@ -10,6 +10,7 @@
 #include <caf/all.hpp>
 
 #include "actors/messages.hpp"
+#include "comm/replica_group.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe::actors {
@@ -164,6 +165,38 @@ int64_t run_action(stage_actor_type* self, const action& a) {
   return 0;
 }
 
+// After a training program: average gradients (and buffers) with the other replicas' same
+// stage. Runs on this stage's thread while earlier stages may still be in backward.
+void sync_replicas(stage_actor_type* self, clock_type::time_point origin) {
+  auto& s = self->state;
+  auto& sync = *s.options.sync;
+  auto start = clock_type::now();
+  bool mean = s.options.reduction == loss_reduction::mean;
+  double weight = mean ? static_cast<double>(s.plan.samples) : 1.0;
+  bool last = s.chunks.back()->is_last();
+  for (auto it = s.chunks.rbegin(); it != s.chunks.rend(); ++it) {
+    (*it)->with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
+        auto out =
+          sync.all_reduce_gradients(parameters, weight, last ? s.report.loss * weight : 0.0, mean);
+        s.report.stats.sync_bytes += out.bytes;
+        if (last && it == s.chunks.rbegin()) {
+          s.report.loss = mean ? out.weighted_loss / out.weight : out.weighted_loss;
+        }
+      });
+  }
+  if (s.options.buffers != buffer_sync::none) {
+    for (auto& chunk : s.chunks) {
+      chunk->with_tensors(
+        [&](const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>& buffers) {
+          sync.sync_buffers(buffers, s.options.buffers);
+        });
+    }
+  }
+  s.report.stats.sync_start_ms = std::chrono::duration<double, std::milli>(start - origin).count();
+  s.report.stats.sync_end_ms = ms_since(origin);
+}
+
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type* self) {
   auto& s = self->state;
@@ -205,6 +238,24 @@ void advance(stage_actor_type* self) {
     ++s.wait_token;
   }
   if (s.active) {
+    if (s.plan.train) {
+      try {
+        for (auto& chunk : s.chunks) {
+          chunk->end_step();
+        }
+        if (s.options.sync) {
+          sync_replicas(self, origin);
+        }
+        if (s.options.report_gradient_norm) {
+          for (auto& chunk : s.chunks) {
+            s.report.gradient_square_sum += chunk->gradient_square_sum();
+          }
+        }
+      } catch (const std::exception& e) {
+        fail(self, e.what());
+        return;
+      }
+    }
     s.active = false;
     s.report.stats.peak_stash =
       static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
@@ -310,14 +361,15 @@ caf::behavior stage_actor(stage_actor_type* self,
       }
       return true;
     },
-    [=](update_atom, uint64_t step, double learning_rate) -> caf::result<double, std::string> {
+    [=](update_atom, uint64_t step, double learning_rate,
+        double gradient_scale) -> caf::result<double, std::string> {
       auto start = clock_type::now();
       try {
         for (auto& chunk : self->state.chunks) {
           if (learning_rate >= 0) {
             chunk->set_learning_rate(learning_rate);
           }
-          chunk->optimizer_step();
+          chunk->optimizer_step(gradient_scale);
         }
       } catch (const std::exception& e) {
         return {ms_since(start), detail::concat("stage ", self->state.options.index, ", step ",

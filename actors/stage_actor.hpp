@@ -17,8 +17,11 @@
 ///       step, so they may arrive before the plan; inputs of older steps are dropped.
 /// - in  (abort_atom, step) -> true: drop the step and restore every chunk (gradients, stash,
 ///       buffers); the reply confirms it.
-/// - in  (update_atom, step, learning_rate) -> (double optimizer_ms, std::string error): set the
-///       learning rate (when >= 0) and step the optimizers.
+/// - After the program of a training step, with replicas: gradients are all-reduced with the
+///       same stage of the other replicas (stage_sync), then buffers are synced; the report
+///       carries the loss over all replicas.
+/// - in  (update_atom, step, learning_rate, gradient_scale) -> (double optimizer_ms, std::string
+///       error): set the learning rate (when >= 0), scale gradients, step the optimizers.
 /// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.
@@ -41,6 +44,10 @@ namespace actorpipe::stages {
 class stage;
 }
 
+namespace actorpipe::comm {
+class stage_sync;
+}
+
 namespace actorpipe::actors {
 
 struct stage_actor_options {
@@ -52,6 +59,12 @@ struct stage_actor_options {
   std::size_t threads = 1;
   /// Used by the last virtual stage in training.
   loss_function loss;
+  loss_reduction reduction = loss_reduction::mean;
+  /// Data parallelism: the collectives of this stage index across replicas (null: none).
+  std::shared_ptr<comm::stage_sync> sync;
+  buffer_sync buffers = buffer_sync::broadcast;
+  /// Report the sum of squared gradients (global norm clipping).
+  bool report_gradient_norm = false;
 };
 
 /// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),

@@ -25,7 +25,36 @@ struct sweep_options {
   std::string json;
   std::string csv;
   std::string plot;
+  /// Data parallelism grid: when not empty, the bench measures every replicas x stages pair
+  /// (each replica on batch / replicas samples) instead of the split sweep.
+  std::vector<std::size_t> replicas;
+  std::vector<std::size_t> stage_counts;
+  /// Replica grid: Chrome trace of the last step of the largest configuration.
+  std::string trace;
 };
+
+/// One replicas x stages configuration of the data-parallel grid.
+struct replica_row {
+  std::size_t replicas = 1;
+  std::size_t stages = 1;
+  std::size_t splits = 1;
+  double median_ms = 0;
+  double min_ms = 0;
+  double max_ms = 0;
+  double samples_per_second = 0;
+  /// Against the first configuration of the grid.
+  double speedup = 0;
+  /// Longest gradient sync of a stage (median over steps) and its share of the step.
+  double sync_ms = 0;
+  double sync_share = 0;
+  /// Gradient bytes all-reduced per step by one replica.
+  int64_t sync_bytes = 0;
+  double loss = 0;
+};
+
+/// Runs the replicas x stages grid, configurations interleaved step by step so that ratios hold
+/// on a noisy machine; prints the table (and writes --json, --trace).
+std::vector<replica_row> run_replica_sweep(const sweep_options& options);
 
 /// One measured configuration.
 struct sweep_row {

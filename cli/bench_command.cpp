@@ -29,6 +29,17 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
   cmd->add_option("--json", o.json, "Write the rows as JSON");
   cmd->add_option("--csv", o.csv, "Write the rows as CSV");
   cmd->add_option("--plot", o.plot, "Plot step time and efficiency against splits (SVG)");
+  cmd
+    ->add_option("--replicas", o.replicas,
+                 "Data parallelism: measure replicas x stages instead of the split sweep, e.g. "
+                 "1,2 (each replica on batch/replicas samples, gradients all-reduced per stage)")
+    ->delimiter(',');
+  cmd
+    ->add_option("--stage-counts", o.stage_counts,
+                 "With --replicas: stage counts of the grid, e.g. 1,2 (default: --stages)")
+    ->delimiter(',');
+  cmd->add_option("--trace", o.trace,
+                  "With --replicas: Chrome trace of the largest configuration's last step");
   return cmd;
 }
 

@@ -6,6 +6,7 @@
 #include <actorpipe/errors.hpp>
 
 #include "cli/bench_command.hpp"
+#include "cli/launch_command.hpp"
 #include "cli/plan_command.hpp"
 #include "cli/train_command.hpp"
 
@@ -19,6 +20,8 @@ int main(int argc, char** argv) {
   auto* plan_cmd = actorpipe::cli::add_plan_command(app, plan);
   actorpipe::bench::sweep_options bench;
   auto* bench_cmd = actorpipe::cli::add_bench_command(app, bench);
+  actorpipe::cli::launch_args launch;
+  auto* launch_cmd = actorpipe::cli::add_launch_command(app, launch);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,7 +34,14 @@ int main(int argc, char** argv) {
     if (*plan_cmd) {
       return actorpipe::cli::run_plan(plan);
     }
+    if (*launch_cmd) {
+      return actorpipe::cli::run_launch(launch);
+    }
     if (*bench_cmd) {
+      if (!bench.replicas.empty()) {
+        actorpipe::bench::run_replica_sweep(bench);
+        return 0;
+      }
       actorpipe::bench::run_sweep(bench);
       return 0;
     }

@@ -49,6 +49,9 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
                  "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
     ->capture_default_str();
   cmd->add_option("--seed", m.seed, "Seed for parameters and data")->capture_default_str();
+  cmd->add_flag("--deferred-bn", m.deferred_batch_norm,
+                "ResNets: batch norm updates running statistics once per step from the whole "
+                "batch (deferred batch norm), not once per micro-batch");
 }
 
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
@@ -95,6 +98,7 @@ model_setup build_model(const model_args& m) {
   setup.options.num_classes =
     m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet ? 1000 : 10);
   setup.batch = m.batch > 0 ? m.batch : (m.data == "synthetic" ? 120 : 64);
+  setup.options.deferred_batch_norm = m.deferred_batch_norm;
   torch::manual_seed(m.seed);
   setup.layers = make_model(setup.name, setup.options);
   return setup;

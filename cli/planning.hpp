@@ -29,6 +29,7 @@ struct model_args {
   int64_t image = 128;
   int64_t classes = 0;
   uint64_t seed = 0;
+  bool deferred_batch_norm = false;
 };
 
 /// A built model with its input shape.

@@ -1,6 +1,7 @@
 #include "cli/train_command.hpp"
 
 #include <fstream>
+#include <future>
 #include <iomanip>
 #include <iostream>
 
@@ -46,6 +47,23 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--metrics", a.metrics, "Fashion-MNIST: per-epoch metrics file (.csv, else JSON lines)");
   cmd->add_flag("--no-progress", a.no_progress, "Fashion-MNIST: no progress bar");
   opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
+  opt("--replicas", a.replicas,
+      "Data parallelism in this process: replicas of the pipeline, each on batch/replicas "
+      "samples, averaging gradients per stage (c10d Gloo)");
+  opt("--rank", a.rank, "Data parallelism across processes: this process's rank (default: RANK)");
+  opt("--world-size", a.world_size,
+      "Data parallelism across processes: number of ranks (default: WORLD_SIZE, else 1)");
+  opt("--master-addr", a.master_addr,
+      "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
+  opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
+  opt("--dp-timeout", a.dp_timeout_ms,
+      "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
+  opt("--buffers", a.buffers,
+      "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
+      "none")
+    ->check(CLI::IsMember({"broadcast", "average", "none"}));
+  opt("--max-grad-norm", a.max_grad_norm,
+      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
   opt("--trace", a.trace,
       "Synthetic data: write a Chrome trace (Perfetto, chrome://tracing) of every step and print "
       "planned against measured bubbles");
@@ -75,6 +93,15 @@ void print_plan(const model_setup& setup, const plan_choice& choice) {
               << setup.layers[cut.end(k) - 1].name() << ", " << counts[k] << " parameters\n";
   }
   std::cout << std::flush;
+}
+
+std::string replicas_note(const data_parallel_options& dp) {
+  if (dp.replicas <= 1) {
+    return {};
+  }
+  return detail::concat(", ", dp.replicas, " replicas (",
+                        dp.local ? "in this process" : "processes", ", ", dp.master_addr, ":",
+                        dp.master_port, ")");
 }
 
 void write_json(const std::string& path, const nlohmann::json& report) {
@@ -126,17 +153,26 @@ int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_
   to.model = setup.name;
   to.dataset = "fashion-mnist";
 
-  std::cout << "actorpipe train: " << setup.name << " on Fashion-MNIST (" << train.size()
-            << " train, " << test.size() << " test), " << choice.cut.stages() / choice.chunks
-            << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name << ", "
-            << choice.microbatches << " micro-batches, batch " << to.batch << ", " << a.epochs
-            << " epochs, lr " << a.lr << " (cosine, " << a.warmup << " warm-up steps), seed "
-            << a.model.seed << '\n';
-  print_plan(setup, choice);
+  const auto& dp = po.data_parallel;
+  to.rank = static_cast<int64_t>(dp.rank);
+  to.replicas = static_cast<int64_t>(dp.replicas);
+  const bool lead = dp.rank == 0;
+  if (lead) {
+    std::cout << "actorpipe train: " << setup.name << " on Fashion-MNIST (" << train.size()
+              << " train, " << test.size() << " test), " << choice.cut.stages() / choice.chunks
+              << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name
+              << ", " << choice.microbatches << " micro-batches, batch " << to.batch << ", "
+              << a.epochs << " epochs, lr " << a.lr << " (cosine, " << a.warmup
+              << " warm-up steps), seed " << a.model.seed << replicas_note(dp) << '\n';
+    print_plan(setup, choice);
+  }
 
   engine sys;
   pipeline pipe(sys, setup.layers, choice.cut, po);
   auto report = train_classifier(pipe, train, test, to);
+  if (!lead) {
+    return 0;
+  }
 
   nlohmann::json j;
   j["config"] = config_json(a, setup, choice);
@@ -166,13 +202,18 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
   const auto& mo = setup.options;
   po.loss = mse;
   po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.0 : a.momentum);
-  std::cout << "actorpipe train: " << setup.name << " on synthetic data, "
-            << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
-            << ", schedule " << choice.schedule_name << ", " << choice.microbatches
-            << " micro-batches, batch " << setup.batch << ", input " << mo.in_channels << 'x'
-            << mo.image_size << 'x' << mo.image_size << ", seed " << a.model.seed << '\n';
-  print_plan(setup, choice);
+  if (po.data_parallel.rank == 0) {
+    std::cout << "actorpipe train: " << setup.name << " on synthetic data, "
+              << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
+              << ", schedule " << choice.schedule_name << ", " << choice.microbatches
+              << " micro-batches, batch " << setup.batch << ", input " << mo.in_channels << 'x'
+              << mo.image_size << 'x' << mo.image_size << ", seed " << a.model.seed
+              << replicas_note(po.data_parallel) << '\n';
+    print_plan(setup, choice);
+  }
 
+  const auto& dp = po.data_parallel;
+  const bool lead = dp.rank == 0;
   engine sys;
   pipeline pipe(sys, setup.layers, choice.cut, po);
   nlohmann::json report;
@@ -180,13 +221,23 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
   report["steps"] = nlohmann::json::array();
   std::vector<step_result> results;
   for (std::size_t step = 0; step < a.steps; ++step) {
-    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
-    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
+    // Every rank draws the whole batch from the step's own generator and takes its part.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(a.model.seed * 1000003ULL + step + 1);
+    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size}, gen,
+                          torch::TensorOptions());
+    auto labels = torch::randint(mo.num_classes, {setup.batch}, gen, torch::kLong);
     auto y = torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat);
+    if (dp.replicas > 1) {
+      auto part = static_cast<std::size_t>(dp.rank);
+      x = torch::tensor_split(x, static_cast<int64_t>(dp.replicas), 0).at(part);
+      y = torch::tensor_split(y, static_cast<int64_t>(dp.replicas), 0).at(part);
+    }
     auto r = pipe.train_step(x, y);
-    std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9) << r.loss
-              << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
-              << std::flush;
+    if (lead) {
+      std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9)
+                << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+                << std::flush;
+    }
     nlohmann::json stages = nlohmann::json::array();
     for (const auto& s : r.stages) {
       stages.push_back({{"stage", s.stage},
@@ -194,11 +245,15 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
                         {"backward_ms", s.backward_ms},
                         {"wait_ms", s.wait_ms},
                         {"optimizer_ms", s.optimizer_ms},
+                        {"sync_ms", s.sync_end_ms - s.sync_start_ms},
                         {"peak_stash", s.peak_stash}});
     }
     report["steps"].push_back(
       {{"step", r.step}, {"loss", r.loss}, {"wall_ms", r.wall_ms}, {"stages", stages}});
     results.push_back(std::move(r));
+  }
+  if (!lead) {
+    return 0;
   }
   write_json(a.json, report);
   if (!a.trace.empty()) {
@@ -224,8 +279,73 @@ int run_train(const train_args& a) {
   po.custom_schedule = choice.custom;
   po.threads_per_stage = a.plan.threads;
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
-  return a.model.data == "synthetic" ? run_synthetic(a, setup, choice, std::move(po))
-                                     : run_fashion_mnist(a, setup, choice, std::move(po));
+  ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
+  po.max_grad_norm = a.max_grad_norm;
+
+  auto& dp = po.data_parallel;
+  dp = data_parallel_from_env();
+  if (a.world_size > 0) {
+    dp.replicas = static_cast<std::size_t>(a.world_size);
+  }
+  if (a.rank >= 0) {
+    dp.rank = static_cast<std::size_t>(a.rank);
+  }
+  if (!a.master_addr.empty()) {
+    dp.master_addr = a.master_addr;
+  }
+  if (a.master_port > 0) {
+    ACTORPIPE_CHECK(a.master_port <= 65535, "--master-port (", a.master_port,
+                    ") must be in [1, 65535]");
+    dp.master_port = static_cast<uint16_t>(a.master_port);
+  }
+  ACTORPIPE_CHECK(a.dp_timeout_ms >= 1, "--dp-timeout (", a.dp_timeout_ms, ") must be >= 1");
+  dp.timeout = std::chrono::milliseconds(a.dp_timeout_ms);
+  dp.buffers = a.buffers == "average" ? buffer_sync::average
+               : a.buffers == "none"  ? buffer_sync::none
+                                      : buffer_sync::broadcast;
+  ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
+                  dp.replicas);
+  ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
+  ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
+                  "--replicas (in this process) and --world-size (processes) cannot be combined");
+  ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
+                  "--batch (", setup.batch, ") must be a multiple of the ",
+                  std::max(a.replicas, dp.replicas), " replicas");
+  auto run_rank = [&](const model_setup& model, pipeline_options o) {
+    return a.model.data == "synthetic" ? run_synthetic(a, model, choice, std::move(o))
+                                       : run_fashion_mnist(a, model, choice, std::move(o));
+  };
+  if (a.replicas == 1) {
+    return run_rank(setup, std::move(po));
+  }
+  // Replicas in this process: one thread each, meeting at an in-process store.
+  dp.replicas = a.replicas;
+  dp.local = make_local_rendezvous();
+  // Each replica owns its modules; built one after another (they seed the global generator).
+  std::vector<model_setup> models{setup};
+  for (std::size_t r = 1; r < a.replicas; ++r) {
+    models.push_back(build_model(a.model));
+  }
+  std::vector<std::future<int>> ranks;
+  for (std::size_t r = 0; r < a.replicas; ++r) {
+    auto o = po;
+    o.data_parallel.rank = r;
+    ranks.push_back(std::async(std::launch::async,
+                               [&run_rank, &models, r, o] { return run_rank(models[r], o); }));
+  }
+  int code = 0;
+  std::exception_ptr error;
+  for (auto& r : ranks) {
+    try {
+      code = std::max(code, r.get());
+    } catch (...) {
+      error = error ? error : std::current_exception();
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  return code;
 }
 
 } // namespace actorpipe::cli

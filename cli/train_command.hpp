@@ -35,6 +35,16 @@ struct train_args {
   bool no_progress = false;
   std::string json;
   std::string trace;
+  /// Data parallelism: replicas in this process, or this process's place among processes
+  /// (defaults from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+  std::size_t replicas = 1;
+  int64_t rank = -1;
+  int64_t world_size = 0;
+  std::string master_addr;
+  int64_t master_port = 0;
+  int64_t dp_timeout_ms = 60000;
+  std::string buffers = "broadcast";
+  double max_grad_norm = 0;
 };
 
 /// Adds the `train` subcommand; `args` receives the parsed flags.

@@ -120,4 +120,17 @@ torch::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
   return torch::randperm(n, generator, torch::TensorOptions().dtype(torch::kInt64));
 }
 
+torch::Tensor distributed_order(int64_t n, uint64_t seed, int64_t epoch, int64_t rank,
+                                int64_t replicas) {
+  ACTORPIPE_CHECK(n >= 1, "distributed_order: no samples");
+  ACTORPIPE_CHECK(replicas >= 1 && rank >= 0 && rank < replicas, "distributed_order: rank ", rank,
+                  " of ", replicas, " replicas");
+  auto order = epoch_order(n, seed, epoch);
+  auto padded = (n + replicas - 1) / replicas * replicas;
+  while (order.size(0) < padded) {
+    order = torch::cat({order, order.slice(0, 0, padded - order.size(0))});
+  }
+  return order.slice(0, rank, padded, replicas).clone();
+}
+
 } // namespace actorpipe

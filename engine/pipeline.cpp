@@ -12,6 +12,7 @@
 
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
+#include "comm/replica_group.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/stage.hpp"
 
@@ -56,6 +57,8 @@ struct pipeline::impl {
   std::vector<std::shared_ptr<stages::stage>> stages;
   std::vector<caf::actor> stage_actors;
   caf::actor scheduler;
+  // Data parallelism: this replica's process groups (null without replicas).
+  std::unique_ptr<comm::replica_group> replicas;
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
 
@@ -180,13 +183,21 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   if (!options.custom_schedule.empty()) {
     validate(options.custom_schedule, options.microbatches, true);
   }
+  ACTORPIPE_CHECK(options.max_grad_norm >= 0, "max_grad_norm (", options.max_grad_norm,
+                  ") must be >= 0");
+  const auto& dp = options.data_parallel;
   auto threads = options.threads_per_stage;
   if (threads == 0) {
+    // Replicas in this process share its cores.
     auto cores = std::max(1u, std::thread::hardware_concurrency());
-    threads = std::max<std::size_t>(1, cores / stage_count);
+    auto local_replicas = dp.local ? std::max<std::size_t>(1, dp.replicas) : 1;
+    threads = std::max<std::size_t>(1, cores / (stage_count * local_replicas));
   }
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
+  if (dp.replicas > 1) {
+    self.replicas = std::make_unique<comm::replica_group>(dp, stage_count);
+  }
   auto& actor_system = sys.internals().system;
   scheduler::scheduler_options scheduler_options;
   scheduler_options.schedule = options.schedule;
@@ -194,6 +205,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   scheduler_options.custom = options.custom_schedule;
   scheduler_options.step_timeout = options.step_timeout;
   scheduler_options.abort_timeout = options.wait_timeout;
+  scheduler_options.max_grad_norm = options.max_grad_norm;
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options);
   // Virtual stage k (model order) lives on actor k % stage_count as its chunk k / stage_count.
   for (std::size_t k = 0; k < cut.stages(); ++k) {
@@ -223,6 +235,21 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.wait_timeout = options.wait_timeout;
     actor_options.threads = threads;
     actor_options.loss = options.loss;
+    actor_options.reduction = options.reduction;
+    actor_options.report_gradient_norm = options.max_grad_norm > 0;
+    if (self.replicas) {
+      // Every replica starts from rank 0's parameters and buffers.
+      actor_options.sync = self.replicas->stage(i);
+      actor_options.buffers = dp.buffers;
+      for (auto& chunk : chunks) {
+        chunk->with_tensors([&](const std::vector<torch::Tensor>& parameters,
+                                const std::vector<torch::Tensor>& buffers) {
+          auto all = parameters;
+          all.insert(all.end(), buffers.begin(), buffers.end());
+          actor_options.sync->broadcast(all);
+        });
+      }
+    }
     self.stage_actors.push_back(actors::spawn_stage(actor_system, std::move(chunks), self.scheduler,
                                                     std::move(actor_options)));
   }

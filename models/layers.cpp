@@ -1,5 +1,7 @@
 #include <actorpipe/layers.hpp>
 
+#include <actorpipe/batch_norm.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -67,6 +69,9 @@ std::string layer::expected_input() const {
       return detail::concat("[N, ", conv->options.in_channels(), ", L]");
     }
     if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get())) {
+      return detail::concat("[N, ", bn->options.num_features(), ", H, W]");
+    }
+    if (auto* bn = dynamic_cast<DeferredBatchNorm2dImpl*>(m.get())) {
       return detail::concat("[N, ", bn->options.num_features(), ", H, W]");
     }
   }

@@ -1,6 +1,8 @@
 // Built-in models: torchvision's ResNets, an MLP and a small CNN, each as a named layer list.
 #include <actorpipe/models.hpp>
 
+#include <actorpipe/batch_norm.hpp>
+
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -29,9 +31,9 @@ struct BasicBlockImpl : nn::Module {
 
   BasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, nn::Sequential downsample_)
     : conv1(register_module("conv1", conv3x3(inplanes, planes, stride))),
-      bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+      bn1(register_module("bn1", DeferredBatchNorm2d(planes))),
       conv2(register_module("conv2", conv3x3(planes, planes, 1))),
-      bn2(register_module("bn2", nn::BatchNorm2d(planes))), downsample(downsample_) {
+      bn2(register_module("bn2", DeferredBatchNorm2d(planes))), downsample(downsample_) {
     if (!downsample.is_empty()) {
       register_module("downsample", downsample);
     }
@@ -45,9 +47,9 @@ struct BasicBlockImpl : nn::Module {
   }
 
   nn::Conv2d conv1;
-  nn::BatchNorm2d bn1;
+  DeferredBatchNorm2d bn1;
   nn::Conv2d conv2;
-  nn::BatchNorm2d bn2;
+  DeferredBatchNorm2d bn2;
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(BasicBlock);
@@ -58,11 +60,12 @@ struct BottleneckImpl : nn::Module {
 
   BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, nn::Sequential downsample_)
     : conv1(register_module("conv1", conv1x1(inplanes, planes, 1))),
-      bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+      bn1(register_module("bn1", DeferredBatchNorm2d(planes))),
       conv2(register_module("conv2", conv3x3(planes, planes, stride))),
-      bn2(register_module("bn2", nn::BatchNorm2d(planes))),
+      bn2(register_module("bn2", DeferredBatchNorm2d(planes))),
       conv3(register_module("conv3", conv1x1(planes, planes * expansion, 1))),
-      bn3(register_module("bn3", nn::BatchNorm2d(planes * expansion))), downsample(downsample_) {
+      bn3(register_module("bn3", DeferredBatchNorm2d(planes * expansion))),
+      downsample(downsample_) {
     if (!downsample.is_empty()) {
       register_module("downsample", downsample);
     }
@@ -77,11 +80,11 @@ struct BottleneckImpl : nn::Module {
   }
 
   nn::Conv2d conv1;
-  nn::BatchNorm2d bn1;
+  DeferredBatchNorm2d bn1;
   nn::Conv2d conv2;
-  nn::BatchNorm2d bn2;
+  DeferredBatchNorm2d bn2;
   nn::Conv2d conv3;
-  nn::BatchNorm2d bn3;
+  DeferredBatchNorm2d bn3;
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(Bottleneck);
@@ -103,7 +106,7 @@ BlockSequence make_stage(int64_t& inplanes, int64_t planes, int64_t blocks, int6
   nn::Sequential downsample{nullptr};
   if (stride != 1 || inplanes != planes * Block::Impl::expansion) {
     downsample = nn::Sequential(conv1x1(inplanes, planes * Block::Impl::expansion, stride),
-                                nn::BatchNorm2d(planes * Block::Impl::expansion));
+                                DeferredBatchNorm2d(planes * Block::Impl::expansion));
   }
   BlockSequence seq;
   seq->push_back(Block(inplanes, planes, stride, downsample));
@@ -123,6 +126,9 @@ void init_resnet(nn::Module& m) {
     } else if (auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(sub.get())) {
       nn::init::constant_(bn->weight, 1.0);
       nn::init::constant_(bn->bias, 0.0);
+    } else if (auto* dbn = dynamic_cast<DeferredBatchNorm2dImpl*>(sub.get())) {
+      nn::init::constant_(dbn->weight, 1.0);
+      nn::init::constant_(dbn->bias, 0.0);
     }
   }
 }
@@ -131,7 +137,7 @@ template <class Block>
 layer_list make_resnet(const std::vector<int64_t>& blocks, const model_options& o) {
   int64_t inplanes = 64;
   auto conv1 = nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 7).stride(2).padding(3).bias(false));
-  auto bn1 = nn::BatchNorm2d(64);
+  auto bn1 = DeferredBatchNorm2d(64);
   // Stages are built in order so that parameters draw from the generator in torchvision's order.
   auto layer1 = make_stage<Block>(inplanes, 64, blocks[0], 1);
   auto layer2 = make_stage<Block>(inplanes, 128, blocks[1], 2);
@@ -156,6 +162,7 @@ layer_list make_resnet(const std::vector<int64_t>& blocks, const model_options& 
                       nn::AnyModule(nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1}))));
   layers.push_back(flatten_layer());
   layers.emplace_back("fc", nn::AnyModule(fc));
+  set_deferred_batch_norm(layers, o.deferred_batch_norm);
   return layers;
 }
 

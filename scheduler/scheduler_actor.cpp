@@ -1,5 +1,7 @@
 #include "scheduler/scheduler_actor.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <deque>
 #include <map>
 
@@ -27,6 +29,7 @@ struct scheduler_state {
   std::vector<stage_report> reports;
   std::size_t reported = 0;
   std::size_t updated = 0;
+  double grad_norm = 0;
   bool aborting = false;
   std::string abort_message;
   std::size_t aborts_pending = 0;
@@ -163,6 +166,7 @@ void start_next(scheduler_actor_type* self) {
   s.reports.assign(s.stages.size(), stage_report{});
   s.reported = 0;
   s.updated = 0;
+  s.grad_norm = 0;
   s.aborting = false;
   const schedule* programs = nullptr;
   try {
@@ -189,6 +193,9 @@ void start_next(scheduler_actor_type* self) {
       plan.targets = request.targets;
       plan.loss_scales = request.loss_scales;
     }
+    for (const auto& mb : request.inputs) {
+      plan.samples += mb.size(0);
+    }
     self->send(s.stages[i], plan_atom::value, std::move(plan));
   }
   self->delayed_send(self, s.options.step_timeout, step_timeout_atom::value, s.step);
@@ -200,6 +207,7 @@ void on_all_reported(scheduler_actor_type* self) {
     step_outcome outcome;
     outcome.result.step = s.step;
     outcome.result.loss = s.reports.back().loss;
+    outcome.result.grad_norm = s.grad_norm;
     outcome.result.wall_ms =
       std::chrono::duration<double, std::milli>(clock_type::now() - s.started).count();
     for (auto& r : s.reports) {
@@ -215,10 +223,19 @@ void on_all_reported(scheduler_actor_type* self) {
   // Every stage has its gradients: only now may any optimizer step, so that a failed step
   // changes no parameter anywhere.
   auto step = s.step;
+  double gradient_scale = 1.0;
+  if (s.options.max_grad_norm > 0) {
+    double sum = 0;
+    for (const auto& r : s.reports) {
+      sum += r.gradient_square_sum;
+    }
+    s.grad_norm = std::sqrt(sum);
+    gradient_scale = std::min(1.0, s.options.max_grad_norm / (s.grad_norm + 1e-6));
+  }
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     self
       ->request(s.stages[i], s.options.step_timeout, update_atom::value, step,
-                s.current->learning_rate)
+                s.current->learning_rate, gradient_scale)
       .then(
         [=](double optimizer_ms, const std::string& error) {
           auto& st = self->state;

@@ -74,6 +74,8 @@ struct scheduler_options {
   std::chrono::milliseconds step_timeout{600000};
   /// How long a failing step waits for every stage to confirm its abort before reporting.
   std::chrono::milliseconds abort_timeout{60000};
+  /// Global gradient-norm clipping when > 0 (stages then report their squared gradient sums).
+  double max_grad_norm = 0;
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.

@@ -1,5 +1,7 @@
 #include "stages/stage.hpp"
 
+#include <actorpipe/batch_norm.hpp>
+
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
@@ -48,6 +50,11 @@ stage::stage(stage_config config, layer_list layers) : config_(config), layers_(
   for (auto& l : layers_) {
     if (auto m = l.module()) {
       m->to(config_.device);
+      for (auto& sub : m->modules(/*include_self=*/true)) {
+        if (auto bn = std::dynamic_pointer_cast<DeferredBatchNorm2dImpl>(sub)) {
+          batch_norms_.push_back(std::move(bn));
+        }
+      }
     }
   }
 }
@@ -102,6 +109,9 @@ void stage::begin_step(bool train) {
     p.mutable_grad().reset();
   }
   buffer_snapshot_.clear();
+  for (auto& bn : batch_norms_) {
+    bn->discard();
+  }
   if (train) {
     torch::NoGradGuard no_grad;
     for (auto& b : buffers()) {
@@ -276,11 +286,21 @@ void stage::backward_weight(int32_t microbatch) {
                             /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
 }
 
+void stage::end_step() {
+  std::lock_guard<std::mutex> guard{mutex_};
+  for (auto& bn : batch_norms_) {
+    bn->commit();
+  }
+}
+
 void stage::abort_step() {
   std::lock_guard<std::mutex> guard{mutex_};
   stash_.clear();
   for (auto& p : parameters()) {
     p.mutable_grad().reset();
+  }
+  for (auto& bn : batch_norms_) {
+    bn->discard();
   }
   if (!buffer_snapshot_.empty()) {
     torch::NoGradGuard no_grad;
@@ -292,11 +312,37 @@ void stage::abort_step() {
   }
 }
 
-void stage::optimizer_step() {
+void stage::optimizer_step(double gradient_scale) {
   std::lock_guard<std::mutex> guard{mutex_};
+  if (gradient_scale != 1.0) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.grad().defined()) {
+        p.mutable_grad().mul_(gradient_scale);
+      }
+    }
+  }
   if (optimizer_) {
     optimizer_->step();
   }
+}
+
+double stage::gradient_square_sum() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  double sum = 0;
+  for (const auto& p : parameters()) {
+    if (p.grad().defined()) {
+      sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    }
+  }
+  return sum;
+}
+
+void stage::with_tensors(const std::function<void(const std::vector<torch::Tensor>&,
+                                                  const std::vector<torch::Tensor>&)>& fn) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  fn(parameters(), buffers());
 }
 
 std::size_t stage::stash_size() const {

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,10 @@
 
 #include <actorpipe/layers.hpp>
 #include <actorpipe/pipeline.hpp>
+
+namespace actorpipe {
+class DeferredBatchNorm2dImpl;
+}
 
 namespace actorpipe::stages {
 
@@ -73,11 +78,24 @@ public:
   /// ran, and releases its stash.
   void backward_weight(int32_t microbatch);
 
+  /// After the last micro-batch of a training step: deferred batch norms update their running
+  /// statistics from the whole step's (DeferredBatchNorm2dImpl::commit).
+  void end_step();
+
   /// Drops the stash and gradients and restores the buffers snapshotted by begin_step.
   void abort_step();
 
-  /// Steps the optimizer over the gradients accumulated since begin_step.
-  void optimizer_step();
+  /// Steps the optimizer over the gradients accumulated since begin_step, after scaling every
+  /// gradient by `gradient_scale` (global norm clipping) when that is not 1.
+  void optimizer_step(double gradient_scale = 1.0);
+
+  /// Sum of the squares of all gradients (for the global gradient norm).
+  double gradient_square_sum() const;
+
+  /// Runs `fn(parameters, buffers)` under the stage's lock: the replica sync reads and writes
+  /// gradients and buffers in place, in model order.
+  void with_tensors(const std::function<void(const std::vector<torch::Tensor>& parameters,
+                                             const std::vector<torch::Tensor>& buffers)>& fn);
 
   std::size_t stash_size() const;
   /// Most micro-batches stashed at once since begin_step.
@@ -134,6 +152,7 @@ private:
   std::size_t peak_stash_ = 0;
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
+  std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;
 };
 
 /// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).

@@ -83,6 +83,20 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
                             {"bytes_sent", a.bytes_sent}}}});
       }
     }
+    // The replica sync after each stage's last backward (data parallelism).
+    for (std::size_t s = 0; s < p; ++s) {
+      const auto& st = step.stages[s];
+      if (st.sync_end_ms > st.sync_start_ms) {
+        events.push_back({{"ph", "X"},
+                          {"name", "all-reduce"},
+                          {"cat", "sync"},
+                          {"pid", 1},
+                          {"tid", s},
+                          {"ts", (offset_ms + st.sync_start_ms) * 1000},
+                          {"dur", (st.sync_end_ms - st.sync_start_ms) * 1000},
+                          {"args", {{"step", step.step}, {"bytes", st.sync_bytes}}}});
+      }
+    }
     // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
     for (const auto& [k, where] : placed) {
       auto [kind, mb, vs] = k;

@@ -108,7 +108,14 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
   ACTORPIPE_CHECK(o.epochs >= 1, "epochs (", o.epochs, ") must be >= 1");
   ACTORPIPE_CHECK(o.batch >= 1, "batch (", o.batch, ") must be >= 1");
   ACTORPIPE_CHECK(o.lr > 0, "learning rate (", o.lr, ") must be > 0");
-  const int64_t steps_per_epoch = train.size() / o.batch;
+  ACTORPIPE_CHECK(o.replicas >= 1 && o.rank >= 0 && o.rank < o.replicas, "rank ", o.rank, " of ",
+                  o.replicas, " replicas");
+  ACTORPIPE_CHECK(o.batch % o.replicas == 0, "batch (", o.batch, ") must be a multiple of the ",
+                  o.replicas, " replicas");
+  const bool lead = o.rank == 0;
+  const int64_t local_batch = o.batch / o.replicas;
+  const int64_t shard = (train.size() + o.replicas - 1) / o.replicas;
+  const int64_t steps_per_epoch = shard / local_batch;
   ACTORPIPE_CHECK(steps_per_epoch >= 1, "the training set (", train.size(),
                   " samples) is smaller than one batch (", o.batch, ")");
   cosine_schedule lr{o.lr, o.min_lr, o.warmup_steps, o.epochs * steps_per_epoch};
@@ -129,11 +136,12 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
     step = m.step;
     first_epoch = m.epoch;
     first_batch = m.batch_in_epoch;
-    std::cerr << "resumed from " << dir << " at step " << step << " (epoch " << m.epoch + 1
-              << ", batch " << m.batch_in_epoch << ")\n";
+    if (lead)
+      std::cerr << "resumed from " << dir << " at step " << step << " (epoch " << m.epoch + 1
+                << ", batch " << m.batch_in_epoch << ")\n";
   }
 
-  metrics_writer metrics(o.metrics);
+  metrics_writer metrics(lead ? o.metrics : std::string{});
   train_report report;
   auto manifest_at = [&](int64_t epoch, int64_t next_batch) {
     checkpoint_manifest m;
@@ -148,20 +156,22 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
     return m;
   };
   auto checkpoint = [&](int64_t epoch, int64_t next_batch) {
-    if (!o.checkpoint_dir.empty()) {
+    if (lead && !o.checkpoint_dir.empty()) {
       write_checkpoint(pipe, o.checkpoint_dir, manifest_at(epoch, next_batch), o.keep);
     }
   };
 
   for (int64_t epoch = first_epoch; epoch < o.epochs; ++epoch) {
-    auto order = epoch_order(train.size(), o.seed, epoch);
+    auto order = o.replicas == 1
+                   ? epoch_order(train.size(), o.seed, epoch)
+                   : distributed_order(train.size(), o.seed, epoch, o.rank, o.replicas);
     training::progress_bar bar(detail::concat("epoch ", epoch + 1, "/", o.epochs),
                                steps_per_epoch * o.batch);
     double loss_sum = 0;
     int64_t loss_count = 0;
     int64_t start_batch = epoch == first_epoch ? first_batch : 0;
     for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
-      auto index = order.slice(0, b * o.batch, (b + 1) * o.batch);
+      auto index = order.slice(0, b * local_batch, (b + 1) * local_batch);
       auto current_lr = lr.at(static_cast<int64_t>(step));
       pipe.set_learning_rate(current_lr);
       auto r =
@@ -170,7 +180,7 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
       report.steps.emplace_back(step, r.loss);
       loss_sum += r.loss;
       ++loss_count;
-      if (o.progress) {
+      if (o.progress && lead) {
         auto done = (b + 1 - start_batch) * o.batch;
         bar.update((b + 1) * o.batch,
                    detail::concat(static_cast<int64_t>(static_cast<double>(done) /
@@ -193,6 +203,10 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
     e.train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : 0;
     e.seconds = bar.elapsed_seconds();
     e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
+    if (!lead) {
+      report.epochs.push_back(e);
+      continue;
+    }
     e.test = evaluate(pipe, test, o.eval_batch);
     std::cout << "epoch " << e.epoch << "/" << o.epochs << "  train loss " << e.train_loss
               << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "

@@ -2,9 +2,11 @@
 /// Everything an embedding application needs.
 #pragma once
 
+#include <actorpipe/batch_norm.hpp>
 #include <actorpipe/errors.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/pipeline.hpp>
+#include <actorpipe/replicas.hpp>
 #include <actorpipe/schedule.hpp>

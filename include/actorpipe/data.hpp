@@ -37,4 +37,12 @@ dataset load_fashion_mnist(const std::string& dir, bool train);
 /// seeded by (seed, epoch) alone, so a resumed run sees exactly the same order.
 torch::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch);
 
+/// Replica `rank`'s share of epoch `epoch` (as PyTorch's DistributedSampler): epoch_order(n,
+/// seed, epoch), padded by repeating its first samples up to a multiple of `replicas`, then
+/// every `replicas`-th index from position `rank`. All ranks get ceil(n / replicas) indices;
+/// together they cover every sample once, plus the padding. Throws invalid_argument for
+/// replicas == 0, rank >= replicas or n < 1.
+torch::Tensor distributed_order(int64_t n, uint64_t seed, int64_t epoch, int64_t rank,
+                                int64_t replicas);
+
 } // namespace actorpipe

@@ -18,6 +18,9 @@ struct model_options {
   int64_t in_channels = 3;
   /// Input side length; the MLP's first layer depends on it, the ResNets adapt by pooling.
   int64_t image_size = 224;
+  /// ResNets: batch norm updates its running statistics once per step from the whole batch's
+  /// statistics instead of once per micro-batch (see batch_norm.hpp).
+  bool deferred_batch_norm = false;
 };
 
 /// Names accepted by make_model, in a stable order.

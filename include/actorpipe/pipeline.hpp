@@ -47,6 +47,46 @@ enum class loss_reduction {
   sum,
 };
 
+/// What replicas do with buffers (batch-norm running statistics, "computed params") after
+/// each step.
+enum class buffer_sync {
+  /// Every replica takes rank 0's buffers (as DDP's broadcast_buffers).
+  broadcast,
+  /// Floating-point buffers are averaged over replicas; integer ones (counters) are equal.
+  average,
+  /// Each replica keeps its own.
+  none,
+};
+
+namespace detail {
+/// An in-process rendezvous store shared by replicas of one process (see replicated_pipeline).
+struct local_store;
+} // namespace detail
+
+/// Data parallelism: this pipeline is replica `rank` of `replicas` identical pipelines (each
+/// fed its own part of the batch). After its last backward, each stage averages its gradients
+/// with the same stage of every other replica over c10d (one Gloo process group per stage
+/// index), so R replicas on B/R samples each step exactly like one pipeline on B samples.
+struct data_parallel_options {
+  /// This replica's rank, 0 <= rank < replicas (RANK).
+  std::size_t rank = 0;
+  /// Replicas in all (WORLD_SIZE); 1 means no data parallelism.
+  std::size_t replicas = 1;
+  /// Where rank 0 serves the rendezvous store (MASTER_ADDR, MASTER_PORT).
+  std::string master_addr = "127.0.0.1";
+  uint16_t master_port = 29500;
+  /// Deadline of the rendezvous barrier (a missing rank is named after it) and of every
+  /// collective (a replica that died fails the step after it).
+  std::chrono::milliseconds timeout{60000};
+  /// Gradients are all-reduced in buckets of about this many bytes, last layers first.
+  std::size_t bucket_bytes = 25u << 20;
+  buffer_sync buffers = buffer_sync::broadcast;
+  /// Key prefix in the store, so several replicated pipelines can share one rendezvous.
+  std::string group = "actorpipe";
+  /// Set by replicated_pipeline for replicas that live in one process; empty for processes.
+  std::shared_ptr<detail::local_store> local;
+};
+
 /// Everything a pipeline needs besides its layers and partition.
 struct pipeline_options {
   /// Micro-batches per step (m >= 1). The batch is split into m parts whose sizes differ by at
@@ -74,6 +114,12 @@ struct pipeline_options {
   std::chrono::milliseconds wait_timeout{60000};
   /// Safety net over a whole step (a stage that died or hangs in its own compute).
   std::chrono::milliseconds step_timeout{600000};
+  /// Global gradient-norm clipping: when > 0, all gradients of all stages (after the replica
+  /// sync, hence of all replicas) are scaled by max_grad_norm / (norm + 1e-6) when that is
+  /// below 1, as torch::nn::utils::clip_grad_norm_ does on one model.
+  double max_grad_norm = 0;
+  /// Replicas of this pipeline (off by default).
+  data_parallel_options data_parallel;
 };
 
 /// One action as it ran. Times in milliseconds from the step's start (one clock for all stages
@@ -98,14 +144,22 @@ struct stage_stats {
   double peak_stash = 0;
   /// Every action in the order it ran.
   std::vector<action_record> actions;
+  /// Data parallelism: the gradient (and buffer) sync with the other replicas after the
+  /// stage's last backward, in milliseconds from the step's start; bytes all-reduced.
+  double sync_start_ms = 0;
+  double sync_end_ms = 0;
+  int64_t sync_bytes = 0;
 };
 
 /// The outcome of a training step.
 struct step_result {
   /// 1-based step counter of this pipeline.
   uint64_t step = 0;
-  /// The full-batch loss: micro-batch losses combined with the same scales as the gradients.
+  /// The full-batch loss: micro-batch losses combined with the same scales as the gradients
+  /// (with replicas: over all replicas' samples).
   double loss = 0;
+  /// The global gradient norm before clipping (0 unless max_grad_norm > 0).
+  double grad_norm = 0;
   /// Wall time from the request to the last optimizer step, in milliseconds.
   double wall_ms = 0;
   std::vector<stage_stats> stages;

@@ -13,7 +13,8 @@ namespace actorpipe {
 
 /// Writes `steps` (one after another on the time axis) as Chrome trace events: one track per
 /// stage, an event per action (name "F3", "B0@1"; args: step, micro-batch, chunk, bytes sent),
-/// and flow arrows from each send to the action that received it. Throws pipeline_error when the
+/// flow arrows from each send to the action that received it, and with replicas an "all-reduce"
+/// event per stage for its gradient sync. Throws pipeline_error when the
 /// file cannot be written.
 void write_chrome_trace(const std::string& path, const std::vector<step_result>& steps);
 

@@ -88,6 +88,12 @@ struct train_options {
   int64_t max_steps = 0;
   /// Progress bar on stderr.
   bool progress = true;
+  /// Data parallelism: this process is replica `rank` of `replicas` (its pipeline has
+  /// data_parallel set accordingly). Each rank takes batch / replicas samples of every step
+  /// from its distributed_order shard; only rank 0 shows progress, evaluates, writes metrics and
+  /// checkpoints (all replicas hold the same parameters).
+  int64_t rank = 0;
+  int64_t replicas = 1;
   /// Recorded in manifests and checked on resume.
   std::string model;
   std::string dataset;

@@ -7,6 +7,11 @@
 #include <set>
 #include <string>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
@@ -40,6 +45,19 @@ std::vector<double> losses(const std::filesystem::path& json_file) {
     result.push_back(step["loss"].get<double>());
   }
   return result;
+}
+
+// A port nobody listens on now.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  ::close(fd);
+  return ntohs(sa.sin_port);
 }
 
 std::filesystem::path temp_file(const std::string& name) {
@@ -100,8 +118,10 @@ TEST_CASE("train explains bad flags and exits non-zero") {
 TEST_CASE("--help documents every train flag") {
   auto help = run("train --help");
   CHECK(help.exit_code == 0);
-  for (const auto* flag : {"--model", "--stages", "--microbatches", "--schedule", "--batch",
-                           "--image", "--steps", "--lr", "--seed", "--partition", "--json"}) {
+  for (const auto* flag :
+       {"--model", "--stages", "--microbatches", "--schedule", "--batch", "--image", "--steps",
+        "--lr", "--seed", "--partition", "--json", "--replicas", "--rank", "--world-size",
+        "--master-addr", "--master-port", "--dp-timeout", "--buffers", "--max-grad-norm"}) {
     CAPTURE(flag);
     CHECK(help.output.find(flag) != std::string::npos);
   }
@@ -345,4 +365,71 @@ TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a
   for (const auto& f : {json, csv, svg}) {
     std::filesystem::remove(f);
   }
+}
+
+TEST_CASE("2 ranks started by launch, and 2 replicas in one process, print the losses of one "
+          "process on the whole batch") {
+  auto one = temp_file("dp_one.json");
+  auto procs = temp_file("dp_procs.json");
+  auto threads = temp_file("dp_threads.json");
+  const std::string common =
+    " --data synthetic --model cnn --batch 8 --steps 3 --stages 2 --microbatches 2 --seed 4";
+  auto a = run("train --json " + one.string() + common);
+  auto b = run("launch --nproc 2 -- train --json " + procs.string() + common);
+  auto c = run("train --replicas 2 --json " + threads.string() + common);
+  CAPTURE(a.output);
+  CAPTURE(b.output);
+  CAPTURE(c.output);
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  REQUIRE(c.exit_code == 0);
+  CHECK(b.output.find("2 replicas (processes") != std::string::npos);
+  CHECK(c.output.find("2 replicas (in this process") != std::string::npos);
+  auto la = losses(one);
+  for (const auto& file : {procs, threads}) {
+    auto l = losses(file);
+    REQUIRE(l.size() == la.size());
+    for (std::size_t i = 0; i < la.size(); ++i) {
+      CHECK(l[i] == doctest::Approx(la[i]).epsilon(1e-5));
+    }
+    std::filesystem::remove(file);
+  }
+  std::filesystem::remove(one);
+}
+
+TEST_CASE("a missing rank ends the run with an error naming it, and launch stops the others") {
+  const std::string common = " --data synthetic --model mlp --batch 8 --steps 1 --dp-timeout 1000";
+  auto alone =
+    run("train --world-size 2 --rank 0 --master-port " + std::to_string(free_port()) + common);
+  CAPTURE(alone.output);
+  CHECK(alone.exit_code == 1);
+  CHECK(alone.output.find("rank 1 of 2 did not arrive at the rendezvous") != std::string::npos);
+
+  auto orphan = run("train --world-size 2 --rank 1 --master-port 1" + common);
+  CAPTURE(orphan.output);
+  CHECK(orphan.exit_code == 1);
+  CHECK(orphan.output.find("cannot reach the rendezvous store of rank 0 at 127.0.0.1:1") !=
+        std::string::npos);
+
+  // One rank fails at once (a bad flag value for it alone is not possible: use a bad model),
+  // so launch reports its code and stops the rest.
+  auto failing = run("launch --nproc 2 -- train --data synthetic --model resnet51 --steps 1");
+  CAPTURE(failing.output);
+  CHECK(failing.exit_code == 2);
+  CHECK(failing.output.find("exited with code 2") != std::string::npos);
+
+  auto bad = run("train --replicas 2 --world-size 2" + common);
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.output.find("cannot be combined") != std::string::npos);
+}
+
+TEST_CASE("Fashion-MNIST trains as 2 ranks: one report, from rank 0") {
+  auto r = run("launch --nproc 2 -- train --train-samples 640 --test-samples 200 --batch 32 "
+               "--epochs 1 --warmup 5 --no-progress --threads 1");
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  auto first = r.output.find("test accuracy");
+  REQUIRE(first != std::string::npos);
+  CHECK(r.output.find("test accuracy", first + 1) == std::string::npos);
+  CHECK(r.output.find("2 replicas (processes") != std::string::npos);
 }

@@ -1,0 +1,173 @@
+// The data-parallel grid: replicas x stages on the bench scenario, with the share of each step
+// spent in the gradient all-reduce.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+#include <actorpipe/trace.hpp>
+
+#include "bench/sweep.hpp"
+#include "training/progress.hpp"
+
+namespace actorpipe::bench {
+namespace {
+
+double median_of(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs.empty() ? 0 : xs[xs.size() / 2];
+}
+
+struct configuration {
+  replica_row row;
+  std::unique_ptr<replicated_pipeline> replicas;
+  std::vector<double> times;
+  std::vector<double> syncs;
+  step_result last;
+};
+
+} // namespace
+
+std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
+  ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
+  auto stage_counts =
+    o.stage_counts.empty() ? std::vector<std::size_t>{o.plan.stages} : o.stage_counts;
+  auto setup = cli::build_model(o.model);
+  const auto& mo = setup.options;
+  auto cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
+
+  torch::manual_seed(o.model.seed + 1);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (std::size_t i = 0; i <= o.steps; ++i) {
+    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
+    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
+    batches.emplace_back(x,
+                         torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat));
+  }
+
+  engine sys;
+  std::vector<configuration> grid;
+  for (auto r : o.replicas) {
+    for (auto p : stage_counts) {
+      ACTORPIPE_CHECK(r >= 1 && p >= 1, "--replicas and --stage-counts must be >= 1");
+      ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(r) == 0, "--batch (", setup.batch,
+                      ") must be a multiple of ", r, " replicas");
+      auto plan_args = o.plan;
+      plan_args.stages = p;
+      plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
+      auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
+      auto choice = cli::choose_plan(setup.layers, local, plan_args);
+      pipeline_options po;
+      po.microbatches = choice.microbatches;
+      po.schedule = choice.kind;
+      po.chunks = choice.chunks;
+      po.custom_schedule = choice.custom;
+      po.threads_per_stage = plan_args.threads;
+      po.loss = [](const torch::Tensor& y, const torch::Tensor& t) {
+        return torch::mse_loss(y, t);
+      };
+      po.optimizer = sgd(o.lr);
+      configuration c;
+      c.row.replicas = r;
+      c.row.stages = p;
+      c.row.splits = choice.microbatches;
+      c.replicas = std::make_unique<replicated_pipeline>(
+        sys,
+        [&] {
+          torch::manual_seed(o.model.seed);
+          return make_model(setup.name, mo);
+        },
+        choice.cut, po, r);
+      grid.push_back(std::move(c));
+    }
+  }
+  ACTORPIPE_CHECK(!grid.empty(), "--replicas needs at least one count");
+
+  std::printf("actorpipe bench (replicas x stages): %s, batch %lld split over the replicas, "
+              "input %lldx%lldx%lld, schedule %s, %zu timed steps after 1 warm-up, %zu cores\n",
+              setup.name.c_str(), static_cast<long long>(setup.batch),
+              static_cast<long long>(mo.in_channels), static_cast<long long>(mo.image_size),
+              static_cast<long long>(mo.image_size), o.plan.schedule.c_str(), o.steps, cores);
+  std::fflush(stdout);
+
+  training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * grid.size()));
+  int64_t done = 0;
+  for (std::size_t i = 0; i <= o.steps; ++i) {
+    for (auto& c : grid) {
+      auto r = c.replicas->train_step(batches[i].first, batches[i].second);
+      if (o.progress) {
+        bar.update(++done, detail::concat(c.row.replicas, "x", c.row.stages));
+      }
+      if (i == 0) {
+        continue; // warm-up
+      }
+      double sync = 0;
+      int64_t bytes = 0;
+      for (const auto& s : r.stages) {
+        sync = std::max(sync, s.sync_end_ms - s.sync_start_ms);
+        bytes += s.sync_bytes;
+      }
+      c.times.push_back(r.wall_ms);
+      c.syncs.push_back(sync);
+      c.row.sync_bytes = bytes;
+      c.row.loss = r.loss;
+      c.last = std::move(r);
+    }
+  }
+
+  std::vector<replica_row> rows;
+  std::printf("\n%8s %6s %6s %9s %9s %9s %10s %8s %9s %7s %9s %12s\n", "replicas", "stages",
+              "splits", "median s", "min s", "max s", "samples/s", "speedup", "sync ms", "sync%",
+              "sync MB", "loss");
+  for (auto& c : grid) {
+    auto& row = c.row;
+    row.median_ms = median_of(c.times);
+    row.min_ms = *std::min_element(c.times.begin(), c.times.end());
+    row.max_ms = *std::max_element(c.times.begin(), c.times.end());
+    row.samples_per_second = static_cast<double>(setup.batch) / (row.median_ms / 1000);
+    row.speedup = grid.front().times.empty() ? 0 : median_of(grid.front().times) / row.median_ms;
+    row.sync_ms = median_of(c.syncs);
+    row.sync_share = row.sync_ms / row.median_ms;
+    std::printf("%8zu %6zu %6zu %9.3f %9.3f %9.3f %10.1f %7.2fx %9.1f %6.1f%% %9.1f %12.6f\n",
+                row.replicas, row.stages, row.splits, row.median_ms / 1000, row.min_ms / 1000,
+                row.max_ms / 1000, row.samples_per_second, row.speedup, row.sync_ms,
+                100 * row.sync_share, static_cast<double>(row.sync_bytes) / 1e6, row.loss);
+    rows.push_back(row);
+  }
+  std::printf("sync: the longest stage's gradient all-reduce (+ buffer sync) on replica 0, "
+              "median over steps. loss: the last step's, over the whole batch; with batch norm, "
+              "replicas normalise over their own samples (as DDP without SyncBatchNorm)\n");
+  if (!o.json.empty()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& r : rows) {
+      j.push_back({{"replicas", r.replicas},
+                   {"stages", r.stages},
+                   {"splits", r.splits},
+                   {"median_ms", r.median_ms},
+                   {"min_ms", r.min_ms},
+                   {"max_ms", r.max_ms},
+                   {"samples_per_second", r.samples_per_second},
+                   {"speedup", r.speedup},
+                   {"sync_ms", r.sync_ms},
+                   {"sync_share", r.sync_share},
+                   {"sync_bytes", r.sync_bytes},
+                   {"loss", r.loss}});
+    }
+    std::ofstream out(o.json);
+    ACTORPIPE_CHECK(out.good(), "--json: cannot write '", o.json, "'");
+    out << nlohmann::json{{"model", setup.name}, {"batch", setup.batch}, {"rows", j}}.dump(2)
+        << '\n';
+  }
+  if (!o.trace.empty()) {
+    write_chrome_trace(o.trace, {grid.back().last});
+    std::printf("wrote %s (last step of %zu replicas x %zu stages)\n", o.trace.c_str(),
+                grid.back().row.replicas, grid.back().row.stages);
+  }
+  return rows;
+}
+
+} // namespace actorpipe::bench

@@ -1,0 +1,154 @@
+#include "cli/launch_command.hpp"
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe::cli {
+
+CLI::App* add_launch_command(CLI::App& app, launch_args& a) {
+  auto* cmd = app.add_subcommand(
+    "launch", "Start N data-parallel ranks of an actorpipe command on this host, e.g. "
+              "`actorpipe launch --nproc 2 -- train --stages 2`; each rank gets RANK, WORLD_SIZE, "
+              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT");
+  cmd->add_option("--nproc", a.nproc, "Ranks to start")
+    ->capture_default_str()
+    ->check(CLI::Range(1, 1024));
+  cmd->add_option("--master-addr", a.master_addr, "Rendezvous address (rank 0 serves it)")
+    ->capture_default_str();
+  cmd->add_option("--master-port", a.master_port, "Rendezvous port (0: pick a free one)")
+    ->capture_default_str()
+    ->check(CLI::Range(0, 65535));
+  cmd
+    ->add_option("--grace", a.grace_seconds,
+                 "Seconds the other ranks get to stop after one failed, before SIGKILL")
+    ->capture_default_str();
+  cmd->add_option("command", a.command, "The actorpipe subcommand and its flags, after --")
+    ->required();
+  return cmd;
+}
+
+namespace {
+
+// A port nobody listens on now (the kernel's pick for an ephemeral bind).
+int free_port(const std::string& addr) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ACTORPIPE_CHECK(fd >= 0, "launch: cannot open a socket to find a free port");
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  }
+  socklen_t len = sizeof sa;
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+  ::close(fd);
+  ACTORPIPE_CHECK(ok, "launch: cannot find a free port on ", addr, "; give one with --master-port");
+  return ntohs(sa.sin_port);
+}
+
+int exit_code(int status) {
+  if (WIFEXITED(status)) {
+    return WEXITSTATUS(status);
+  }
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
+}
+
+} // namespace
+
+int run_launch(const launch_args& a) {
+  ACTORPIPE_CHECK(!a.command.empty(), "launch: no command given (e.g. -- train --stages 2)");
+  ACTORPIPE_CHECK(a.command.front() != "launch", "launch: cannot launch `launch` itself");
+  auto port = a.master_port > 0 ? static_cast<int>(a.master_port) : free_port(a.master_addr);
+  std::vector<std::string> argv_text{"/proc/self/exe"};
+  argv_text.insert(argv_text.end(), a.command.begin(), a.command.end());
+  std::vector<char*> argv;
+  for (auto& s : argv_text) {
+    argv.push_back(s.data());
+  }
+  argv.push_back(nullptr);
+  std::cerr << "actorpipe launch: " << a.nproc << " ranks, rendezvous " << a.master_addr << ':'
+            << port << '\n';
+
+  std::vector<pid_t> pids;
+  for (std::size_t rank = 0; rank < a.nproc; ++rank) {
+    pid_t pid = ::fork();
+    ACTORPIPE_CHECK(pid >= 0, "launch: fork failed for rank ", rank);
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(a.nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", a.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::execv("/proc/self/exe", argv.data());
+      std::perror("actorpipe launch: exec");
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+
+  // Wait for all; the first failure stops the rest (after a grace period, by force).
+  int result = 0;
+  std::size_t running = pids.size();
+  std::vector<bool> done(pids.size(), false);
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  while (running > 0) {
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (std::size_t r = 0; r < pids.size(); ++r) {
+        if (pids[r] != pid || done[r]) {
+          continue;
+        }
+        done[r] = true;
+        --running;
+        auto code = exit_code(status);
+        if (code != 0 && result == 0) {
+          result = code;
+          std::cerr << "actorpipe launch: rank " << r << " exited with code " << code;
+          if (running > 0) {
+            std::cerr << "; stopping the other ranks";
+          }
+          std::cerr << '\n';
+        }
+      }
+      continue;
+    }
+    if (result != 0 && !stopping) {
+      stopping = true;
+      for (std::size_t r = 0; r < pids.size(); ++r) {
+        if (!done[r]) {
+          ::kill(pids[r], SIGTERM);
+        }
+      }
+      stop_deadline = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(a.grace_seconds * 1000));
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      for (std::size_t r = 0; r < pids.size(); ++r) {
+        if (!done[r]) {
+          ::kill(pids[r], SIGKILL);
+        }
+      }
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return result;
+}
+
+} // namespace actorpipe::cli

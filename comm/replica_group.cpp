@@ -1,0 +1,314 @@
+// c10d's Gloo process group is compiled into Debian's libtorch, but its header is guarded by a
+// macro that Debian's TorchConfig does not define.
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include "comm/replica_group.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace actorpipe {
+
+namespace detail {
+struct local_store {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+};
+} // namespace detail
+
+namespace comm {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+// The first line of an exception's text (c10's carry a backtrace after it).
+std::string brief(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  std::string text = c10_error ? c10_error->what_without_backtrace() : e.what();
+  auto newline = text.find('\n');
+  return newline == std::string::npos ? text : text.substr(0, newline);
+}
+
+std::string who(const data_parallel_options& o) {
+  return detail::concat("data parallel rank ", o.rank, " of ", o.replicas);
+}
+
+c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o) {
+  if (o.local) {
+    o.local->store->setTimeout(o.timeout);
+    return o.local->store;
+  }
+  c10d::TCPStoreOptions so;
+  so.port = o.master_port;
+  so.isServer = o.rank == 0;
+  so.waitWorkers = false;
+  so.timeout = o.timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
+  } catch (const std::exception& e) {
+    throw pipeline_error(detail::concat(
+      who(o), ": ",
+      o.rank == 0 ? "cannot serve the rendezvous store on "
+                  : "cannot reach the rendezvous store of rank 0 at ",
+      o.master_addr, ":", o.master_port, " within ", o.timeout.count(), " ms: ", brief(e)));
+  }
+}
+
+// Every rank checks in; all wait until every rank has, or name those missing at the deadline.
+void barrier(c10d::Store& store, const data_parallel_options& o) {
+  auto key = [&](std::size_t r) { return detail::concat(o.group, "/arrived/", r); };
+  store.set(key(o.rank), std::vector<uint8_t>{1});
+  auto deadline = clock_type::now() + o.timeout;
+  for (;;) {
+    std::vector<std::size_t> missing;
+    for (std::size_t r = 0; r < o.replicas; ++r) {
+      if (!store.check({key(r)})) {
+        missing.push_back(r);
+      }
+    }
+    if (missing.empty()) {
+      return;
+    }
+    if (clock_type::now() > deadline) {
+      std::string names;
+      for (auto r : missing) {
+        names += (names.empty() ? "" : ", ") + std::to_string(r);
+      }
+      throw pipeline_error(detail::concat(
+        who(o), ": rank", missing.size() > 1 ? "s " : " ", names, " of ", o.replicas,
+        " did not arrive at the rendezvous (",
+        o.local ? std::string("in process") : o.master_addr + ":" + std::to_string(o.master_port),
+        ", group '", o.group, "') within ", o.timeout.count(), " ms"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_options& o) {
+  for (const char* name : {"ACTORPIPE_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    if (const char* ifname = std::getenv(name); ifname && *ifname) {
+      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    }
+  }
+  if (o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost") {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+} // namespace
+
+struct stage_sync::impl {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::size_t stage = 0;
+  std::size_t rank = 0;
+  std::size_t size = 1;
+  std::chrono::milliseconds timeout{60000};
+  std::size_t bucket_bytes = 25u << 20;
+
+  std::string where(const char* what) const {
+    return detail::concat("stage ", stage, ", data parallel rank ", rank, " of ", size, ": ", what);
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& e) {
+      throw pipeline_error(detail::concat(where(what), " failed or passed its deadline of ",
+                                          timeout.count(),
+                                          " ms (a replica failed or is gone): ", brief(e)));
+    }
+  }
+
+  // Tensors in buckets of one dtype and about bucket_bytes each, in the given order.
+  std::vector<std::vector<torch::Tensor>> buckets(const std::vector<torch::Tensor>& tensors) const {
+    std::vector<std::vector<torch::Tensor>> out;
+    std::size_t bytes = 0;
+    for (const auto& t : tensors) {
+      if (out.empty() || out.back().front().scalar_type() != t.scalar_type() ||
+          bytes >= bucket_bytes) {
+        out.emplace_back();
+        bytes = 0;
+      }
+      out.back().push_back(t);
+      bytes += t.nbytes();
+    }
+    return out;
+  }
+
+  static torch::Tensor flatten(const std::vector<torch::Tensor>& bucket) {
+    std::vector<torch::Tensor> flat;
+    flat.reserve(bucket.size());
+    for (const auto& t : bucket) {
+      flat.push_back(t.detach().reshape({-1}));
+    }
+    return torch::cat(flat);
+  }
+
+  static void unflatten(const torch::Tensor& flat, const std::vector<torch::Tensor>& bucket) {
+    int64_t offset = 0;
+    for (const auto& t : bucket) {
+      auto n = t.numel();
+      t.detach().copy_(flat.slice(0, offset, offset + n).view(t.sizes()));
+      offset += n;
+    }
+  }
+
+  // Runs `collective` on each bucket (flattened; all launched before the first is awaited) and
+  // copies the results back.
+  template <class Collective, class Finish>
+  int64_t coalesced(const std::vector<torch::Tensor>& tensors, const char* what,
+                    Collective collective, Finish finish) const {
+    struct pending {
+      std::vector<torch::Tensor> members;
+      std::vector<torch::Tensor> flat;
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    std::vector<pending> all;
+    int64_t bytes = 0;
+    for (auto& bucket : buckets(tensors)) {
+      pending p;
+      p.flat.push_back(flatten(bucket));
+      bytes += static_cast<int64_t>(p.flat[0].nbytes());
+      p.members = std::move(bucket);
+      p.work = collective(p.flat);
+      all.push_back(std::move(p));
+    }
+    for (auto& p : all) {
+      wait(p.work, what);
+      finish(p.flat[0]);
+      unflatten(p.flat[0], p.members);
+    }
+    return bytes;
+  }
+
+  void broadcast(const std::vector<torch::Tensor>& tensors) const {
+    coalesced(
+      tensors, "broadcast from rank 0",
+      [&](std::vector<torch::Tensor>& flat) {
+        c10d::BroadcastOptions options;
+        options.rootRank = 0;
+        options.timeout = timeout;
+        return group->broadcast(flat, options);
+      },
+      [](torch::Tensor&) {});
+  }
+
+  c10::intrusive_ptr<c10d::Work> all_reduce(std::vector<torch::Tensor>& flat) const {
+    c10d::AllreduceOptions options;
+    options.timeout = timeout;
+    return group->allreduce(flat, options);
+  }
+};
+
+stage_sync::stage_sync(std::unique_ptr<impl> self) : self_(std::move(self)) {}
+stage_sync::~stage_sync() = default;
+
+void stage_sync::broadcast(std::vector<torch::Tensor> tensors) {
+  self_->broadcast(tensors);
+}
+
+stage_sync::outcome stage_sync::all_reduce_gradients(const std::vector<torch::Tensor>& parameters,
+                                                     double weight, double weighted_loss,
+                                                     bool divide) {
+  auto& s = *self_;
+  std::vector<torch::Tensor> meta{torch::tensor({weight, weighted_loss}, torch::kDouble)};
+  auto meta_work = s.all_reduce(meta);
+  std::vector<torch::Tensor> grads;
+  grads.reserve(parameters.size());
+  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
+    auto& p = const_cast<torch::Tensor&>(*it);
+    if (!p.grad().defined()) {
+      p.mutable_grad() = torch::zeros_like(p);
+    }
+    grads.push_back(p.grad());
+  }
+  s.wait(meta_work, "all-reduce of sample counts");
+  outcome out;
+  out.weight = meta[0][0].item<double>();
+  out.weighted_loss = meta[0][1].item<double>();
+  auto scale = divide ? weight / out.weight : weight;
+  out.bytes = s.coalesced(
+    grads, "gradient all-reduce",
+    [&](std::vector<torch::Tensor>& flat) {
+      if (scale != 1.0) {
+        flat[0].mul_(scale);
+      }
+      return s.all_reduce(flat);
+    },
+    [](torch::Tensor&) {});
+  return out;
+}
+
+void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mode) {
+  auto& s = *self_;
+  if (mode == buffer_sync::none || buffers.empty()) {
+    return;
+  }
+  if (mode == buffer_sync::broadcast) {
+    s.broadcast(buffers);
+    return;
+  }
+  std::vector<torch::Tensor> floating;
+  for (auto& b : buffers) {
+    if (b.is_floating_point()) {
+      floating.push_back(b);
+    }
+  }
+  auto n = static_cast<double>(s.size);
+  s.coalesced(
+    floating, "buffer all-reduce",
+    [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
+    [n](torch::Tensor& flat) { flat.div_(n); });
+}
+
+replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
+  : rank_(o.rank), size_(o.replicas) {
+  ACTORPIPE_CHECK(o.replicas >= 1, "data parallel: replicas must be >= 1");
+  ACTORPIPE_CHECK(o.rank < o.replicas, "data parallel: rank ", o.rank, " is not below the ",
+                  o.replicas, " replicas");
+  ACTORPIPE_CHECK(o.timeout.count() > 0, "data parallel: timeout must be > 0 ms");
+  ACTORPIPE_CHECK(o.bucket_bytes > 0, "data parallel: bucket_bytes must be > 0");
+  auto store = connect(o);
+  barrier(*store, o);
+  auto device = gloo_device(o);
+  for (std::size_t s = 0; s < stages; ++s) {
+    auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+    options->devices.push_back(device);
+    options->threads = 1;
+    auto prefix =
+      c10::make_intrusive<c10d::PrefixStore>(detail::concat(o.group, "/stage", s), store);
+    auto self = std::make_unique<stage_sync::impl>();
+    try {
+      self->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        prefix, static_cast<int>(o.rank), static_cast<int>(o.replicas), options);
+    } catch (const std::exception& e) {
+      throw pipeline_error(detail::concat(who(o), ": the process group of stage ", s,
+                                          " did not form within ", o.timeout.count(),
+                                          " ms: ", brief(e)));
+    }
+    self->stage = s;
+    self->rank = o.rank;
+    self->size = o.replicas;
+    self->timeout = o.timeout;
+    self->bucket_bytes = o.bucket_bytes;
+    stages_.push_back(std::make_shared<stage_sync>(std::move(self)));
+  }
+}
+
+replica_group::~replica_group() = default;
+
+std::shared_ptr<detail::local_store> make_local_store() {
+  return std::make_shared<detail::local_store>();
+}
+
+} // namespace comm
+} // namespace actorpipe

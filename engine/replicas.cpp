@@ -1,0 +1,148 @@
+// Replicas of a pipeline: settings from the environment, and R replicas in one process.
+#include <actorpipe/replicas.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <exception>
+#include <future>
+#include <optional>
+#include <thread>
+
+#include "comm/replica_group.hpp"
+
+namespace actorpipe {
+namespace {
+
+// The value of `name` as a number in [min, max], or nothing when unset.
+std::optional<uint64_t> number_from_env(const char* name, uint64_t min, uint64_t max) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') {
+    return std::nullopt;
+  }
+  char* end = nullptr;
+  errno = 0;
+  auto value = std::strtoull(text, &end, 10);
+  ACTORPIPE_CHECK(errno == 0 && *end == '\0' && text[0] != '-' && value >= min && value <= max,
+                  "environment variable ", name, "='", text, "' is not a number in [", min, ", ",
+                  max, "]");
+  return value;
+}
+
+} // namespace
+
+data_parallel_options data_parallel_from_env(data_parallel_options o) {
+  if (auto v = number_from_env("WORLD_SIZE", 1, 1u << 20)) {
+    o.replicas = *v;
+  }
+  if (auto v = number_from_env("RANK", 0, 1u << 20)) {
+    o.rank = *v;
+  }
+  if (auto v = number_from_env("MASTER_PORT", 1, 65535)) {
+    o.master_port = static_cast<uint16_t>(*v);
+  }
+  if (const char* addr = std::getenv("MASTER_ADDR"); addr && *addr) {
+    o.master_addr = addr;
+  }
+  ACTORPIPE_CHECK(o.rank < o.replicas, "rank ", o.rank, " (RANK) must be below the world size ",
+                  o.replicas, " (WORLD_SIZE)");
+  return o;
+}
+
+std::shared_ptr<detail::local_store> make_local_rendezvous() {
+  return comm::make_local_store();
+}
+
+replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_model,
+                                         partition cut, pipeline_options options,
+                                         std::size_t replicas) {
+  ACTORPIPE_CHECK(replicas >= 1, "replicated_pipeline: replicas must be >= 1");
+  ACTORPIPE_CHECK(static_cast<bool>(make_model), "replicated_pipeline: no model factory");
+  options.data_parallel.replicas = replicas;
+  options.data_parallel.local = comm::make_local_store();
+  // Each constructor waits at the rendezvous for all the others: build them side by side.
+  // Models are made here, in rank order (factories usually seed the global generator); the
+  // pipelines are then built side by side, since each waits at the rendezvous for the others.
+  std::vector<layer_list> models;
+  for (std::size_t r = 0; r < replicas; ++r) {
+    models.push_back(make_model());
+  }
+  std::vector<std::future<std::unique_ptr<pipeline>>> building;
+  for (std::size_t r = 0; r < replicas; ++r) {
+    auto o = options;
+    o.data_parallel.rank = r;
+    building.push_back(std::async(std::launch::async, [&sys, &models, r, cut, o] {
+      return std::make_unique<pipeline>(sys, std::move(models[r]), cut, o);
+    }));
+  }
+  std::exception_ptr error;
+  for (auto& b : building) {
+    try {
+      replicas_.push_back(b.get());
+    } catch (...) {
+      if (!error) {
+        error = std::current_exception();
+      }
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+}
+
+replicated_pipeline::~replicated_pipeline() = default;
+
+step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
+  auto r = static_cast<int64_t>(replicas_.size());
+  ACTORPIPE_CHECK(inputs.defined() && targets.defined() && inputs.dim() >= 1 &&
+                    targets.dim() >= 1 && inputs.size(0) == targets.size(0),
+                  "replicated train_step: inputs and targets need the same batch size");
+  ACTORPIPE_CHECK(inputs.size(0) >= r, "replicated train_step: a batch of ", inputs.size(0),
+                  " samples cannot feed ", r, " replicas");
+  auto xs = torch::tensor_split(inputs, r, 0);
+  auto ys = torch::tensor_split(targets, r, 0);
+  std::vector<std::future<step_result>> running;
+  for (std::size_t k = 0; k < replicas_.size(); ++k) {
+    running.push_back(replicas_[k]->train_step_async(xs[k], ys[k]));
+  }
+  std::exception_ptr error;
+  std::vector<step_result> results;
+  for (auto& f : running) {
+    try {
+      results.push_back(f.get());
+    } catch (...) {
+      if (!error) {
+        error = std::current_exception();
+      }
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  auto result = results.front();
+  for (const auto& other : results) {
+    result.wall_ms = std::max(result.wall_ms, other.wall_ms);
+  }
+  return result;
+}
+
+void replicated_pipeline::set_learning_rate(double lr) {
+  for (auto& p : replicas_) {
+    p->set_learning_rate(lr);
+  }
+}
+
+torch::Tensor replicated_pipeline::forward(torch::Tensor inputs) {
+  return replicas_.front()->forward(std::move(inputs));
+}
+
+std::size_t replicated_pipeline::replicas() const {
+  return replicas_.size();
+}
+
+pipeline& replicated_pipeline::replica(std::size_t rank) {
+  ACTORPIPE_CHECK(rank < replicas_.size(), "replica ", rank, " of ", replicas_.size(),
+                  " does not exist");
+  return *replicas_.at(rank);
+}
+
+} // namespace actorpipe

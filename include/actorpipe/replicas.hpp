@@ -1,0 +1,65 @@
+/// \file
+/// Data parallelism: replicas of a pipeline that average their gradients per stage over c10d.
+///
+/// Across processes (or hosts), each process builds its own pipeline with
+/// pipeline_options::data_parallel set (rank, replicas, rendezvous address; see
+/// data_parallel_from_env) and feeds it its own shard of every batch (distributed_order).
+/// Within one process, replicated_pipeline holds R pipelines and splits each batch among them.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <actorpipe/pipeline.hpp>
+
+namespace actorpipe {
+
+/// `defaults` with what torchrun-style variables say: RANK, WORLD_SIZE, MASTER_ADDR,
+/// MASTER_PORT (unset ones keep the default). Throws invalid_argument naming a variable whose
+/// value is not a valid number or a rank not below the world size.
+data_parallel_options data_parallel_from_env(data_parallel_options defaults = {});
+
+/// A rendezvous for replicas that run in threads of this process: put the same one into every
+/// replica's data_parallel_options::local (replicated_pipeline does this itself).
+std::shared_ptr<detail::local_store> make_local_rendezvous();
+
+/// R replicas of one pipeline in this process, each with its own stage actors (the cores are
+/// shared: threads_per_stage defaults to cores / (stages x R)). A batch is split into R parts
+/// (sizes differ by at most one); each replica runs its part and the stages average gradients
+/// with their counterparts, so a step equals one pipeline's step on the whole batch.
+class replicated_pipeline {
+public:
+  /// Builds a fresh model for each replica, called on the constructing thread in rank order
+  /// (their initial parameters are replaced by replica 0's, so seeds need not agree).
+  using model_factory = std::function<layer_list()>;
+
+  /// `options.data_parallel` supplies timeout, bucket size, buffer mode and group; rank,
+  /// replica count and the (in-process) rendezvous are set here. Throws what a pipeline
+  /// constructor throws, or invalid_argument for replicas == 0.
+  replicated_pipeline(engine& sys, const model_factory& make_model, partition cut,
+                      pipeline_options options, std::size_t replicas);
+  ~replicated_pipeline();
+  replicated_pipeline(const replicated_pipeline&) = delete;
+  replicated_pipeline& operator=(const replicated_pipeline&) = delete;
+
+  /// One step of every replica on its part of the batch. The result is replica 0's, whose loss
+  /// is over the whole batch; wall_ms is the slowest replica's. The batch must hold at least
+  /// replicas x microbatches samples. Throws pipeline_error when any replica's step failed.
+  step_result train_step(torch::Tensor inputs, torch::Tensor targets);
+
+  /// Sets every replica's learning rate from the next step on.
+  void set_learning_rate(double lr);
+
+  /// Forward-only pass on replica 0 (all replicas hold the same parameters).
+  torch::Tensor forward(torch::Tensor inputs);
+
+  std::size_t replicas() const;
+  pipeline& replica(std::size_t rank);
+
+private:
+  std::vector<std::unique_ptr<pipeline>> replicas_;
+};
+
+} // namespace actorpipe
