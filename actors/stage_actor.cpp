@@ -11,6 +11,7 @@
 
 #include "actors/messages.hpp"
 #include "comm/replica_group.hpp"
+#include "logging/log.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe::actors {
@@ -109,6 +110,26 @@ void send_to_virtual(stage_actor_type* self, std::size_t vs, Atom atom, int32_t 
              std::move(t));
 }
 
+// Runs a user hook on `t`; a replacement must keep the shape.
+template <class Hook>
+void run_hook(const stage_state& s, const action& a, const Hook& hook, torch::Tensor& t,
+              const char* name) {
+  hook_context context{s.options.index, static_cast<std::size_t>(a.chunk), a.microbatch,
+                       s.plan.step, s.plan.train};
+  auto shape = t.sizes().vec();
+  try {
+    hook(context, t);
+  } catch (const std::exception& e) {
+    throw pipeline_error(detail::concat("stage ", s.options.index, ", microbatch ", a.microbatch,
+                                        ": the ", name, " hook failed: ", e.what()));
+  }
+  ACTORPIPE_CHECK(t.defined() && t.sizes().vec() == shape, "stage ", s.options.index,
+                  ", microbatch ", a.microbatch, ": the ", name,
+                  " hook replaced a tensor of shape ", c10::IntArrayRef(shape), " by one of shape ",
+                  t.defined() ? t.sizes() : c10::IntArrayRef{});
+  t = t.detach();
+}
+
 // Runs one action whose input is there; returns the bytes it sent.
 int64_t run_action(stage_actor_type* self, const action& a) {
   auto& s = self->state;
@@ -131,6 +152,9 @@ int64_t run_action(stage_actor_type* self, const action& a) {
       return 0;
     }
     auto output = st.forward(a.microbatch, input);
+    if (s.options.hooks.after_forward) {
+      run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
+    }
     if (st.is_last()) {
       s.report.outputs.at(mb) = std::move(output);
       return 0;
@@ -152,6 +176,9 @@ int64_t run_action(stage_actor_type* self, const action& a) {
     }
     if (st.is_first()) {
       return 0;
+    }
+    if (s.options.hooks.after_backward) {
+      run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
     }
     auto bytes = static_cast<int64_t>(input_grad.nbytes());
     send_to_virtual(self, vs - 1, backward_atom::value, a.microbatch, std::move(input_grad));
@@ -195,6 +222,9 @@ void sync_replicas(stage_actor_type* self, clock_type::time_point origin) {
   }
   s.report.stats.sync_start_ms = std::chrono::duration<double, std::milli>(start - origin).count();
   s.report.stats.sync_end_ms = ms_since(origin);
+  log::get()->debug("stage {}, step {}: replica sync of {} bytes took {:.1f} ms", s.options.index,
+                    s.plan.step, s.report.stats.sync_bytes,
+                    s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
 }
 
 // Runs the program as far as its inputs allow.
@@ -229,6 +259,10 @@ void advance(stage_actor_type* self) {
     }
     auto end = clock_type::now();
     auto took = std::chrono::duration<double, std::milli>(end - start).count();
+    if (log::get()->should_log(spdlog::level::trace)) {
+      log::get()->trace("stage {}, step {}: {} took {:.3f} ms, sent {} bytes", s.options.index,
+                        s.plan.step, to_string(a), took, bytes);
+    }
     (a.kind == action_kind::forward ? s.report.stats.forward_ms : s.report.stats.backward_ms) +=
       took;
     s.report.stats.actions.push_back(

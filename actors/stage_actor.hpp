@@ -65,6 +65,7 @@ struct stage_actor_options {
   buffer_sync buffers = buffer_sync::broadcast;
   /// Report the sum of squared gradients (global norm clipping).
   bool report_gradient_norm = false;
+  stage_hooks hooks;
 };
 
 /// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),

@@ -47,6 +47,8 @@ struct replica_row {
   /// Longest gradient sync of a stage (median over steps) and its share of the step.
   double sync_ms = 0;
   double sync_share = 0;
+  /// How long the step ran on after every stage's last backward (sync not hidden by compute).
+  double exposed_sync_ms = 0;
   /// Gradient bytes all-reduced per step by one replica.
   int64_t sync_bytes = 0;
   double loss = 0;

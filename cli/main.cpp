@@ -1,9 +1,11 @@
 // actorpipe: pipeline-parallel training on the actor model.
+#include <cstdlib>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/logging.hpp>
 
 #include "cli/bench_command.hpp"
 #include "cli/launch_command.hpp"
@@ -14,6 +16,15 @@ int main(int argc, char** argv) {
   CLI::App app{"actorpipe: pipeline-parallel training of neural networks on the actor model"};
   app.set_version_flag("--version", std::string{"actorpipe 0.1.0"});
   app.require_subcommand(1);
+  // Before or after the subcommand: `actorpipe --log-level debug train` or `... train --log-level`.
+  app.fallthrough();
+  std::string log_level = "warn";
+  app
+    .add_option("--log-level", log_level,
+                "Log to stderr at this level or above: trace (every action), debug (every step), "
+                "info (pipelines, rendezvous, checkpoints), warn, error, off")
+    ->capture_default_str()
+    ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   actorpipe::cli::train_args train;
   auto* train_cmd = actorpipe::cli::add_train_command(app, train);
   actorpipe::cli::plan_args plan;
@@ -28,6 +39,9 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    if (app.count("--log-level") > 0 || std::getenv("ACTORPIPE_LOG_LEVEL") == nullptr) {
+      actorpipe::set_log_level(actorpipe::parse_log_level(log_level));
+    }
     if (*train_cmd) {
       return actorpipe::cli::run_train(train);
     }

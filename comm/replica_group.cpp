@@ -4,6 +4,7 @@
 #define USE_C10D_GLOO
 #endif
 #include "comm/replica_group.hpp"
+#include "logging/log.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -277,8 +278,13 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
                   o.replicas, " replicas");
   ACTORPIPE_CHECK(o.timeout.count() > 0, "data parallel: timeout must be > 0 ms");
   ACTORPIPE_CHECK(o.bucket_bytes > 0, "data parallel: bucket_bytes must be > 0");
+  auto start = clock_type::now();
   auto store = connect(o);
   barrier(*store, o);
+  log::get()->info(
+    "{}: all ranks arrived at the rendezvous ({}) after {} ms", who(o),
+    o.local ? std::string("in process") : o.master_addr + ":" + std::to_string(o.master_port),
+    std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
   auto device = gloo_device(o);
   for (std::size_t s = 0; s < stages; ++s) {
     auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
+#include <torch/types.h>
 
 #include <actorpipe/pipeline.hpp>
 

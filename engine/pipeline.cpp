@@ -13,6 +13,7 @@
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
+#include "logging/log.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/stage.hpp"
 
@@ -237,6 +238,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.loss = options.loss;
     actor_options.reduction = options.reduction;
     actor_options.report_gradient_norm = options.max_grad_norm > 0;
+    actor_options.hooks = options.hooks;
     if (self.replicas) {
       // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);
@@ -254,6 +256,11 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                                                     std::move(actor_options)));
   }
   caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
+  log::get()->info("pipeline: {} stage actors ({} chunks each) over partition {}, {} "
+                   "micro-batches, {} intra-op threads per stage{}",
+                   stage_count, options.chunks, cut.to_string(), options.microbatches, threads,
+                   self.replicas ? detail::concat(", replica ", dp.rank, " of ", dp.replicas)
+                                 : std::string{});
 }
 
 pipeline::~pipeline() = default;

@@ -8,6 +8,7 @@
 #include <caf/all.hpp>
 
 #include "actors/messages.hpp"
+#include "logging/log.hpp"
 
 namespace actorpipe::scheduler {
 namespace {
@@ -66,6 +67,7 @@ void fail(scheduler_actor_type* self, const std::string& message) {
   }
   s.aborting = true;
   s.abort_message = message;
+  log::get()->warn("step {} fails: {}", s.step, message);
   s.aborts_pending = s.stages.size();
   auto step = s.step;
   auto confirmed = [=](const std::string& note) {
@@ -214,6 +216,9 @@ void on_all_reported(scheduler_actor_type* self) {
       outcome.result.stages.push_back(r.stats);
     }
     outcome.outputs = std::move(s.reports.back().outputs);
+    log::get()->debug("step {} ({}) done in {:.1f} ms, loss {}", s.step,
+                      s.current->train() ? "train" : "forward", outcome.result.wall_ms,
+                      outcome.result.loss);
     return outcome;
   };
   if (!s.current->train()) {

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "logging/log.hpp"
+
 namespace actorpipe {
 namespace fs = std::filesystem;
 
@@ -83,6 +85,7 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
       fs::remove_all(entry.path(), ec);
     }
   }
+  log::get()->info("checkpoint of step {} written to {}", manifest.step, dir.string());
   return dir.string();
 }
 

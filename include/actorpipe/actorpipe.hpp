@@ -5,6 +5,7 @@
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/errors.hpp>
 #include <actorpipe/layers.hpp>
+#include <actorpipe/logging.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/pipeline.hpp>

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include <ATen/core/Tensor.h>
+#include <torch/types.h>
 
 #include <actorpipe/errors.hpp>
 

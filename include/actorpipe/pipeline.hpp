@@ -38,6 +38,31 @@ optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.
 /// Adam with the given learning rate.
 optimizer_factory adam(double lr);
 
+/// Where a hook runs.
+struct hook_context {
+  /// The stage actor and, with interleaved schedules, the local chunk.
+  std::size_t stage = 0;
+  std::size_t chunk = 0;
+  int32_t microbatch = 0;
+  uint64_t step = 0;
+  /// False in forward-only passes.
+  bool train = true;
+};
+
+/// Per-stage hooks (as torchgpipe and the pipeline library actorpipe grew from allow), called on
+/// the stage's thread. A hook may read the tensor or replace it with one of the same shape (for
+/// instance to clip, quantise or record it). A hook that throws fails the step like any stage
+/// error, naming the stage.
+struct stage_hooks {
+  /// After a stage's forward of a micro-batch, with its output (the activation about to be sent
+  /// to the next stage, or the last stage's output in forward-only passes). Not called with the
+  /// last stage's loss in training.
+  std::function<void(const hook_context&, torch::Tensor& output)> after_forward;
+  /// After a stage's backward of a micro-batch, with the gradient of its input about to be sent
+  /// to the previous stage (not called on the first stage, which sends none).
+  std::function<void(const hook_context&, torch::Tensor& input_gradient)> after_backward;
+};
+
 /// How the loss function reduces over a micro-batch, which decides how micro-batch losses are
 /// scaled so that accumulated gradients equal the full batch's.
 enum class loss_reduction {
@@ -120,6 +145,8 @@ struct pipeline_options {
   double max_grad_norm = 0;
   /// Replicas of this pipeline (off by default).
   data_parallel_options data_parallel;
+  /// Hooks run by every stage (none by default).
+  stage_hooks hooks;
 };
 
 /// One action as it ran. Times in milliseconds from the step's start (one clock for all stages

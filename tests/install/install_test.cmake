@@ -21,7 +21,10 @@ set(launcher)
 if(CCACHE)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
 endif()
-run_step("configure examples/embed" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/embed
-  -B ${WORK_DIR}/build -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} ${launcher})
-run_step("build examples/embed" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
-run_step("run examples/embed" ${WORK_DIR}/build/embed)
+foreach(example embed data_parallel)
+  run_step("configure examples/${example}" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/${example}
+    -B ${WORK_DIR}/build-${example} -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
+    ${launcher})
+  run_step("build examples/${example}" ${CMAKE_COMMAND} --build ${WORK_DIR}/build-${example} -j2)
+  run_step("run examples/${example}" ${WORK_DIR}/build-${example}/${example})
+endforeach()
