@@ -3,6 +3,8 @@
 #   ./setup.sh run [train flags...]   runs the main job (`actorpipe train` with defaults)
 #   ./setup.sh test                   runs the whole test suite through CTest
 #   ./setup.sh build                  only builds
+#   ./setup.sh sanitize               unit tests built with AddressSanitizer + UBSan, and the
+#                                     actor tests with ThreadSanitizer (build-asan, build-tsan)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -36,13 +38,40 @@ build() {
   cmake --build build -j"$(nproc)"
 }
 
+# Unit tests under sanitizers: a build of the library and the test binaries that need no
+# external process (the CLI tests run the program, the install test a whole install).
+sanitized_tests="models_test stages_test scheduler_test pipeline_test replicas_test training_test"
+sanitize() {
+  local kind=$1 dir=$2 tests=$3
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DACTORPIPE_SANITIZE="$kind" \
+    -DACTORPIPE_BUILD_BENCH=OFF
+  # shellcheck disable=SC2086
+  cmake --build "$dir" -j"$(nproc)" --target $tests
+  for t in $tests; do
+    echo "== $t ($kind)"
+    "$dir/tests/$t"
+  done
+}
+
 command=${1:-run}
 shift || true
 install_missing
+if [[ $command == sanitize ]]; then
+  # libtorch and CAF keep process-lifetime allocations: leaks are not checked.
+  export ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0:abort_on_error=1
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  sanitize address,undefined build-asan "$sanitized_tests"
+  # ThreadSanitizer on the actor tests; libgomp and libtorch are not instrumented, see
+  # docs/troubleshooting.md and .ci/tsan.supp.
+  export TSAN_OPTIONS="suppressions=$PWD/.ci/tsan.supp halt_on_error=1 second_deadlock_stack=1"
+  export OMP_NUM_THREADS=1
+  sanitize thread build-tsan "pipeline_test replicas_test"
+  exit 0
+fi
 build
 case "$command" in
   run) exec build/cli/actorpipe train "$@" ;;
   test) cd build && exec ctest -j2 --output-on-failure --timeout 600 "$@" ;;
   build) ;;
-  *) echo "usage: ./setup.sh run|test|build [args...]" >&2; exit 2 ;;
+  *) echo "usage: ./setup.sh run|test|build|sanitize [args...]" >&2; exit 2 ;;
 esac
