@@ -17,11 +17,6 @@
 namespace actorpipe::bench {
 namespace {
 
-double median_of(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  return xs.empty() ? 0 : xs[xs.size() / 2];
-}
-
 struct configuration {
   replica_row row;
   std::unique_ptr<replicated_pipeline> replicas;
@@ -41,14 +36,7 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
   const auto& mo = setup.options;
   auto cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
 
-  torch::manual_seed(o.model.seed + 1);
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
-  for (std::size_t i = 0; i <= o.steps; ++i) {
-    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
-    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
-    batches.emplace_back(x,
-                         torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat));
-  }
+  auto batches = make_batches(setup, o.model.seed + 1, o.steps + 1);
 
   engine sys;
   std::vector<configuration> grid;
@@ -133,14 +121,14 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
               "exposed ms", "sync MB", "loss");
   for (auto& c : grid) {
     auto& row = c.row;
-    row.median_ms = median_of(c.times);
+    row.median_ms = median(c.times);
     row.min_ms = *std::min_element(c.times.begin(), c.times.end());
     row.max_ms = *std::max_element(c.times.begin(), c.times.end());
     row.samples_per_second = static_cast<double>(setup.batch) / (row.median_ms / 1000);
-    row.speedup = grid.front().times.empty() ? 0 : median_of(grid.front().times) / row.median_ms;
-    row.sync_ms = median_of(c.syncs);
+    row.speedup = grid.front().times.empty() ? 0 : median(grid.front().times) / row.median_ms;
+    row.sync_ms = median(c.syncs);
     row.sync_share = row.sync_ms / row.median_ms;
-    row.exposed_sync_ms = median_of(c.exposed);
+    row.exposed_sync_ms = median(c.exposed);
     std::printf(
       "%8zu %6zu %6zu %9.3f %9.3f %9.3f %10.1f %7.2fx %9.1f %6.1f%% %10.1f %9.1f %12.6f\n",
       row.replicas, row.stages, row.splits, row.median_ms / 1000, row.min_ms / 1000,

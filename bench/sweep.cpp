@@ -33,11 +33,6 @@ int64_t rss_mb() {
   return 0;
 }
 
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  return xs.empty() ? 0 : xs[xs.size() / 2];
-}
-
 torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
   return torch::mse_loss(y, t);
 }
@@ -214,6 +209,25 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
 
 } // namespace
 
+std::vector<std::pair<torch::Tensor, torch::Tensor>>
+make_batches(const cli::model_setup& setup, uint64_t seed, std::size_t count) {
+  const auto& mo = setup.options;
+  torch::manual_seed(seed);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (std::size_t i = 0; i < count; ++i) {
+    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
+    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
+    batches.emplace_back(x,
+                         torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat));
+  }
+  return batches;
+}
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs.empty() ? 0 : xs[xs.size() / 2];
+}
+
 std::vector<sweep_row> run_sweep(const sweep_options& o) {
   ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
   ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");
@@ -224,14 +238,7 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions;
 
   // The batches: one warm-up and `steps` timed, the same for every contender.
-  torch::manual_seed(o.model.seed + 1);
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
-  for (std::size_t i = 0; i <= o.steps; ++i) {
-    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
-    auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
-    batches.emplace_back(x,
-                         torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat));
-  }
+  auto batches = make_batches(setup, o.model.seed + 1, o.steps + 1);
   auto flops = training_flops(setup.layers, batches[0].first);
   auto peak_1 = gemm_gflops(1);
   auto peak_all = gemm_gflops(cores);

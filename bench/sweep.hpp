@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli/planning.hpp"
@@ -83,6 +84,14 @@ struct sweep_row {
   double speedup_all = 0;
   int64_t rss_mb = 0;
 };
+
+/// The bench's batches: `count` random image batches shaped like `setup`'s with one-hot
+/// targets, drawn after torch::manual_seed(seed); the same for every configuration measured.
+std::vector<std::pair<torch::Tensor, torch::Tensor>> make_batches(const cli::model_setup& setup,
+                                                                  uint64_t seed, std::size_t count);
+
+/// The median (the upper one for an even count); 0 for none.
+double median(std::vector<double> xs);
 
 /// Runs the sweep, prints the table (and writes --json, --csv, --plot); returns its rows.
 std::vector<sweep_row> run_sweep(const sweep_options& options);

@@ -28,6 +28,32 @@ std::optional<uint64_t> number_from_env(const char* name, uint64_t min, uint64_t
   return value;
 }
 
+// Every future's value, in order; each waited for at most `deadline`. All are waited for before
+// the first error is rethrown, so no replica is left running unobserved.
+template <class T>
+std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::milliseconds deadline,
+                       const char* what) {
+  std::exception_ptr error;
+  std::vector<T> values;
+  for (std::size_t r = 0; r < futures.size(); ++r) {
+    try {
+      if (futures[r].wait_for(deadline) != std::future_status::ready) {
+        throw pipeline_error(detail::concat(what, ": replica ", r, " did not answer within ",
+                                            deadline.count(), " ms"));
+      }
+      values.push_back(futures[r].get());
+    } catch (...) {
+      if (!error) {
+        error = std::current_exception();
+      }
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  return values;
+}
+
 } // namespace
 
 data_parallel_options data_parallel_from_env(data_parallel_options o) {
@@ -59,7 +85,6 @@ replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_
   ACTORPIPE_CHECK(static_cast<bool>(make_model), "replicated_pipeline: no model factory");
   options.data_parallel.replicas = replicas;
   options.data_parallel.local = comm::make_local_store();
-  // Each constructor waits at the rendezvous for all the others: build them side by side.
   // Models are made here, in rank order (factories usually seed the global generator); the
   // pipelines are then built side by side, since each waits at the rendezvous for the others.
   std::vector<layer_list> models;
@@ -74,19 +99,10 @@ replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_
       return std::make_unique<pipeline>(sys, std::move(models[r]), cut, o);
     }));
   }
-  std::exception_ptr error;
-  for (auto& b : building) {
-    try {
-      replicas_.push_back(b.get());
-    } catch (...) {
-      if (!error) {
-        error = std::current_exception();
-      }
-    }
-  }
-  if (error) {
-    std::rethrow_exception(error);
-  }
+  // The rendezvous and the initial broadcast are bounded by the data-parallel timeout.
+  replicas_ = get_all(building, 2 * options.data_parallel.timeout + std::chrono::seconds(30),
+                      "replicated_pipeline");
+  deadline_ = options.step_timeout + std::chrono::seconds(30);
 }
 
 replicated_pipeline::~replicated_pipeline() = default;
@@ -104,20 +120,7 @@ step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor 
   for (std::size_t k = 0; k < replicas_.size(); ++k) {
     running.push_back(replicas_[k]->train_step_async(xs[k], ys[k]));
   }
-  std::exception_ptr error;
-  std::vector<step_result> results;
-  for (auto& f : running) {
-    try {
-      results.push_back(f.get());
-    } catch (...) {
-      if (!error) {
-        error = std::current_exception();
-      }
-    }
-  }
-  if (error) {
-    std::rethrow_exception(error);
-  }
+  auto results = get_all(running, deadline_, "replicated train_step");
   auto result = results.front();
   for (const auto& other : results) {
     result.wall_ms = std::max(result.wall_ms, other.wall_ms);

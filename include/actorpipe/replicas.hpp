@@ -7,6 +7,7 @@
 /// Within one process, replicated_pipeline holds R pipelines and splits each batch among them.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -60,6 +61,7 @@ public:
 
 private:
   std::vector<std::unique_ptr<pipeline>> replicas_;
+  std::chrono::milliseconds deadline_{0};
 };
 
 } // namespace actorpipe

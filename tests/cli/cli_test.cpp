@@ -433,3 +433,35 @@ TEST_CASE("Fashion-MNIST trains as 2 ranks: one report, from rank 0") {
   CHECK(r.output.find("test accuracy", first + 1) == std::string::npos);
   CHECK(r.output.find("2 replicas (processes") != std::string::npos);
 }
+
+TEST_CASE("bench --replicas measures the replicas x stages grid with its all-reduce share") {
+  auto json = temp_file("grid.json");
+  auto trace = temp_file("grid-trace.json");
+  auto r = run("bench --model resnet18 --image 32 --batch 8 --replicas 1,2 --stage-counts 1,2 "
+               "--microbatches 2 --steps 1 --no-progress --json " +
+               json.string() + " --trace " + trace.string());
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  std::ifstream in(json);
+  auto rows = nlohmann::json::parse(in)["rows"];
+  REQUIRE(rows.size() == 4);
+  for (const auto& row : rows) {
+    CAPTURE(row.dump());
+    bool replicated = row["replicas"].get<int>() == 2;
+    CHECK((row["sync_bytes"].get<int64_t>() > 0) == replicated);
+    CHECK((row["sync_ms"].get<double>() > 0) == replicated);
+    CHECK(row["median_ms"].get<double>() > 0);
+  }
+  // The trace of the largest configuration shows each stage's all-reduce.
+  std::ifstream trace_in(trace);
+  auto events = nlohmann::json::parse(trace_in)["traceEvents"];
+  std::set<int> synced;
+  for (const auto& e : events) {
+    if (e.value("name", "") == "all-reduce") {
+      synced.insert(e["tid"].get<int>());
+    }
+  }
+  CHECK(synced == std::set<int>{0, 1});
+  std::filesystem::remove(json);
+  std::filesystem::remove(trace);
+}
