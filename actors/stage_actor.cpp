@@ -198,18 +198,20 @@ void sync_replicas(stage_actor_type* self, clock_type::time_point origin) {
   auto& s = self->state;
   auto& sync = *s.options.sync;
   auto start = clock_type::now();
+  // Mean-reduced losses: replica r's gradients count n_r / sum(n) (its share of all samples);
+  // sum-reduced ones are summed. The loss (known on the last stage) is combined alike.
   bool mean = s.options.reduction == loss_reduction::mean;
   double weight = mean ? static_cast<double>(s.plan.samples) : 1.0;
   bool last = s.chunks.back()->is_last();
+  auto total = sync.sum(weight, last ? s.report.loss * weight : 0.0);
+  if (last) {
+    s.report.loss = mean ? total.weighted_loss / total.weight : total.weighted_loss;
+  }
+  double scale = mean ? weight / total.weight : 1.0;
   for (auto it = s.chunks.rbegin(); it != s.chunks.rend(); ++it) {
     (*it)->with_tensors(
       [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
-        auto out =
-          sync.all_reduce_gradients(parameters, weight, last ? s.report.loss * weight : 0.0, mean);
-        s.report.stats.sync_bytes += out.bytes;
-        if (last && it == s.chunks.rbegin()) {
-          s.report.loss = mean ? out.weighted_loss / out.weight : out.weighted_loss;
-        }
+        s.report.stats.sync_bytes += sync.all_reduce_gradients(parameters, scale);
       });
   }
   if (s.options.buffers != buffer_sync::none) {

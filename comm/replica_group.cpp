@@ -42,6 +42,11 @@ std::string who(const data_parallel_options& o) {
   return detail::concat("data parallel rank ", o.rank, " of ", o.replicas);
 }
 
+// Where the rendezvous is, for messages.
+std::string rendezvous_of(const data_parallel_options& o) {
+  return o.local ? std::string("in process") : detail::concat(o.master_addr, ":", o.master_port);
+}
+
 c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o) {
   if (o.local) {
     o.local->store->setTimeout(o.timeout);
@@ -83,11 +88,10 @@ void barrier(c10d::Store& store, const data_parallel_options& o) {
       for (auto r : missing) {
         names += (names.empty() ? "" : ", ") + std::to_string(r);
       }
-      throw pipeline_error(detail::concat(
-        who(o), ": rank", missing.size() > 1 ? "s " : " ", names, " of ", o.replicas,
-        " did not arrive at the rendezvous (",
-        o.local ? std::string("in process") : o.master_addr + ":" + std::to_string(o.master_port),
-        ", group '", o.group, "') within ", o.timeout.count(), " ms"));
+      throw pipeline_error(detail::concat(who(o), ": rank", missing.size() > 1 ? "s " : " ", names,
+                                          " of ", o.replicas, " did not arrive at the rendezvous (",
+                                          rendezvous_of(o), ", group '", o.group, "') within ",
+                                          o.timeout.count(), " ms"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -217,27 +221,26 @@ void stage_sync::broadcast(std::vector<torch::Tensor> tensors) {
   self_->broadcast(tensors);
 }
 
-stage_sync::outcome stage_sync::all_reduce_gradients(const std::vector<torch::Tensor>& parameters,
-                                                     double weight, double weighted_loss,
-                                                     bool divide) {
+stage_sync::totals stage_sync::sum(double weight, double weighted_loss) {
   auto& s = *self_;
   std::vector<torch::Tensor> meta{torch::tensor({weight, weighted_loss}, torch::kDouble)};
-  auto meta_work = s.all_reduce(meta);
+  s.wait(s.all_reduce(meta), "all-reduce of sample counts");
+  return {meta[0][0].item<double>(), meta[0][1].item<double>()};
+}
+
+int64_t stage_sync::all_reduce_gradients(const std::vector<torch::Tensor>& parameters,
+                                         double scale) {
+  auto& s = *self_;
   std::vector<torch::Tensor> grads;
   grads.reserve(parameters.size());
   for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
-    auto& p = const_cast<torch::Tensor&>(*it);
+    torch::Tensor p = *it; // a handle to the same parameter
     if (!p.grad().defined()) {
       p.mutable_grad() = torch::zeros_like(p);
     }
     grads.push_back(p.grad());
   }
-  s.wait(meta_work, "all-reduce of sample counts");
-  outcome out;
-  out.weight = meta[0][0].item<double>();
-  out.weighted_loss = meta[0][1].item<double>();
-  auto scale = divide ? weight / out.weight : weight;
-  out.bytes = s.coalesced(
+  return s.coalesced(
     grads, "gradient all-reduce",
     [&](std::vector<torch::Tensor>& flat) {
       if (scale != 1.0) {
@@ -246,7 +249,6 @@ stage_sync::outcome stage_sync::all_reduce_gradients(const std::vector<torch::Te
       return s.all_reduce(flat);
     },
     [](torch::Tensor&) {});
-  return out;
 }
 
 void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mode) {
@@ -271,8 +273,7 @@ void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mo
     [n](torch::Tensor& flat) { flat.div_(n); });
 }
 
-replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
-  : rank_(o.rank), size_(o.replicas) {
+replica_group::replica_group(const data_parallel_options& o, std::size_t stages) {
   ACTORPIPE_CHECK(o.replicas >= 1, "data parallel: replicas must be >= 1");
   ACTORPIPE_CHECK(o.rank < o.replicas, "data parallel: rank ", o.rank, " is not below the ",
                   o.replicas, " replicas");
@@ -282,8 +283,7 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
   auto store = connect(o);
   barrier(*store, o);
   log::get()->info(
-    "{}: all ranks arrived at the rendezvous ({}) after {} ms", who(o),
-    o.local ? std::string("in process") : o.master_addr + ":" + std::to_string(o.master_port),
+    "{}: all ranks arrived at the rendezvous ({}) after {} ms", who(o), rendezvous_of(o),
     std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
   auto device = gloo_device(o);
   for (std::size_t s = 0; s < stages; ++s) {

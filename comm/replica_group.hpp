@@ -31,20 +31,20 @@ public:
   /// Overwrites `tensors` (same order on every replica) with rank 0's.
   void broadcast(std::vector<torch::Tensor> tensors);
 
-  struct outcome {
-    /// The sum over replicas of `weight` and of `weighted_loss`.
+  struct totals {
     double weight = 0;
     double weighted_loss = 0;
-    int64_t bytes = 0;
   };
 
+  /// The sums over replicas of each replica's `weight` (its samples) and `weighted_loss`.
+  totals sum(double weight, double weighted_loss);
+
   /// Gradient sync of one step: every gradient g (parameters in model order; undefined ones
-  /// count as zero and become defined) becomes sum_r(weight_r * g_r) / sum_r(weight_r), with
-  /// `divide` false: sum_r(weight_r * g_r). All-reduced in buckets of about bucket_bytes, last
-  /// parameters first, so the first bucket leaves before the rest is packed. Throws
-  /// pipeline_error naming the stage when a collective fails or passes the deadline.
-  outcome all_reduce_gradients(const std::vector<torch::Tensor>& parameters, double weight,
-                               double weighted_loss, bool divide);
+  /// count as zero and become defined) becomes sum_r(scale_r * g_r). All-reduced in buckets of
+  /// about bucket_bytes, last parameters first, all launched before the first is awaited.
+  /// Returns the bytes all-reduced. Throws pipeline_error naming the stage when a collective
+  /// fails or passes the deadline.
+  int64_t all_reduce_gradients(const std::vector<torch::Tensor>& parameters, double scale);
 
   /// Buffers after a step: rank 0's, or the average of floating-point buffers.
   void sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mode);
@@ -65,14 +65,10 @@ public:
   replica_group(const replica_group&) = delete;
   replica_group& operator=(const replica_group&) = delete;
 
-  std::size_t rank() const noexcept { return rank_; }
-  std::size_t size() const noexcept { return size_; }
   /// The sync of stage index `stage` (shared with its stage actor).
   std::shared_ptr<stage_sync> stage(std::size_t stage) const { return stages_.at(stage); }
 
 private:
-  std::size_t rank_ = 0;
-  std::size_t size_ = 1;
   std::vector<std::shared_ptr<stage_sync>> stages_;
 };
 

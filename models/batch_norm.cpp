@@ -37,12 +37,7 @@ torch::Tensor DeferredBatchNorm2dImpl::forward(const torch::Tensor& input) {
   bool tracking = options.track_running_stats();
   if (!deferred || !is_training() || !tracking) {
     // Exactly BatchNorm2d's forward.
-    double factor = 0.0;
-    if (is_training() && tracking) {
-      num_batches_tracked += 1;
-      factor = options.momentum().has_value() ? *options.momentum()
-                                              : 1.0 / num_batches_tracked.item<double>();
-    }
+    double factor = is_training() && tracking ? count_update() : 0.0;
     return torch::batch_norm(input, weight, bias, running_mean, running_var,
                              is_training() || !tracking, factor, options.eps(),
                              at::globalContext().userEnabledCuDNN());
@@ -76,13 +71,17 @@ void DeferredBatchNorm2dImpl::commit() {
   auto mean = sum_ / count_;
   auto var = (square_sum_ / count_ - mean.square()).clamp_min(0);
   auto unbiased = count_ > 1 ? var * (count_ / (count_ - 1)) : var;
-  num_batches_tracked += 1;
-  double factor = options.momentum().has_value()
-                    ? *options.momentum()
-                    : 1.0 / num_batches_tracked.item<double>(); // cumulative average
+  double factor = count_update();
   running_mean.mul_(1 - factor).add_(mean.to(running_mean.scalar_type()), factor);
   running_var.mul_(1 - factor).add_(unbiased.to(running_var.scalar_type()), factor);
   discard();
+}
+
+double DeferredBatchNorm2dImpl::count_update() {
+  num_batches_tracked += 1;
+  // Without a momentum, a cumulative average (as BatchNorm2d).
+  return options.momentum().has_value() ? *options.momentum()
+                                        : 1.0 / num_batches_tracked.item<double>();
 }
 
 void DeferredBatchNorm2dImpl::discard() {

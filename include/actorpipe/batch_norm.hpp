@@ -51,6 +51,9 @@ public:
   torch::Tensor num_batches_tracked;
 
 private:
+  // Counts one update of the running statistics; returns its factor (momentum).
+  double count_update();
+
   torch::Tensor sum_;
   torch::Tensor square_sum_;
   double count_ = 0;
