@@ -15,7 +15,7 @@ packages=(
   libopenblas0-openmp     # without it Debian's libtorch falls back to the reference BLAS
   libcaf-dev              # C++ Actor Framework 0.17
   libboost-dev            # Boost.Asio
-  libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libssl-dev libbenchmark-dev
   dataset-fashion-mnist   # the real data of the main job
 )
 

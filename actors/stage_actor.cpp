@@ -6,6 +6,8 @@
 #include <tuple>
 #include <utility>
 
+#include <pthread.h>
+
 #include <ATen/Parallel.h>
 #include <caf/all.hpp>
 
@@ -314,6 +316,7 @@ bool stale(const stage_state& s, uint64_t step) {
 caf::behavior stage_actor(stage_actor_type* self,
                           std::vector<std::shared_ptr<stages::stage>> chunks, caf::actor scheduler,
                           stage_actor_options options) {
+  pthread_setname_np(pthread_self(), "ap.stage");
   self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);

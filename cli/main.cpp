@@ -9,6 +9,7 @@
 
 #include "cli/bench_command.hpp"
 #include "cli/launch_command.hpp"
+#include "cli/node_command.hpp"
 #include "cli/plan_command.hpp"
 #include "cli/train_command.hpp"
 
@@ -33,6 +34,8 @@ int main(int argc, char** argv) {
   auto* bench_cmd = actorpipe::cli::add_bench_command(app, bench);
   actorpipe::cli::launch_args launch;
   auto* launch_cmd = actorpipe::cli::add_launch_command(app, launch);
+  actorpipe::cli::node_args node;
+  auto* node_cmd = actorpipe::cli::add_node_command(app, node);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -47,6 +50,9 @@ int main(int argc, char** argv) {
     }
     if (*plan_cmd) {
       return actorpipe::cli::run_plan(plan);
+    }
+    if (*node_cmd) {
+      return actorpipe::cli::run_node(node);
     }
     if (*launch_cmd) {
       return actorpipe::cli::run_launch(launch);

@@ -1,5 +1,7 @@
 #include "cli/train_command.hpp"
 
+#include "comm/tensor_hub.hpp"
+
 #include <fstream>
 #include <future>
 #include <iomanip>
@@ -12,6 +14,8 @@
 #include <actorpipe/actorpipe.hpp>
 #include <actorpipe/trace.hpp>
 #include <actorpipe/training.hpp>
+
+#include "comm/tensor_hub.hpp"
 
 namespace actorpipe::cli {
 
@@ -56,6 +60,14 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--master-addr", a.master_addr,
       "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
   opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
+  cmd
+    ->add_option("--nodes", a.nodes,
+                 "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
+                 "per stage); activations go node to node")
+    ->delimiter(',');
+  opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
+  opt("--connect-timeout", a.connect_timeout_ms,
+      "Milliseconds to reach each node and for each control request");
   opt("--dp-timeout", a.dp_timeout_ms,
       "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
   opt("--buffers", a.buffers,
@@ -71,14 +83,6 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
 }
 
 namespace {
-
-torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
-  return torch::mse_loss(y, t);
-}
-
-torch::Tensor cross_entropy(const torch::Tensor& y, const torch::Tensor& t) {
-  return torch::nn::functional::cross_entropy(y, t);
-}
 
 void print_plan(const model_setup& setup, const plan_choice& choice) {
   const auto& cut = choice.cut;
@@ -129,12 +133,41 @@ nlohmann::json config_json(const train_args& a, const model_setup& setup, const 
           {"stage_parameters", stage_parameter_counts(setup.layers, c.cut)}};
 }
 
+// In this process, or on nodes when --nodes is given.
+std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
+                                        const plan_choice& choice, pipeline_options po,
+                                        const char* loss, optimizer_spec optimizer) {
+  if (a.nodes.empty()) {
+    return std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po));
+  }
+  remote_model model;
+  model.name = setup.name;
+  model.options = setup.options;
+  model.seed = a.model.seed;
+  model.loss = loss;
+  model.optimizer = std::move(optimizer);
+  po.placement.nodes = a.nodes;
+  if (!a.secret_file.empty()) {
+    po.placement.secret = comm::read_secret_file(a.secret_file);
+  }
+  ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
+  po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
+  return std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
+}
+
+optimizer_spec sgd_spec(double lr, double momentum) {
+  optimizer_spec spec;
+  spec.lr = lr;
+  spec.momentum = momentum;
+  return spec;
+}
+
 int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_choice& choice,
                       pipeline_options po) {
   auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
   auto train = load_fashion_mnist(dir, true).head(a.train_samples);
   auto test = load_fashion_mnist(dir, false).head(a.test_samples);
-  po.loss = cross_entropy;
+  po.loss = builtin_loss("cross_entropy");
   po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.9 : a.momentum);
 
   train_options to;
@@ -168,7 +201,9 @@ int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_
   }
 
   engine sys;
-  pipeline pipe(sys, setup.layers, choice.cut, po);
+  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, "cross_entropy",
+                                sgd_spec(a.lr, a.momentum < 0 ? 0.9 : a.momentum));
+  auto& pipe = *pipe_ptr;
   auto report = train_classifier(pipe, train, test, to);
   if (!lead) {
     return 0;
@@ -200,7 +235,7 @@ int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_
 int run_synthetic(const train_args& a, const model_setup& setup, const plan_choice& choice,
                   pipeline_options po) {
   const auto& mo = setup.options;
-  po.loss = mse;
+  po.loss = builtin_loss("mse");
   po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.0 : a.momentum);
   if (po.data_parallel.rank == 0) {
     std::cout << "actorpipe train: " << setup.name << " on synthetic data, "
@@ -215,7 +250,9 @@ int run_synthetic(const train_args& a, const model_setup& setup, const plan_choi
   const auto& dp = po.data_parallel;
   const bool lead = dp.rank == 0;
   engine sys;
-  pipeline pipe(sys, setup.layers, choice.cut, po);
+  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, "mse",
+                                sgd_spec(a.lr, a.momentum < 0 ? 0.0 : a.momentum));
+  auto& pipe = *pipe_ptr;
   nlohmann::json report;
   report["config"] = config_json(a, setup, choice);
   report["steps"] = nlohmann::json::array();
@@ -306,6 +343,10 @@ int run_train(const train_args& a) {
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
+  ACTORPIPE_CHECK(a.nodes.empty() || (a.replicas == 1 && dp.replicas == 1),
+                  "--nodes cannot be combined with --replicas or --world-size (yet)");
+  ACTORPIPE_CHECK(a.nodes.empty() || a.nodes.size() == choice.cut.stages(), "--nodes lists ",
+                  a.nodes.size(), " nodes for ", choice.cut.stages(), " stages");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cli/planning.hpp"
 
@@ -45,6 +46,10 @@ struct train_args {
   int64_t dp_timeout_ms = 60000;
   std::string buffers = "broadcast";
   double max_grad_norm = 0;
+  /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
+  std::vector<std::string> nodes;
+  std::string secret_file;
+  int64_t connect_timeout_ms = 10000;
 };
 
 /// Adds the `train` subcommand; `args` receives the parsed flags.

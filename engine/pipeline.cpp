@@ -6,14 +6,20 @@
 #include <set>
 #include <thread>
 
+#include <unistd.h>
+
 #include <caf/all.hpp>
+#include <caf/io/middleman.hpp>
+#include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
+#include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
+#include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/stage.hpp"
 
@@ -35,11 +41,36 @@ optimizer_factory adam(double lr) {
   };
 }
 
+optimizer_factory make_optimizer(const optimizer_spec& spec) {
+  if (spec.name == "sgd") {
+    return sgd(spec.lr, spec.momentum, spec.weight_decay);
+  }
+  if (spec.name == "adam") {
+    return adam(spec.lr);
+  }
+  throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));
+}
+
+loss_function builtin_loss(const std::string& name) {
+  if (name == "mse") {
+    return [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  }
+  if (name == "cross_entropy") {
+    return [](const torch::Tensor& y, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(y, t);
+    };
+  }
+  throw invalid_argument(detail::concat("unknown loss '", name, "' (known: mse, cross_entropy)"));
+}
+
 struct engine::impl {
   explicit impl(std::size_t workers) : system(configure(config, workers)) {}
 
   static caf::actor_system_config& configure(caf::actor_system_config& cfg, std::size_t workers) {
     cfg.set("scheduler.max-threads", std::max<std::size_t>(1, workers));
+    // The middleman reaches stages on other processes (remote pipelines); idle otherwise.
+    cfg.load<caf::io::middleman>();
+    cfg.set("logger.verbosity", caf::atom("quiet"));
     return cfg;
   }
 
@@ -60,6 +91,10 @@ struct pipeline::impl {
   caf::actor scheduler;
   // Data parallelism: this replica's process groups (null without replicas).
   std::unique_ptr<comm::replica_group> replicas;
+  // Stages on nodes: their proxies' transport (null in process). `stages` then holds local
+  // copies of the initial stages, used to check checkpoints and count parameters only.
+  std::shared_ptr<comm::tensor_hub> remote_hub;
+  std::vector<std::string> remote_names;
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
 
@@ -149,7 +184,48 @@ struct pipeline::impl {
                                [](scheduler::step_outcome& o) { return std::move(o.result); });
   }
 
-  std::vector<std::pair<std::string, torch::Tensor>> named(bool gradients) const {
+  // Stages on nodes: their parameters come back through a save into a temporary folder.
+  std::vector<std::pair<std::string, torch::Tensor>> named_remote(bool gradients) {
+    if (gradients) {
+      throw pipeline_error("named_gradients: the gradients of stages on nodes stay on the nodes");
+    }
+    namespace fs = std::filesystem;
+    auto dir = fs::temp_directory_path() / detail::concat("actorpipe-parameters-", ::getpid(), "-",
+                                                          reinterpret_cast<uintptr_t>(this));
+    fs::create_directories(dir);
+    auto request = std::make_shared<scheduler::step_request>();
+    request->kind = scheduler::request_kind::save;
+    request->path = dir.string();
+    auto future = submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+    stages::stage::tensor_map all;
+    try {
+      wait(future, "named_parameters");
+      for (std::size_t i = 0; i < stage_actors.size(); ++i) {
+        all.merge(stages::load_tensors((dir / detail::concat("stage-", i, ".pt")).string()));
+      }
+    } catch (...) {
+      fs::remove_all(dir);
+      throw;
+    }
+    fs::remove_all(dir);
+    std::vector<std::pair<std::string, torch::Tensor>> result;
+    for (const auto& st : stages) {
+      for (auto& [name, initial] : st->named_tensors(false)) {
+        auto it = all.find(name);
+        if (it == all.end()) {
+          throw pipeline_error(detail::concat("named_parameters: stage ", st->config().index,
+                                              " did not return '", name, "'"));
+        }
+        result.emplace_back(name, it->second);
+      }
+    }
+    return result;
+  }
+
+  std::vector<std::pair<std::string, torch::Tensor>> named(bool gradients) {
+    if (remote_hub) {
+      return named_remote(gradients);
+    }
     std::vector<std::pair<std::string, torch::Tensor>> all;
     for (const auto& st : stages) {
       auto part = st->named_tensors(gradients);
@@ -160,12 +236,15 @@ struct pipeline::impl {
   }
 };
 
-pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
-  ACTORPIPE_CHECK(!layers.empty(), "pipeline: the model has no layers");
-  ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.front() == 0 &&
-                    cut.bounds.back() == layers.size(),
+namespace {
+
+// Checks what both constructors share; returns the number of stage actors.
+std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
+                           const pipeline_options& options) {
+  ACTORPIPE_CHECK(!layer_count == 0, "pipeline: the model has no layers");
+  ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.front() == 0 && cut.bounds.back() == layer_count,
                   "pipeline: partition ", cut.to_string(), " does not cover the model's ",
-                  layers.size(), " layers");
+                  layer_count, " layers");
   for (std::size_t s = 0; s < cut.stages(); ++s) {
     ACTORPIPE_CHECK(cut.begin(s) < cut.end(s), "pipeline: stage ", s, " of partition ",
                     cut.to_string(), " is empty");
@@ -186,6 +265,46 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   }
   ACTORPIPE_CHECK(options.max_grad_norm >= 0, "max_grad_norm (", options.max_grad_norm,
                   ") must be >= 0");
+  return stage_count;
+}
+
+scheduler::scheduler_options scheduler_options_of(const pipeline_options& options) {
+  scheduler::scheduler_options so;
+  so.schedule = options.schedule;
+  so.chunks = options.chunks;
+  so.custom = options.custom_schedule;
+  so.step_timeout = options.step_timeout;
+  so.abort_timeout = options.wait_timeout;
+  so.max_grad_norm = options.max_grad_norm;
+  return so;
+}
+
+// Stage k of `cut` over its slice of `layers`.
+std::shared_ptr<stages::stage> make_stage(const layer_list& layers, const partition& cut,
+                                          std::size_t k, const pipeline_options& options) {
+  stages::stage_config config;
+  config.index = k;
+  config.count = cut.stages();
+  config.first_layer = cut.begin(k);
+  if (!options.devices.empty()) {
+    config.device = options.devices[k % options.devices.size()];
+  }
+  layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
+                   layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
+  auto st = std::make_shared<stages::stage>(config, std::move(slice));
+  if (options.optimizer) {
+    st->attach_optimizer(options.optimizer);
+  }
+  return st;
+}
+
+} // namespace
+
+pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
+  auto stage_count = check_pipeline(layers.size(), cut, options);
+  ACTORPIPE_CHECK(options.placement.nodes.empty(),
+                  "pipeline: stages on nodes need a "
+                  "remote_model (nodes build their stages themselves)");
   const auto& dp = options.data_parallel;
   auto threads = options.threads_per_stage;
   if (threads == 0) {
@@ -200,30 +319,10 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     self.replicas = std::make_unique<comm::replica_group>(dp, stage_count);
   }
   auto& actor_system = sys.internals().system;
-  scheduler::scheduler_options scheduler_options;
-  scheduler_options.schedule = options.schedule;
-  scheduler_options.chunks = options.chunks;
-  scheduler_options.custom = options.custom_schedule;
-  scheduler_options.step_timeout = options.step_timeout;
-  scheduler_options.abort_timeout = options.wait_timeout;
-  scheduler_options.max_grad_norm = options.max_grad_norm;
-  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options);
+  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
   // Virtual stage k (model order) lives on actor k % stage_count as its chunk k / stage_count.
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    stages::stage_config config;
-    config.index = k;
-    config.count = cut.stages();
-    config.first_layer = cut.begin(k);
-    if (!options.devices.empty()) {
-      config.device = options.devices[k % stage_count];
-    }
-    layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
-                     layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
-    auto st = std::make_shared<stages::stage>(config, std::move(slice));
-    if (options.optimizer) {
-      st->attach_optimizer(options.optimizer);
-    }
-    self.stages.push_back(std::move(st));
+    self.stages.push_back(make_stage(layers, cut, k, options));
   }
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
@@ -261,6 +360,55 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                    stage_count, options.chunks, cut.to_string(), options.microbatches, threads,
                    self.replicas ? detail::concat(", replica ", dp.rank, " of ", dp.replicas)
                                  : std::string{});
+}
+
+pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_options options) {
+  ACTORPIPE_CHECK(options.chunks == 1, "pipeline: stages on nodes hold one chunk each, not ",
+                  options.chunks);
+  ACTORPIPE_CHECK(options.data_parallel.replicas <= 1,
+                  "pipeline: stages on nodes cannot be data-parallel replicas (yet)");
+  ACTORPIPE_CHECK(!options.hooks.after_forward && !options.hooks.after_backward,
+                  "pipeline: hooks cannot run on stages on nodes (functions do not cross "
+                  "processes)");
+  ACTORPIPE_CHECK(options.devices.empty(), "pipeline: stages on nodes run on their nodes' CPUs");
+  ACTORPIPE_CHECK(!options.placement.nodes.empty(),
+                  "pipeline: a remote_model needs options.placement.nodes");
+  options.loss = builtin_loss(model.loss);
+  options.optimizer = make_optimizer(model.optimizer);
+  // A local copy of the initial model checks the partition and, later, checkpoints.
+  torch::manual_seed(model.seed);
+  auto layers = make_model(model.name, model.options);
+  auto stage_count = check_pipeline(layers.size(), cut, options);
+  auto threads = options.threads_per_stage;
+  if (threads == 0) {
+    std::size_t most = 0;
+    for (const auto& node : options.placement.nodes) {
+      most = std::max<std::size_t>(
+        most, std::count(options.placement.nodes.begin(), options.placement.nodes.end(), node));
+    }
+    threads = std::max<std::size_t>(1, std::max(1u, std::thread::hardware_concurrency()) / most);
+  }
+  impl_ = std::make_unique<impl>(cut, options);
+  auto& self = *impl_;
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
+    self.stages.push_back(make_stage(layers, cut, k, options));
+  }
+  auto& actor_system = sys.internals().system;
+  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
+  try {
+    auto remote = nodes::connect_stages(actor_system, model, cut, options, threads, self.scheduler);
+    self.stage_actors = std::move(remote.proxies);
+    self.remote_hub = std::move(remote.hub);
+    self.remote_names = std::move(remote.names);
+  } catch (...) {
+    caf::anon_send_exit(self.scheduler, caf::exit_reason::user_shutdown);
+    self.scheduler = caf::actor{};
+    throw;
+  }
+  caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
+  log::get()->info("pipeline: {} stages of {} on nodes, partition {}, {} micro-batches, {} "
+                   "intra-op threads per stage",
+                   stage_count, model.name, cut.to_string(), options.microbatches, threads);
 }
 
 pipeline::~pipeline() = default;

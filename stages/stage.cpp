@@ -494,12 +494,30 @@ void stage::load_state(const tensor_map& all) {
   });
 }
 
-void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
+std::vector<char> pickle_tensors(const stage::tensor_map& tensors) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [key, value] : tensors) {
     dict.insert(key, value);
   }
-  auto bytes = torch::pickle_save(dict);
+  return torch::pickle_save(dict);
+}
+
+stage::tensor_map unpickle_tensors(const char* data, std::size_t size, const std::string& what) {
+  stage::tensor_map result;
+  try {
+    auto value = torch::pickle_load(std::vector<char>(data, data + size));
+    for (const auto& entry : value.toGenericDict()) {
+      result[entry.key().toStringRef()] = entry.value().toTensor();
+    }
+  } catch (const c10::Error& e) {
+    throw pipeline_error(detail::concat(what, " is not a tensor file written by actorpipe: ",
+                                        first_line(e.what_without_backtrace())));
+  }
+  return result;
+}
+
+void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
+  auto bytes = pickle_tensors(tensors);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   out.flush();
@@ -514,17 +532,7 @@ stage::tensor_map load_tensors(const std::string& path) {
     throw pipeline_error(detail::concat("cannot read '", path, "'"));
   }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  stage::tensor_map result;
-  try {
-    auto value = torch::pickle_load(bytes);
-    for (const auto& entry : value.toGenericDict()) {
-      result[entry.key().toStringRef()] = entry.value().toTensor();
-    }
-  } catch (const c10::Error& e) {
-    throw pipeline_error(detail::concat("'", path, "' is not a tensor file written by actorpipe: ",
-                                        first_line(e.what_without_backtrace())));
-  }
-  return result;
+  return unpickle_tensors(bytes.data(), bytes.size(), detail::concat("'", path, "'"));
 }
 
 } // namespace actorpipe::stages

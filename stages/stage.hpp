@@ -159,6 +159,12 @@ private:
 /// Throws pipeline_error naming the file when it cannot be written.
 void save_tensors(const std::string& path, const stage::tensor_map& tensors);
 
+/// The bytes save_tensors writes (libtorch's pickle format).
+std::vector<char> pickle_tensors(const stage::tensor_map& tensors);
+
+/// Tensors from pickle_tensors' bytes; throws pipeline_error naming `what` on bad input.
+stage::tensor_map unpickle_tensors(const char* data, std::size_t size, const std::string& what);
+
 /// Reads a file written by save_tensors. Throws pipeline_error naming the file and the problem.
 stage::tensor_map load_tensors(const std::string& path);
 

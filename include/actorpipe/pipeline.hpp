@@ -18,6 +18,7 @@
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/layers.hpp>
+#include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/schedule.hpp>
 
@@ -37,6 +38,23 @@ optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.
 
 /// Adam with the given learning rate.
 optimizer_factory adam(double lr);
+
+/// An optimizer described by value, so that a node in another process can build it.
+struct optimizer_spec {
+  /// "sgd" or "adam".
+  std::string name = "sgd";
+  double lr = 0.05;
+  /// SGD only.
+  double momentum = 0;
+  double weight_decay = 0;
+};
+
+/// The factory an optimizer_spec describes; throws invalid_argument for an unknown name.
+optimizer_factory make_optimizer(const optimizer_spec& spec);
+
+/// A built-in loss, mean over the micro-batch: "mse" (targets shaped like the outputs) or
+/// "cross_entropy" (class-index targets). Throws invalid_argument for an unknown name.
+loss_function builtin_loss(const std::string& name);
 
 /// Where a hook runs.
 struct hook_context {
@@ -112,6 +130,29 @@ struct data_parallel_options {
   std::shared_ptr<detail::local_store> local;
 };
 
+/// A built-in model described by value: what a node needs to build its own stage, so that no
+/// model code ships. Every node builds the model from the same seed and keeps its part.
+struct remote_model {
+  /// A make_model name ("resnet50", "mlp", "cnn", ...).
+  std::string name;
+  model_options options;
+  /// torch::manual_seed before the model is built (the same parameters in every process).
+  uint64_t seed = 0;
+  /// builtin_loss name, used by the last stage.
+  std::string loss = "mse";
+  optimizer_spec optimizer;
+};
+
+/// Where stage actors live when they are not in this process: `actorpipe node` processes.
+struct node_placement {
+  /// One "host:port" per stage actor (a node may host several); empty: all in this process.
+  std::vector<std::string> nodes;
+  /// The nodes' shared secret (their --secret-file); may be empty for nodes on loopback.
+  std::string secret;
+  /// Deadline for reaching a node and for each control request that is not a step.
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
 /// Everything a pipeline needs besides its layers and partition.
 struct pipeline_options {
   /// Micro-batches per step (m >= 1). The batch is split into m parts whose sizes differ by at
@@ -147,6 +188,8 @@ struct pipeline_options {
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).
   stage_hooks hooks;
+  /// Stage actors on `actorpipe node` processes (see the remote_model constructor).
+  node_placement placement;
 };
 
 /// One action as it ran. Times in milliseconds from the step's start (one clock for all stages
@@ -220,6 +263,15 @@ public:
   /// Throws invalid_argument for an empty model, a partition that does not cover `layers`, a
   /// device count that does not match the stage count, or microbatches == 0.
   pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options);
+
+  /// Places stage actor i on options.placement.nodes[i], an `actorpipe node` process, which
+  /// builds its stage from `model` (so no model code ships); activations and gradients go from
+  /// node to node, never through this process. The loss and optimizer come from `model`
+  /// (options.loss and options.optimizer are ignored). One chunk per stage, no replicas, no
+  /// hooks, CPU only. Throws pipeline_error naming the node that cannot be reached, refuses the
+  /// secret or cannot build its stage. named_gradients() is not available; named_parameters()
+  /// fetches the parameters from the nodes.
+  pipeline(engine& sys, remote_model model, partition cut, pipeline_options options);
   ~pipeline();
   pipeline(const pipeline&) = delete;
   pipeline& operator=(const pipeline&) = delete;

@@ -1,0 +1,59 @@
+#include "cli/node_command.hpp"
+
+#include <csignal>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include <actorpipe/errors.hpp>
+
+#include "comm/tensor_hub.hpp"
+#include "nodes/node.hpp"
+#include "nodes/protocol.hpp"
+
+namespace actorpipe::cli {
+
+CLI::App* add_node_command(CLI::App& app, node_args& a) {
+  auto* cmd = app.add_subcommand(
+    "node", "Host stage actors for `actorpipe train --nodes` (or the embedding API) in other "
+            "processes or on other hosts; runs until SIGINT or SIGTERM");
+  cmd
+    ->add_option("--listen", a.listen,
+                 "HOST:PORT of the control listener (CAF); the data listener takes the same host")
+    ->capture_default_str();
+  cmd->add_option("--data-port", a.data_port, "Port of the data listener (0: any free port)")
+    ->capture_default_str();
+  cmd->add_option("--secret-file", a.secret_file,
+                  "File holding the shared secret schedulers must prove they know (mode 600); "
+                  "required to listen on a non-loopback address");
+  return cmd;
+}
+
+int run_node(const node_args& a) {
+  auto [host, port] = nodes::parse_host_port(a.listen, "--listen");
+  ACTORPIPE_CHECK(a.data_port >= 0 && a.data_port <= 65535, "--data-port (", a.data_port,
+                  ") must be in [0, 65535]");
+  nodes::node_options options;
+  options.host = host;
+  options.port = port;
+  options.data_port = static_cast<uint16_t>(a.data_port);
+  if (!a.secret_file.empty()) {
+    options.secret = comm::read_secret_file(a.secret_file);
+  }
+  // Block the signals first so that every thread the node starts inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  nodes::node n(options);
+  std::cout << "actorpipe node: listening on " << n.address() << " (data port " << n.data_port()
+            << (options.secret.empty() ? ", no secret" : ", secret required") << ")" << std::endl;
+  int received = 0;
+  sigwait(&signals, &received);
+  std::cout << "actorpipe node: " << (received == SIGINT ? "SIGINT" : "SIGTERM") << ", stopping"
+            << std::endl;
+  return 0;
+}
+
+} // namespace actorpipe::cli

@@ -1,0 +1,25 @@
+/// \file
+/// `actorpipe node`: a process that hosts stage actors for schedulers elsewhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace actorpipe::cli {
+
+struct node_args {
+  std::string listen = "127.0.0.1:7000";
+  int64_t data_port = 0;
+  std::string secret_file;
+};
+
+CLI::App* add_node_command(CLI::App& app, node_args& args);
+
+/// Listens until SIGINT or SIGTERM; returns the exit code.
+int run_node(const node_args& args);
+
+} // namespace actorpipe::cli

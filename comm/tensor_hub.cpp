@@ -1,0 +1,433 @@
+#include "comm/tensor_hub.hpp"
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+
+#include <actorpipe/errors.hpp>
+
+#include "logging/log.hpp"
+
+namespace actorpipe::comm {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+constexpr std::size_t challenge_bytes = 32;
+
+std::string endpoint_name(const std::string& host, uint16_t port) {
+  return detail::concat(host, ":", port);
+}
+
+// The transfers below are plain blocking calls with SO_RCVTIMEO/SO_SNDTIMEO deadlines; Asio
+// leaves a socket non-blocking after an asynchronous connect.
+void make_blocking(int fd) {
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);
+}
+
+void set_timeout(int fd, int option, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
+}
+
+// Reads up to n bytes, fewer only at the end of the stream; throws on errors and timeouts.
+std::size_t read_some_exact(int fd, void* out, std::size_t n, const std::string& peer) {
+  auto* p = static_cast<char*>(out);
+  std::size_t got = 0;
+  while (got < n) {
+    auto r = ::recv(fd, p + got, n - got, 0);
+    if (r == 0) {
+      break;
+    }
+    if (r < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        throw comm_error(detail::concat("reading from ", peer, " timed out"));
+      }
+      throw comm_error(detail::concat("reading from ", peer, ": ", std::strerror(errno)));
+    }
+    got += static_cast<std::size_t>(r);
+  }
+  return got;
+}
+
+void write_all(int fd, std::vector<iovec> parts, const std::string& peer) {
+  std::size_t index = 0;
+  while (index < parts.size()) {
+    msghdr msg{};
+    msg.msg_iov = parts.data() + index;
+    msg.msg_iovlen = parts.size() - index;
+    auto r = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        throw comm_error(
+          detail::concat("writing to ", peer, " timed out (the peer stopped reading)"));
+      }
+      throw comm_error(detail::concat("writing to ", peer, ": ", std::strerror(errno)));
+    }
+    auto sent = static_cast<std::size_t>(r);
+    while (index < parts.size() && sent >= parts[index].iov_len) {
+      sent -= parts[index].iov_len;
+      ++index;
+    }
+    if (index < parts.size()) {
+      parts[index].iov_base = static_cast<char*>(parts[index].iov_base) + sent;
+      parts[index].iov_len -= sent;
+    }
+  }
+}
+
+std::string random_bytes(std::size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
+    throw comm_error("no random bytes for the handshake challenge");
+  }
+  return out;
+}
+
+} // namespace
+
+std::string handshake_answer(const std::string& secret, const std::string& challenge) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+       reinterpret_cast<const unsigned char*>(challenge.data()), challenge.size(), out, &len);
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+std::string read_secret_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw invalid_argument(
+      detail::concat("--secret-file '", path, "': cannot read it: ", std::strerror(errno)));
+  }
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    throw invalid_argument(
+      detail::concat("--secret-file '", path, "' is readable by group or others; chmod 600 it"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  auto secret = buffer.str();
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) {
+    secret.pop_back();
+  }
+  if (!in || secret.empty()) {
+    throw invalid_argument(detail::concat("--secret-file '", path, "' is empty or unreadable"));
+  }
+  return secret;
+}
+
+bool is_loopback(const std::string& host) {
+  if (host == "localhost") {
+    return true;
+  }
+  boost::system::error_code ec;
+  auto address = asio::ip::make_address(host, ec);
+  return !ec && address.is_loopback();
+}
+
+struct tensor_hub::impl {
+  hub_options options;
+  sink on_frame;
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  std::string host;
+  uint16_t port = 0;
+  std::thread accept_thread;
+  std::atomic<bool> stopping{false};
+  std::atomic<uint64_t> received{0};
+  std::atomic<uint64_t> rejected{0};
+
+  // Inbound connections: their sockets (to shut down) and reader threads.
+  std::mutex readers_mutex;
+  std::vector<std::shared_ptr<tcp::socket>> inbound;
+  std::vector<std::thread> readers;
+
+  // Outbound connections by "host:port", each written under its own lock.
+  struct connection {
+    std::mutex mutex;
+    asio::io_context io;
+    tcp::socket socket{io};
+    std::string local_address;
+  };
+  std::mutex outbound_mutex;
+  std::map<std::string, std::shared_ptr<connection>> outbound;
+
+  void accept_loop() {
+    while (!stopping) {
+      auto socket = std::make_shared<tcp::socket>(io);
+      boost::system::error_code ec;
+      acceptor.accept(*socket, ec);
+      if (stopping) {
+        return;
+      }
+      if (ec) {
+        log::get()->warn("data listener {}: accept failed: {}", endpoint_name(host, port),
+                         ec.message());
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(readers_mutex);
+      inbound.push_back(socket);
+      readers.emplace_back([this, socket] { serve(socket); });
+    }
+  }
+
+  // One inbound connection: challenge, then frames until the peer closes or misbehaves.
+  void serve(const std::shared_ptr<tcp::socket>& socket) {
+    boost::system::error_code ec;
+    auto remote = socket->remote_endpoint(ec);
+    auto peer =
+      ec ? std::string("unknown peer") : endpoint_name(remote.address().to_string(), remote.port());
+    int fd = socket->native_handle();
+    make_blocking(fd);
+    try {
+      set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
+      set_timeout(fd, SO_SNDTIMEO, options.io_timeout);
+      auto challenge = random_bytes(challenge_bytes);
+      write_all(fd, {{challenge.data(), challenge.size()}}, peer);
+      auto expected = handshake_answer(options.secret, challenge);
+      std::string answer(expected.size(), '\0');
+      if (read_some_exact(fd, answer.data(), answer.size(), peer) < answer.size() ||
+          CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
+        ++rejected;
+        log::get()->error("data listener {}: refused {}: wrong secret in the handshake",
+                          endpoint_name(host, port), peer);
+        return close(socket);
+      }
+      char ok = 1;
+      write_all(fd, {{&ok, 1}}, peer);
+    } catch (const std::exception& e) {
+      if (!stopping) {
+        ++rejected;
+        log::get()->error("data listener {}: handshake with {} failed: {}",
+                          endpoint_name(host, port), peer, e.what());
+      }
+      return close(socket);
+    }
+    bool in_frame = false;
+    auto read = [&](void* out, std::size_t n) {
+      if (!in_frame) {
+        // Idle between frames for as long as the peer likes; once a frame starts, the rest of
+        // it must arrive within the deadline.
+        set_timeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(0));
+        auto got = read_some_exact(fd, out, n, peer);
+        set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
+        in_frame = true;
+        return got;
+      }
+      return read_some_exact(fd, out, n, peer);
+    };
+    while (!stopping) {
+      frame f;
+      try {
+        in_frame = false;
+        if (!read_frame(read, options.limits, f)) {
+          break;
+        }
+      } catch (const std::exception& e) {
+        if (!stopping) {
+          ++rejected;
+          log::get()->error("data listener {}: dropped the connection from {}: {}",
+                            endpoint_name(host, port), peer, e.what());
+        }
+        break;
+      }
+      ++received;
+      try {
+        on_frame(std::move(f));
+      } catch (const std::exception& e) {
+        log::get()->error("data listener {}: a frame from {} was not taken: {}",
+                          endpoint_name(host, port), peer, e.what());
+      }
+    }
+    close(socket);
+  }
+
+  static void close(const std::shared_ptr<tcp::socket>& socket) {
+    ::shutdown(socket->native_handle(), SHUT_RDWR);
+  }
+
+  std::shared_ptr<connection> connect(const std::string& to_host, uint16_t to_port) {
+    auto name = endpoint_name(to_host, to_port);
+    {
+      std::lock_guard<std::mutex> lock(outbound_mutex);
+      auto it = outbound.find(name);
+      if (it != outbound.end()) {
+        return it->second;
+      }
+    }
+    auto c = std::make_shared<connection>();
+    boost::system::error_code ec;
+    tcp::resolver resolver(c->io);
+    auto endpoints = resolver.resolve(to_host, std::to_string(to_port), ec);
+    if (ec) {
+      throw comm_error(detail::concat("cannot resolve ", name, ": ", ec.message()));
+    }
+    bool done = false;
+    asio::async_connect(c->socket, endpoints, [&](const boost::system::error_code& e, const auto&) {
+      ec = e;
+      done = true;
+    });
+    c->io.run_for(options.io_timeout);
+    if (!done) {
+      c->socket.close();
+      throw comm_error(detail::concat("connecting to ", name, " timed out after ",
+                                      options.io_timeout.count(), " ms"));
+    }
+    if (ec) {
+      throw comm_error(detail::concat("cannot connect to ", name, ": ", ec.message()));
+    }
+    c->socket.set_option(tcp::no_delay(true));
+    int fd = c->socket.native_handle();
+    make_blocking(fd);
+    set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
+    set_timeout(fd, SO_SNDTIMEO, options.io_timeout);
+    std::string challenge(challenge_bytes, '\0');
+    if (read_some_exact(fd, challenge.data(), challenge.size(), name) < challenge.size()) {
+      throw comm_error(detail::concat(name, " closed the connection before its challenge"));
+    }
+    auto answer = handshake_answer(options.secret, challenge);
+    write_all(fd, {{answer.data(), answer.size()}}, name);
+    char ok = 0;
+    if (read_some_exact(fd, &ok, 1, name) < 1 || ok != 1) {
+      throw comm_error(
+        detail::concat(name, " refused the data connection: wrong secret (check --secret-file)"));
+    }
+    c->local_address = c->socket.local_endpoint(ec).address().to_string();
+    std::lock_guard<std::mutex> lock(outbound_mutex);
+    return outbound.emplace(name, c).first->second;
+  }
+
+  void forget(const std::string& name, const std::shared_ptr<connection>& c) {
+    std::lock_guard<std::mutex> lock(outbound_mutex);
+    auto it = outbound.find(name);
+    if (it != outbound.end() && it->second == c) {
+      outbound.erase(it);
+    }
+  }
+};
+
+tensor_hub::tensor_hub(hub_options options, sink on_frame) : impl_(std::make_unique<impl>()) {
+  auto& self = *impl_;
+  self.options = std::move(options);
+  self.on_frame = std::move(on_frame);
+  boost::system::error_code ec;
+  auto address = asio::ip::make_address(self.options.host, ec);
+  if (ec) {
+    tcp::resolver resolver(self.io);
+    auto found = resolver.resolve(self.options.host, "0", ec);
+    if (ec || found.empty()) {
+      throw comm_error(detail::concat("data listener: cannot resolve '", self.options.host, "'"));
+    }
+    address = found.begin()->endpoint().address();
+  }
+  tcp::endpoint endpoint(address, self.options.port);
+  self.acceptor.open(endpoint.protocol(), ec);
+  if (!ec) {
+    self.acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+    self.acceptor.bind(endpoint, ec);
+  }
+  if (!ec) {
+    self.acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  }
+  if (ec) {
+    throw comm_error(detail::concat("data listener: cannot listen on ",
+                                    endpoint_name(self.options.host, self.options.port), ": ",
+                                    ec.message()));
+  }
+  self.host = address.to_string();
+  self.port = self.acceptor.local_endpoint().port();
+  self.accept_thread = std::thread([&self] { self.accept_loop(); });
+}
+
+tensor_hub::~tensor_hub() {
+  auto& self = *impl_;
+  self.stopping = true;
+  ::shutdown(self.acceptor.native_handle(), SHUT_RDWR);
+  if (self.accept_thread.joinable()) {
+    self.accept_thread.join();
+  }
+  {
+    std::lock_guard<std::mutex> lock(self.readers_mutex);
+    for (auto& socket : self.inbound) {
+      impl::close(socket);
+    }
+  }
+  for (auto& t : self.readers) {
+    t.join();
+  }
+  std::lock_guard<std::mutex> lock(self.outbound_mutex);
+  for (auto& [name, c] : self.outbound) {
+    ::shutdown(c->socket.native_handle(), SHUT_RDWR);
+  }
+}
+
+const std::string& tensor_hub::host() const {
+  return impl_->host;
+}
+
+uint16_t tensor_hub::port() const {
+  return impl_->port;
+}
+
+uint64_t tensor_hub::frames_received() const {
+  return impl_->received;
+}
+
+uint64_t tensor_hub::frames_rejected() const {
+  return impl_->rejected;
+}
+
+void tensor_hub::send(const std::string& host, uint16_t port, const frame_header& h,
+                      const at::Tensor& t) {
+  auto name = endpoint_name(host, port);
+  auto c = impl_->connect(host, port);
+  auto cpu = t.device().is_cpu() && t.is_contiguous() ? t : t.cpu().contiguous();
+  auto header = encode_header(h);
+  std::lock_guard<std::mutex> lock(c->mutex);
+  try {
+    write_all(
+      c->socket.native_handle(),
+      {{header.data(), header.size()}, {cpu.data_ptr(), static_cast<std::size_t>(h.payload_bytes)}},
+      name);
+  } catch (const comm_error&) {
+    // The stream may hold half a frame: never reuse it.
+    ::shutdown(c->socket.native_handle(), SHUT_RDWR);
+    impl_->forget(name, c);
+    throw;
+  }
+}
+
+std::string tensor_hub::local_address_towards(const std::string& host, uint16_t port) {
+  return impl_->connect(host, port)->local_address;
+}
+
+} // namespace actorpipe::comm

@@ -1,0 +1,87 @@
+/// \file
+/// The payload transport between processes: tensors in comm/wire frames over plain TCP
+/// (Boost.Asio), while CAF carries the control messages.
+///
+/// A hub listens on one address; every process that moves tensors has one. A connection starts
+/// with a challenge: the listener sends 32 random bytes, the connecting side answers with
+/// HMAC-SHA256(secret, challenge), compared in constant time; a wrong answer closes the
+/// connection before any frame is read. Each accepted connection then has a reader thread that
+/// decodes frames (checked, see wire.hpp) straight into freshly allocated tensors and hands them
+/// to the sink. A malformed frame is logged with its peer and closes that connection only.
+///
+/// send() writes header and tensor bytes with one gathered write (no copy of contiguous CPU
+/// tensors), on a connection opened on first use and kept; every connect and write has a
+/// deadline, and errors name the peer.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "comm/wire.hpp"
+
+namespace actorpipe::comm {
+
+/// A transport failure (connect, handshake, write), naming the peer.
+class comm_error : public std::runtime_error {
+public:
+  using std::runtime_error::runtime_error;
+};
+
+struct hub_options {
+  /// Address to listen on ("127.0.0.1", "0.0.0.0", a host's address) and port (0: any free).
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  /// Shared secret of the handshake (may be empty on loopback).
+  std::string secret;
+  frame_limits limits;
+  /// Deadline of each connect + handshake, and of each frame written.
+  std::chrono::milliseconds io_timeout{30000};
+};
+
+class tensor_hub {
+public:
+  /// Receives every decoded frame, on the connection's reader thread.
+  using sink = std::function<void(frame&&)>;
+
+  /// Starts listening; throws comm_error when the address cannot be bound.
+  tensor_hub(hub_options options, sink on_frame);
+  /// Closes every connection and joins the threads.
+  ~tensor_hub();
+  tensor_hub(const tensor_hub&) = delete;
+  tensor_hub& operator=(const tensor_hub&) = delete;
+
+  const std::string& host() const;
+  uint16_t port() const;
+
+  /// Sends `t` (made contiguous on the CPU first) as one frame described by `h` to the hub at
+  /// host:port. Thread-safe; frames to one peer keep their order. Throws comm_error.
+  void send(const std::string& host, uint16_t port, const frame_header& h, const at::Tensor& t);
+
+  /// The local address this process uses to reach host:port (connecting when needed): the
+  /// address a peer there can use to reach us.
+  std::string local_address_towards(const std::string& host, uint16_t port);
+
+  /// Frames received and rejected so far (tests and logs).
+  uint64_t frames_received() const;
+  uint64_t frames_rejected() const;
+
+  struct impl;
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+/// HMAC-SHA256(secret, challenge).
+std::string handshake_answer(const std::string& secret, const std::string& challenge);
+
+/// Reads a secret from a file (trailing newline dropped); throws invalid_argument when it cannot
+/// be read, is empty, or is readable by others than its owner.
+std::string read_secret_file(const std::string& path);
+
+/// True for 127.0.0.0/8, ::1 and "localhost".
+bool is_loopback(const std::string& host);
+
+} // namespace actorpipe::comm

@@ -1,0 +1,629 @@
+#include "nodes/node.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include <pthread.h>
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <nlohmann/json.hpp>
+#include <openssl/crypto.h>
+#include <openssl/rand.h>
+
+#include <actorpipe/models.hpp>
+
+#include "actors/stage_actor.hpp"
+#include "comm/tensor_hub.hpp"
+#include "logging/log.hpp"
+#include "nodes/protocol.hpp"
+#include "stages/stage.hpp"
+
+namespace actorpipe::nodes {
+namespace {
+
+using namespace actorpipe::actors;
+
+// Where frames for this node's stages go; read by the hub's reader threads. Weak: the hub
+// (owned by the node actor) must not keep the actors alive.
+struct routes {
+  std::mutex mutex;
+  std::map<uint32_t, caf::weak_actor_ptr> stages;
+  caf::weak_actor_ptr host_ptr;
+  std::atomic<uint64_t> rejected{0};
+
+  caf::actor stage(uint32_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = stages.find(index);
+    auto strong = it == stages.end() ? caf::strong_actor_ptr{} : it->second.lock();
+    if (!strong) {
+      throw comm::frame_error(detail::concat("no stage ", index, " on this node"));
+    }
+    return caf::actor_cast<caf::actor>(strong);
+  }
+
+  caf::actor host() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return caf::actor_cast<caf::actor>(host_ptr.lock());
+  }
+};
+
+using link_failed_atom = caf::atom_constant<caf::atom("linkfail")>;
+using label_atom = caf::atom_constant<caf::atom("label")>;
+
+// Sends one neighbour's activations or gradients as frames, on a thread of its own so that the
+// stage computes while the bytes go out.
+caf::behavior link_actor(caf::event_based_actor* self, std::shared_ptr<comm::tensor_hub> hub,
+                         endpoint to, uint32_t to_stage, uint32_t from_stage, caf::actor host) {
+  pthread_setname_np(pthread_self(), "ap.link");
+  auto send = [=](comm::frame_kind kind, uint64_t step, int32_t microbatch, int32_t chunk,
+                  const torch::Tensor& t) {
+    try {
+      hub->send(to.host, to.port, comm::describe(kind, to_stage, step, microbatch, chunk, t), t);
+    } catch (const std::exception& e) {
+      self->send(host, link_failed_atom::value, from_stage, step,
+                 detail::concat("stage ", from_stage, " could not send the ", comm::to_string(kind),
+                                " of microbatch ", microbatch, " to stage ", to_stage, " on node ",
+                                to.node, ": ", e.what()));
+    }
+  };
+  return {
+    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const torch::Tensor& t) {
+      send(comm::frame_kind::activation, step, microbatch, chunk, t);
+    },
+    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const torch::Tensor& t) {
+      send(comm::frame_kind::gradient, step, microbatch, chunk, t);
+    },
+  };
+}
+
+struct hosted {
+  caf::actor actor;
+  std::shared_ptr<stages::stage> stage;
+  caf::actor proxy;
+  peer_table peers;
+  std::vector<caf::actor> links;
+  // A plan waiting for its targets.
+  bool pending = false;
+  step_plan plan;
+  std::size_t targets_expected = 0;
+  std::map<std::pair<uint64_t, int32_t>, torch::Tensor> targets;
+  // Checkpoint state sent by the scheduler, by request id, and loads waiting for it.
+  std::map<uint64_t, torch::Tensor> states;
+  std::map<uint64_t, caf::typed_response_promise<std::string>> loads;
+};
+
+struct node_state {
+  std::string label;
+  std::string secret;
+  std::shared_ptr<comm::tensor_hub> hub;
+  std::shared_ptr<routes> route;
+  std::map<caf::node_id, std::string> challenges;
+  std::set<caf::node_id> authorized;
+  std::map<uint32_t, hosted> stages;
+
+  static inline const char* name = "actorpipe.node";
+};
+
+using node_actor = caf::stateful_actor<node_state>;
+
+// Control messages are taken from this process and from processes that passed the challenge.
+bool allowed(node_actor* self, const char* what) {
+  auto sender = self->current_sender();
+  if (sender &&
+      (sender->node() == self->node() || self->state.authorized.count(sender->node()) == 1)) {
+    return true;
+  }
+  ++self->state.route->rejected;
+  log::get()->error("node {}: refused '{}' from {}: the sender has not answered the challenge",
+                    self->state.label, what,
+                    sender ? caf::to_string(sender->node()) : std::string("an anonymous sender"));
+  return false;
+}
+
+std::string refused(node_actor* self) {
+  return detail::concat("node ", self->state.label,
+                        " refused the request: authenticate first (wrong or missing secret)");
+}
+
+void release(node_actor* self, uint32_t index) {
+  auto& s = self->state;
+  auto it = s.stages.find(index);
+  if (it == s.stages.end()) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.route->mutex);
+    s.route->stages.erase(index);
+  }
+  caf::anon_send_exit(it->second.actor, caf::exit_reason::user_shutdown);
+  for (auto& link : it->second.links) {
+    caf::anon_send_exit(link, caf::exit_reason::user_shutdown);
+  }
+  s.stages.erase(it);
+  log::get()->info("node {}: released stage {}", s.label, index);
+}
+
+void deliver_plan(node_actor* self, hosted& h) {
+  auto& plan = h.plan;
+  plan.targets.clear();
+  for (std::size_t mb = 0; mb < h.targets_expected; ++mb) {
+    auto it = h.targets.find({plan.step, static_cast<int32_t>(mb)});
+    plan.targets.push_back(std::move(it->second));
+  }
+  h.targets.erase(h.targets.begin(), h.targets.lower_bound({plan.step + 1, INT32_MIN}));
+  h.pending = false;
+  self->send(h.actor, plan_atom::value, std::move(plan));
+}
+
+bool targets_complete(const hosted& h) {
+  for (std::size_t mb = 0; mb < h.targets_expected; ++mb) {
+    if (h.targets.count({h.plan.step, static_cast<int32_t>(mb)}) == 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+hosted* find_by_actor(node_state& s, const caf::strong_actor_ptr& sender) {
+  for (auto& [index, h] : s.stages) {
+    if (sender && h.actor.address() == sender->address()) {
+      return &h;
+    }
+  }
+  return nullptr;
+}
+
+std::string build(node_actor* self, const std::string& text) {
+  auto& s = self->state;
+  auto spec = stage_spec_from_json(text);
+  auto index = static_cast<uint32_t>(spec.index);
+  release(self, index);
+  torch::manual_seed(spec.model.seed);
+  auto layers = make_model(spec.model.name, spec.model.options);
+  ACTORPIPE_CHECK(spec.bounds.front() == 0 && spec.bounds.back() == layers.size(), "partition of ",
+                  spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
+                  layers.size(), " layers");
+  auto begin = spec.bounds[spec.index];
+  auto end = spec.bounds[spec.index + 1];
+  ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
+  stages::stage_config config;
+  config.index = spec.index;
+  config.count = spec.count;
+  config.first_layer = begin;
+  layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(begin),
+                   layers.begin() + static_cast<std::ptrdiff_t>(end));
+  auto st = std::make_shared<stages::stage>(config, std::move(slice));
+  st->attach_optimizer(make_optimizer(spec.model.optimizer));
+  stage_actor_options options;
+  options.index = spec.index;
+  options.count = spec.count;
+  options.wait_timeout = std::chrono::milliseconds(spec.wait_timeout_ms);
+  options.threads = spec.threads;
+  options.loss = builtin_loss(spec.model.loss);
+  options.reduction = spec.reduction;
+  options.report_gradient_norm = spec.report_gradient_norm;
+  hosted h;
+  h.stage = st;
+  h.actor = spawn_stage(self->system(), {st}, caf::actor_cast<caf::actor>(self), options);
+  {
+    std::lock_guard<std::mutex> lock(s.route->mutex);
+    s.route->stages[index] = caf::actor_cast<caf::weak_actor_ptr>(h.actor);
+  }
+  s.stages.emplace(index, std::move(h));
+  log::get()->info("node {}: built stage {} of {} ({} layers {}..{} of {}, seed {})", s.label,
+                   spec.index, spec.count, end - begin, begin, end - 1, spec.model.name,
+                   spec.model.seed);
+  return nlohmann::json{{"data_host", s.hub->host()}, {"data_port", s.hub->port()}}.dump();
+}
+
+caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
+                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route) {
+  auto& s = self->state;
+  s.label = std::move(label);
+  s.secret = std::move(secret);
+  s.hub = std::move(hub);
+  s.route = std::move(route);
+  self->set_default_handler(
+    [](caf::scheduled_actor* ptr, caf::message_view& x) -> caf::result<caf::message> {
+      auto* me = static_cast<node_actor*>(ptr);
+      ++me->state.route->rejected;
+      log::get()->error("node {}: dropped an unknown message {}", me->state.label,
+                        caf::to_string(x.copy_content_to_message()));
+      return caf::sec::unexpected_message;
+    });
+  // Stopping the node stops its stages and links too.
+  self->set_exit_handler([=](caf::exit_msg& msg) {
+    std::vector<uint32_t> all;
+    for (const auto& entry : self->state.stages) {
+      all.push_back(entry.first);
+    }
+    for (auto index : all) {
+      release(self, index);
+    }
+    self->quit(msg.reason);
+  });
+  self->set_down_handler([=](caf::down_msg& msg) {
+    auto& st = self->state;
+    std::vector<uint32_t> gone;
+    for (auto& [index, h] : st.stages) {
+      if (h.proxy && h.proxy.address() == msg.source) {
+        gone.push_back(index);
+      }
+    }
+    for (auto index : gone) {
+      auto level =
+        msg.reason == caf::exit_reason::user_shutdown ? spdlog::level::info : spdlog::level::warn;
+      log::get()->log(level,
+                      "node {}: the scheduler of stage {} went away ({}); dropping the stage",
+                      st.label, index, self->system().render(msg.reason));
+      release(self, index);
+    }
+  });
+  auto find = [=](uint32_t index) -> hosted* {
+    auto it = self->state.stages.find(index);
+    return it == self->state.stages.end() ? nullptr : &it->second;
+  };
+  auto missing = [=](uint32_t index) {
+    return detail::concat("node ", self->state.label, " hosts no stage ", index);
+  };
+  return {
+    [=](hello_atom) -> std::string {
+      std::string challenge(32, '\0');
+      RAND_bytes(reinterpret_cast<unsigned char*>(challenge.data()), 32);
+      challenge = to_hex(challenge);
+      if (auto sender = self->current_sender()) {
+        self->state.challenges[sender->node()] = challenge;
+      }
+      return challenge;
+    },
+    [=](auth_atom, const std::string& answer) -> std::string {
+      auto& st = self->state;
+      auto sender = self->current_sender();
+      if (!sender) {
+        return "anonymous senders cannot authenticate";
+      }
+      auto it = st.challenges.find(sender->node());
+      auto expected = it == st.challenges.end()
+                        ? std::string{}
+                        : to_hex(comm::handshake_answer(st.secret, it->second));
+      if (it == st.challenges.end() || answer.size() != expected.size() ||
+          CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
+        ++st.route->rejected;
+        log::get()->error("node {}: refused a scheduler from {}: wrong secret", st.label,
+                          caf::to_string(sender->node()));
+        return detail::concat("node ", st.label, " refused the secret (check --secret-file)");
+      }
+      st.challenges.erase(it);
+      st.authorized.insert(sender->node());
+      return {};
+    },
+    [=](build_atom, const std::string& spec) -> std::string {
+      if (!allowed(self, "build")) {
+        return nlohmann::json{{"error", refused(self)}}.dump();
+      }
+      try {
+        return build(self, spec);
+      } catch (const std::exception& e) {
+        log::get()->error("node {}: cannot build a stage: {}", self->state.label, e.what());
+        return nlohmann::json{{"error", detail::concat("node ", self->state.label, ": ", e.what())}}
+          .dump();
+      }
+    },
+    [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) -> std::string {
+      if (!allowed(self, "wire")) {
+        return refused(self);
+      }
+      auto* h = find(index);
+      if (h == nullptr) {
+        return missing(index);
+      }
+      try {
+        h->peers = peer_table_from_json(text);
+        auto count = h->peers.stages.size();
+        ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
+                        " stages, the stage was built for ", h->stage->config().count);
+        std::vector<caf::actor> neighbours(count);
+        for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
+          if (j < 0 || j >= static_cast<int64_t>(count)) {
+            continue;
+          }
+          auto to = h->peers.stages[static_cast<std::size_t>(j)];
+          auto local = find(static_cast<uint32_t>(j));
+          if (local != nullptr && to.host == self->state.hub->host() &&
+              to.port == self->state.hub->port()) {
+            neighbours[static_cast<std::size_t>(j)] = local->actor;
+          } else {
+            auto link = self->system().spawn<caf::detached>(link_actor, self->state.hub, to,
+                                                            static_cast<uint32_t>(j), index,
+                                                            caf::actor_cast<caf::actor>(self));
+            h->links.push_back(link);
+            neighbours[static_cast<std::size_t>(j)] = link;
+          }
+        }
+        self->send(h->actor, connect_atom::value, std::move(neighbours));
+        h->proxy = std::move(proxy);
+        self->monitor(h->proxy);
+      } catch (const std::exception& e) {
+        return detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what());
+      }
+      return {};
+    },
+    [=](rplan_atom, uint32_t index, const std::string& text) {
+      if (!allowed(self, "plan")) {
+        return;
+      }
+      auto* h = find(index);
+      if (h == nullptr) {
+        log::get()->error("{}", missing(index));
+        return;
+      }
+      std::size_t targets = 0;
+      try {
+        h->plan = step_plan_from_json(text, targets);
+      } catch (const std::exception& e) {
+        self->send(h->proxy, rfailed_atom::value, index, uint64_t{0},
+                   detail::concat("node ", self->state.label, ": ", e.what()));
+        return;
+      }
+      h->plan.origin_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+      h->targets_expected = targets;
+      h->pending = true;
+      if (targets_complete(*h)) {
+        deliver_plan(self, *h);
+      }
+    },
+    [=](target_atom, uint32_t index, uint64_t step, int32_t microbatch, torch::Tensor& t) {
+      auto* h = find(index);
+      if (h == nullptr) {
+        return;
+      }
+      h->targets[{step, microbatch}] = std::move(t);
+      if (h->pending && h->plan.step == step && targets_complete(*h)) {
+        deliver_plan(self, *h);
+      }
+    },
+    [=](done_atom, stage_report& report) {
+      auto* h = find(static_cast<uint32_t>(report.stats.stage));
+      if (h == nullptr || !allowed(self, "done")) {
+        return;
+      }
+      auto index = static_cast<uint32_t>(report.stats.stage);
+      try {
+        const auto& to = h->peers.scheduler;
+        for (std::size_t mb = 0; mb < report.outputs.size(); ++mb) {
+          const auto& t = report.outputs[mb];
+          self->state.hub->send(to.host, to.port,
+                                comm::describe(comm::frame_kind::output, index, report.step,
+                                               static_cast<int32_t>(mb), 0, t),
+                                t);
+        }
+      } catch (const std::exception& e) {
+        self->send(h->proxy, rfailed_atom::value, index, report.step,
+                   detail::concat("stage ", index, " on node ", self->state.label,
+                                  " could not send its outputs: ", e.what()));
+        return;
+      }
+      self->send(h->proxy, rdone_atom::value, index, to_json(report));
+    },
+    [=](failed_atom, uint64_t step, const std::string& message) {
+      auto* h = find_by_actor(self->state, self->current_sender());
+      if (h != nullptr) {
+        self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index),
+                   step, message);
+      }
+    },
+    [=](link_failed_atom, uint32_t index, uint64_t step, const std::string& message) {
+      if (auto* h = find(index); h != nullptr && allowed(self, "link")) {
+        self->send(h->proxy, rfailed_atom::value, index, step, message);
+      }
+    },
+    [=](rabort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
+      auto* h = find(index);
+      if (h == nullptr || !allowed(self, "abort")) {
+        return caf::make_error(caf::sec::runtime_error, missing(index));
+      }
+      h->pending = false;
+      auto rp = self->make_response_promise<bool>();
+      self->request(h->actor, caf::infinite, abort_atom::value, step)
+        .then([=](bool ok) mutable { rp.deliver(ok); },
+              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+      return rp;
+    },
+    [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
+        double scale) -> caf::result<double, std::string> {
+      auto* h = find(index);
+      if (h == nullptr || !allowed(self, "update")) {
+        return {0.0, missing(index)};
+      }
+      auto rp = self->make_response_promise<double, std::string>();
+      self->request(h->actor, caf::infinite, update_atom::value, step, lr, scale)
+        .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
+              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+      return rp;
+    },
+    [=](rsave_atom, uint32_t index, uint64_t id) -> std::string {
+      auto* h = find(index);
+      if (h == nullptr || !allowed(self, "save")) {
+        return missing(index);
+      }
+      try {
+        auto bytes = stages::pickle_tensors(h->stage->state());
+        auto blob =
+          torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+        const auto& to = h->peers.scheduler;
+        self->state.hub->send(to.host, to.port,
+                              comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
+      } catch (const std::exception& e) {
+        return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
+      }
+      return {};
+    },
+    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<std::string> {
+      auto* h = find(index);
+      if (h == nullptr || !allowed(self, "load")) {
+        return missing(index);
+      }
+      auto rp = self->make_response_promise<std::string>();
+      h->loads.emplace(id, rp);
+      self->send(self, state_atom::value, index, id);
+      return rp;
+    },
+    [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
+      if (auto* h = find(index)) {
+        h->states[id] = std::move(blob);
+        self->send(self, state_atom::value, index, id);
+      }
+    },
+    [=](state_atom, uint32_t index, uint64_t id) {
+      // A load completes once both its request and its state frame are here.
+      auto* h = find(index);
+      if (h == nullptr || h->loads.count(id) == 0 || h->states.count(id) == 0) {
+        return;
+      }
+      auto rp = h->loads.at(id);
+      auto blob = h->states.at(id);
+      h->loads.erase(id);
+      h->states.erase(id);
+      try {
+        h->stage->load_state(stages::unpickle_tensors(static_cast<const char*>(blob.data_ptr()),
+                                                      static_cast<std::size_t>(blob.numel()),
+                                                      "checkpoint state"));
+        rp.deliver(std::string{});
+      } catch (const std::exception& e) {
+        rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
+      }
+    },
+    [=](label_atom, std::string& label) {
+      if (self->state.label.empty()) {
+        self->state.label = std::move(label);
+      }
+    },
+    [=](release_atom, uint32_t index) {
+      if (allowed(self, "release")) {
+        release(self, index);
+      }
+    },
+  };
+}
+
+} // namespace
+
+struct node::impl {
+  caf::actor_system_config config;
+  std::unique_ptr<caf::actor_system> system;
+  std::shared_ptr<routes> route = std::make_shared<routes>();
+  std::shared_ptr<comm::tensor_hub> hub;
+  caf::actor host;
+  std::string host_name;
+  uint16_t port = 0;
+};
+
+node::node(node_options options) : impl_(std::make_unique<impl>()) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(!options.secret.empty() || comm::is_loopback(options.host),
+                  "node: refusing to "
+                  "listen on ",
+                  options.host,
+                  " without a secret: give --secret-file (or listen "
+                  "on 127.0.0.1)");
+  comm::hub_options hub_options;
+  hub_options.host = options.host;
+  hub_options.port = options.data_port;
+  hub_options.secret = options.secret;
+  auto route = self.route;
+  try {
+    self.hub = std::make_shared<comm::tensor_hub>(hub_options, [route](comm::frame&& f) {
+      const auto& h = f.header;
+      switch (h.kind) {
+      case comm::frame_kind::activation:
+        caf::anon_send(route->stage(h.stage), forward_atom::value, h.step, h.microbatch, h.chunk,
+                       std::move(f.tensor));
+        return;
+      case comm::frame_kind::gradient:
+        caf::anon_send(route->stage(h.stage), backward_atom::value, h.step, h.microbatch, h.chunk,
+                       std::move(f.tensor));
+        return;
+      case comm::frame_kind::target:
+        route->stage(h.stage);
+        caf::anon_send(route->host(), target_atom::value, h.stage, h.step, h.microbatch,
+                       std::move(f.tensor));
+        return;
+      case comm::frame_kind::state:
+        ACTORPIPE_CHECK(f.tensor.scalar_type() == torch::kUInt8 && f.tensor.dim() == 1,
+                        "a state frame must hold bytes");
+        caf::anon_send(route->host(), state_atom::value, h.stage, h.step, std::move(f.tensor));
+        return;
+      case comm::frame_kind::output:
+        break;
+      }
+      ++route->rejected;
+      throw comm::frame_error(
+        detail::concat("a node takes no ", comm::to_string(h.kind), " frames"));
+    });
+  } catch (const comm::comm_error& e) {
+    throw pipeline_error(e.what());
+  }
+  self.config.load<caf::io::middleman>();
+  self.config.set("scheduler.max-threads", 2);
+  self.config.set("logger.verbosity", caf::atom("quiet"));
+  self.system = std::make_unique<caf::actor_system>(self.config);
+  // Pooled, not detached: a detached actor's thread waits for the actor object's destruction,
+  // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
+  // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
+  // frames) occupies one of the two workers meanwhile.
+  self.host = self.system->spawn(node_behavior, std::string{}, options.secret, self.hub, route);
+  {
+    std::lock_guard<std::mutex> lock(route->mutex);
+    route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);
+  }
+  auto published =
+    self.system->middleman().publish(self.host, options.port, options.host.c_str(), true);
+  if (!published) {
+    caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
+    throw pipeline_error(detail::concat("node: cannot listen on ", options.host, ":", options.port,
+                                        ": ", self.system->render(published.error())));
+  }
+  self.host_name = options.host;
+  self.port = *published;
+  caf::anon_send(self.host, label_atom::value, address());
+  log::get()->info("node {} listening (data {}:{})", address(), self.hub->host(), self.hub->port());
+}
+
+node::~node() {
+  auto& self = *impl_;
+  self.system->middleman().unpublish(self.host, self.port);
+  caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
+  // The actor system waits for every actor to be destroyed: drop our handles first.
+  self.host = caf::actor{};
+  self.hub.reset();
+  self.system.reset();
+}
+
+std::string node::address() const {
+  return detail::concat(impl_->host_name, ":", impl_->port);
+}
+
+uint16_t node::port() const {
+  return impl_->port;
+}
+
+uint16_t node::data_port() const {
+  return impl_->hub->port();
+}
+
+std::size_t node::stages() const {
+  std::lock_guard<std::mutex> lock(impl_->route->mutex);
+  return impl_->route->stages.size();
+}
+
+uint64_t node::rejected() const {
+  return impl_->route->rejected + impl_->hub->frames_rejected();
+}
+
+} // namespace actorpipe::nodes

@@ -1,0 +1,49 @@
+/// \file
+/// A node: a process (or, in tests, an actor system) that hosts stage actors for schedulers in
+/// other processes. Control arrives through CAF's middleman (nodes/protocol.hpp); tensors
+/// through a tensor_hub. `actorpipe node` is this class plus a signal handler.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace actorpipe::nodes {
+
+struct node_options {
+  /// Address of both listeners; a non-loopback address needs a secret.
+  std::string host = "127.0.0.1";
+  /// Control port (CAF); 0 takes any free port.
+  uint16_t port = 0;
+  /// Data port (tensor frames); 0 takes any free port.
+  uint16_t data_port = 0;
+  /// Shared secret a scheduler must prove it knows (HMAC challenge on both listeners).
+  std::string secret;
+};
+
+class node {
+public:
+  /// Starts listening. Throws invalid_argument for a non-loopback address without a secret and
+  /// pipeline_error when a port cannot be bound.
+  explicit node(node_options options);
+  /// Drops every hosted stage and stops listening.
+  ~node();
+  node(const node&) = delete;
+  node& operator=(const node&) = delete;
+
+  /// "host:port" of the control listener, as schedulers name this node.
+  std::string address() const;
+  uint16_t port() const;
+  uint16_t data_port() const;
+  /// Stages hosted now.
+  std::size_t stages() const;
+  /// Frames and control messages refused so far (malformed, unknown, or unauthenticated).
+  uint64_t rejected() const;
+
+  struct impl;
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace actorpipe::nodes

@@ -1,0 +1,230 @@
+#include "nodes/protocol.hpp"
+
+#include <nlohmann/json.hpp>
+
+namespace actorpipe::nodes {
+
+using json = nlohmann::json;
+
+namespace {
+
+json parse(const std::string& text, const char* what) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    throw invalid_argument(detail::concat(what, ": not valid JSON: ", e.what()));
+  }
+}
+
+template <class T>
+T field(const json& j, const char* key, const char* what) {
+  auto it = j.find(key);
+  if (it == j.end()) {
+    throw invalid_argument(detail::concat(what, ": field '", key, "' is missing"));
+  }
+  try {
+    return it->get<T>();
+  } catch (const json::exception& e) {
+    throw invalid_argument(detail::concat(what, ": field '", key, "' is malformed: ", e.what()));
+  }
+}
+
+endpoint endpoint_from(const json& j, const char* what) {
+  auto port = field<int64_t>(j, "port", what);
+  if (port < 1 || port > 65535) {
+    throw invalid_argument(detail::concat(what, ": port ", port, " out of range"));
+  }
+  return {field<std::string>(j, "host", what), static_cast<uint16_t>(port),
+          field<std::string>(j, "node", what)};
+}
+
+json endpoint_json(const endpoint& e) {
+  return {{"host", e.host}, {"port", e.port}, {"node", e.node}};
+}
+
+} // namespace
+
+std::string to_hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what) {
+  auto colon = text.rfind(':');
+  ACTORPIPE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < text.size(), what, " '",
+                  text, "' is not HOST:PORT");
+  auto host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  int64_t port = 0;
+  for (auto c : text.substr(colon + 1)) {
+    ACTORPIPE_CHECK(c >= '0' && c <= '9', what, " '", text, "' has a port that is not a number");
+    port = port * 10 + (c - '0');
+    ACTORPIPE_CHECK(port <= 65535, what, " '", text, "' has a port above 65535");
+  }
+  return {host, static_cast<uint16_t>(port)};
+}
+
+std::string to_json(const stage_spec& s) {
+  const auto& m = s.model;
+  json j = {{"model",
+             {{"name", m.name},
+              {"num_classes", m.options.num_classes},
+              {"in_channels", m.options.in_channels},
+              {"image_size", m.options.image_size},
+              {"deferred_batch_norm", m.options.deferred_batch_norm},
+              {"seed", m.seed},
+              {"loss", m.loss},
+              {"optimizer",
+               {{"name", m.optimizer.name},
+                {"lr", m.optimizer.lr},
+                {"momentum", m.optimizer.momentum},
+                {"weight_decay", m.optimizer.weight_decay}}}}},
+            {"bounds", s.bounds},
+            {"index", s.index},
+            {"count", s.count},
+            {"threads", s.threads},
+            {"wait_timeout_ms", s.wait_timeout_ms},
+            {"report_gradient_norm", s.report_gradient_norm},
+            {"reduction", s.reduction == loss_reduction::mean ? "mean" : "sum"}};
+  return j.dump();
+}
+
+stage_spec stage_spec_from_json(const std::string& text) {
+  const char* what = "stage spec";
+  auto j = parse(text, what);
+  stage_spec s;
+  auto m = field<json>(j, "model", what);
+  s.model.name = field<std::string>(m, "name", what);
+  s.model.options.num_classes = field<int64_t>(m, "num_classes", what);
+  s.model.options.in_channels = field<int64_t>(m, "in_channels", what);
+  s.model.options.image_size = field<int64_t>(m, "image_size", what);
+  s.model.options.deferred_batch_norm = field<bool>(m, "deferred_batch_norm", what);
+  s.model.seed = field<uint64_t>(m, "seed", what);
+  s.model.loss = field<std::string>(m, "loss", what);
+  auto o = field<json>(m, "optimizer", what);
+  s.model.optimizer.name = field<std::string>(o, "name", what);
+  s.model.optimizer.lr = field<double>(o, "lr", what);
+  s.model.optimizer.momentum = field<double>(o, "momentum", what);
+  s.model.optimizer.weight_decay = field<double>(o, "weight_decay", what);
+  s.bounds = field<std::vector<std::size_t>>(j, "bounds", what);
+  s.index = field<std::size_t>(j, "index", what);
+  s.count = field<std::size_t>(j, "count", what);
+  s.threads = field<std::size_t>(j, "threads", what);
+  s.wait_timeout_ms = field<int64_t>(j, "wait_timeout_ms", what);
+  s.report_gradient_norm = field<bool>(j, "report_gradient_norm", what);
+  auto reduction = field<std::string>(j, "reduction", what);
+  ACTORPIPE_CHECK(reduction == "mean" || reduction == "sum", what, ": unknown reduction '",
+                  reduction, "'");
+  s.reduction = reduction == "mean" ? loss_reduction::mean : loss_reduction::sum;
+  ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count && s.bounds.size() == s.count + 1, what,
+                  ": stage ", s.index, " of ", s.count, " with ", s.bounds.size(), " bounds");
+  ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
+  ACTORPIPE_CHECK(s.wait_timeout_ms >= 1, what, ": wait_timeout_ms ", s.wait_timeout_ms);
+  return s;
+}
+
+std::string to_json(const peer_table& peers) {
+  json stages = json::array();
+  for (const auto& e : peers.stages) {
+    stages.push_back(endpoint_json(e));
+  }
+  return json{{"stages", stages}, {"scheduler", endpoint_json(peers.scheduler)}}.dump();
+}
+
+peer_table peer_table_from_json(const std::string& text) {
+  const char* what = "peer table";
+  auto j = parse(text, what);
+  peer_table peers;
+  for (const auto& e : field<json>(j, "stages", what)) {
+    peers.stages.push_back(endpoint_from(e, what));
+  }
+  peers.scheduler = endpoint_from(field<json>(j, "scheduler", what), what);
+  return peers;
+}
+
+std::string to_json(const actors::step_plan& plan, std::size_t targets) {
+  json program = json::array();
+  for (const auto& a : plan.program) {
+    program.push_back({static_cast<int>(a.kind), a.microbatch, a.chunk});
+  }
+  return json{{"step", plan.step},       {"train", plan.train},
+              {"program", program},      {"loss_scales", plan.loss_scales},
+              {"samples", plan.samples}, {"targets", targets}}
+    .dump();
+}
+
+actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets) {
+  const char* what = "step plan";
+  auto j = parse(text, what);
+  actors::step_plan plan;
+  plan.step = field<uint64_t>(j, "step", what);
+  plan.train = field<bool>(j, "train", what);
+  for (const auto& a : field<std::vector<std::array<int64_t, 3>>>(j, "program", what)) {
+    ACTORPIPE_CHECK(a[0] >= 0 && a[0] <= 2 && a[1] >= 0 && a[1] < (1 << 30) && a[2] >= 0 &&
+                      a[2] < 1024,
+                    what, ": malformed action [", a[0], ", ", a[1], ", ", a[2], "]");
+    plan.program.push_back(
+      {static_cast<action_kind>(a[0]), static_cast<int32_t>(a[1]), static_cast<int32_t>(a[2])});
+  }
+  plan.loss_scales = field<std::vector<double>>(j, "loss_scales", what);
+  plan.samples = field<int64_t>(j, "samples", what);
+  targets = field<std::size_t>(j, "targets", what);
+  ACTORPIPE_CHECK(targets <= (1u << 20) && (targets == 0 || targets == plan.loss_scales.size()),
+                  what, ": ", targets, " targets for ", plan.loss_scales.size(), " loss scales");
+  return plan;
+}
+
+std::string to_json(const actors::stage_report& r) {
+  const auto& s = r.stats;
+  json actions = json::array();
+  for (const auto& a : s.actions) {
+    actions.push_back({static_cast<int>(a.what.kind), a.what.microbatch, a.what.chunk, a.start_ms,
+                       a.end_ms, a.bytes_sent});
+  }
+  return json{{"step", r.step},
+              {"loss", r.loss},
+              {"gradient_square_sum", r.gradient_square_sum},
+              {"outputs", r.outputs.size()},
+              {"stage", s.stage},
+              {"forward_ms", s.forward_ms},
+              {"backward_ms", s.backward_ms},
+              {"wait_ms", s.wait_ms},
+              {"peak_stash", s.peak_stash},
+              {"actions", actions}}
+    .dump();
+}
+
+actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs) {
+  const char* what = "stage report";
+  auto j = parse(text, what);
+  actors::stage_report r;
+  r.step = field<uint64_t>(j, "step", what);
+  r.loss = field<double>(j, "loss", what);
+  r.gradient_square_sum = field<double>(j, "gradient_square_sum", what);
+  outputs = field<std::size_t>(j, "outputs", what);
+  auto& s = r.stats;
+  s.stage = field<std::size_t>(j, "stage", what);
+  s.forward_ms = field<double>(j, "forward_ms", what);
+  s.backward_ms = field<double>(j, "backward_ms", what);
+  s.wait_ms = field<double>(j, "wait_ms", what);
+  s.peak_stash = field<double>(j, "peak_stash", what);
+  for (const auto& a : field<json>(j, "actions", what)) {
+    action_record rec;
+    rec.what = {static_cast<action_kind>(a.at(0).get<int>()), a.at(1).get<int32_t>(),
+                a.at(2).get<int32_t>()};
+    rec.start_ms = a.at(3).get<double>();
+    rec.end_ms = a.at(4).get<double>();
+    rec.bytes_sent = a.at(5).get<int64_t>();
+    s.actions.push_back(rec);
+  }
+  return r;
+}
+
+} // namespace actorpipe::nodes

@@ -1,0 +1,97 @@
+/// \file
+/// The control protocol between a scheduler process and `actorpipe node` processes (CAF
+/// messages of built-in types; structured parts as JSON text, validated on read). Tensors never
+/// travel here: they cross in comm/'s frames.
+///
+/// node actor (published by `actorpipe node`), every message but hello/auth refused until the
+/// sender's process has answered the challenge:
+/// - (hello_atom) -> std::string challenge
+/// - (auth_atom, std::string answer) -> std::string error (empty: accepted); the answer is
+///   HMAC-SHA256(secret, challenge), hex.
+/// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port"} or {"error"}
+/// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
+///   where the other stages and the scheduler receive frames; the proxy gets the reports and is
+///   monitored (the stage is dropped when it goes).
+/// - (rplan_atom, uint32 stage, std::string plan): run a step; the first stage's inputs come as
+///   activation frames, the last stage's targets as target frames.
+/// - (rabort_atom, uint32 stage, uint64 step) -> bool
+/// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> (double, std::string)
+/// - (rsave_atom, uint32 stage, uint64 id) -> std::string error, after sending a state frame
+/// - (rload_atom, uint32 stage, uint64 id) -> std::string error, once the state frame id came
+/// - (release_atom, uint32 stage): drop the stage.
+/// proxy (scheduler side):
+/// - (rdone_atom, uint32 stage, std::string report), then output frames when forward-only
+/// - (rfailed_atom, uint32 stage, uint64 step, std::string message)
+#pragma once
+
+#include <string>
+
+#include <caf/atom.hpp>
+#include <nlohmann/json_fwd.hpp>
+
+#include <actorpipe/pipeline.hpp>
+
+#include "actors/messages.hpp"
+
+namespace actorpipe::nodes {
+
+using hello_atom = caf::atom_constant<caf::atom("hello")>;
+using auth_atom = caf::atom_constant<caf::atom("auth")>;
+using build_atom = caf::atom_constant<caf::atom("build")>;
+using wire_atom = caf::atom_constant<caf::atom("wire")>;
+using rplan_atom = caf::atom_constant<caf::atom("rplan")>;
+using rabort_atom = caf::atom_constant<caf::atom("rabort")>;
+using rupdate_atom = caf::atom_constant<caf::atom("rupdate")>;
+using rsave_atom = caf::atom_constant<caf::atom("rsave")>;
+using rload_atom = caf::atom_constant<caf::atom("rload")>;
+using release_atom = caf::atom_constant<caf::atom("release")>;
+using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
+using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
+/// Local only (hub reader threads -> actors): frames that are not activations or gradients.
+using target_atom = caf::atom_constant<caf::atom("target")>;
+using output_atom = caf::atom_constant<caf::atom("output")>;
+using state_atom = caf::atom_constant<caf::atom("state")>;
+
+/// What a node needs to build stage `index` of `count`.
+struct stage_spec {
+  remote_model model;
+  std::vector<std::size_t> bounds;
+  std::size_t index = 0;
+  std::size_t count = 1;
+  std::size_t threads = 1;
+  int64_t wait_timeout_ms = 60000;
+  bool report_gradient_norm = false;
+  loss_reduction reduction = loss_reduction::mean;
+};
+
+/// Where a stage receives frames, and the node that hosts it ("host:port" of its control).
+struct endpoint {
+  std::string host;
+  uint16_t port = 0;
+  std::string node;
+};
+
+/// Every stage's data endpoint and the scheduler's.
+struct peer_table {
+  std::vector<endpoint> stages;
+  endpoint scheduler;
+};
+
+std::string to_json(const stage_spec& spec);
+std::string to_json(const peer_table& peers);
+/// The plan without tensors; `targets` is how many target frames the last stage waits for.
+std::string to_json(const actors::step_plan& plan, std::size_t targets);
+std::string to_json(const actors::stage_report& report);
+
+/// The readers throw invalid_argument naming the field that is missing or wrong.
+stage_spec stage_spec_from_json(const std::string& text);
+peer_table peer_table_from_json(const std::string& text);
+actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets);
+actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs);
+
+/// "host:port" split; throws invalid_argument naming `what` for anything else.
+std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what);
+
+std::string to_hex(const std::string& bytes);
+
+} // namespace actorpipe::nodes

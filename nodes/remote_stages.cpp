@@ -1,0 +1,461 @@
+#include "nodes/remote_stages.hpp"
+
+#include <filesystem>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/udp.hpp>
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <nlohmann/json.hpp>
+
+#include "comm/tensor_hub.hpp"
+#include "logging/log.hpp"
+#include "nodes/protocol.hpp"
+#include "stages/stage.hpp"
+
+namespace actorpipe::nodes {
+namespace {
+
+using namespace actorpipe::actors;
+
+// Weak: the hub (owned by the proxies) must not keep them alive.
+struct proxy_routes {
+  std::mutex mutex;
+  std::vector<caf::weak_actor_ptr> proxies;
+
+  caf::actor proxy(uint32_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (index >= proxies.size()) {
+      throw comm::frame_error(detail::concat("a frame for unknown stage ", index));
+    }
+    auto strong = proxies[index].lock();
+    if (!strong) {
+      throw comm::frame_error(detail::concat("stage ", index, "'s proxy is gone"));
+    }
+    return caf::actor_cast<caf::actor>(strong);
+  }
+};
+
+struct save_request {
+  std::string path;
+  caf::typed_response_promise<std::string> promise;
+  bool replied = false;
+  std::string error;
+  torch::Tensor state;
+};
+
+struct proxy_state {
+  caf::actor node;
+  std::string label;
+  uint32_t index = 0;
+  endpoint data;
+  caf::actor scheduler;
+  std::shared_ptr<comm::tensor_hub> hub;
+  std::chrono::milliseconds timeout{60000};
+  uint64_t step = 0;
+  bool running = false;
+  // Forward-only: the report waits for the output frames.
+  bool reported = false;
+  stage_report report;
+  std::size_t outputs_expected = 0;
+  std::map<std::pair<uint64_t, int32_t>, torch::Tensor> outputs;
+  uint64_t next_id = 0;
+  std::map<uint64_t, save_request> saves;
+
+  static inline const char* name = "actorpipe.remote_stage";
+};
+
+using proxy_actor = caf::stateful_actor<proxy_state>;
+
+void fail_step(proxy_actor* self, uint64_t step, const std::string& message) {
+  self->state.running = false;
+  self->send(self->state.scheduler, failed_atom::value, step, message);
+}
+
+void maybe_report(proxy_actor* self) {
+  auto& s = self->state;
+  if (!s.running || !s.reported) {
+    return;
+  }
+  s.report.outputs.resize(s.outputs_expected);
+  for (std::size_t mb = 0; mb < s.outputs_expected; ++mb) {
+    auto it = s.outputs.find({s.step, static_cast<int32_t>(mb)});
+    if (it == s.outputs.end()) {
+      return;
+    }
+    s.report.outputs[mb] = it->second;
+  }
+  s.outputs.clear();
+  s.running = false;
+  self->send(s.scheduler, done_atom::value, std::move(s.report));
+}
+
+void finish_save(proxy_actor* self, uint64_t id) {
+  auto& s = self->state;
+  auto it = s.saves.find(id);
+  if (it == s.saves.end() || !it->second.replied ||
+      (it->second.error.empty() && !it->second.state.defined())) {
+    return;
+  }
+  auto request = std::move(it->second);
+  s.saves.erase(it);
+  if (!request.error.empty()) {
+    request.promise.deliver(std::move(request.error));
+    return;
+  }
+  std::ofstream out(request.path, std::ios::binary | std::ios::trunc);
+  out.write(static_cast<const char*>(request.state.data_ptr()),
+            static_cast<std::streamsize>(request.state.numel()));
+  out.flush();
+  request.promise.deliver(out ? std::string{}
+                              : detail::concat("cannot write '", request.path, "'"));
+}
+
+caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string label, uint32_t index,
+                             endpoint data, caf::actor scheduler,
+                             std::shared_ptr<comm::tensor_hub> hub,
+                             std::chrono::milliseconds timeout) {
+  auto& s = self->state;
+  s.node = std::move(node);
+  s.label = std::move(label);
+  s.index = index;
+  s.data = std::move(data);
+  s.scheduler = std::move(scheduler);
+  s.hub = std::move(hub);
+  s.timeout = timeout;
+  self->monitor(s.node);
+  self->set_down_handler([=](caf::down_msg& msg) {
+    auto& st = self->state;
+    if (msg.source != st.node.address()) {
+      return;
+    }
+    auto what = detail::concat(st.label, " hosting stage ", st.index, " was lost (",
+                               self->system().render(msg.reason), ")");
+    if (st.running) {
+      fail_step(self, st.step,
+                detail::concat(what, " while the scheduler waited for stage ", st.index,
+                               " to finish its program of step ", st.step));
+    }
+    for (auto& [id, save] : st.saves) {
+      save.promise.deliver(what);
+    }
+    st.saves.clear();
+    self->quit(caf::make_error(caf::sec::runtime_error, what));
+  });
+  auto forward_error = [=](const char* action) {
+    return [=](caf::error& e) {
+      return detail::concat("stage ", self->state.index, " on ", self->state.label, " did not ",
+                            action, ": ", self->system().render(e));
+    };
+  };
+  return {
+    [=](connect_atom, std::vector<caf::actor>&) {
+      // The node wired its stage to its neighbours when the pipeline was built.
+    },
+    [=](plan_atom, step_plan& plan) {
+      auto& st = self->state;
+      st.step = plan.step;
+      st.running = true;
+      st.reported = false;
+      st.outputs.erase(st.outputs.begin(), st.outputs.lower_bound({plan.step, INT32_MIN}));
+      try {
+        for (std::size_t mb = 0; mb < plan.inputs.size(); ++mb) {
+          const auto& t = plan.inputs[mb];
+          st.hub->send(st.data.host, st.data.port,
+                       comm::describe(comm::frame_kind::activation, st.index, plan.step,
+                                      static_cast<int32_t>(mb), 0, t),
+                       t);
+        }
+        for (std::size_t mb = 0; mb < plan.targets.size(); ++mb) {
+          const auto& t = plan.targets[mb];
+          st.hub->send(st.data.host, st.data.port,
+                       comm::describe(comm::frame_kind::target, st.index, plan.step,
+                                      static_cast<int32_t>(mb), 0, t),
+                       t);
+        }
+      } catch (const std::exception& e) {
+        fail_step(self, plan.step,
+                  detail::concat("sending step ", plan.step, "'s data to stage ", st.index, " on ",
+                                 st.label, " failed: ", e.what()));
+        return;
+      }
+      self->send(st.node, rplan_atom::value, st.index, to_json(plan, plan.targets.size()));
+    },
+    [=](rdone_atom, uint32_t, const std::string& text) {
+      auto& st = self->state;
+      try {
+        st.report = stage_report_from_json(text, st.outputs_expected);
+      } catch (const std::exception& e) {
+        fail_step(self, st.step, detail::concat(st.label, " sent a bad report: ", e.what()));
+        return;
+      }
+      if (st.report.step != st.step) {
+        return;
+      }
+      st.reported = true;
+      maybe_report(self);
+    },
+    [=](output_atom, uint64_t step, int32_t microbatch, torch::Tensor& t) {
+      self->state.outputs[{step, microbatch}] = std::move(t);
+      maybe_report(self);
+    },
+    [=](rfailed_atom, uint32_t, uint64_t step, const std::string& message) {
+      auto& st = self->state;
+      if (st.running && (step == st.step || step == 0)) {
+        fail_step(self, st.step, detail::concat(message, " [", st.label, "]"));
+      }
+    },
+    [=](abort_atom, uint64_t step) -> caf::result<bool> {
+      auto& st = self->state;
+      st.running = false;
+      auto rp = self->make_response_promise<bool>();
+      self->request(st.node, st.timeout, rabort_atom::value, st.index, step)
+        .then([=](bool ok) mutable { rp.deliver(ok); },
+              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+      return rp;
+    },
+    [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double, std::string> {
+      auto& st = self->state;
+      auto rp = self->make_response_promise<double, std::string>();
+      self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
+        .then(
+          [=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
+          [=](caf::error& e) mutable { rp.deliver(0.0, forward_error("step its optimizer")(e)); });
+      return rp;
+    },
+    [=](save_atom, const std::string& path) -> caf::result<std::string> {
+      auto& st = self->state;
+      auto id = ++st.next_id;
+      auto rp = self->make_response_promise<std::string>();
+      st.saves[id] = save_request{path, rp, false, {}, {}};
+      self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
+        .then(
+          [=](std::string& error) {
+            auto it = self->state.saves.find(id);
+            if (it != self->state.saves.end()) {
+              it->second.replied = true;
+              it->second.error = std::move(error);
+              finish_save(self, id);
+            }
+          },
+          [=](caf::error& e) {
+            auto it = self->state.saves.find(id);
+            if (it != self->state.saves.end()) {
+              it->second.replied = true;
+              it->second.error = forward_error("save its state")(e);
+              finish_save(self, id);
+            }
+          });
+      return rp;
+    },
+    [=](state_atom, uint32_t, uint64_t id, torch::Tensor& blob) {
+      auto it = self->state.saves.find(id);
+      if (it != self->state.saves.end()) {
+        it->second.state = std::move(blob);
+        finish_save(self, id);
+      }
+    },
+    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
+      auto& st = self->state;
+      auto id = ++st.next_id;
+      try {
+        auto bytes = stages::pickle_tensors(*all);
+        auto blob =
+          torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+        st.hub->send(st.data.host, st.data.port,
+                     comm::describe(comm::frame_kind::state, st.index, id, 0, 0, blob), blob);
+      } catch (const std::exception& e) {
+        return detail::concat("stage ", st.index, " on ", st.label, ": ", e.what());
+      }
+      auto rp = self->make_response_promise<std::string>();
+      self->request(st.node, st.timeout, rload_atom::value, st.index, id)
+        .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+              [=](caf::error& e) mutable { rp.deliver(forward_error("load its state")(e)); });
+      return rp;
+    },
+  };
+}
+
+// remote_actor blocks (a SYN to a silent host waits minutes): run it with a deadline.
+caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port,
+                 std::chrono::milliseconds timeout) {
+  auto result = std::make_shared<std::promise<caf::expected<caf::actor>>>();
+  auto future = result->get_future();
+  std::thread([&sys, host, port, result] {
+    result->set_value(sys.middleman().remote_actor(host, port));
+  }).detach();
+  if (future.wait_for(timeout) != std::future_status::ready) {
+    throw pipeline_error(detail::concat("node ", host, ":", port, " did not answer within ",
+                                        timeout.count(), " ms (is `actorpipe node --listen ", host,
+                                        ":", port, "` running?)"));
+  }
+  auto handle = future.get();
+  if (!handle) {
+    throw pipeline_error(
+      detail::concat("cannot reach node ", host, ":", port, ": ", sys.render(handle.error()),
+                     " (is `actorpipe node --listen ", host, ":", port, "` running?)"));
+  }
+  return *handle;
+}
+
+// One request answered by one string, or an error naming the node.
+template <class... Ts>
+std::string ask(caf::scoped_actor& self, const caf::actor& node, const std::string& label,
+                std::chrono::milliseconds timeout, const char* what, Ts&&... xs) {
+  std::string reply;
+  std::string failure;
+  self->request(node, timeout, std::forward<Ts>(xs)...)
+    .receive([&](std::string& text) { reply = std::move(text); },
+             [&](caf::error& e) {
+               failure = detail::concat(label, " did not answer '", what, "' within ",
+                                        timeout.count(), " ms: ", self->system().render(e));
+             });
+  if (!failure.empty()) {
+    throw pipeline_error(failure);
+  }
+  return reply;
+}
+
+// The address of this host on the route to `host` (a UDP "connect" sends nothing).
+std::string local_address_towards(const std::string& host, uint16_t port) {
+  if (comm::is_loopback(host)) {
+    return "127.0.0.1";
+  }
+  namespace asio = boost::asio;
+  asio::io_context io;
+  asio::ip::udp::resolver resolver(io);
+  boost::system::error_code ec;
+  auto found = resolver.resolve(host, std::to_string(port), ec);
+  if (ec || found.empty()) {
+    throw pipeline_error(detail::concat("cannot resolve node host '", host, "'"));
+  }
+  asio::ip::udp::socket socket(io);
+  socket.connect(found.begin()->endpoint(), ec);
+  if (ec) {
+    throw pipeline_error(detail::concat("no route to node host '", host, "': ", ec.message()));
+  }
+  return socket.local_endpoint().address().to_string();
+}
+
+} // namespace
+
+remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
+                             const partition& cut, const pipeline_options& options,
+                             std::size_t threads, const caf::actor& scheduler) {
+  const auto& placement = options.placement;
+  auto count = cut.stages();
+  ACTORPIPE_CHECK(placement.nodes.size() == count, "pipeline: ", placement.nodes.size(),
+                  " nodes given for ", count, " stages");
+  auto timeout = placement.connect_timeout;
+  caf::scoped_actor self{sys};
+  std::map<std::string, caf::actor> handles;
+  std::vector<caf::actor> nodes;
+  remote_stages result;
+  for (const auto& address : placement.nodes) {
+    auto [host, port] = parse_host_port(address, "node");
+    auto label = detail::concat("node ", host, ":", port);
+    result.names.push_back(label);
+    auto it = handles.find(address);
+    if (it == handles.end()) {
+      auto handle = reach(sys, host, port, timeout);
+      auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
+      auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
+                       to_hex(comm::handshake_answer(placement.secret, challenge)));
+      if (!error.empty()) {
+        throw pipeline_error(error);
+      }
+      it = handles.emplace(address, handle).first;
+    }
+    nodes.push_back(it->second);
+  }
+  auto [first_host, first_port] = parse_host_port(placement.nodes.front(), "node");
+  comm::hub_options hub_options;
+  hub_options.host = local_address_towards(first_host, first_port);
+  hub_options.secret = placement.secret;
+  auto routes = std::make_shared<proxy_routes>();
+  try {
+    result.hub = std::make_shared<comm::tensor_hub>(hub_options, [routes](comm::frame&& f) {
+      const auto& h = f.header;
+      if (h.kind == comm::frame_kind::output) {
+        caf::anon_send(routes->proxy(h.stage), output_atom::value, h.step, h.microbatch,
+                       std::move(f.tensor));
+      } else if (h.kind == comm::frame_kind::state && f.tensor.scalar_type() == torch::kUInt8) {
+        caf::anon_send(routes->proxy(h.stage), state_atom::value, h.stage, h.step,
+                       std::move(f.tensor));
+      } else {
+        throw comm::frame_error(
+          detail::concat("a scheduler takes no ", comm::to_string(h.kind), " frames"));
+      }
+    });
+  } catch (const comm::comm_error& e) {
+    throw pipeline_error(e.what());
+  }
+  std::size_t built = 0;
+  auto release_all = [&] {
+    for (std::size_t i = 0; i < built; ++i) {
+      caf::anon_send(nodes[i], release_atom::value, static_cast<uint32_t>(i));
+    }
+    for (auto& proxy : result.proxies) {
+      caf::anon_send_exit(proxy, caf::exit_reason::user_shutdown);
+    }
+  };
+  try {
+    peer_table peers;
+    for (std::size_t i = 0; i < count; ++i) {
+      stage_spec spec;
+      spec.model = model;
+      spec.bounds = cut.bounds;
+      spec.index = i;
+      spec.count = count;
+      spec.threads = threads;
+      spec.wait_timeout_ms = options.wait_timeout.count();
+      spec.report_gradient_norm = options.max_grad_norm > 0;
+      spec.reduction = options.reduction;
+      auto reply = nlohmann::json::parse(
+        ask(self, nodes[i], result.names[i], timeout, "build", build_atom::value, to_json(spec)));
+      if (reply.contains("error")) {
+        throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
+      }
+      ++built;
+      peers.stages.push_back({reply.at("data_host").get<std::string>(),
+                              reply.at("data_port").get<uint16_t>(), placement.nodes[i]});
+    }
+    peers.scheduler = {result.hub->host(), result.hub->port(), "scheduler"};
+    auto table = to_json(peers);
+    for (std::size_t i = 0; i < count; ++i) {
+      // Pooled, not detached: nodes hold handles of the proxies, and CAF 0.17 may then keep a
+      // detached actor's thread waiting for the actor's destruction past system shutdown.
+      result.proxies.push_back(sys.spawn(proxy_behavior, nodes[i], result.names[i],
+                                         static_cast<uint32_t>(i), peers.stages[i], scheduler,
+                                         result.hub, options.wait_timeout));
+    }
+    {
+      std::lock_guard<std::mutex> lock(routes->mutex);
+      for (const auto& proxy : result.proxies) {
+        routes->proxies.push_back(caf::actor_cast<caf::weak_actor_ptr>(proxy));
+      }
+    }
+    for (std::size_t i = 0; i < count; ++i) {
+      auto error = ask(self, nodes[i], result.names[i], timeout, "wire", wire_atom::value,
+                       static_cast<uint32_t>(i), table, result.proxies[i]);
+      if (!error.empty()) {
+        throw pipeline_error(error);
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    release_all();
+    throw pipeline_error(detail::concat("a node sent a malformed reply: ", e.what()));
+  } catch (...) {
+    release_all();
+    throw;
+  }
+  log::get()->info("pipeline: {} stages on nodes {}; frames back to {}:{}", count,
+                   fmt::join(placement.nodes, ", "), result.hub->host(), result.hub->port());
+  return result;
+}
+
+} // namespace actorpipe::nodes

@@ -1,0 +1,48 @@
+/// \file
+/// The scheduler side of distributed nodes: one local proxy actor per remote stage, speaking
+/// the stage actor's protocol (actors/stage_actor.hpp) to the scheduler, so the scheduler does
+/// not know where its stages live.
+///
+/// A proxy sends the first stage's inputs and the last stage's targets as frames to its node,
+/// then the plan over CAF; it turns the node's reports back into stage reports (waiting for the
+/// output frames of forward-only passes), forwards abort, update, save and load with deadlines,
+/// and writes the state frames of a save to the checkpoint file here. When its node is lost
+/// (the CAF connection drops: a killed process, a cut link), it fails the running step with a
+/// message naming the node and the stage, then terminates, which the scheduler sees as a dead
+/// stage.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+
+#include <actorpipe/partition.hpp>
+#include <actorpipe/pipeline.hpp>
+
+namespace actorpipe::comm {
+class tensor_hub;
+}
+
+namespace actorpipe::nodes {
+
+/// Stages placed on nodes, as the scheduler sees them.
+struct remote_stages {
+  /// One proxy per stage actor, in order.
+  std::vector<caf::actor> proxies;
+  /// Where the nodes' output and state frames arrive.
+  std::shared_ptr<comm::tensor_hub> hub;
+  /// "node HOST:PORT" per stage (for messages).
+  std::vector<std::string> names;
+};
+
+/// Connects to every node of options.placement (authenticating with its secret), has each
+/// build its stage of `model` cut by `cut`, wires the stages to each other and spawns the
+/// proxies reporting to `scheduler`. Throws pipeline_error naming the node on any failure,
+/// after releasing the stages already built.
+remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
+                             const partition& cut, const pipeline_options& options,
+                             std::size_t threads, const caf::actor& scheduler);
+
+} // namespace actorpipe::nodes

@@ -1,0 +1,215 @@
+// The tensor transport: frames between hubs, the secret handshake, malformed peers, deadlines.
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include "comm/tensor_hub.hpp"
+
+using namespace actorpipe::comm;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Collects frames from a hub's reader threads.
+struct inbox {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<frame> frames;
+
+  tensor_hub::sink sink() {
+    return [this](frame&& f) {
+      std::lock_guard<std::mutex> lock(mutex);
+      frames.push_back(std::move(f));
+      cv.notify_all();
+    };
+  }
+
+  std::vector<frame> wait_for(std::size_t n, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait_for(lock, timeout, [&] { return frames.size() >= n; });
+    return {std::make_move_iterator(frames.begin()), std::make_move_iterator(frames.end())};
+  }
+};
+
+hub_options options(const std::string& secret, std::chrono::milliseconds io = 5000ms) {
+  hub_options o;
+  o.secret = secret;
+  o.io_timeout = io;
+  return o;
+}
+
+// A raw TCP client, connected to 127.0.0.1:port.
+int raw_connect(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  return fd;
+}
+
+// Answers a hub's challenge on a raw socket; returns the hub's verdict byte (1: accepted).
+int raw_handshake(int fd, const std::string& secret) {
+  std::string challenge(32, '\0');
+  REQUIRE(::recv(fd, challenge.data(), 32, MSG_WAITALL) == 32);
+  auto answer = handshake_answer(secret, challenge);
+  REQUIRE(::send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
+          static_cast<ssize_t>(answer.size()));
+  char ok = 0;
+  return ::recv(fd, &ok, 1, MSG_WAITALL) == 1 ? ok : -1;
+}
+
+} // namespace
+
+TEST_CASE("frames cross between hubs in order, with their headers and values") {
+  inbox received;
+  tensor_hub b(options("s3cret"), received.sink());
+  tensor_hub a(options("s3cret"), [](frame&&) {});
+  std::vector<torch::Tensor> sent = {torch::randn({4, 8}), torch::randn({3, 2, 5}),
+                                     torch::randint(0, 9, {6}, torch::kLong), torch::randn({0, 3})};
+  for (std::size_t i = 0; i < sent.size(); ++i) {
+    a.send(b.host(), b.port(),
+           describe(frame_kind::gradient, 2, 5, static_cast<int32_t>(i), 0, sent[i]), sent[i]);
+  }
+  auto frames = received.wait_for(sent.size());
+  REQUIRE(frames.size() == sent.size());
+  for (std::size_t i = 0; i < sent.size(); ++i) {
+    CHECK((frames[i].header.kind == frame_kind::gradient));
+    CHECK(frames[i].header.stage == 2);
+    CHECK(frames[i].header.step == 5);
+    CHECK(frames[i].header.microbatch == static_cast<int32_t>(i));
+    CHECK(torch::equal(frames[i].tensor, sent[i]));
+  }
+  CHECK(b.frames_received() == sent.size());
+  CHECK(b.frames_rejected() == 0);
+}
+
+TEST_CASE("a 64 MB activation crosses intact") {
+  inbox received;
+  tensor_hub b(options(""), received.sink());
+  tensor_hub a(options(""), [](frame&&) {});
+  auto t = torch::randn({16, 1024, 1024});
+  a.send(b.host(), b.port(), describe(frame_kind::activation, 0, 1, 0, 0, t), t);
+  auto frames = received.wait_for(1, 30s);
+  REQUIRE(frames.size() == 1);
+  CHECK(torch::equal(frames[0].tensor, t));
+}
+
+TEST_CASE("a wrong secret is refused before any frame is read") {
+  inbox received;
+  tensor_hub b(options("right"), received.sink());
+  tensor_hub a(options("wrong"), [](frame&&) {});
+  auto t = torch::ones({2});
+  CHECK_THROWS_WITH_AS(
+    a.send(b.host(), b.port(), describe(frame_kind::activation, 0, 1, 0, 0, t), t),
+    doctest::Contains("wrong secret"), comm_error);
+  CHECK(received.wait_for(1, 200ms).empty());
+  CHECK(b.frames_rejected() >= 1);
+}
+
+TEST_CASE("a malformed frame closes only its connection; the hub keeps serving") {
+  inbox received;
+  tensor_hub b(options("k"), received.sink());
+  int fd = raw_connect(b.port());
+  REQUIRE(raw_handshake(fd, "k") == 1);
+  // A header claiming a payload that does not match its shape.
+  auto t = torch::ones({4});
+  auto h = describe(frame_kind::activation, 0, 1, 0, 0, t);
+  h.payload_bytes = 15;
+  auto bytes = encode_header(h);
+  REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+          static_cast<ssize_t>(bytes.size()));
+  // The hub closes the connection: the next read sees the end of the stream.
+  char c;
+  CHECK(::recv(fd, &c, 1, 0) <= 0);
+  ::close(fd);
+  CHECK(b.frames_rejected() == 1);
+  // Garbage without a handshake answer is refused too.
+  fd = raw_connect(b.port());
+  std::string challenge(32, '\0');
+  REQUIRE(::recv(fd, challenge.data(), 32, MSG_WAITALL) == 32);
+  std::string junk(64, 'x');
+  ::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
+  CHECK(::recv(fd, &c, 1, 0) <= 0);
+  ::close(fd);
+  // A well-behaved peer still gets through.
+  tensor_hub a(options("k"), [](frame&&) {});
+  a.send(b.host(), b.port(), describe(frame_kind::activation, 0, 1, 0, 0, t), t);
+  auto frames = received.wait_for(1);
+  REQUIRE(frames.size() == 1);
+  CHECK(torch::equal(frames[0].tensor, t));
+}
+
+TEST_CASE("a frame cut short by its peer is rejected") {
+  inbox received;
+  tensor_hub b(options("k"), received.sink());
+  int fd = raw_connect(b.port());
+  REQUIRE(raw_handshake(fd, "k") == 1);
+  auto t = torch::ones({1000});
+  auto bytes = encode_frame(describe(frame_kind::activation, 0, 1, 0, 0, t), t);
+  REQUIRE(::send(fd, bytes.data(), bytes.size() / 2, MSG_NOSIGNAL) > 0);
+  ::close(fd);
+  auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (b.frames_rejected() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK(b.frames_rejected() == 1);
+  CHECK(received.wait_for(1, 100ms).empty());
+}
+
+TEST_CASE("connecting has a deadline and names the peer") {
+  tensor_hub a(options("", 300ms), [](frame&&) {});
+  auto t = torch::ones({1});
+  // Nobody listens.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  auto port = ntohs(sa.sin_port);
+  CHECK_THROWS_WITH_AS(
+    a.send("127.0.0.1", port, describe(frame_kind::activation, 0, 1, 0, 0, t), t),
+    doctest::Contains((std::string("127.0.0.1:") + std::to_string(port)).c_str()), comm_error);
+  // Listening but silent (never sends its challenge): the handshake times out.
+  REQUIRE(::listen(fd, 4) == 0);
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(
+    a.send("127.0.0.1", port, describe(frame_kind::activation, 0, 1, 0, 0, t), t),
+    doctest::Contains("timed out"), comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 3s);
+  ::close(fd);
+}
+
+TEST_CASE("secrets come from private files only") {
+  auto path = std::string("/tmp/actorpipe-secret-test-") + std::to_string(::getpid());
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs("hunter2\n", f);
+    std::fclose(f);
+  }
+  ::chmod(path.c_str(), 0644);
+  CHECK_THROWS_WITH(read_secret_file(path), doctest::Contains("chmod 600"));
+  ::chmod(path.c_str(), 0600);
+  CHECK(read_secret_file(path) == "hunter2");
+  ::unlink(path.c_str());
+  CHECK_THROWS_WITH(read_secret_file(path), doctest::Contains("cannot read it"));
+  CHECK(is_loopback("127.0.0.1"));
+  CHECK(is_loopback("localhost"));
+  CHECK(is_loopback("::1"));
+  CHECK_FALSE(is_loopback("10.0.0.1"));
+  CHECK_FALSE(is_loopback("0.0.0.0"));
+}

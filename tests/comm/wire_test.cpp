@@ -1,0 +1,186 @@
+// The tensor frame: round trips, and every kind of malformed input rejected, never trusted.
+#include <cstring>
+#include <random>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include "comm/wire.hpp"
+
+using namespace actorpipe::comm;
+
+namespace {
+
+frame round_trip(const torch::Tensor& t, frame_kind kind = frame_kind::activation) {
+  auto h = describe(kind, 3, 42, 7, 1, t);
+  auto bytes = encode_frame(h, t);
+  return decode_frame(bytes.data(), bytes.size());
+}
+
+std::vector<uint8_t> valid_frame() {
+  auto t = torch::arange(24, torch::kFloat).reshape({2, 3, 4});
+  return encode_frame(describe(frame_kind::gradient, 1, 9, 2, 0, t), t);
+}
+
+template <class T>
+void poke(std::vector<uint8_t>& bytes, std::size_t offset, T value) {
+  std::memcpy(bytes.data() + offset, &value, sizeof value);
+}
+
+} // namespace
+
+TEST_CASE("frames carry every supported dtype and shape, header fields intact") {
+  std::vector<torch::Tensor> tensors = {
+    torch::randn({5, 3}),
+    torch::randn({2, 3, 4, 5}, torch::kDouble),
+    torch::randn({7}).to(torch::kHalf),
+    torch::randn({3, 3}).to(torch::kBFloat16),
+    torch::randint(-100, 100, {4, 2}, torch::kLong),
+    torch::randint(-100, 100, {6}, torch::kInt),
+    torch::randint(-100, 100, {6}, torch::kShort),
+    torch::randint(-100, 100, {6}, torch::kChar),
+    torch::randint(0, 255, {9}, torch::kByte),
+    torch::rand({4}) > 0.5,
+    torch::tensor(3.5),                     // 0-d
+    torch::empty({0, 5}),                   // empty
+    torch::randn({2, 1, 1, 1, 1, 1, 1, 3}), // 8 dimensions
+  };
+  for (const auto& t : tensors) {
+    CAPTURE(t.sizes());
+    CAPTURE(t.scalar_type());
+    auto f = round_trip(t);
+    CHECK(f.header.stage == 3);
+    CHECK(f.header.step == 42);
+    CHECK(f.header.microbatch == 7);
+    CHECK(f.header.chunk == 1);
+    CHECK((f.header.kind == frame_kind::activation));
+    CHECK((f.tensor.scalar_type() == t.scalar_type()));
+    CHECK(f.tensor.sizes() == t.sizes());
+    CHECK(torch::equal(f.tensor, t));
+  }
+}
+
+TEST_CASE("a non-contiguous tensor crosses as its values") {
+  auto t = torch::randn({4, 6}).t();
+  REQUIRE_FALSE(t.is_contiguous());
+  CHECK(torch::equal(round_trip(t).tensor, t));
+}
+
+TEST_CASE("unsupported tensors are refused by the sender") {
+  CHECK_THROWS_WITH_AS(
+    describe(frame_kind::activation, 0, 0, 0, 0, torch::randn({2}, torch::kComplexFloat)),
+    doctest::Contains("cannot cross the wire"), frame_error);
+  CHECK_THROWS_WITH(
+    describe(frame_kind::activation, 0, 0, 0, 0, torch::randn({1, 1, 1, 1, 1, 1, 1, 1, 1})),
+    doctest::Contains("9 dimensions"));
+}
+
+TEST_CASE("malformed headers are rejected with what is wrong") {
+  auto check = [](std::vector<uint8_t> bytes, const char* message) {
+    CAPTURE(message);
+    CHECK_THROWS_WITH_AS(decode_frame(bytes.data(), bytes.size()), doctest::Contains(message),
+                         frame_error);
+  };
+  auto base = valid_frame();
+  REQUIRE_NOTHROW(decode_frame(base.data(), base.size()));
+  auto b = base;
+  b[0] = 'X';
+  check(b, "magic");
+  b = base;
+  b[4] = 2;
+  check(b, "version 2");
+  b = base;
+  b[5] = 0;
+  check(b, "unknown kind 0");
+  b = base;
+  b[5] = 77;
+  check(b, "unknown kind 77");
+  b = base;
+  b[6] = 200;
+  check(b, "unknown dtype code 200");
+  b = base;
+  b[7] = 9;
+  check(b, "9 dimensions");
+  b = base;
+  poke<uint32_t>(b, 20, 1);
+  check(b, "reserved");
+  b = base;
+  poke<int64_t>(b, 40, -2);
+  check(b, "dimension 0 of size -2");
+  b = base;
+  poke<int64_t>(b, 40, int64_t{1} << 50);
+  check(b, "dimension 0 of size");
+  b = base;
+  poke<uint64_t>(b, 32, 95); // 24 floats are 96 bytes
+  check(b, "does not match its shape");
+  b = base;
+  poke<int64_t>(b, 40, 4); // shape says 48 floats, payload 96 bytes
+  check(b, "does not match its shape");
+  b = base;
+  b.push_back(0);
+  check(b, "1 bytes follow the frame");
+  check({}, "empty input");
+}
+
+TEST_CASE("a frame over the receiver's limit is refused before anything is allocated") {
+  // A header that claims 2^39 floats (2 TiB) and carries nothing.
+  auto t = torch::empty({1});
+  auto h = describe(frame_kind::activation, 0, 0, 0, 0, t);
+  h.shape = {int64_t{1} << 39};
+  h.payload_bytes = (uint64_t{1} << 39) * 4;
+  auto bytes = encode_header(h);
+  CHECK_THROWS_WITH_AS(decode_frame(bytes.data(), bytes.size()),
+                       doctest::Contains("exceeds the limit"), frame_error);
+  frame_limits small;
+  small.max_payload_bytes = 64;
+  auto base = valid_frame();
+  CHECK_THROWS_WITH_AS(decode_frame(base.data(), base.size(), small),
+                       doctest::Contains("exceeds the limit of 64"), frame_error);
+}
+
+TEST_CASE("every truncation of a frame is rejected") {
+  auto base = valid_frame();
+  for (std::size_t n = 1; n < base.size(); ++n) {
+    CAPTURE(n);
+    CHECK_THROWS_AS(decode_frame(base.data(), n), frame_error);
+  }
+}
+
+TEST_CASE("fuzz: random corruptions decode or throw frame_error, nothing else") {
+  std::mt19937_64 rng(12345);
+  auto base = valid_frame();
+  int decoded = 0;
+  int rejected = 0;
+  for (int i = 0; i < 20000; ++i) {
+    auto b = base;
+    auto flips = 1 + rng() % 4;
+    for (std::size_t k = 0; k < flips; ++k) {
+      b[rng() % b.size()] = static_cast<uint8_t>(rng());
+    }
+    if (rng() % 4 == 0) {
+      b.resize(rng() % (b.size() + 1));
+    }
+    try {
+      auto f = decode_frame(b.data(), b.size());
+      // Whatever decoded is self-consistent.
+      CHECK(static_cast<uint64_t>(f.tensor.nbytes()) == f.header.payload_bytes);
+      ++decoded;
+    } catch (const frame_error&) {
+      ++rejected;
+    }
+  }
+  MESSAGE(decoded, " decoded, ", rejected, " rejected");
+  CHECK(rejected > 10000);
+  CHECK(decoded > 0);
+}
+
+TEST_CASE("fuzz: random bytes never pass as a frame") {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 5000; ++i) {
+    std::vector<uint8_t> b(rng() % 200);
+    for (auto& x : b) {
+      x = static_cast<uint8_t>(rng());
+    }
+    CHECK_THROWS_AS(decode_frame(b.data(), b.size()), frame_error);
+  }
+}

@@ -1,0 +1,240 @@
+// Stages on nodes (in this process, each node its own actor system and listeners, talking over
+// loopback TCP exactly as separate processes do).
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
+#include "nodes/node.hpp"
+#include "nodes/protocol.hpp"
+#include "tests/engine/oracle.hpp"
+
+using namespace actorpipe;
+using namespace actorpipe::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+remote_model tiny_remote(uint64_t seed = 1) {
+  remote_model m;
+  m.name = "mlp";
+  m.options.in_channels = 1;
+  m.options.image_size = 4;
+  m.options.num_classes = 3;
+  m.seed = seed;
+  m.loss = "mse";
+  m.optimizer.name = "sgd";
+  m.optimizer.lr = 0.1;
+  m.optimizer.momentum = 0.9;
+  return m;
+}
+
+pipeline_options local_options() {
+  pipeline_options o;
+  o.microbatches = 4;
+  o.threads_per_stage = 1;
+  o.loss = mse;
+  o.optimizer = sgd(0.1, 0.9);
+  o.wait_timeout = 5000ms;
+  o.step_timeout = 20000ms;
+  return o;
+}
+
+pipeline_options remote_options(const std::vector<std::string>& nodes,
+                                const std::string& secret = "") {
+  auto o = local_options();
+  o.placement.nodes = nodes;
+  o.placement.secret = secret;
+  o.placement.connect_timeout = 5000ms;
+  return o;
+}
+
+nodes::node_options node_options(const std::string& secret = "") {
+  nodes::node_options o;
+  o.secret = secret;
+  return o;
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int step) {
+  torch::manual_seed(100 + step);
+  return {torch::randn({10, 1, 4, 4}), torch::randn({10, 3})};
+}
+
+std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("actorpipe-nodes-test-" + std::to_string(::getpid()) + "-" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+} // namespace
+
+TEST_CASE("stages on two nodes train like the in-process pipeline and plain libtorch") {
+  nodes::node n1(node_options("pw")), n2(node_options("pw"));
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  pipeline remote(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}, "pw"));
+  pipeline local(sys, tiny_mlp(1), cut, local_options());
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  CHECK(n1.stages() == 1);
+  CHECK(n2.stages() == 1);
+  CHECK(remote.stage_parameter_counts() == local.stage_parameter_counts());
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(step);
+    auto r = remote.train_step(x, y);
+    auto l = local.train_step(x, y);
+    auto p = plain.step(x, y);
+    CAPTURE(step);
+    CHECK(r.loss == doctest::Approx(l.loss).epsilon(1e-6));
+    CHECK(r.loss == doctest::Approx(p).epsilon(1e-6));
+    REQUIRE(r.stages.size() == 2);
+    CHECK(r.stages[0].actions.size() == 8); // 4 forwards, 4 backwards
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+  check_close(remote.named_parameters(), named(plain.layers, false));
+  CHECK_THROWS_WITH(remote.named_gradients(), doctest::Contains("stay on the nodes"));
+  // Forward-only outputs come back from the last node.
+  auto [x, y] = batch(9);
+  CHECK(torch::allclose(remote.forward(x), local.forward(x), 1e-5, 1e-7));
+  auto parts = remote.forward_scattered(x);
+  CHECK(parts.size() == 4);
+}
+
+TEST_CASE("a node can host several stages, and three stages span two nodes") {
+  nodes::node n1(node_options()), n2(node_options());
+  engine sys;
+  auto cut = partition_uniform(6, 3);
+  pipeline remote(sys, tiny_remote(), cut,
+                  remote_options({n1.address(), n2.address(), n1.address()}));
+  pipeline local(sys, tiny_mlp(1), cut, local_options());
+  CHECK(n1.stages() == 2);
+  for (int step = 0; step < 2; ++step) {
+    auto [x, y] = batch(step);
+    CHECK(remote.train_step(x, y).loss ==
+          doctest::Approx(local.train_step(x, y).loss).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+}
+
+TEST_CASE("a checkpoint of stages on nodes resumes on re-attached nodes") {
+  auto dir = temp_dir("resume");
+  auto cut = partition_uniform(6, 2);
+  engine sys;
+  pipeline local(sys, tiny_mlp(1), cut, local_options());
+  nodes::node n1(node_options());
+  std::string second_address;
+  {
+    nodes::node n2(node_options());
+    second_address = n2.address();
+    pipeline remote(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}));
+    for (int step = 0; step < 2; ++step) {
+      auto [x, y] = batch(step);
+      remote.train_step(x, y);
+      local.train_step(x, y);
+    }
+    remote.save_state(dir);
+    CHECK(std::filesystem::exists(dir + "/stage-0.pt"));
+    CHECK(std::filesystem::exists(dir + "/stage-1.pt"));
+  }
+  // Node 2 went away with its pipeline; a new node 2 comes up, a new pipeline loads.
+  nodes::node n2(node_options());
+  pipeline resumed(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}));
+  resumed.load_state(dir);
+  check_close(resumed.named_parameters(), local.named_parameters());
+  // Momentum buffers came back too: the next step matches.
+  auto [x, y] = batch(2);
+  CHECK(resumed.train_step(x, y).loss ==
+        doctest::Approx(local.train_step(x, y).loss).epsilon(1e-6));
+  check_close(resumed.named_parameters(), local.named_parameters());
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a wrong secret and an absent node are refused with their names") {
+  nodes::node n1(node_options("right"));
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  CHECK_THROWS_WITH_AS(
+    pipeline(sys, tiny_remote(), cut, remote_options({n1.address(), n1.address()}, "wrong")),
+    doctest::Contains(("node " + n1.address() + " refused the secret").c_str()), pipeline_error);
+  CHECK(n1.stages() == 0);
+  CHECK(n1.rejected() >= 1);
+  // A port nobody listens on (the node's data port speaks another protocol; use a closed one).
+  std::string absent;
+  {
+    nodes::node gone(node_options());
+    absent = gone.address();
+  }
+  CHECK_THROWS_WITH_AS(
+    pipeline(sys, tiny_remote(), cut, remote_options({n1.address(), absent}, "right")),
+    doctest::Contains(("cannot reach node " + absent).c_str()), pipeline_error);
+  // The stage node 1 built for the failed pipeline was released.
+  auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (n1.stages() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK(n1.stages() == 0);
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), cut, remote_options({"nonsense", "x:1"})),
+                       doctest::Contains("'nonsense' is not HOST:PORT"), invalid_argument);
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), cut, remote_options({n1.address()})),
+                       doctest::Contains("1 nodes given for 2 stages"), invalid_argument);
+}
+
+TEST_CASE("a node refuses a non-loopback address without a secret") {
+  nodes::node_options o;
+  o.host = "0.0.0.0";
+  CHECK_THROWS_WITH_AS(nodes::node{o}, doctest::Contains("without a secret"), invalid_argument);
+}
+
+TEST_CASE("unauthenticated and unknown control messages are refused; the node keeps serving") {
+  nodes::node n(node_options("pw"));
+  caf::actor_system_config cfg;
+  cfg.load<caf::io::middleman>();
+  cfg.set("logger.verbosity", caf::atom("quiet"));
+  caf::actor_system intruder_system(cfg);
+  auto [host, port] = nodes::parse_host_port(n.address(), "node");
+  auto handle = intruder_system.middleman().remote_actor(host, port);
+  REQUIRE(handle);
+  caf::scoped_actor intruder(intruder_system);
+  std::string reply;
+  intruder->request(*handle, 5s, nodes::build_atom::value, std::string("{}"))
+    .receive([&](std::string& r) { reply = r; }, [&](caf::error& e) { reply = "error"; });
+  CHECK(reply.find("authenticate first") != std::string::npos);
+  // A wrong answer to the challenge.
+  intruder->request(*handle, 5s, nodes::hello_atom::value)
+    .receive([](std::string&) {}, [](caf::error&) {});
+  intruder->request(*handle, 5s, nodes::auth_atom::value, std::string("00"))
+    .receive([&](std::string& r) { reply = r; }, [&](caf::error&) { reply = "error"; });
+  CHECK(reply.find("refused the secret") != std::string::npos);
+  // Messages the protocol does not know are dropped.
+  bool failed = false;
+  intruder->request(*handle, 5s, std::string("hello?"), 42)
+    .receive([&](caf::message&) {}, [&](caf::error&) { failed = true; });
+  CHECK(failed);
+  CHECK(n.rejected() >= 3);
+  // The node still serves a scheduler that knows the secret.
+  nodes::node n2(node_options("pw"));
+  engine sys;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2),
+                  remote_options({n.address(), n2.address()}, "pw"));
+  auto [x, y] = batch(0);
+  CHECK(std::isfinite(remote.train_step(x, y).loss));
+}
+
+TEST_CASE("a node that goes away fails the next step, naming it, within the deadline") {
+  auto n1 = std::make_unique<nodes::node>(node_options());
+  nodes::node n2(node_options());
+  auto address = n1->address();
+  engine sys;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2),
+                  remote_options({address, n2.address()}));
+  auto [x, y] = batch(0);
+  remote.train_step(x, y);
+  n1.reset();
+  std::this_thread::sleep_for(200ms);
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(remote.train_step(x, y), doctest::Contains(("node " + address).c_str()),
+                       pipeline_error);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
