@@ -223,11 +223,6 @@ make_batches(const cli::model_setup& setup, uint64_t seed, std::size_t count) {
   return batches;
 }
 
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  return xs.empty() ? 0 : xs[xs.size() / 2];
-}
-
 std::vector<sweep_row> run_sweep(const sweep_options& o) {
   ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
   ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");

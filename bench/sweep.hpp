@@ -4,6 +4,8 @@
 /// step by step in one process so that ratios hold on a noisy machine.
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -91,7 +93,10 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> make_batches(const cli::mod
                                                                   uint64_t seed, std::size_t count);
 
 /// The median (the upper one for an even count); 0 for none.
-double median(std::vector<double> xs);
+inline double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs.empty() ? 0 : xs[xs.size() / 2];
+}
 
 /// Runs the sweep, prints the table (and writes --json, --csv, --plot); returns its rows.
 std::vector<sweep_row> run_sweep(const sweep_options& options);

@@ -8,8 +8,8 @@
 #include <actorpipe/errors.hpp>
 
 #include "comm/tensor_hub.hpp"
-#include "nodes/node.hpp"
 #include "nodes/protocol.hpp"
+#include <actorpipe/node.hpp>
 
 namespace actorpipe::cli {
 
@@ -33,7 +33,7 @@ int run_node(const node_args& a) {
   auto [host, port] = nodes::parse_host_port(a.listen, "--listen");
   ACTORPIPE_CHECK(a.data_port >= 0 && a.data_port <= 65535, "--data-port (", a.data_port,
                   ") must be in [0, 65535]");
-  nodes::node_options options;
+  node_options options;
   options.host = host;
   options.port = port;
   options.data_port = static_cast<uint16_t>(a.data_port);
@@ -46,7 +46,7 @@ int run_node(const node_args& a) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  nodes::node n(options);
+  node n(options);
   std::cout << "actorpipe node: listening on " << n.address() << " (data port " << n.data_port()
             << (options.secret.empty() ? ", no secret" : ", secret required") << ")" << std::endl;
   int received = 0;

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -21,6 +22,9 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <actorpipe/errors.hpp>
 
@@ -112,6 +116,61 @@ std::string random_bytes(std::size_t n) {
   return out;
 }
 
+// Payload buffers that outlive their frames: a tensor's deleter gives its buffer back.
+class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
+public:
+  explicit buffer_pool(std::size_t max_bytes) : max_bytes_(max_bytes) {}
+  ~buffer_pool() {
+    for (auto& [bytes, p] : free_) {
+      std::free(p);
+    }
+  }
+
+  at::Tensor take(const frame_header& h) {
+    auto bytes = static_cast<std::size_t>(h.payload_bytes);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        p = it->second;
+        free_.erase(it);
+        cached_ -= bytes;
+      }
+    }
+    if (p == nullptr) {
+      p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+      if (p == nullptr) {
+        throw std::bad_alloc();
+      }
+    }
+    auto self = shared_from_this();
+    return at::from_blob(
+      p, h.shape, [self, bytes](void* q) { self->give(q, bytes); },
+      at::TensorOptions().dtype(h.dtype));
+  }
+
+private:
+  void give(void* p, std::size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (cached_ + bytes <= max_bytes_) {
+        free_.emplace(bytes, p);
+        cached_ += bytes;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::size_t cached_ = 0;
+  std::size_t max_bytes_;
+};
+
+constexpr uint64_t pooled_from_bytes = 1u << 20;
+
 } // namespace
 
 std::string handshake_answer(const std::string& secret, const std::string& challenge) {
@@ -165,6 +224,7 @@ struct tensor_hub::impl {
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> received{0};
   std::atomic<uint64_t> rejected{0};
+  std::shared_ptr<buffer_pool> pool;
 
   // Inbound connections: their sockets (to shut down) and reader threads.
   std::mutex readers_mutex;
@@ -232,6 +292,11 @@ struct tensor_hub::impl {
       }
       return close(socket);
     }
+    comm::allocate_fn allocate = [this](const frame_header& h) {
+      return pool && h.payload_bytes >= pooled_from_bytes
+               ? pool->take(h)
+               : at::empty(h.shape, at::TensorOptions().dtype(h.dtype));
+    };
     bool in_frame = false;
     auto read = [&](void* out, std::size_t n) {
       if (!in_frame) {
@@ -249,7 +314,7 @@ struct tensor_hub::impl {
       frame f;
       try {
         in_frame = false;
-        if (!read_frame(read, options.limits, f)) {
+        if (!read_frame(read, options.limits, f, allocate)) {
           break;
         }
       } catch (const std::exception& e) {
@@ -339,6 +404,9 @@ tensor_hub::tensor_hub(hub_options options, sink on_frame) : impl_(std::make_uni
   auto& self = *impl_;
   self.options = std::move(options);
   self.on_frame = std::move(on_frame);
+  if (self.options.pool_bytes > 0) {
+    self.pool = std::make_shared<buffer_pool>(self.options.pool_bytes);
+  }
   boost::system::error_code ec;
   auto address = asio::ip::make_address(self.options.host, ec);
   if (ec) {

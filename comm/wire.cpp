@@ -180,7 +180,8 @@ frame_header decode_header(const uint8_t* data, std::size_t size, const frame_li
   return h;
 }
 
-bool read_frame(const read_fn& read, const frame_limits& limits, frame& out) {
+bool read_frame(const read_fn& read, const frame_limits& limits, frame& out,
+                const allocate_fn& allocate) {
   std::vector<uint8_t> head(fixed_header_bytes);
   auto got = read(head.data(), fixed_header_bytes);
   if (got == 0) {
@@ -196,7 +197,8 @@ bool read_frame(const read_fn& read, const frame_limits& limits, frame& out) {
     throw frame_error("truncated frame: the shape is cut short");
   }
   out.header = decode_header(head.data(), head.size(), limits);
-  out.tensor = at::empty(out.header.shape, at::TensorOptions().dtype(out.header.dtype));
+  out.tensor = allocate ? allocate(out.header)
+                        : at::empty(out.header.shape, at::TensorOptions().dtype(out.header.dtype));
   if (out.header.payload_bytes > 0) {
     auto n = static_cast<std::size_t>(out.header.payload_bytes);
     auto payload = read(out.tensor.data_ptr(), n);

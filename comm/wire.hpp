@@ -104,9 +104,14 @@ frame_header decode_header(const uint8_t* data, std::size_t size, const frame_li
 /// Reads exactly `n` bytes into `out`; returns how many it got (fewer only at the end of input).
 using read_fn = std::function<std::size_t(void* out, std::size_t n)>;
 
+/// Makes the tensor a checked header's payload is read into (default: at::empty).
+using allocate_fn = std::function<at::Tensor(const frame_header&)>;
+
 /// Reads one frame with `read`. Returns false on a clean end of input before the first byte;
-/// throws frame_error on a malformed or truncated frame.
-bool read_frame(const read_fn& read, const frame_limits& limits, frame& out);
+/// throws frame_error on a malformed or truncated frame. The payload is read straight into the
+/// tensor `allocate` makes, only once the header has passed every check.
+bool read_frame(const read_fn& read, const frame_limits& limits, frame& out,
+                const allocate_fn& allocate = {});
 
 /// A whole frame as bytes (tests, fuzzing and small control payloads).
 std::vector<uint8_t> encode_frame(const frame_header& h, const at::Tensor& t);

@@ -1,4 +1,4 @@
-#include "nodes/node.hpp"
+#include <actorpipe/node.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -22,7 +22,8 @@
 #include "nodes/protocol.hpp"
 #include "stages/stage.hpp"
 
-namespace actorpipe::nodes {
+namespace actorpipe {
+namespace nodes {
 namespace {
 
 using namespace actorpipe::actors;
@@ -414,8 +415,15 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](failed_atom, uint64_t step, const std::string& message) {
       auto* h = find_by_actor(self->state, self->current_sender());
       if (h != nullptr) {
+        // Say where the neighbour it waited for lives.
+        auto text = message;
+        for (std::size_t j = 0; j < h->peers.stages.size(); ++j) {
+          if (message.find(detail::concat("from stage ", j, " ")) != std::string::npos) {
+            text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
+          }
+        }
         self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index),
-                   step, message);
+                   step, text);
       }
     },
     [=](link_failed_atom, uint32_t index, uint64_t step, const std::string& message) {
@@ -514,10 +522,12 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
 
 } // namespace
 
+} // namespace nodes
+
 struct node::impl {
   caf::actor_system_config config;
   std::unique_ptr<caf::actor_system> system;
-  std::shared_ptr<routes> route = std::make_shared<routes>();
+  std::shared_ptr<nodes::routes> route = std::make_shared<nodes::routes>();
   std::shared_ptr<comm::tensor_hub> hub;
   caf::actor host;
   std::string host_name;
@@ -542,22 +552,23 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
       const auto& h = f.header;
       switch (h.kind) {
       case comm::frame_kind::activation:
-        caf::anon_send(route->stage(h.stage), forward_atom::value, h.step, h.microbatch, h.chunk,
-                       std::move(f.tensor));
+        caf::anon_send(route->stage(h.stage), actors::forward_atom::value, h.step, h.microbatch,
+                       h.chunk, std::move(f.tensor));
         return;
       case comm::frame_kind::gradient:
-        caf::anon_send(route->stage(h.stage), backward_atom::value, h.step, h.microbatch, h.chunk,
-                       std::move(f.tensor));
+        caf::anon_send(route->stage(h.stage), actors::backward_atom::value, h.step, h.microbatch,
+                       h.chunk, std::move(f.tensor));
         return;
       case comm::frame_kind::target:
         route->stage(h.stage);
-        caf::anon_send(route->host(), target_atom::value, h.stage, h.step, h.microbatch,
+        caf::anon_send(route->host(), nodes::target_atom::value, h.stage, h.step, h.microbatch,
                        std::move(f.tensor));
         return;
       case comm::frame_kind::state:
         ACTORPIPE_CHECK(f.tensor.scalar_type() == torch::kUInt8 && f.tensor.dim() == 1,
                         "a state frame must hold bytes");
-        caf::anon_send(route->host(), state_atom::value, h.stage, h.step, std::move(f.tensor));
+        caf::anon_send(route->host(), nodes::state_atom::value, h.stage, h.step,
+                       std::move(f.tensor));
         return;
       case comm::frame_kind::output:
         break;
@@ -577,7 +588,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
   // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
   // frames) occupies one of the two workers meanwhile.
-  self.host = self.system->spawn(node_behavior, std::string{}, options.secret, self.hub, route);
+  self.host =
+    self.system->spawn(nodes::node_behavior, std::string{}, options.secret, self.hub, route);
   {
     std::lock_guard<std::mutex> lock(route->mutex);
     route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);
@@ -591,7 +603,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   }
   self.host_name = options.host;
   self.port = *published;
-  caf::anon_send(self.host, label_atom::value, address());
+  caf::anon_send(self.host, nodes::label_atom::value, address());
   log::get()->info("node {} listening (data {}:{})", address(), self.hub->host(), self.hub->port());
 }
 
@@ -626,4 +638,4 @@ uint64_t node::rejected() const {
   return impl_->route->rejected + impl_->hub->frames_rejected();
 }
 
-} // namespace actorpipe::nodes
+} // namespace actorpipe

@@ -7,6 +7,7 @@
 #include <actorpipe/layers.hpp>
 #include <actorpipe/logging.hpp>
 #include <actorpipe/models.hpp>
+#include <actorpipe/node.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/pipeline.hpp>
 #include <actorpipe/replicas.hpp>

@@ -1,71 +1,7 @@
 // Runs the `actorpipe` program as a user would.
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <map>
-#include <set>
-#include <string>
+#include "tests/cli/helpers.hpp"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <doctest/doctest.h>
-#include <nlohmann/json.hpp>
-
-namespace {
-
-struct run_result {
-  int exit_code;
-  std::string output;
-};
-
-// Runs `actorpipe <args>` (or the shell command `args` itself) and collects its output.
-run_result run(const std::string& args, bool prefix_cli = true) {
-  std::string command =
-    (prefix_cli ? std::string(ACTORPIPE_CLI_PATH) + " " : std::string{}) + args + " 2>&1";
-  std::string output;
-  FILE* pipe = popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) {
-    output += buffer;
-  }
-  int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-std::vector<double> losses(const std::filesystem::path& json_file) {
-  std::ifstream in(json_file);
-  auto report = nlohmann::json::parse(in);
-  std::vector<double> result;
-  for (const auto& step : report["steps"]) {
-    result.push_back(step["loss"].get<double>());
-  }
-  return result;
-}
-
-// A port nobody listens on now.
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
-
-std::filesystem::path temp_file(const std::string& name) {
-  return std::filesystem::temp_directory_path() /
-         ("actorpipe_cli_test_" + std::to_string(::getpid()) + "_" + name);
-}
-
-} // namespace
+using namespace actorpipe::test;
 
 TEST_CASE("train with 1 stage x 1 micro-batch and 3 stages x 5 micro-batches prints the same "
           "losses") {

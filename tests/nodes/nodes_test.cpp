@@ -7,9 +7,9 @@
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
 
-#include "nodes/node.hpp"
 #include "nodes/protocol.hpp"
 #include "tests/engine/oracle.hpp"
+#include <actorpipe/node.hpp>
 
 using namespace actorpipe;
 using namespace actorpipe::test;
@@ -51,8 +51,8 @@ pipeline_options remote_options(const std::vector<std::string>& nodes,
   return o;
 }
 
-nodes::node_options node_options(const std::string& secret = "") {
-  nodes::node_options o;
+actorpipe::node_options node_config(const std::string& secret = "") {
+  actorpipe::node_options o;
   o.secret = secret;
   return o;
 }
@@ -72,7 +72,7 @@ std::string temp_dir(const std::string& name) {
 } // namespace
 
 TEST_CASE("stages on two nodes train like the in-process pipeline and plain libtorch") {
-  nodes::node n1(node_options("pw")), n2(node_options("pw"));
+  node n1(node_config("pw")), n2(node_config("pw"));
   engine sys;
   auto cut = partition_uniform(6, 2);
   pipeline remote(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}, "pw"));
@@ -103,7 +103,7 @@ TEST_CASE("stages on two nodes train like the in-process pipeline and plain libt
 }
 
 TEST_CASE("a node can host several stages, and three stages span two nodes") {
-  nodes::node n1(node_options()), n2(node_options());
+  node n1(node_config()), n2(node_config());
   engine sys;
   auto cut = partition_uniform(6, 3);
   pipeline remote(sys, tiny_remote(), cut,
@@ -123,10 +123,10 @@ TEST_CASE("a checkpoint of stages on nodes resumes on re-attached nodes") {
   auto cut = partition_uniform(6, 2);
   engine sys;
   pipeline local(sys, tiny_mlp(1), cut, local_options());
-  nodes::node n1(node_options());
+  node n1(node_config());
   std::string second_address;
   {
-    nodes::node n2(node_options());
+    node n2(node_config());
     second_address = n2.address();
     pipeline remote(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}));
     for (int step = 0; step < 2; ++step) {
@@ -139,7 +139,7 @@ TEST_CASE("a checkpoint of stages on nodes resumes on re-attached nodes") {
     CHECK(std::filesystem::exists(dir + "/stage-1.pt"));
   }
   // Node 2 went away with its pipeline; a new node 2 comes up, a new pipeline loads.
-  nodes::node n2(node_options());
+  node n2(node_config());
   pipeline resumed(sys, tiny_remote(), cut, remote_options({n1.address(), n2.address()}));
   resumed.load_state(dir);
   check_close(resumed.named_parameters(), local.named_parameters());
@@ -152,7 +152,7 @@ TEST_CASE("a checkpoint of stages on nodes resumes on re-attached nodes") {
 }
 
 TEST_CASE("a wrong secret and an absent node are refused with their names") {
-  nodes::node n1(node_options("right"));
+  node n1(node_config("right"));
   engine sys;
   auto cut = partition_uniform(6, 2);
   CHECK_THROWS_WITH_AS(
@@ -163,7 +163,7 @@ TEST_CASE("a wrong secret and an absent node are refused with their names") {
   // A port nobody listens on (the node's data port speaks another protocol; use a closed one).
   std::string absent;
   {
-    nodes::node gone(node_options());
+    node gone(node_config());
     absent = gone.address();
   }
   CHECK_THROWS_WITH_AS(
@@ -182,13 +182,13 @@ TEST_CASE("a wrong secret and an absent node are refused with their names") {
 }
 
 TEST_CASE("a node refuses a non-loopback address without a secret") {
-  nodes::node_options o;
+  actorpipe::node_options o;
   o.host = "0.0.0.0";
-  CHECK_THROWS_WITH_AS(nodes::node{o}, doctest::Contains("without a secret"), invalid_argument);
+  CHECK_THROWS_WITH_AS(node{o}, doctest::Contains("without a secret"), invalid_argument);
 }
 
 TEST_CASE("unauthenticated and unknown control messages are refused; the node keeps serving") {
-  nodes::node n(node_options("pw"));
+  node n(node_config("pw"));
   caf::actor_system_config cfg;
   cfg.load<caf::io::middleman>();
   cfg.set("logger.verbosity", caf::atom("quiet"));
@@ -214,7 +214,7 @@ TEST_CASE("unauthenticated and unknown control messages are refused; the node ke
   CHECK(failed);
   CHECK(n.rejected() >= 3);
   // The node still serves a scheduler that knows the secret.
-  nodes::node n2(node_options("pw"));
+  node n2(node_config("pw"));
   engine sys;
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 2),
                   remote_options({n.address(), n2.address()}, "pw"));
@@ -223,8 +223,8 @@ TEST_CASE("unauthenticated and unknown control messages are refused; the node ke
 }
 
 TEST_CASE("a node that goes away fails the next step, naming it, within the deadline") {
-  auto n1 = std::make_unique<nodes::node>(node_options());
-  nodes::node n2(node_options());
+  auto n1 = std::make_unique<node>(node_config());
+  node n2(node_config());
   auto address = n1->address();
   engine sys;
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 2),

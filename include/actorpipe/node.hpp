@@ -1,14 +1,16 @@
 /// \file
-/// A node: a process (or, in tests, an actor system) that hosts stage actors for schedulers in
-/// other processes. Control arrives through CAF's middleman (nodes/protocol.hpp); tensors
-/// through a tensor_hub. `actorpipe node` is this class plus a signal handler.
+/// A node hosts stage actors for pipelines in other processes (pipeline_options::placement):
+/// `actorpipe node` is this class plus a signal handler, and an application can embed one.
+/// Control arrives through CAF's middleman, tensors in actorpipe's frames over TCP
+/// (docs/distributed.md). A node builds each stage it is asked for from a built-in model's
+/// name, cut and seed, so no model code ships.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
-namespace actorpipe::nodes {
+namespace actorpipe {
 
 struct node_options {
   /// Address of both listeners; a non-loopback address needs a secret.
@@ -23,8 +25,8 @@ struct node_options {
 
 class node {
 public:
-  /// Starts listening. Throws invalid_argument for a non-loopback address without a secret and
-  /// pipeline_error when a port cannot be bound.
+  /// Starts listening (its own actor system and threads). Throws invalid_argument for a
+  /// non-loopback address without a secret and pipeline_error when a port cannot be bound.
   explicit node(node_options options);
   /// Drops every hosted stage and stops listening.
   ~node();
@@ -46,4 +48,4 @@ private:
   std::unique_ptr<impl> impl_;
 };
 
-} // namespace actorpipe::nodes
+} // namespace actorpipe

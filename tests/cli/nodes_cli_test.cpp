@@ -1,0 +1,118 @@
+// `actorpipe node` processes hosting the stages of `actorpipe train --nodes`.
+#include <sys/stat.h>
+
+#include "tests/cli/helpers.hpp"
+
+using namespace actorpipe::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A node process on a free loopback port, listening.
+struct node_process {
+  int port;
+  std::unique_ptr<background> process;
+
+  explicit node_process(const std::string& extra = "", const std::string& name = "node")
+    : port(free_port()) {
+    process =
+      std::make_unique<background>("node --listen 127.0.0.1:" + std::to_string(port) + " " + extra,
+                                   temp_file(name + std::to_string(port) + ".log"));
+    REQUIRE_MESSAGE(process->wait_for("listening on", 20s), process->output());
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+std::filesystem::path secret_file(const std::string& name, const std::string& secret) {
+  auto path = temp_file(name);
+  std::ofstream(path) << secret << '\n';
+  ::chmod(path.c_str(), 0600);
+  return path;
+}
+
+const std::string synthetic_mlp =
+  " --data synthetic --model mlp --batch 16 --microbatches 4 --stages 2 --threads 1 --lr 0.1 "
+  "--seed 3";
+
+} // namespace
+
+TEST_CASE("a scheduler and two node processes train with the in-process losses") {
+  auto secret = secret_file("secret", "correct horse");
+  node_process a("--secret-file " + secret.string(), "a");
+  node_process b("--secret-file " + secret.string(), "b");
+  auto remote_json = temp_file("remote.json");
+  auto local_json = temp_file("local.json");
+  auto remote =
+    run("train" + synthetic_mlp + " --steps 4 --nodes " + a.address() + "," + b.address() +
+        " --secret-file " + secret.string() + " --json " + remote_json.string());
+  auto local = run("train" + synthetic_mlp + " --steps 4 --json " + local_json.string());
+  CAPTURE(remote.output);
+  REQUIRE(remote.exit_code == 0);
+  REQUIRE(local.exit_code == 0);
+  auto lr = losses(remote_json);
+  auto ll = losses(local_json);
+  REQUIRE(lr.size() == 4);
+  REQUIRE(ll.size() == 4);
+  for (std::size_t i = 0; i < lr.size(); ++i) {
+    CHECK(lr[i] == doctest::Approx(ll[i]).epsilon(1e-6));
+  }
+  // The nodes stay up for the next scheduler, and stop cleanly on SIGTERM.
+  auto again = run("train" + synthetic_mlp + " --steps 1 --nodes " + a.address() + "," +
+                   b.address() + " --secret-file " + secret.string());
+  CHECK(again.exit_code == 0);
+  CHECK(a.process->stop(SIGTERM) == 0);
+  CHECK(b.process->stop(SIGINT) == 0);
+  std::filesystem::remove(remote_json);
+  std::filesystem::remove(local_json);
+  std::filesystem::remove(secret);
+}
+
+TEST_CASE("killing a node mid-run ends the run with an error naming it, within the deadline") {
+  node_process a("", "kill-a");
+  node_process b("", "kill-b");
+  background train("train --data synthetic --model mlp --batch 256 --microbatches 8 --stages 2 "
+                   "--threads 1 --steps 100000 --wait-timeout 5000 --nodes " +
+                     a.address() + "," + b.address(),
+                   temp_file("kill-train.log"));
+  REQUIRE_MESSAGE(train.wait_for("step 5/", 60s), train.output());
+  CHECK(b.process->stop(SIGKILL) == 128 + SIGKILL);
+  auto start = std::chrono::steady_clock::now();
+  auto code = train.stop(0, 15s); // signal 0: just wait
+  auto output = train.output();
+  CAPTURE(output);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  CHECK(code == 1);
+  CHECK(output.find("node " + b.address()) != std::string::npos);
+  CHECK(output.find("stage 1") != std::string::npos);
+  CHECK(output.find("lost") != std::string::npos);
+  // The surviving node dropped the stage and serves the next run.
+  node_process c("", "kill-c");
+  auto next =
+    run("train" + synthetic_mlp + " --steps 1 --nodes " + a.address() + "," + c.address());
+  CHECK(next.exit_code == 0);
+}
+
+TEST_CASE("nodes refuse a wrong secret, and open addresses without one") {
+  auto right = secret_file("right", "right");
+  auto wrong = secret_file("wrong", "wrong");
+  node_process a("--secret-file " + right.string(), "secret-a");
+  auto refused = run("train" + synthetic_mlp + " --steps 1 --nodes " + a.address() + "," +
+                     a.address() + " --secret-file " + wrong.string());
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.output.find("node " + a.address() + " refused the secret") != std::string::npos);
+  CHECK(a.process->output().find("wrong secret") != std::string::npos);
+  auto open = run("node --listen 0.0.0.0:" + std::to_string(free_port()));
+  CHECK(open.exit_code == 2);
+  CHECK(open.output.find("without a secret") != std::string::npos);
+  auto absent =
+    run("train" + synthetic_mlp + " --steps 1 --connect-timeout 3000 --nodes " + a.address() +
+        ",127.0.0.1:" + std::to_string(free_port()) + " --secret-file " + right.string());
+  CHECK(absent.exit_code == 1);
+  CHECK(absent.output.find("cannot reach node 127.0.0.1:") != std::string::npos);
+  auto count = run("train" + synthetic_mlp + " --steps 1 --nodes " + a.address());
+  CHECK(count.exit_code == 2);
+  CHECK(count.output.find("--nodes lists 1 nodes for 2 stages") != std::string::npos);
+  std::filesystem::remove(right);
+  std::filesystem::remove(wrong);
+}
