@@ -221,7 +221,9 @@ frame decode_frame(const uint8_t* data, std::size_t size, const frame_limits& li
   std::size_t pos = 0;
   auto read = [&](void* out, std::size_t n) {
     auto k = std::min(n, size - pos);
-    std::memcpy(out, data + pos, k);
+    if (k > 0) {
+      std::memcpy(out, data + pos, k);
+    }
     pos += k;
     return k;
   };

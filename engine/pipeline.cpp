@@ -2,6 +2,7 @@
 #include <actorpipe/pipeline.hpp>
 
 #include <filesystem>
+#include <map>
 #include <regex>
 #include <set>
 #include <thread>
@@ -381,10 +382,11 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   auto stage_count = check_pipeline(layers.size(), cut, options);
   auto threads = options.threads_per_stage;
   if (threads == 0) {
+    // Stages on one host share its cores, whichever node process holds them.
+    std::map<std::string, std::size_t> per_host;
     std::size_t most = 0;
     for (const auto& node : options.placement.nodes) {
-      most = std::max<std::size_t>(
-        most, std::count(options.placement.nodes.begin(), options.placement.nodes.end(), node));
+      most = std::max(most, ++per_host[node.substr(0, node.rfind(':'))]);
     }
     threads = std::max<std::size_t>(1, std::max(1u, std::thread::hardware_concurrency()) / most);
   }

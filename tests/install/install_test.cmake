@@ -21,7 +21,7 @@ set(launcher)
 if(CCACHE)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
 endif()
-foreach(example embed custom_model data_parallel)
+foreach(example embed custom_model data_parallel distributed)
   run_step("configure examples/${example}" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/${example}
     -B ${WORK_DIR}/build-${example} -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
     ${launcher})
