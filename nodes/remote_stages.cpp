@@ -162,21 +162,17 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
       st.running = true;
       st.reported = false;
       st.outputs.erase(st.outputs.begin(), st.outputs.lower_bound({plan.step, INT32_MIN}));
+      auto send_all = [&](comm::frame_kind kind, const std::vector<torch::Tensor>& parts) {
+        for (std::size_t mb = 0; mb < parts.size(); ++mb) {
+          st.hub->send(
+            st.data.host, st.data.port,
+            comm::describe(kind, st.index, plan.step, static_cast<int32_t>(mb), 0, parts[mb]),
+            parts[mb]);
+        }
+      };
       try {
-        for (std::size_t mb = 0; mb < plan.inputs.size(); ++mb) {
-          const auto& t = plan.inputs[mb];
-          st.hub->send(st.data.host, st.data.port,
-                       comm::describe(comm::frame_kind::activation, st.index, plan.step,
-                                      static_cast<int32_t>(mb), 0, t),
-                       t);
-        }
-        for (std::size_t mb = 0; mb < plan.targets.size(); ++mb) {
-          const auto& t = plan.targets[mb];
-          st.hub->send(st.data.host, st.data.port,
-                       comm::describe(comm::frame_kind::target, st.index, plan.step,
-                                      static_cast<int32_t>(mb), 0, t),
-                       t);
-        }
+        send_all(comm::frame_kind::activation, plan.inputs);
+        send_all(comm::frame_kind::target, plan.targets);
       } catch (const std::exception& e) {
         fail_step(self, plan.step,
                   detail::concat("sending step ", plan.step, "'s data to stage ", st.index, " on ",
