@@ -8,6 +8,7 @@ cli=$(readlink -f "$1")
 skip() { echo "SKIP: $*"; exit 77; }
 [[ $(id -u) -eq 0 ]] || skip "network namespaces need root (this runs as uid $(id -u))"
 command -v ip > /dev/null || skip "iproute2's ip is not installed"
+command -v python3 > /dev/null || skip "python3 (to compare the JSON reports) is not installed"
 
 tag=ap$$
 net=10.77.$(( $$ % 200 + 20 ))
