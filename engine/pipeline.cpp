@@ -95,7 +95,6 @@ struct pipeline::impl {
   // Stages on nodes: their proxies' transport (null in process). `stages` then holds local
   // copies of the initial stages, used to check checkpoints and count parameters only.
   std::shared_ptr<comm::tensor_hub> remote_hub;
-  std::vector<std::string> remote_names;
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
 
@@ -242,7 +241,7 @@ namespace {
 // Checks what both constructors share; returns the number of stage actors.
 std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
                            const pipeline_options& options) {
-  ACTORPIPE_CHECK(!layer_count == 0, "pipeline: the model has no layers");
+  ACTORPIPE_CHECK(layer_count > 0, "pipeline: the model has no layers");
   ACTORPIPE_CHECK(cut.stages() >= 1 && cut.bounds.front() == 0 && cut.bounds.back() == layer_count,
                   "pipeline: partition ", cut.to_string(), " does not cover the model's ",
                   layer_count, " layers");
@@ -280,25 +279,6 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   return so;
 }
 
-// Stage k of `cut` over its slice of `layers`.
-std::shared_ptr<stages::stage> make_stage(const layer_list& layers, const partition& cut,
-                                          std::size_t k, const pipeline_options& options) {
-  stages::stage_config config;
-  config.index = k;
-  config.count = cut.stages();
-  config.first_layer = cut.begin(k);
-  if (!options.devices.empty()) {
-    config.device = options.devices[k % options.devices.size()];
-  }
-  layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
-                   layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
-  auto st = std::make_shared<stages::stage>(config, std::move(slice));
-  if (options.optimizer) {
-    st->attach_optimizer(options.optimizer);
-  }
-  return st;
-}
-
 } // namespace
 
 pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
@@ -323,7 +303,9 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
   // Virtual stage k (model order) lives on actor k % stage_count as its chunk k / stage_count.
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    self.stages.push_back(make_stage(layers, cut, k, options));
+    auto device =
+      options.devices.empty() ? c10::Device(c10::kCPU) : options.devices[k % stage_count];
+    self.stages.push_back(stages::make_stage(layers, cut, k, device, options.optimizer));
   }
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
@@ -393,7 +375,7 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    self.stages.push_back(make_stage(layers, cut, k, options));
+    self.stages.push_back(stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer));
   }
   auto& actor_system = sys.internals().system;
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
@@ -401,7 +383,6 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
     auto remote = nodes::connect_stages(actor_system, model, cut, options, threads, self.scheduler);
     self.stage_actors = std::move(remote.proxies);
     self.remote_hub = std::move(remote.hub);
-    self.remote_names = std::move(remote.names);
   } catch (...) {
     caf::anon_send_exit(self.scheduler, caf::exit_reason::user_shutdown);
     self.scheduler = caf::actor{};

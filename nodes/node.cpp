@@ -188,17 +188,12 @@ std::string build(node_actor* self, const std::string& text) {
   ACTORPIPE_CHECK(spec.bounds.front() == 0 && spec.bounds.back() == layers.size(), "partition of ",
                   spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
                   layers.size(), " layers");
-  auto begin = spec.bounds[spec.index];
-  auto end = spec.bounds[spec.index + 1];
+  partition cut{spec.bounds};
+  auto begin = cut.begin(spec.index);
+  auto end = cut.end(spec.index);
   ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
-  stages::stage_config config;
-  config.index = spec.index;
-  config.count = spec.count;
-  config.first_layer = begin;
-  layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(begin),
-                   layers.begin() + static_cast<std::ptrdiff_t>(end));
-  auto st = std::make_shared<stages::stage>(config, std::move(slice));
-  st->attach_optimizer(make_optimizer(spec.model.optimizer));
+  auto st =
+    stages::make_stage(layers, cut, spec.index, c10::kCPU, make_optimizer(spec.model.optimizer));
   stage_actor_options options;
   options.index = spec.index;
   options.count = spec.count;
@@ -499,9 +494,9 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       h->loads.erase(id);
       h->states.erase(id);
       try {
-        h->stage->load_state(stages::unpickle_tensors(static_cast<const char*>(blob.data_ptr()),
-                                                      static_cast<std::size_t>(blob.numel()),
-                                                      "checkpoint state"));
+        const auto* bytes = static_cast<const char*>(blob.data_ptr());
+        h->stage->load_state(stages::unpickle_tensors(
+          std::vector<char>(bytes, bytes + blob.numel()), "checkpoint state"));
         rp.deliver(std::string{});
       } catch (const std::exception& e) {
         rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));

@@ -107,12 +107,13 @@ void finish_save(proxy_actor* self, uint64_t id) {
     request.promise.deliver(std::move(request.error));
     return;
   }
-  std::ofstream out(request.path, std::ios::binary | std::ios::trunc);
-  out.write(static_cast<const char*>(request.state.data_ptr()),
-            static_cast<std::streamsize>(request.state.numel()));
-  out.flush();
-  request.promise.deliver(out ? std::string{}
-                              : detail::concat("cannot write '", request.path, "'"));
+  try {
+    stages::write_bytes(request.path, static_cast<const char*>(request.state.data_ptr()),
+                        static_cast<std::size_t>(request.state.numel()));
+    request.promise.deliver(std::string{});
+  } catch (const std::exception& e) {
+    request.promise.deliver(std::string(e.what()));
+  }
 }
 
 caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string label, uint32_t index,
@@ -350,11 +351,13 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   caf::scoped_actor self{sys};
   std::map<std::string, caf::actor> handles;
   std::vector<caf::actor> nodes;
+  // "node HOST:PORT" per stage, for messages.
+  std::vector<std::string> names;
   remote_stages result;
   for (const auto& address : placement.nodes) {
     auto [host, port] = parse_host_port(address, "node");
     auto label = detail::concat("node ", host, ":", port);
-    result.names.push_back(label);
+    names.push_back(label);
     auto it = handles.find(address);
     if (it == handles.end()) {
       auto handle = reach(sys, host, port, timeout);
@@ -412,7 +415,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       spec.report_gradient_norm = options.max_grad_norm > 0;
       spec.reduction = options.reduction;
       auto reply = nlohmann::json::parse(
-        ask(self, nodes[i], result.names[i], timeout, "build", build_atom::value, to_json(spec)));
+        ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
       if (reply.contains("error")) {
         throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
       }
@@ -425,7 +428,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     for (std::size_t i = 0; i < count; ++i) {
       // Pooled, not detached: nodes hold handles of the proxies, and CAF 0.17 may then keep a
       // detached actor's thread waiting for the actor's destruction past system shutdown.
-      result.proxies.push_back(sys.spawn(proxy_behavior, nodes[i], result.names[i],
+      result.proxies.push_back(sys.spawn(proxy_behavior, nodes[i], names[i],
                                          static_cast<uint32_t>(i), peers.stages[i], scheduler,
                                          result.hub, options.wait_timeout));
     }
@@ -436,7 +439,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       }
     }
     for (std::size_t i = 0; i < count; ++i) {
-      auto error = ask(self, nodes[i], result.names[i], timeout, "wire", wire_atom::value,
+      auto error = ask(self, nodes[i], names[i], timeout, "wire", wire_atom::value,
                        static_cast<uint32_t>(i), table, result.proxies[i]);
       if (!error.empty()) {
         throw pipeline_error(error);

@@ -33,8 +33,6 @@ struct remote_stages {
   std::vector<caf::actor> proxies;
   /// Where the nodes' output and state frames arrive.
   std::shared_ptr<comm::tensor_hub> hub;
-  /// "node HOST:PORT" per stage (for messages).
-  std::vector<std::string> names;
 };
 
 /// Connects to every node of options.placement (authenticating with its secret), has each

@@ -502,10 +502,10 @@ std::vector<char> pickle_tensors(const stage::tensor_map& tensors) {
   return torch::pickle_save(dict);
 }
 
-stage::tensor_map unpickle_tensors(const char* data, std::size_t size, const std::string& what) {
+stage::tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what) {
   stage::tensor_map result;
   try {
-    auto value = torch::pickle_load(std::vector<char>(data, data + size));
+    auto value = torch::pickle_load(bytes);
     for (const auto& entry : value.toGenericDict()) {
       result[entry.key().toStringRef()] = entry.value().toTensor();
     }
@@ -516,14 +516,34 @@ stage::tensor_map unpickle_tensors(const char* data, std::size_t size, const std
   return result;
 }
 
-void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
-  auto bytes = pickle_tensors(tensors);
+void write_bytes(const std::string& path, const char* data, std::size_t size) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.write(data, static_cast<std::streamsize>(size));
   out.flush();
   if (!out) {
     throw pipeline_error(detail::concat("cannot write '", path, "'"));
   }
+}
+
+void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
+  auto bytes = pickle_tensors(tensors);
+  write_bytes(path, bytes.data(), bytes.size());
+}
+
+std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
+                                  c10::Device device, const optimizer_factory& optimizer) {
+  stage_config config;
+  config.index = k;
+  config.count = cut.stages();
+  config.first_layer = cut.begin(k);
+  config.device = device;
+  layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
+                   layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
+  auto st = std::make_shared<stage>(config, std::move(slice));
+  if (optimizer) {
+    st->attach_optimizer(optimizer);
+  }
+  return st;
 }
 
 stage::tensor_map load_tensors(const std::string& path) {
@@ -532,7 +552,7 @@ stage::tensor_map load_tensors(const std::string& path) {
     throw pipeline_error(detail::concat("cannot read '", path, "'"));
   }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return unpickle_tensors(bytes.data(), bytes.size(), detail::concat("'", path, "'"));
+  return unpickle_tensors(std::move(bytes), detail::concat("'", path, "'"));
 }
 
 } // namespace actorpipe::stages
