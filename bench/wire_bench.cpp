@@ -1,13 +1,14 @@
 // Tensors between processes: how fast a 64 MB activation crosses loopback in actorpipe's frames
-// (comm::tensor_hub) against a plain TCP socket pair moving the same bytes, in the same run,
-// interleaved; the latency of a small frame; and what a micro-batch costs when its stages live on
-// nodes instead of in the process.
+// (comm::tensor_hub), plain and over TLS, against a plain TCP socket pair moving the same bytes,
+// in the same run, interleaved; the latency of a small frame; and what a micro-batch costs when its
+// stages live on nodes instead of in the process.
 //
 //   build/bench/actorpipe_wire_bench [--rounds 7] [--mb 64] [--json FILE]
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -28,6 +29,7 @@
 
 #include "bench/sweep.hpp"
 #include "comm/tensor_hub.hpp"
+#include "tests/support/certificates.hpp"
 #include <actorpipe/node.hpp>
 
 using namespace actorpipe;
@@ -210,15 +212,29 @@ int main(int argc, char** argv) {
   comm::tensor_hub to(comm::hub_options{}, arrived.sink());
   comm::tensor_hub from(comm::hub_options{}, [](comm::frame&&) {});
   hub_throughput(from, to, arrived, bytes, 1); // connect, warm up
-  std::vector<double> raw, hub;
+  // The same over TLS, with a throw-away CA.
+  auto pki_dir =
+    std::filesystem::temp_directory_path() / ("actorpipe-wire-bench-" + std::to_string(::getpid()));
+  actorpipe::testing::test_ca ca(pki_dir, "bench");
+  comm::hub_options tls_to_options, tls_from_options;
+  tls_to_options.tls = ca.issue("to");
+  tls_from_options.tls = ca.issue("from");
+  counter tls_arrived;
+  comm::tensor_hub tls_to(tls_to_options, tls_arrived.sink());
+  comm::tensor_hub tls_from(tls_from_options, [](comm::frame&&) {});
+  hub_throughput(tls_from, tls_to, tls_arrived, bytes, 1);
+  std::filesystem::remove_all(pki_dir);
+  std::vector<double> raw, hub, tls;
   for (int r = 0; r < rounds; ++r) {
     raw.push_back(raw_throughput(bytes, per_round));
     hub.push_back(hub_throughput(from, to, arrived, bytes, per_round));
+    tls.push_back(hub_throughput(tls_from, tls_to, tls_arrived, bytes, per_round));
     std::cerr << "round " << r + 1 << "/" << rounds << ": raw " << raw.back() << " GB/s, frames "
-              << hub.back() << " GB/s\n";
+              << hub.back() << " GB/s, TLS frames " << tls.back() << " GB/s\n";
   }
   auto raw_gbs = bench::median(raw);
   auto hub_gbs = bench::median(hub);
+  auto tls_gbs = bench::median(tls);
 
   std::vector<double> raw_lat, hub_lat;
   for (int r = 0; r < rounds; ++r) {
@@ -260,6 +276,8 @@ int main(int argc, char** argv) {
             << "  plain socket pair      " << raw_gbs << " GB/s\n"
             << "  actorpipe frames       " << hub_gbs << " GB/s  (" << std::setprecision(0)
             << 100 * hub_gbs / raw_gbs << "% of the plain socket)\n"
+            << "  actorpipe frames, TLS  " << std::setprecision(2) << tls_gbs << " GB/s  ("
+            << std::setprecision(0) << 100 * tls_gbs / raw_gbs << "% of the plain socket)\n"
             << std::setprecision(1) << "one-way latency of a small frame (ping-pong / 2):\n"
             << "  plain socket pair      " << bench::median(raw_lat) << " us\n"
             << "  actorpipe frames       " << bench::median(hub_lat) << " us\n"
@@ -274,6 +292,7 @@ int main(int argc, char** argv) {
                         {"rounds", rounds},
                         {"raw_gbs", raw},
                         {"frames_gbs", hub},
+                        {"tls_frames_gbs", tls},
                         {"raw_latency_us", raw_lat},
                         {"frames_latency_us", hub_lat},
                         {"local_step_ms", local_ms},
@@ -282,6 +301,7 @@ int main(int argc, char** argv) {
                          {{"raw_gbs", raw_gbs},
                           {"frames_gbs", hub_gbs},
                           {"ratio", hub_gbs / raw_gbs},
+                          {"tls_frames_gbs", tls_gbs},
                           {"raw_latency_us", bench::median(raw_lat)},
                           {"frames_latency_us", bench::median(hub_lat)},
                           {"per_microbatch_overhead_us", per_microbatch_us}}}};

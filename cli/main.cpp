@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every bad flag exits 2 (docs/troubleshooting.md).
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     if (app.count("--log-level") > 0 || std::getenv("ACTORPIPE_LOG_LEVEL") == nullptr) {

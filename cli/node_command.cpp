@@ -25,8 +25,27 @@ CLI::App* add_node_command(CLI::App& app, node_args& a) {
     ->capture_default_str();
   cmd->add_option("--secret-file", a.secret_file,
                   "File holding the shared secret schedulers must prove they know (mode 600); "
-                  "required to listen on a non-loopback address");
+                  "required to listen on a non-loopback address unless TLS is on");
+  add_tls_flags(cmd, a.tls);
   return cmd;
+}
+
+void add_tls_flags(CLI::App* cmd, tls_options& tls) {
+  auto* cert = cmd
+                 ->add_option("--tls-cert", tls.certificate,
+                              "TLS: this process's certificate chain (PEM); control and tensor "
+                              "frames then go over mutual TLS")
+                 ->check(CLI::ExistingFile);
+  auto* key =
+    cmd->add_option("--tls-key", tls.private_key, "TLS: the certificate's private key (PEM)")
+      ->check(CLI::ExistingFile);
+  auto* ca = cmd
+               ->add_option("--tls-ca", tls.ca_file,
+                            "TLS: CA certificate(s) that must have signed the peers' (PEM)")
+               ->check(CLI::ExistingFile);
+  cert->needs(key)->needs(ca);
+  key->needs(cert)->needs(ca);
+  ca->needs(cert)->needs(key);
 }
 
 int run_node(const node_args& a) {
@@ -40,6 +59,7 @@ int run_node(const node_args& a) {
   if (!a.secret_file.empty()) {
     options.secret = comm::read_secret_file(a.secret_file);
   }
+  options.tls = a.tls;
   // Block the signals first so that every thread the node starts inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
@@ -48,7 +68,8 @@ int run_node(const node_args& a) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   node n(options);
   std::cout << "actorpipe node: listening on " << n.address() << " (data port " << n.data_port()
-            << (options.secret.empty() ? ", no secret" : ", secret required") << ")" << std::endl;
+            << (options.secret.empty() ? ", no secret" : ", secret required")
+            << (options.tls.enabled() ? ", TLS" : "") << ")" << std::endl;
   int received = 0;
   sigwait(&signals, &received);
   std::cout << "actorpipe node: " << (received == SIGINT ? "SIGINT" : "SIGTERM") << ", stopping"

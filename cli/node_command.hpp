@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include <actorpipe/tls.hpp>
+
 namespace CLI {
 class App;
 }
@@ -15,9 +17,13 @@ struct node_args {
   std::string listen = "127.0.0.1:7000";
   int64_t data_port = 0;
   std::string secret_file;
+  tls_options tls;
 };
 
 CLI::App* add_node_command(CLI::App& app, node_args& args);
+
+/// --tls-cert, --tls-key, --tls-ca (all three or none), for `node` and `train --nodes`.
+void add_tls_flags(CLI::App* cmd, tls_options& tls);
 
 /// Listens until SIGINT or SIGTERM; returns the exit code.
 int run_node(const node_args& args);

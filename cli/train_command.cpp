@@ -1,7 +1,5 @@
 #include "cli/train_command.hpp"
 
-#include "comm/tensor_hub.hpp"
-
 #include <fstream>
 #include <future>
 #include <iomanip>
@@ -15,6 +13,7 @@
 #include <actorpipe/trace.hpp>
 #include <actorpipe/training.hpp>
 
+#include "cli/node_command.hpp"
 #include "comm/tensor_hub.hpp"
 
 namespace actorpipe::cli {
@@ -66,6 +65,7 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
                  "per stage); activations go node to node")
     ->delimiter(',');
   opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
+  add_tls_flags(cmd, a.tls);
   opt("--connect-timeout", a.connect_timeout_ms,
       "Milliseconds to reach each node and for each control request");
   opt("--dp-timeout", a.dp_timeout_ms,
@@ -150,6 +150,7 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
+  po.placement.tls = a.tls;
   ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
   po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
   return std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <actorpipe/tls.hpp>
+
 #include "cli/planning.hpp"
 
 namespace CLI {
@@ -49,6 +51,7 @@ struct train_args {
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
   std::vector<std::string> nodes;
   std::string secret_file;
+  tls_options tls;
   int64_t connect_timeout_ms = 10000;
 };
 

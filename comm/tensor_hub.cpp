@@ -28,6 +28,7 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "comm/tls.hpp"
 #include "logging/log.hpp"
 
 namespace actorpipe::comm {
@@ -107,6 +108,31 @@ void write_all(int fd, std::vector<iovec> parts, const std::string& peer) {
     }
   }
 }
+
+// One connection's byte stream, plain or TLS over the same blocking socket.
+struct channel {
+  int fd = -1;
+  std::string peer;
+  std::unique_ptr<tls_stream> tls;
+
+  // Runs the TLS handshake when the hub has a context.
+  void open(const tls_context* context, bool server) {
+    if (context != nullptr) {
+      tls = std::make_unique<tls_stream>(*context, fd, server, peer);
+    }
+  }
+  std::size_t read(void* out, std::size_t n) {
+    return tls ? tls->read(out, n) : read_some_exact(fd, out, n, peer);
+  }
+  void write(std::vector<iovec> parts) {
+    if (!tls) {
+      return write_all(fd, std::move(parts), peer);
+    }
+    for (const auto& part : parts) {
+      tls->write(part.iov_base, part.iov_len);
+    }
+  }
+};
 
 std::string random_bytes(std::size_t n) {
   std::string out(n, '\0');
@@ -225,6 +251,7 @@ struct tensor_hub::impl {
   std::atomic<uint64_t> received{0};
   std::atomic<uint64_t> rejected{0};
   std::shared_ptr<buffer_pool> pool;
+  std::unique_ptr<tls_context> tls;
 
   // Inbound connections: their sockets (to shut down) and reader threads.
   std::mutex readers_mutex;
@@ -236,6 +263,7 @@ struct tensor_hub::impl {
     std::mutex mutex;
     asio::io_context io;
     tcp::socket socket{io};
+    channel stream;
     std::string local_address;
   };
   std::mutex outbound_mutex;
@@ -268,14 +296,16 @@ struct tensor_hub::impl {
       ec ? std::string("unknown peer") : endpoint_name(remote.address().to_string(), remote.port());
     int fd = socket->native_handle();
     make_blocking(fd);
+    channel stream{fd, peer, nullptr};
     try {
       set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
       set_timeout(fd, SO_SNDTIMEO, options.io_timeout);
+      stream.open(tls.get(), true);
       auto challenge = random_bytes(challenge_bytes);
-      write_all(fd, {{challenge.data(), challenge.size()}}, peer);
+      stream.write({{challenge.data(), challenge.size()}});
       auto expected = handshake_answer(options.secret, challenge);
       std::string answer(expected.size(), '\0');
-      if (read_some_exact(fd, answer.data(), answer.size(), peer) < answer.size() ||
+      if (stream.read(answer.data(), answer.size()) < answer.size() ||
           CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
         ++rejected;
         log::get()->error("data listener {}: refused {}: wrong secret in the handshake",
@@ -283,7 +313,7 @@ struct tensor_hub::impl {
         return close(socket);
       }
       char ok = 1;
-      write_all(fd, {{&ok, 1}}, peer);
+      stream.write({{&ok, 1}});
     } catch (const std::exception& e) {
       if (!stopping) {
         ++rejected;
@@ -303,12 +333,12 @@ struct tensor_hub::impl {
         // Idle between frames for as long as the peer likes; once a frame starts, the rest of
         // it must arrive within the deadline.
         set_timeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(0));
-        auto got = read_some_exact(fd, out, n, peer);
+        auto got = stream.read(out, n);
         set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
         in_frame = true;
         return got;
       }
-      return read_some_exact(fd, out, n, peer);
+      return stream.read(out, n);
     };
     while (!stopping) {
       frame f;
@@ -375,14 +405,17 @@ struct tensor_hub::impl {
     make_blocking(fd);
     set_timeout(fd, SO_RCVTIMEO, options.io_timeout);
     set_timeout(fd, SO_SNDTIMEO, options.io_timeout);
+    c->stream.fd = fd;
+    c->stream.peer = name;
+    c->stream.open(tls.get(), false);
     std::string challenge(challenge_bytes, '\0');
-    if (read_some_exact(fd, challenge.data(), challenge.size(), name) < challenge.size()) {
+    if (c->stream.read(challenge.data(), challenge.size()) < challenge.size()) {
       throw comm_error(detail::concat(name, " closed the connection before its challenge"));
     }
     auto answer = handshake_answer(options.secret, challenge);
-    write_all(fd, {{answer.data(), answer.size()}}, name);
+    c->stream.write({{answer.data(), answer.size()}});
     char ok = 0;
-    if (read_some_exact(fd, &ok, 1, name) < 1 || ok != 1) {
+    if (c->stream.read(&ok, 1) < 1 || ok != 1) {
       throw comm_error(
         detail::concat(name, " refused the data connection: wrong secret (check --secret-file)"));
     }
@@ -406,6 +439,9 @@ tensor_hub::tensor_hub(hub_options options, sink on_frame) : impl_(std::make_uni
   self.on_frame = std::move(on_frame);
   if (self.options.pool_bytes > 0) {
     self.pool = std::make_shared<buffer_pool>(self.options.pool_bytes);
+  }
+  if (self.options.tls.enabled()) {
+    self.tls = std::make_unique<tls_context>(self.options.tls);
   }
   boost::system::error_code ec;
   auto address = asio::ip::make_address(self.options.host, ec);
@@ -482,10 +518,8 @@ void tensor_hub::send(const std::string& host, uint16_t port, const frame_header
   auto header = encode_header(h);
   std::lock_guard<std::mutex> lock(c->mutex);
   try {
-    write_all(
-      c->socket.native_handle(),
-      {{header.data(), header.size()}, {cpu.data_ptr(), static_cast<std::size_t>(h.payload_bytes)}},
-      name);
+    c->stream.write({{header.data(), header.size()},
+                     {cpu.data_ptr(), static_cast<std::size_t>(h.payload_bytes)}});
   } catch (const comm_error&) {
     // The stream may hold half a frame: never reuse it.
     ::shutdown(c->socket.native_handle(), SHUT_RDWR);

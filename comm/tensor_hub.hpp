@@ -1,13 +1,15 @@
 /// \file
-/// The payload transport between processes: tensors in comm/wire frames over plain TCP
-/// (Boost.Asio), while CAF carries the control messages.
+/// The payload transport between processes: tensors in comm/wire frames over TCP (Boost.Asio),
+/// plain or TLS, while CAF carries the control messages.
 ///
-/// A hub listens on one address; every process that moves tensors has one. A connection starts
-/// with a challenge: the listener sends 32 random bytes, the connecting side answers with
-/// HMAC-SHA256(secret, challenge), compared in constant time; a wrong answer closes the
-/// connection before any frame is read. Each accepted connection then has a reader thread that
-/// decodes frames (checked, see wire.hpp) straight into freshly allocated tensors and hands them
-/// to the sink. A malformed frame is logged with its peer and closes that connection only.
+/// A hub listens on one address; every process that moves tensors has one. With TLS options
+/// every connection first runs a mutual TLS handshake (comm/tls.hpp) and all bytes after it are
+/// encrypted. A connection then starts with a challenge: the listener sends 32 random bytes, the
+/// connecting side answers with HMAC-SHA256(secret, challenge), compared in constant time; a wrong
+/// answer closes the connection before any frame is read. Each accepted connection then has a
+/// reader thread that decodes frames (checked, see wire.hpp) straight into freshly allocated
+/// tensors and hands them to the sink. A malformed frame is logged with its peer and closes that
+/// connection only.
 ///
 /// send() writes header and tensor bytes with one gathered write (no copy of contiguous CPU
 /// tensors), on a connection opened on first use and kept; every connect and write has a
@@ -19,6 +21,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+
+#include <actorpipe/tls.hpp>
 
 #include "comm/wire.hpp"
 
@@ -36,6 +40,8 @@ struct hub_options {
   uint16_t port = 0;
   /// Shared secret of the handshake (may be empty on loopback).
   std::string secret;
+  /// Certificates for TLS on every connection, in and out (none: plain TCP).
+  tls_options tls;
   frame_limits limits;
   /// Deadline of each connect + handshake, and of each frame written.
   std::chrono::milliseconds io_timeout{30000};
@@ -50,7 +56,8 @@ public:
   /// Receives every decoded frame, on the connection's reader thread.
   using sink = std::function<void(frame&&)>;
 
-  /// Starts listening; throws comm_error when the address cannot be bound.
+  /// Starts listening; throws comm_error when the address cannot be bound and
+  /// invalid_argument when a TLS file cannot be loaded.
   tensor_hub(hub_options options, sink on_frame);
   /// Closes every connection and joins the threads.
   ~tensor_hub();

@@ -11,6 +11,7 @@
 
 #include <caf/all.hpp>
 #include <caf/io/middleman.hpp>
+#include <caf/openssl/manager.hpp>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -19,7 +20,9 @@
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tensor_hub.hpp"
+#include "comm/tls.hpp"
 #include "logging/log.hpp"
+#include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/stage.hpp"
@@ -69,15 +72,35 @@ struct engine::impl {
 
   static caf::actor_system_config& configure(caf::actor_system_config& cfg, std::size_t workers) {
     cfg.set("scheduler.max-threads", std::max<std::size_t>(1, workers));
-    // The middleman reaches stages on other processes (remote pipelines); idle otherwise.
+    // The middleman reaches stages on other processes (remote pipelines), over TLS through the
+    // OpenSSL module when their placement has certificates; both idle otherwise.
     cfg.load<caf::io::middleman>();
+    cfg.load<caf::openssl::manager>();
     cfg.set("logger.verbosity", caf::atom("quiet"));
     return cfg;
+  }
+
+  // TLS sessions read the identity from the config when they connect, so it is set once,
+  // before the first, and never changed.
+  void use_tls(const tls_options& tls) {
+    std::lock_guard<std::mutex> lock(tls_mutex);
+    if (tls_identity.enabled()) {
+      ACTORPIPE_CHECK(tls == tls_identity,
+                      "pipeline: this engine already uses the TLS "
+                      "certificate '",
+                      tls_identity.certificate, "'; one identity per engine");
+      return;
+    }
+    comm::tls_context check(tls);
+    nodes::set_tls_identity(config, tls);
+    tls_identity = tls;
   }
 
   // Declared first: the system keeps a reference to its config.
   caf::actor_system_config config;
   caf::actor_system system;
+  std::mutex tls_mutex;
+  tls_options tls_identity;
 };
 
 engine::engine(std::size_t worker_threads) : impl_(std::make_unique<impl>(worker_threads)) {}
@@ -376,6 +399,9 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   auto& self = *impl_;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
     self.stages.push_back(stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer));
+  }
+  if (options.placement.tls.enabled()) {
+    sys.internals().use_tls(options.placement.tls);
   }
   auto& actor_system = sys.internals().system;
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));

@@ -10,6 +10,8 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/openssl/manager.hpp>
+#include <caf/openssl/publish.hpp>
 #include <nlohmann/json.hpp>
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
@@ -531,16 +533,17 @@ struct node::impl {
 
 node::node(node_options options) : impl_(std::make_unique<impl>()) {
   auto& self = *impl_;
-  ACTORPIPE_CHECK(!options.secret.empty() || comm::is_loopback(options.host),
-                  "node: refusing to "
-                  "listen on ",
-                  options.host,
-                  " without a secret: give --secret-file (or listen "
-                  "on 127.0.0.1)");
+  ACTORPIPE_CHECK(!options.secret.empty() || options.tls.enabled() ||
+                    comm::is_loopback(options.host),
+                  "node: refusing to listen on ", options.host,
+                  " without a secret or TLS: give --secret-file or --tls-cert/--tls-key/--tls-ca "
+                  "(or listen on 127.0.0.1)");
   comm::hub_options hub_options;
   hub_options.host = options.host;
   hub_options.port = options.data_port;
   hub_options.secret = options.secret;
+  // Checks the TLS files (invalid_argument naming the one that fails) before CAF reads them.
+  hub_options.tls = options.tls;
   auto route = self.route;
   try {
     self.hub = std::make_shared<comm::tensor_hub>(hub_options, [route](comm::frame&& f) {
@@ -576,6 +579,10 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
     throw pipeline_error(e.what());
   }
   self.config.load<caf::io::middleman>();
+  if (options.tls.enabled()) {
+    self.config.load<caf::openssl::manager>();
+    nodes::set_tls_identity(self.config, options.tls);
+  }
   self.config.set("scheduler.max-threads", 2);
   self.config.set("logger.verbosity", caf::atom("quiet"));
   self.system = std::make_unique<caf::actor_system>(self.config);
@@ -590,7 +597,9 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
     route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);
   }
   auto published =
-    self.system->middleman().publish(self.host, options.port, options.host.c_str(), true);
+    options.tls.enabled()
+      ? caf::openssl::publish(self.host, options.port, options.host.c_str(), true)
+      : self.system->middleman().publish(self.host, options.port, options.host.c_str(), true);
   if (!published) {
     caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
     throw pipeline_error(detail::concat("node: cannot listen on ", options.host, ":", options.port,
@@ -599,7 +608,11 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   self.host_name = options.host;
   self.port = *published;
   caf::anon_send(self.host, nodes::label_atom::value, address());
-  log::get()->info("node {} listening (data {}:{})", address(), self.hub->host(), self.hub->port());
+  log::get()->info("node {} listening (data {}:{}, {})", address(), self.hub->host(),
+                   self.hub->port(),
+                   options.tls.enabled()    ? "TLS"
+                   : options.secret.empty() ? "loopback, no secret"
+                                            : "shared secret");
 }
 
 node::~node() {

@@ -1,5 +1,6 @@
 #include "nodes/protocol.hpp"
 
+#include <caf/actor_system_config.hpp>
 #include <nlohmann/json.hpp>
 
 namespace actorpipe::nodes {
@@ -225,6 +226,12 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
     s.actions.push_back(rec);
   }
   return r;
+}
+
+void set_tls_identity(caf::actor_system_config& cfg, const tls_options& tls) {
+  cfg.openssl_certificate = tls.certificate;
+  cfg.openssl_key = tls.private_key;
+  cfg.openssl_cafile = tls.ca_file;
 }
 
 } // namespace actorpipe::nodes

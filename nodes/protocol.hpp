@@ -27,9 +27,11 @@
 #include <string>
 
 #include <caf/atom.hpp>
+#include <caf/fwd.hpp>
 #include <nlohmann/json_fwd.hpp>
 
 #include <actorpipe/pipeline.hpp>
+#include <actorpipe/tls.hpp>
 
 #include "actors/messages.hpp"
 
@@ -93,5 +95,9 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what);
 
 std::string to_hex(const std::string& bytes);
+
+/// Control over TLS: the identity CAF's OpenSSL module presents and the CA it checks peers
+/// against. Set before the module makes its first connection (sessions read the config then).
+void set_tls_identity(caf::actor_system_config& cfg, const tls_options& tls);
 
 } // namespace actorpipe::nodes

@@ -10,6 +10,7 @@
 #include <boost/asio/ip/udp.hpp>
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/openssl/remote_actor.hpp>
 #include <nlohmann/json.hpp>
 
 #include "comm/tensor_hub.hpp"
@@ -277,24 +278,27 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
   };
 }
 
-// remote_actor blocks (a SYN to a silent host waits minutes): run it with a deadline.
-caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port,
+// remote_actor blocks (a SYN to a silent host waits minutes, a plain peer of a TLS node waits
+// for ever): run it with a deadline.
+caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port, bool tls,
                  std::chrono::milliseconds timeout) {
   auto result = std::make_shared<std::promise<caf::expected<caf::actor>>>();
   auto future = result->get_future();
-  std::thread([&sys, host, port, result] {
-    result->set_value(sys.middleman().remote_actor(host, port));
+  std::thread([&sys, host, port, tls, result] {
+    result->set_value(tls ? caf::openssl::remote_actor(sys, host, port)
+                          : sys.middleman().remote_actor(host, port));
   }).detach();
   if (future.wait_for(timeout) != std::future_status::ready) {
     throw pipeline_error(detail::concat("node ", host, ":", port, " did not answer within ",
                                         timeout.count(), " ms (is `actorpipe node --listen ", host,
-                                        ":", port, "` running?)"));
+                                        ":", port, "` running", tls ? " with TLS" : "", "?)"));
   }
   auto handle = future.get();
   if (!handle) {
-    throw pipeline_error(
-      detail::concat("cannot reach node ", host, ":", port, ": ", sys.render(handle.error()),
-                     " (is `actorpipe node --listen ", host, ":", port, "` running?)"));
+    throw pipeline_error(detail::concat(
+      "cannot reach node ", host, ":", port, ": ", sys.render(handle.error()),
+      tls ? " (is it running with TLS, and did our CA sign its certificate and its CA ours?)"
+          : detail::concat(" (is `actorpipe node --listen ", host, ":", port, "` running?)")));
   }
   return *handle;
 }
@@ -354,27 +358,12 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   // "node HOST:PORT" per stage, for messages.
   std::vector<std::string> names;
   remote_stages result;
-  for (const auto& address : placement.nodes) {
-    auto [host, port] = parse_host_port(address, "node");
-    auto label = detail::concat("node ", host, ":", port);
-    names.push_back(label);
-    auto it = handles.find(address);
-    if (it == handles.end()) {
-      auto handle = reach(sys, host, port, timeout);
-      auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
-      auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
-                       to_hex(comm::handshake_answer(placement.secret, challenge)));
-      if (!error.empty()) {
-        throw pipeline_error(error);
-      }
-      it = handles.emplace(address, handle).first;
-    }
-    nodes.push_back(it->second);
-  }
+  // The hub first: it checks the TLS files (invalid_argument naming the one that fails).
   auto [first_host, first_port] = parse_host_port(placement.nodes.front(), "node");
   comm::hub_options hub_options;
   hub_options.host = local_address_towards(first_host, first_port);
   hub_options.secret = placement.secret;
+  hub_options.tls = placement.tls;
   auto routes = std::make_shared<proxy_routes>();
   try {
     result.hub = std::make_shared<comm::tensor_hub>(hub_options, [routes](comm::frame&& f) {
@@ -392,6 +381,23 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     });
   } catch (const comm::comm_error& e) {
     throw pipeline_error(e.what());
+  }
+  for (const auto& address : placement.nodes) {
+    auto [host, port] = parse_host_port(address, "node");
+    auto label = detail::concat("node ", host, ":", port);
+    names.push_back(label);
+    auto it = handles.find(address);
+    if (it == handles.end()) {
+      auto handle = reach(sys, host, port, placement.tls.enabled(), timeout);
+      auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
+      auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
+                       to_hex(comm::handshake_answer(placement.secret, challenge)));
+      if (!error.empty()) {
+        throw pipeline_error(error);
+      }
+      it = handles.emplace(address, handle).first;
+    }
+    nodes.push_back(it->second);
   }
   std::size_t built = 0;
   auto release_all = [&] {

@@ -10,10 +10,12 @@
 #include <memory>
 #include <string>
 
+#include <actorpipe/tls.hpp>
+
 namespace actorpipe {
 
 struct node_options {
-  /// Address of both listeners; a non-loopback address needs a secret.
+  /// Address of both listeners; a non-loopback address needs a secret or TLS.
   std::string host = "127.0.0.1";
   /// Control port (CAF); 0 takes any free port.
   uint16_t port = 0;
@@ -21,12 +23,16 @@ struct node_options {
   uint16_t data_port = 0;
   /// Shared secret a scheduler must prove it knows (HMAC challenge on both listeners).
   std::string secret;
+  /// Certificates: both listeners then speak only TLS and accept only peers whose certificate
+  /// the CA signed (CAF's OpenSSL module for control, comm/tls for frames).
+  tls_options tls;
 };
 
 class node {
 public:
   /// Starts listening (its own actor system and threads). Throws invalid_argument for a
-  /// non-loopback address without a secret and pipeline_error when a port cannot be bound.
+  /// non-loopback address without a secret or TLS, or a TLS file that cannot be loaded, and
+  /// pipeline_error when a port cannot be bound.
   explicit node(node_options options);
   /// Drops every hosted stage and stops listening.
   ~node();

@@ -21,6 +21,7 @@
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/schedule.hpp>
+#include <actorpipe/tls.hpp>
 
 namespace actorpipe {
 
@@ -149,6 +150,9 @@ struct node_placement {
   std::vector<std::string> nodes;
   /// The nodes' shared secret (their --secret-file); may be empty for nodes on loopback.
   std::string secret;
+  /// This process's TLS identity, for nodes started with certificates: control and frames
+  /// then go over TLS. One identity per engine (its first remote pipeline's).
+  tls_options tls;
   /// Deadline for reaching a node and for each control request that is not a step.
   std::chrono::milliseconds connect_timeout{10000};
 };

@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include "tests/cli/helpers.hpp"
+#include "tests/support/certificates.hpp"
 
 using namespace actorpipe::test;
 using namespace std::chrono_literals;
@@ -115,4 +116,46 @@ TEST_CASE("nodes refuse a wrong secret, and open addresses without one") {
   CHECK(count.output.find("--nodes lists 1 nodes for 2 stages") != std::string::npos);
   std::filesystem::remove(right);
   std::filesystem::remove(wrong);
+}
+
+TEST_CASE("nodes and a scheduler with certificates of one CA train over TLS") {
+  auto dir = temp_file("pki");
+  actorpipe::testing::test_ca ca(dir, "cluster");
+  auto flags = [&](const std::string& name) {
+    auto tls = ca.issue(name);
+    return " --tls-cert " + tls.certificate + " --tls-key " + tls.private_key + " --tls-ca " +
+           tls.ca_file;
+  };
+  node_process a(flags("a"), "tls-a");
+  node_process b(flags("b"), "tls-b");
+  CHECK(a.process->output().find("TLS") != std::string::npos);
+  auto remote_json = temp_file("tls-remote.json");
+  auto local_json = temp_file("tls-local.json");
+  auto remote = run("train" + synthetic_mlp + " --steps 3 --nodes " + a.address() + "," +
+                    b.address() + flags("scheduler") + " --json " + remote_json.string());
+  auto local = run("train" + synthetic_mlp + " --steps 3 --json " + local_json.string());
+  CAPTURE(remote.output);
+  REQUIRE(remote.exit_code == 0);
+  REQUIRE(local.exit_code == 0);
+  auto lr = losses(remote_json);
+  auto ll = losses(local_json);
+  REQUIRE(lr.size() == 3);
+  REQUIRE(ll.size() == 3);
+  for (std::size_t i = 0; i < lr.size(); ++i) {
+    CHECK(lr[i] == doctest::Approx(ll[i]).epsilon(1e-6));
+  }
+  // A scheduler without TLS is turned away, naming the node.
+  auto plain = run("train" + synthetic_mlp + " --steps 1 --connect-timeout 3000 --nodes " +
+                   a.address() + "," + b.address());
+  CHECK(plain.exit_code == 1);
+  CHECK(plain.output.find("node " + a.address()) != std::string::npos);
+  // The three files go together.
+  auto tls = ca.issue("half");
+  auto half = run("node --listen 127.0.0.1:" + std::to_string(free_port()) + " --tls-cert " +
+                  tls.certificate);
+  CHECK(half.exit_code == 2);
+  CHECK(half.output.find("--tls-cert requires --tls-key") != std::string::npos);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(remote_json);
+  std::filesystem::remove(local_json);
 }

@@ -1,7 +1,9 @@
-// The tensor transport: frames between hubs, the secret handshake, malformed peers, deadlines.
+// The tensor transport: frames between hubs, the secret handshake, TLS, malformed peers,
+// deadlines.
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
@@ -14,7 +16,10 @@
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
+#include <actorpipe/errors.hpp>
+
 #include "comm/tensor_hub.hpp"
+#include "tests/support/certificates.hpp"
 
 using namespace actorpipe::comm;
 using namespace std::chrono_literals;
@@ -212,4 +217,115 @@ TEST_CASE("secrets come from private files only") {
   CHECK(is_loopback("::1"));
   CHECK_FALSE(is_loopback("10.0.0.1"));
   CHECK_FALSE(is_loopback("0.0.0.0"));
+}
+
+namespace {
+
+// One CA for "our" processes and a stranger CA, in a folder of this test process.
+struct tls_fixture {
+  std::filesystem::path dir =
+    std::filesystem::temp_directory_path() / ("actorpipe-tls-test-" + std::to_string(::getpid()));
+  actorpipe::testing::test_ca ca{dir, "cluster"};
+  actorpipe::testing::test_ca stranger{dir, "stranger"};
+  ~tls_fixture() { std::filesystem::remove_all(dir); }
+
+  hub_options with(const actorpipe::tls_options& tls, const std::string& secret = "") const {
+    auto o = options(secret);
+    o.tls = tls;
+    return o;
+  }
+};
+
+} // namespace
+
+TEST_CASE("TLS: frames cross between hubs whose certificates one CA signed") {
+  tls_fixture pki;
+  inbox received;
+  tensor_hub b(pki.with(pki.ca.issue("b")), received.sink());
+  tensor_hub a(pki.with(pki.ca.issue("a")), [](frame&&) {});
+  std::vector<torch::Tensor> sent = {torch::randn({4, 8}), torch::randn({1 << 22}),
+                                     torch::arange(10, torch::kInt64)};
+  for (std::size_t i = 0; i < sent.size(); ++i) {
+    a.send(b.host(), b.port(), describe(frame_kind::gradient, 2, 5, i, 0, sent[i]), sent[i]);
+  }
+  auto frames = received.wait_for(sent.size());
+  REQUIRE(frames.size() == sent.size());
+  for (std::size_t i = 0; i < sent.size(); ++i) {
+    CHECK(frames[i].header.microbatch == i);
+    CHECK(frames[i].tensor.equal(sent[i]));
+  }
+  CHECK(b.frames_rejected() == 0);
+}
+
+// The listener logs and counts a refusal; nothing gets through.
+static void check_refused(const tensor_hub& listener, inbox& received) {
+  for (int i = 0; i < 100 && listener.frames_rejected() == 0; ++i) {
+    std::this_thread::sleep_for(20ms);
+  }
+  CHECK(listener.frames_rejected() >= 1);
+  CHECK(received.wait_for(1, 100ms).empty());
+}
+
+TEST_CASE("TLS: a peer without a certificate of our CA, or without TLS, is refused") {
+  tls_fixture pki;
+  inbox received;
+  tensor_hub b(pki.with(pki.ca.issue("b")), received.sink());
+  auto t = torch::ones({3});
+  auto h = describe(frame_kind::activation, 0, 1, 0, 0, t);
+  SUBCASE("another CA's certificate") {
+    tensor_hub intruder(pki.with(pki.stranger.issue("intruder")), [](frame&&) {});
+    CHECK_THROWS_WITH_AS(intruder.send(b.host(), b.port(), h, t),
+                         doctest::Contains("TLS handshake with 127.0.0.1:"), comm_error);
+    check_refused(b, received);
+  }
+  SUBCASE("plain TCP that knows the secret protocol: both sides give up at the deadline") {
+    tensor_hub plain(options(""), [](frame&&) {});
+    auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(plain.send(b.host(), b.port(), h, t), comm_error);
+    CHECK(std::chrono::steady_clock::now() - start < 8s);
+    check_refused(b, received);
+  }
+}
+
+TEST_CASE("TLS: a hub with certificates does not talk to a plain listener") {
+  tls_fixture pki;
+  tensor_hub plain(options(""), [](frame&&) {});
+  tensor_hub a(pki.with(pki.ca.issue("a")), [](frame&&) {});
+  auto t = torch::ones({3});
+  CHECK_THROWS_WITH_AS(
+    a.send(plain.host(), plain.port(), describe(frame_kind::activation, 0, 1, 0, 0, t), t),
+    doctest::Contains("TLS handshake"), comm_error);
+}
+
+TEST_CASE("TLS: the bytes on the wire are not the plain protocol") {
+  tls_fixture pki;
+  inbox received;
+  tensor_hub b(pki.with(pki.ca.issue("b")), received.sink());
+  // A plain client sees no 32-byte challenge: a TLS server speaks only after a ClientHello.
+  int fd = raw_connect(b.port());
+  timeval tv{0, 300000};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buffer[32];
+  CHECK(::recv(fd, buffer, sizeof buffer, 0) < 0);
+  ::close(fd);
+}
+
+TEST_CASE("TLS: files that are missing, unreadable or do not belong together are named") {
+  tls_fixture pki;
+  auto good = pki.ca.issue("good");
+  auto other = pki.ca.issue("other");
+  auto only_cert = good;
+  only_cert.private_key.clear();
+  CHECK_THROWS_WITH_AS(tensor_hub(pki.with(only_cert), [](frame&&) {}),
+                       doctest::Contains("private key is missing"), actorpipe::invalid_argument);
+  auto mismatched = good;
+  mismatched.private_key = other.private_key;
+  CHECK_THROWS_WITH_AS(tensor_hub(pki.with(mismatched), [](frame&&) {}),
+                       doctest::Contains("does not belong to the certificate"),
+                       actorpipe::invalid_argument);
+  auto absent = good;
+  absent.ca_file = (pki.dir / "absent.pem").string();
+  CHECK_THROWS_WITH_AS(tensor_hub(pki.with(absent), [](frame&&) {}),
+                       doctest::Contains("absent.pem' cannot be loaded"),
+                       actorpipe::invalid_argument);
 }

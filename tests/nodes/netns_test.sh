@@ -43,7 +43,7 @@ chmod 600 "$work/secret"
 start_node() { # namespace address log
   ip netns exec "$1" "$cli" node --listen "$2:7000" --secret-file "$work/secret" > "$3" 2>&1 &
   pids+=($!)
-  for _ in $(seq 100); do grep -q "listening on" "$3" && return 0; sleep 0.1; done
+  for _ in $(seq 300); do grep -q "listening on" "$3" && return 0; sleep 0.1; done
   echo "FAIL: node $2 did not start"; cat "$3"; exit 1
 }
 start_node "$a" "$net.2" "$work/a.log"

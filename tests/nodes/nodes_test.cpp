@@ -9,6 +9,7 @@
 
 #include "nodes/protocol.hpp"
 #include "tests/engine/oracle.hpp"
+#include "tests/support/certificates.hpp"
 #include <actorpipe/node.hpp>
 
 using namespace actorpipe;
@@ -237,4 +238,87 @@ TEST_CASE("a node that goes away fails the next step, naming it, within the dead
   CHECK_THROWS_WITH_AS(remote.train_step(x, y), doctest::Contains(("node " + address).c_str()),
                        pipeline_error);
   CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+namespace {
+
+// A CA for the cluster and one for strangers, in a folder of this test process.
+struct cluster_pki {
+  std::filesystem::path dir = temp_dir("pki");
+  actorpipe::testing::test_ca ca{dir, "cluster"};
+  actorpipe::testing::test_ca stranger{dir, "stranger"};
+  ~cluster_pki() { std::filesystem::remove_all(dir); }
+
+  actorpipe::node_options node(const std::string& name) const {
+    actorpipe::node_options o;
+    o.tls = ca.issue(name);
+    return o;
+  }
+};
+
+} // namespace
+
+TEST_CASE("over TLS, stages on two nodes train like the in-process pipeline") {
+  cluster_pki pki;
+  node n1(pki.node("node1")), n2(pki.node("node2"));
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  auto o = remote_options({n1.address(), n2.address()});
+  o.placement.tls = pki.ca.issue("scheduler");
+  pipeline remote(sys, tiny_remote(), cut, o);
+  pipeline local(sys, tiny_mlp(1), cut, local_options());
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(step);
+    CAPTURE(step);
+    CHECK(remote.train_step(x, y).loss ==
+          doctest::Approx(local.train_step(x, y).loss).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+  auto [x, y] = batch(9);
+  CHECK(torch::allclose(remote.forward(x), local.forward(x), 1e-5, 1e-7));
+  // With certificates a node may listen beyond loopback without a shared secret.
+  auto open = pki.node("open");
+  open.host = "0.0.0.0";
+  CHECK_NOTHROW(node{open});
+}
+
+TEST_CASE("a TLS node refuses plain schedulers and other CAs' certificates, and keeps serving") {
+  cluster_pki pki;
+  node n1(pki.node("node1")), n2(pki.node("node2"));
+  auto cut = partition_uniform(6, 2);
+  auto o = remote_options({n1.address(), n2.address()});
+  o.placement.connect_timeout = 2000ms;
+  {
+    // No TLS: the node's TLS layer drops the plain handshake.
+    engine plain;
+    auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(pipeline(plain, tiny_remote(), cut, o),
+                         doctest::Contains(("node " + n1.address()).c_str()), pipeline_error);
+    CHECK(std::chrono::steady_clock::now() - start < 5s);
+  }
+  {
+    engine stranger;
+    auto s = o;
+    s.placement.tls = pki.stranger.issue("intruder");
+    CHECK_THROWS_WITH_AS(pipeline(stranger, tiny_remote(), cut, s),
+                         doctest::Contains(("cannot reach node " + n1.address()).c_str()),
+                         pipeline_error);
+  }
+  CHECK(n1.stages() == 0);
+  engine sys;
+  auto good = o;
+  good.placement.tls = pki.ca.issue("scheduler");
+  pipeline remote(sys, tiny_remote(), cut, good);
+  auto [x, y] = batch(0);
+  CHECK(std::isfinite(remote.train_step(x, y).loss));
+  // An engine keeps the identity its first TLS pipeline gave it.
+  auto other = good;
+  other.placement.tls = pki.ca.issue("scheduler2");
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), cut, other),
+                       doctest::Contains("one identity per engine"), invalid_argument);
+  auto broken = good;
+  broken.placement.tls.private_key = pki.ca.issue("x").private_key;
+  engine fresh;
+  CHECK_THROWS_WITH_AS(pipeline(fresh, tiny_remote(), cut, broken),
+                       doctest::Contains("does not belong to the certificate"), invalid_argument);
 }
