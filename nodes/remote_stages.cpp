@@ -13,6 +13,7 @@
 #include <caf/openssl/remote_actor.hpp>
 #include <nlohmann/json.hpp>
 
+#include "actors/request_error.hpp"
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
@@ -150,8 +151,9 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
   });
   auto forward_error = [=](const char* action) {
     return [=](caf::error& e) {
-      return detail::concat("stage ", self->state.index, " on ", self->state.label, " did not ",
-                            action, ": ", self->system().render(e));
+      return detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ",
+                            action, ", ",
+                            actors::request_error(self->system(), e, self->state.timeout));
     };
   };
   return {

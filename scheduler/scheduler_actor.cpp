@@ -8,6 +8,7 @@
 #include <caf/all.hpp>
 
 #include "actors/messages.hpp"
+#include "actors/request_error.hpp"
 #include "logging/log.hpp"
 
 namespace actorpipe::scheduler {
@@ -86,8 +87,9 @@ void fail(scheduler_actor_type* self, const std::string& message) {
     self->request(s.stages[i], s.options.abort_timeout, abort_atom::value, step)
       .then([=](bool) { confirmed({}); },
             [=](const caf::error& err) {
-              confirmed(detail::concat("stage ", i,
-                                       " did not confirm the abort: ", self->system().render(err)));
+              confirmed(detail::concat(
+                "stage ", i, ", asked to abort, ",
+                request_error(self->system(), err, self->state.options.abort_timeout)));
             });
   }
 }
@@ -134,7 +136,8 @@ void run_state_request(scheduler_actor_type* self) {
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     auto on_error = [=](const caf::error& err) {
-      one_done(detail::concat("stage ", i, " did not answer: ", self->system().render(err)));
+      one_done(detail::concat(
+        "stage ", i, " ", request_error(self->system(), err, self->state.options.step_timeout)));
     };
     if (request->kind == request_kind::save) {
       auto path = detail::concat(request->path, "/stage-", i, ".pt");
@@ -260,8 +263,8 @@ void on_all_reported(scheduler_actor_type* self) {
           auto& st = self->state;
           if (st.current && st.step == step) {
             fail(self,
-                 detail::concat("stage ", i, ", step ", step,
-                                ": optimizer step did not answer: ", self->system().render(err)));
+                 detail::concat("stage ", i, ", step ", step, ", asked to step its optimizer, ",
+                                request_error(self->system(), err, st.options.step_timeout)));
           }
         });
   }

@@ -1,0 +1,26 @@
+/// \file
+/// Words for a failed request between actors: a timeout says how long was waited, anything else
+/// is CAF's rendering of the error.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include <caf/actor_system.hpp>
+#include <caf/error.hpp>
+#include <caf/sec.hpp>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe::actors {
+
+/// "did not answer within 5000 ms" for a request that timed out, else "failed: <CAF's error>".
+inline std::string request_error(caf::actor_system& sys, const caf::error& err,
+                                 std::chrono::milliseconds timeout) {
+  if (err == caf::sec::request_timeout) {
+    return detail::concat("did not answer within ", timeout.count(), " ms");
+  }
+  return "failed: " + sys.render(err);
+}
+
+} // namespace actorpipe::actors
