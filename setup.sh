@@ -40,7 +40,7 @@ build() {
 
 # Unit tests under sanitizers: a build of the library and the test binaries that need no
 # external process (the CLI tests run the program, the install test a whole install).
-sanitized_tests="models_test stages_test scheduler_test pipeline_test replicas_test training_test comm_test nodes_test"
+sanitized_tests="models_test stages_test scheduler_test pipeline_test replicas_test training_test comm_test nodes_test memory_test"
 sanitize() {
   local kind=$1 dir=$2 tests=$3
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DACTORPIPE_SANITIZE="$kind" \

@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #include <ATen/Parallel.h>
+#include <actorpipe/memory.hpp>
 #include <caf/all.hpp>
 
 #include "actors/messages.hpp"
@@ -305,6 +306,9 @@ void set_threads(stage_state& s) {
   if (!s.threads_set) {
     // With OpenMP this sets the calling (stage) thread's team size.
     at::set_num_threads(static_cast<int>(s.options.threads));
+    if (s.options.warm_memory) {
+      memory::use_warm_memory_on_this_thread();
+    }
     s.threads_set = true;
   }
 }

@@ -57,6 +57,8 @@ struct stage_actor_options {
   std::chrono::milliseconds wait_timeout{60000};
   /// Intra-op threads for this stage's thread.
   std::size_t threads = 1;
+  /// The stage thread allocates through the warm-memory cache (<actorpipe/memory.hpp>).
+  bool warm_memory = true;
   /// Used by the last virtual stage in training.
   loss_function loss;
   loss_reduction reduction = loss_reduction::mean;

@@ -50,12 +50,7 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
       plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
       auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
       auto choice = cli::choose_plan(setup.layers, local, plan_args);
-      pipeline_options po;
-      po.microbatches = choice.microbatches;
-      po.schedule = choice.kind;
-      po.chunks = choice.chunks;
-      po.custom_schedule = choice.custom;
-      po.threads_per_stage = plan_args.threads;
+      auto po = cli::pipeline_options_for(choice, plan_args);
       po.loss = [](const torch::Tensor& y, const torch::Tensor& t) {
         return torch::mse_loss(y, t);
       };

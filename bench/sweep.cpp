@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -13,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <actorpipe/actorpipe.hpp>
+#include <actorpipe/memory.hpp>
 #include <actorpipe/trace.hpp>
 
 #include "training/progress.hpp"
@@ -55,6 +57,7 @@ struct contender {
   void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
     if (pipe) {
       auto r = pipe->train_step(x, y);
+      row.losses.push_back(r.loss);
       if (!record) {
         return;
       }
@@ -85,6 +88,7 @@ struct contender {
       loss.backward();
       optimizer->step();
       auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+      row.losses.push_back(loss.item<double>());
       at::set_num_threads(previous);
       if (record) {
         times.push_back(ms);
@@ -262,27 +266,30 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       contenders.push_back(std::move(c));
     }
   }
+  auto memory_modes = o.memory;
+  if (memory_modes.empty()) {
+    memory_modes.push_back(o.plan.cold_memory ? "cold" : "warm");
+  }
   for (const auto& spec : partitions) {
     for (auto m : o.splits) {
-      auto plan_args = o.plan;
-      plan_args.partition = spec;
-      plan_args.microbatches = m;
-      auto choice = cli::choose_plan(setup.layers, setup.sample(), plan_args);
-      pipeline_options po;
-      po.microbatches = choice.microbatches;
-      po.schedule = choice.kind;
-      po.chunks = choice.chunks;
-      po.custom_schedule = choice.custom;
-      po.threads_per_stage = plan_args.threads;
-      po.loss = mse;
-      po.optimizer = sgd(o.lr);
-      contender c;
-      c.row.name = detail::concat(choice.schedule_name, " ", spec, " ", choice.cut.stages(), "p");
-      c.row.partition = spec;
-      c.row.splits = choice.microbatches;
-      c.pipe = std::make_unique<pipeline>(sys, fresh_layers(), choice.cut, po);
-      c.plan = c.pipe->training_schedule();
-      contenders.push_back(std::move(c));
+      for (const auto& memory_mode : memory_modes) {
+        auto plan_args = o.plan;
+        plan_args.partition = spec;
+        plan_args.microbatches = m;
+        plan_args.cold_memory = memory_mode == "cold";
+        auto choice = cli::choose_plan(setup.layers, setup.sample(), plan_args);
+        auto po = cli::pipeline_options_for(choice, plan_args);
+        po.loss = mse;
+        po.optimizer = sgd(o.lr);
+        contender c;
+        c.row.name = detail::concat(choice.schedule_name, " ", spec, " ", choice.cut.stages(), "p",
+                                    memory_modes.size() > 1 ? " " + memory_mode : "");
+        c.row.partition = spec;
+        c.row.splits = choice.microbatches;
+        c.pipe = std::make_unique<pipeline>(sys, fresh_layers(), choice.cut, po);
+        c.plan = c.pipe->training_schedule();
+        contenders.push_back(std::move(c));
+      }
     }
   }
 
@@ -331,9 +338,16 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     }
     rows.push_back(r);
   }
+  double loss_difference = 0;
   for (auto& r : rows) {
     r.speedup_1t = plain_1 > 0 ? plain_1 / r.median_ms : 0;
     r.speedup_all = plain_all > 0 ? plain_all / r.median_ms : 0;
+    const auto& reference = rows.front().losses;
+    for (std::size_t i = 0; i < r.losses.size() && i < reference.size(); ++i) {
+      r.loss_difference = std::max(r.loss_difference, std::abs(r.losses[i] - reference[i]) /
+                                                        std::max(1e-12, std::abs(reference[i])));
+    }
+    loss_difference = std::max(loss_difference, r.loss_difference);
   }
 
   std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %7s %6s %8s %7s\n", "config",
@@ -347,6 +361,18 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   std::printf("ideal: lower bound max(sum/p, slowest stage) of the stages' own measured compute "
               "plus the optimizer step; eff = ideal / median; predict: the simulator with the "
               "step's mean action costs\n");
+  std::ostringstream reference_losses;
+  for (std::size_t i = 0; i < rows.front().losses.size(); ++i) {
+    reference_losses << (i > 0 ? ", " : "") << std::setprecision(9) << rows.front().losses[i];
+  }
+  std::printf("losses: every configuration's loss at every step within %.1e (relative) of %s's "
+              "(%s)\n",
+              loss_difference, rows.front().name.c_str(), reference_losses.str().c_str());
+  auto warm = memory::stats();
+  std::printf("warm memory of the stage threads: %zu buffers reused, %zu from the system, %.2f GB "
+              "cached at the end%s\n",
+              warm.hits, warm.misses, static_cast<double>(warm.cached_bytes) / 1e9,
+              memory_modes.size() == 1 && memory_modes[0] == "cold" ? " (cold: off)" : "");
 
   if (!o.json.empty() || !o.csv.empty()) {
     nlohmann::json j = nlohmann::json::array();
@@ -373,7 +399,9 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
                    {"gflops", r.gflops},
                    {"peak_share", r.peak_share},
                    {"compute_ms_per_sample", r.compute_ms_per_sample},
-                   {"rss_mb", r.rss_mb}});
+                   {"rss_mb", r.rss_mb},
+                   {"losses", r.losses},
+                   {"loss_difference", r.loss_difference}});
       if (csv.is_open()) {
         csv << r.name << ',' << r.partition << ',' << r.splits << ',' << r.median_ms << ','
             << r.min_ms << ',' << r.max_ms << ',' << r.lower_bound_ms << ',' << r.fill_drain_ms

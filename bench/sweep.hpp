@@ -21,6 +21,8 @@ struct sweep_options {
   std::vector<std::size_t> splits{1, 2, 4, 8};
   /// Partitions to measure (each with every split); empty: plan.partition only.
   std::vector<std::string> partitions;
+  /// Stage threads' memory per configuration: "warm", "cold" (empty: as plan.cold_memory says).
+  std::vector<std::string> memory;
   std::size_t steps = 3;
   double lr = 0.05;
   bool baselines = true;
@@ -85,6 +87,10 @@ struct sweep_row {
   double speedup_1t = 0;
   double speedup_all = 0;
   int64_t rss_mb = 0;
+  /// The loss of every step (warm-up first), and the largest relative difference from the
+  /// first configuration's (plain libtorch 1 thread when baselines run): same math, same data.
+  std::vector<double> losses;
+  double loss_difference = 0;
 };
 
 /// The bench's batches: `count` random image batches shaped like `setup`'s with one-hot

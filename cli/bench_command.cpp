@@ -21,6 +21,12 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
                  "Partitions to measure side by side, e.g. uniform,params,time (default: "
                  "--partition)")
     ->delimiter(',');
+  cmd
+    ->add_option("--memory", o.memory,
+                 "Stage threads' memory, side by side: warm (the cache), cold (libtorch's "
+                 "allocator), or warm,cold; --cold-memory means cold")
+    ->delimiter(',')
+    ->check(CLI::IsMember({"warm", "cold"}));
   cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
     ->capture_default_str();
   cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();

@@ -82,6 +82,9 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
     ->add_option("--threads", a.threads,
                  "Intra-op threads per stage (0: cores divided among the stages)")
     ->capture_default_str();
+  cmd->add_flag("--cold-memory", a.cold_memory,
+                "Stage threads give freed tensor buffers back to the system (libtorch's "
+                "allocator) instead of keeping them warm for the next micro-batch");
 }
 
 model_setup build_model(const model_args& m) {
@@ -198,6 +201,17 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
               choice.cut.to_string().c_str());
   std::fflush(stdout);
   return choice;
+}
+
+pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args) {
+  pipeline_options po;
+  po.microbatches = choice.microbatches;
+  po.schedule = choice.kind;
+  po.chunks = choice.chunks;
+  po.custom_schedule = choice.custom;
+  po.threads_per_stage = args.threads;
+  po.warm_memory = !args.cold_memory;
+  return po;
 }
 
 } // namespace actorpipe::cli

@@ -12,6 +12,7 @@
 #include <actorpipe/layers.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
+#include <actorpipe/pipeline.hpp>
 #include <actorpipe/profile.hpp>
 #include <actorpipe/schedule.hpp>
 
@@ -59,6 +60,8 @@ struct planning_args {
   double max_stash = 0;
   /// Intra-op threads per stage (0: cores / stages).
   std::size_t threads = 0;
+  /// Stage threads use libtorch's allocator instead of the warm-memory cache.
+  bool cold_memory = false;
 };
 
 void add_model_flags(CLI::App* cmd, model_args& args);
@@ -84,6 +87,10 @@ struct plan_choice {
 /// --partition time or --schedule auto needs it, and prints what --schedule auto compared.
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& args, bool always_profile = false);
+
+/// Pipeline options carrying the choice (micro-batches, schedule, chunks) and the flags' threads
+/// per stage and memory; loss, optimizer and timeouts are the caller's.
+pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args);
 
 /// The threads each stage gets for `stages` stage actors and the --threads flag.
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag);

@@ -310,12 +310,7 @@ int run_train(const train_args& a) {
   ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
-  pipeline_options po;
-  po.microbatches = choice.microbatches;
-  po.schedule = choice.kind;
-  po.chunks = choice.chunks;
-  po.custom_schedule = choice.custom;
-  po.threads_per_stage = a.plan.threads;
+  auto po = pipeline_options_for(choice, a.plan);
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
   po.max_grad_norm = a.max_grad_norm;

@@ -340,6 +340,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.count = stage_count;
     actor_options.wait_timeout = options.wait_timeout;
     actor_options.threads = threads;
+    actor_options.warm_memory = options.warm_memory;
     actor_options.loss = options.loss;
     actor_options.reduction = options.reduction;
     actor_options.report_gradient_norm = options.max_grad_norm > 0;

@@ -12,6 +12,8 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "models/pointwise_conv.hpp"
+
 namespace actorpipe {
 namespace {
 
@@ -21,8 +23,9 @@ nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride) {
   return nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
 }
 
-nn::Conv2d conv1x1(int64_t in, int64_t out, int64_t stride) {
-  return nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false));
+// Kernel 1, no bias: libtorch's Conv2d, kept on oneDNN for small one-thread micro-batches.
+models::PointwiseConv2d conv1x1(int64_t in, int64_t out, int64_t stride) {
+  return models::PointwiseConv2d(in, out, stride);
 }
 
 // torchvision.models.resnet.BasicBlock (expansion 1).
@@ -79,11 +82,11 @@ struct BottleneckImpl : nn::Module {
     return out.relu_();
   }
 
-  nn::Conv2d conv1;
+  models::PointwiseConv2d conv1;
   DeferredBatchNorm2d bn1;
   nn::Conv2d conv2;
   DeferredBatchNorm2d bn2;
-  nn::Conv2d conv3;
+  models::PointwiseConv2d conv3;
   DeferredBatchNorm2d bn3;
   nn::Sequential downsample{nullptr};
 };

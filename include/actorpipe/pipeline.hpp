@@ -179,6 +179,9 @@ struct pipeline_options {
   /// Intra-op threads of each stage; 0 means the cores divided evenly among the stages
   /// (at least 1), so stages never oversubscribe the machine.
   std::size_t threads_per_stage = 0;
+  /// Stage threads keep freed tensor buffers for their next micro-batches and steps instead of
+  /// giving them back to the system (<actorpipe/memory.hpp>); false: libtorch's allocator.
+  bool warm_memory = true;
   /// How long a stage waits for an activation or gradient before it fails the step with a
   /// message naming what it waited for. Must exceed the slowest action upstream.
   std::chrono::milliseconds wait_timeout{60000};

@@ -36,36 +36,43 @@ const std::string synthetic_mlp =
   " --data synthetic --model mlp --batch 16 --microbatches 4 --stages 2 --threads 1 --lr 0.1 "
   "--seed 3";
 
+// Trains `steps` steps on nodes a and b (scheduler flags `flags`) and in process: the losses of
+// every step agree.
+void check_remote_equals_local(const node_process& a, const node_process& b,
+                               const std::string& flags, int steps, const std::string& tag) {
+  auto remote_json = temp_file(tag + "-remote.json");
+  auto local_json = temp_file(tag + "-local.json");
+  auto n = " --steps " + std::to_string(steps);
+  auto remote = run("train" + synthetic_mlp + n + " --nodes " + a.address() + "," + b.address() +
+                    flags + " --json " + remote_json.string());
+  auto local = run("train" + synthetic_mlp + n + " --json " + local_json.string());
+  CAPTURE(remote.output);
+  REQUIRE(remote.exit_code == 0);
+  REQUIRE(local.exit_code == 0);
+  auto lr = losses(remote_json);
+  auto ll = losses(local_json);
+  REQUIRE(lr.size() == static_cast<std::size_t>(steps));
+  REQUIRE(ll.size() == static_cast<std::size_t>(steps));
+  for (std::size_t i = 0; i < lr.size(); ++i) {
+    CHECK(lr[i] == doctest::Approx(ll[i]).epsilon(1e-6));
+  }
+  std::filesystem::remove(remote_json);
+  std::filesystem::remove(local_json);
+}
+
 } // namespace
 
 TEST_CASE("a scheduler and two node processes train with the in-process losses") {
   auto secret = secret_file("secret", "correct horse");
   node_process a("--secret-file " + secret.string(), "a");
   node_process b("--secret-file " + secret.string(), "b");
-  auto remote_json = temp_file("remote.json");
-  auto local_json = temp_file("local.json");
-  auto remote =
-    run("train" + synthetic_mlp + " --steps 4 --nodes " + a.address() + "," + b.address() +
-        " --secret-file " + secret.string() + " --json " + remote_json.string());
-  auto local = run("train" + synthetic_mlp + " --steps 4 --json " + local_json.string());
-  CAPTURE(remote.output);
-  REQUIRE(remote.exit_code == 0);
-  REQUIRE(local.exit_code == 0);
-  auto lr = losses(remote_json);
-  auto ll = losses(local_json);
-  REQUIRE(lr.size() == 4);
-  REQUIRE(ll.size() == 4);
-  for (std::size_t i = 0; i < lr.size(); ++i) {
-    CHECK(lr[i] == doctest::Approx(ll[i]).epsilon(1e-6));
-  }
+  check_remote_equals_local(a, b, " --secret-file " + secret.string(), 4, "secret");
   // The nodes stay up for the next scheduler, and stop cleanly on SIGTERM.
   auto again = run("train" + synthetic_mlp + " --steps 1 --nodes " + a.address() + "," +
                    b.address() + " --secret-file " + secret.string());
   CHECK(again.exit_code == 0);
   CHECK(a.process->stop(SIGTERM) == 0);
   CHECK(b.process->stop(SIGINT) == 0);
-  std::filesystem::remove(remote_json);
-  std::filesystem::remove(local_json);
   std::filesystem::remove(secret);
 }
 
@@ -129,21 +136,7 @@ TEST_CASE("nodes and a scheduler with certificates of one CA train over TLS") {
   node_process a(flags("a"), "tls-a");
   node_process b(flags("b"), "tls-b");
   CHECK(a.process->output().find("TLS") != std::string::npos);
-  auto remote_json = temp_file("tls-remote.json");
-  auto local_json = temp_file("tls-local.json");
-  auto remote = run("train" + synthetic_mlp + " --steps 3 --nodes " + a.address() + "," +
-                    b.address() + flags("scheduler") + " --json " + remote_json.string());
-  auto local = run("train" + synthetic_mlp + " --steps 3 --json " + local_json.string());
-  CAPTURE(remote.output);
-  REQUIRE(remote.exit_code == 0);
-  REQUIRE(local.exit_code == 0);
-  auto lr = losses(remote_json);
-  auto ll = losses(local_json);
-  REQUIRE(lr.size() == 3);
-  REQUIRE(ll.size() == 3);
-  for (std::size_t i = 0; i < lr.size(); ++i) {
-    CHECK(lr[i] == doctest::Approx(ll[i]).epsilon(1e-6));
-  }
+  check_remote_equals_local(a, b, flags("scheduler"), 3, "tls");
   // A scheduler without TLS is turned away, naming the node.
   auto plain = run("train" + synthetic_mlp + " --steps 1 --connect-timeout 3000 --nodes " +
                    a.address() + "," + b.address());
@@ -156,6 +149,4 @@ TEST_CASE("nodes and a scheduler with certificates of one CA train over TLS") {
   CHECK(half.exit_code == 2);
   CHECK(half.output.find("--tls-cert requires --tls-key") != std::string::npos);
   std::filesystem::remove_all(dir);
-  std::filesystem::remove(remote_json);
-  std::filesystem::remove(local_json);
 }

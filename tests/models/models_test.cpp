@@ -5,6 +5,8 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/models.hpp>
 
+#include "models/pointwise_conv.hpp"
+
 using namespace actorpipe;
 
 namespace {
@@ -91,4 +93,44 @@ TEST_CASE("a Sequential becomes a layer list named by its children") {
   CHECK(layers[0].expected_input() == "[*, 4]");
   auto x = torch::randn({5, 4});
   CHECK(torch::allclose(run_layers(layers, x), seq->forward(x)));
+}
+
+TEST_CASE("a 1x1 convolution of a small one-thread batch stays on oneDNN and equals Conv2d") {
+  if (!at::hasMKLDNN()) {
+    MESSAGE("libtorch without oneDNN: PointwiseConv2d is Conv2d");
+    return;
+  }
+  auto previous = at::get_num_threads();
+  at::set_num_threads(1);
+  torch::manual_seed(7);
+  models::PointwiseConv2d fast(24, 40, 1);
+  torch::nn::Conv2d plain(torch::nn::Conv2dOptions(24, 40, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    plain->weight.copy_(fast->weight);
+  }
+  for (int64_t n : {1, 3, 8, 15, 16}) {
+    CAPTURE(n);
+    auto x = torch::randn({n, 24, 5, 7});
+    auto dy = torch::randn({n, 40, 5, 7});
+    // The fast path takes exactly the batches libtorch leaves to its native kernel.
+    CHECK(models::pointwise_fast_path(*fast, x) == (n < 16));
+    auto xf = x.clone().requires_grad_(true);
+    auto xp = x.clone().requires_grad_(true);
+    auto yf = fast->forward(xf);
+    auto yp = plain->forward(xp);
+    CHECK(torch::allclose(yf, yp, 1e-5, 1e-5));
+    yf.backward(dy);
+    yp.backward(dy);
+    CHECK(torch::allclose(xf.grad(), xp.grad(), 1e-5, 1e-5));
+    CHECK(torch::allclose(fast->weight.grad(), plain->weight.grad(), 1e-4, 1e-4));
+    fast->weight.mutable_grad().zero_();
+    plain->weight.mutable_grad().zero_();
+  }
+  // A strided one, or more threads: libtorch's path.
+  models::PointwiseConv2d strided(24, 40, 2);
+  CHECK_FALSE(models::pointwise_fast_path(*strided, torch::randn({4, 24, 6, 6})));
+  at::set_num_threads(2);
+  CHECK_FALSE(models::pointwise_fast_path(*fast, torch::randn({4, 24, 6, 6})));
+  at::set_num_threads(previous);
 }

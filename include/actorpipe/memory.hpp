@@ -1,0 +1,40 @@
+/// \file
+/// Warm memory for stage threads: a caching CPU allocator that keeps freed tensor buffers and
+/// hands them out again, so the activations and gradients of every micro-batch and step, whose
+/// shapes recur, land in pages that are already mapped.
+///
+/// Plain libtorch on glibc gives large buffers back to the kernel when they are freed (munmap,
+/// or a trimmed arena) and faults every page in again on the next allocation (docs/memory.md
+/// has the measurements). The allocator is installed as libtorch's CPU allocator the first time
+/// a thread asks for it, but caches only for such threads: stage threads (on by default,
+/// pipeline_options::warm_memory) and threads that call use_warm_memory_on_this_thread().
+/// Every other thread, and buffers under 64 KB, go to libtorch's default allocator as before.
+#pragma once
+
+#include <cstddef>
+
+namespace actorpipe::memory {
+
+/// Makes the calling thread's CPU tensors of 64 KB and more come from the cache, and go back to
+/// it when freed (by any thread), from now until the thread ends.
+void use_warm_memory_on_this_thread();
+
+/// Bytes of free buffers kept at most; a buffer freed beyond it evicts buffers of other sizes
+/// (the shapes of a new configuration replace an old one's) or goes back to the system.
+/// Default: a quarter of physical memory. 0 keeps nothing.
+void set_cache_limit(std::size_t bytes);
+std::size_t cache_limit();
+
+struct cache_stats {
+  /// Free buffers held now.
+  std::size_t cached_bytes = 0;
+  /// Allocations served from the cache, and those that went to the system.
+  std::size_t hits = 0;
+  std::size_t misses = 0;
+};
+cache_stats stats();
+
+/// Gives every cached buffer back to the system (buffers in use return to the cache later).
+void release_cached();
+
+} // namespace actorpipe::memory

@@ -1,0 +1,182 @@
+#include <actorpipe/memory.hpp>
+
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/core/CPUAllocator.h>
+#include <unistd.h>
+
+namespace actorpipe::memory {
+
+namespace {
+
+constexpr std::size_t alignment = 64;       // libtorch's CPU alignment
+constexpr std::size_t smallest = 64 * 1024; // smaller buffers: glibc keeps those warm itself
+constexpr std::size_t granule = 64 * 1024;  // cached sizes are rounded up to this
+
+thread_local bool warm_thread = false;
+
+std::size_t default_limit() {
+  auto pages = ::sysconf(_SC_PHYS_PAGES);
+  auto page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0
+           ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4
+           : std::size_t{1} << 32;
+}
+
+class warm_allocator final : public c10::Allocator {
+public:
+  explicit warm_allocator(c10::Allocator* fallback) : fallback_(fallback) {}
+
+  c10::DataPtr allocate(std::size_t n) const override {
+    if (!warm_thread || n < smallest) {
+      return fallback_->allocate(n);
+    }
+    auto bytes = (n + granule - 1) / granule * granule;
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+    }
+    if (p == nullptr) {
+      p = std::aligned_alloc(alignment, bytes);
+      if (p == nullptr) {
+        throw std::bad_alloc();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_.emplace(p, bytes);
+    }
+    return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // raw_allocate/raw_deallocate (oneDNN's scratchpads use them) end here too, for buffers of
+  // either origin.
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  static void release(void* p);
+
+  void give_back(void* p) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = live_.find(p);
+    if (it == live_.end()) {
+      // Allocated by libtorch's default allocator for a cold thread.
+      lock.unlock();
+      fallback_->raw_deleter()(p);
+      return;
+    }
+    auto bytes = it->second;
+    live_.erase(it);
+    if (bytes <= limit_) {
+      // Make room by evicting buffers of other sizes: those of the current shapes stay.
+      for (auto bin = free_.begin(); cached_ + bytes > limit_ && bin != free_.end(); ++bin) {
+        if (bin->first == bytes) {
+          continue;
+        }
+        while (cached_ + bytes > limit_ && !bin->second.empty()) {
+          std::free(bin->second.back());
+          bin->second.pop_back();
+          cached_ -= bin->first;
+        }
+      }
+      if (cached_ + bytes <= limit_) {
+        free_[bytes].push_back(p);
+        cached_ += bytes;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  void set_limit(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_ = bytes;
+    trim_locked();
+  }
+  std::size_t limit() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+  cache_stats stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {cached_, hits_, misses_};
+  }
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto keep = limit_;
+    limit_ = 0;
+    trim_locked();
+    limit_ = keep;
+  }
+
+private:
+  void trim_locked() {
+    for (auto& [bytes, blocks] : free_) {
+      while (cached_ > limit_ && !blocks.empty()) {
+        std::free(blocks.back());
+        blocks.pop_back();
+        cached_ -= bytes;
+      }
+    }
+  }
+
+  c10::Allocator* fallback_;
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<std::size_t, std::vector<void*>> free_;
+  mutable std::unordered_map<void*, std::size_t> live_;
+  mutable std::size_t cached_ = 0;
+  mutable std::size_t hits_ = 0;
+  mutable std::size_t misses_ = 0;
+  std::size_t limit_ = default_limit();
+};
+
+// Installed once and never destroyed: tensors may outlive every other static object.
+warm_allocator& instance() {
+  static auto* allocator = [] {
+    auto* a = new warm_allocator(c10::GetDefaultCPUAllocator());
+    c10::SetCPUAllocator(a, /*priority=*/1);
+    return a;
+  }();
+  return *allocator;
+}
+
+void warm_allocator::release(void* p) {
+  instance().give_back(p);
+}
+
+} // namespace
+
+void use_warm_memory_on_this_thread() {
+  instance();
+  warm_thread = true;
+}
+
+void set_cache_limit(std::size_t bytes) {
+  instance().set_limit(bytes);
+}
+
+std::size_t cache_limit() {
+  return instance().limit();
+}
+
+cache_stats stats() {
+  return instance().stats();
+}
+
+void release_cached() {
+  instance().release_all();
+}
+
+} // namespace actorpipe::memory

@@ -1,0 +1,103 @@
+// Warm memory: the caching CPU allocator of stage threads.
+#include <cstring>
+#include <thread>
+
+#include <c10/core/CPUAllocator.h>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <actorpipe/memory.hpp>
+
+namespace memory = actorpipe::memory;
+
+namespace {
+
+// Runs f on a fresh thread that uses warm memory (or not), and waits for it.
+template <class F>
+void on_thread(bool warm, F f) {
+  std::thread t([&] {
+    if (warm) {
+      memory::use_warm_memory_on_this_thread();
+    }
+    f();
+  });
+  t.join();
+}
+
+} // namespace
+
+TEST_CASE("a warm thread gets its freed buffers back; other threads and small tensors do not") {
+  memory::release_cached();
+  auto before = memory::stats();
+  on_thread(true, [] {
+    void* first = nullptr;
+    {
+      auto t = torch::empty({1 << 18}); // 1 MB
+      first = t.data_ptr();
+      t.fill_(3);
+    }
+    CHECK(memory::stats().cached_bytes >= (1u << 20));
+    auto again = torch::empty({1 << 18});
+    CHECK(again.data_ptr() == first);
+    // The values are whatever was there: empty() promises nothing, and math is unchanged.
+    auto x = torch::randn({256, 1024});
+    auto y = x.clone();
+    CHECK(torch::equal(x * 2, y * 2));
+  });
+  auto after_warm = memory::stats();
+  CHECK(after_warm.hits >= before.hits + 1);
+  CHECK(after_warm.misses >= before.misses + 1);
+  on_thread(false, [] {
+    for (int i = 0; i < 3; ++i) {
+      auto t = torch::empty({1 << 18});
+    }
+  });
+  on_thread(true, [] {
+    for (int i = 0; i < 3; ++i) {
+      auto t = torch::empty({1000}); // 4 KB: glibc's business
+    }
+  });
+  auto after = memory::stats();
+  CHECK(after.hits == after_warm.hits);
+  CHECK(after.misses == after_warm.misses);
+}
+
+TEST_CASE("a buffer freed by another thread returns to the cache; the limit holds") {
+  memory::release_cached();
+  torch::Tensor escaped;
+  on_thread(true, [&] { escaped = torch::ones({1 << 18}); });
+  CHECK(escaped.sum().item<float>() == float(1 << 18));
+  auto cached = memory::stats().cached_bytes;
+  escaped = torch::Tensor(); // freed here, on a cold thread
+  CHECK(memory::stats().cached_bytes == cached + (1u << 20));
+
+  auto keep = memory::cache_limit();
+  memory::set_cache_limit(3u << 20);
+  CHECK(memory::stats().cached_bytes <= (3u << 20));
+  on_thread(true, [] {
+    { auto a = torch::empty({1 << 18}); } // 1 MB cached
+    { auto b = torch::empty({3 << 18}); } // 3 MB: evicts the 1 MB buffer to fit
+  });
+  CHECK(memory::stats().cached_bytes == (3u << 20));
+  memory::set_cache_limit(0);
+  CHECK(memory::stats().cached_bytes == 0);
+  on_thread(true, [] { auto c = torch::empty({1 << 18}); });
+  CHECK(memory::stats().cached_bytes == 0);
+  memory::set_cache_limit(keep);
+  memory::release_cached();
+}
+
+TEST_CASE("raw allocations (as oneDNN makes them) work on warm and cold threads") {
+  for (bool warm : {true, false}) {
+    on_thread(warm, [] {
+      auto* allocator = c10::GetCPUAllocator();
+      for (std::size_t bytes : {std::size_t{256}, std::size_t{1} << 20}) {
+        void* p = allocator->raw_allocate(bytes);
+        REQUIRE(p != nullptr);
+        std::memset(p, 1, bytes);
+        allocator->raw_deallocate(p);
+      }
+    });
+  }
+}
