@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <actorpipe/memory.hpp>
 #include <torch/torch.h>
 
 namespace actorpipe::cli {
@@ -20,8 +21,11 @@ partition cut_for(const layer_list& layers, const std::string& spec, std::size_t
   return parse_partition(spec, layers, parts);
 }
 
+// Profiles as a stage thread runs: with its intra-op threads and its memory (cold memory would
+// charge page faults to the layers with the largest activations and skew a time-balanced cut).
 std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
-                                      int64_t samples, std::size_t threads) {
+                                      int64_t samples, std::size_t threads, bool warm) {
+  memory::warm_memory_scope memory(warm);
   auto previous = at::get_num_threads();
   at::set_num_threads(static_cast<int>(threads));
   auto profile = profile_layers(layers, batch.slice(0, 0, samples));
@@ -137,7 +141,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   auto reference_m = static_cast<int64_t>(a.microbatches > 0 ? a.microbatches : 4);
   choice.profiled_samples = std::max<int64_t>(1, batch_size / reference_m);
   if (need_profile) {
-    choice.profile = profile_at(layers, batch, choice.profiled_samples, threads);
+    choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory);
   }
   if (a.schedule.rfind("file:", 0) == 0) {
     choice.custom = load_schedule(a.schedule.substr(5));

@@ -163,6 +163,17 @@ void use_warm_memory_on_this_thread() {
   warm_thread = true;
 }
 
+warm_memory_scope::warm_memory_scope(bool warm) : previous_(warm_thread) {
+  if (warm) {
+    instance();
+  }
+  warm_thread = warm;
+}
+
+warm_memory_scope::~warm_memory_scope() {
+  warm_thread = previous_;
+}
+
 void set_cache_limit(std::size_t bytes) {
   instance().set_limit(bytes);
 }

@@ -19,6 +19,20 @@ namespace actorpipe::memory {
 /// it when freed (by any thread), from now until the thread ends.
 void use_warm_memory_on_this_thread();
 
+/// Warm (or cold) memory on the calling thread for the scope's lifetime, then as before: to
+/// measure layers as a stage thread runs them, say. Buffers allocated inside go back to the
+/// cache when freed, whenever that is.
+class warm_memory_scope {
+public:
+  explicit warm_memory_scope(bool warm = true);
+  ~warm_memory_scope();
+  warm_memory_scope(const warm_memory_scope&) = delete;
+  warm_memory_scope& operator=(const warm_memory_scope&) = delete;
+
+private:
+  bool previous_;
+};
+
 /// Bytes of free buffers kept at most; a buffer freed beyond it evicts buffers of other sizes
 /// (the shapes of a new configuration replace an old one's) or goes back to the system.
 /// Default: a quarter of physical memory. 0 keeps nothing.
