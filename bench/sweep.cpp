@@ -48,6 +48,7 @@ struct contender {
   layer_list layers;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   int threads = 0;
+  std::size_t accumulate = 0;
   std::vector<double> times;
   std::vector<double> lower;
   std::vector<double> fill_drain;
@@ -84,11 +85,25 @@ struct contender {
       at::set_num_threads(threads);
       auto start = clock_type::now();
       optimizer->zero_grad();
-      auto loss = mse(run_layers(layers, x), y);
-      loss.backward();
+      double loss = 0;
+      if (accumulate > 1) {
+        // The pipeline's micro-batches (torch::tensor_split) and loss scales.
+        auto xs = torch::tensor_split(x, static_cast<int64_t>(accumulate), 0);
+        auto ys = torch::tensor_split(y, static_cast<int64_t>(accumulate), 0);
+        for (std::size_t i = 0; i < xs.size(); ++i) {
+          auto part = mse(run_layers(layers, xs[i]), ys[i]) *
+                      (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
+          part.backward();
+          loss += part.item<double>();
+        }
+      } else {
+        auto whole = mse(run_layers(layers, x), y);
+        whole.backward();
+        loss = whole.item<double>();
+      }
       optimizer->step();
       auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
-      row.losses.push_back(loss.item<double>());
+      row.losses.push_back(loss);
       at::set_num_threads(previous);
       if (record) {
         times.push_back(ms);
@@ -101,12 +116,13 @@ struct contender {
 std::string format_row(const sweep_row& r) {
   char line[400];
   std::snprintf(line, sizeof line,
-                "%-22s %6zu %8.2f %8.2f %8.2f %8.2f %8.2f %6.2f %8.2f %7.2fx %7.2fx %7.1f %5.0f%% "
-                "%8.2f %7lld",
-                r.name.c_str(), r.splits, r.median_ms / 1000, r.min_ms / 1000, r.max_ms / 1000,
-                r.lower_bound_ms / 1000, r.fill_drain_ms / 1000, r.efficiency,
-                r.predicted_ms / 1000, r.speedup_1t, r.speedup_all, r.gflops, 100 * r.peak_share,
-                r.compute_ms_per_sample, static_cast<long long>(r.rss_mb));
+                "%-22s %6zu %8.2f %8.2f %8.2f %8.2f %8.2f %6.2f %8.2f %7.2fx %7.2fx %7.2fx %7.1f "
+                "%5.0f%% %8.2f %7lld",
+                r.name.c_str(), r.accumulated > 0 ? r.accumulated : r.splits, r.median_ms / 1000,
+                r.min_ms / 1000, r.max_ms / 1000, r.lower_bound_ms / 1000, r.fill_drain_ms / 1000,
+                r.efficiency, r.predicted_ms / 1000, r.speedup_1t, r.speedup_all,
+                r.speedup_accumulated, r.gflops, 100 * r.peak_share, r.compute_ms_per_sample,
+                static_cast<long long>(r.rss_mb));
   return line;
 }
 
@@ -198,7 +214,7 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
     legend_y += 36;
   }
   for (const auto& r : rows) {
-    if (r.splits == 0) {
+    if (r.splits == 0 && r.accumulated == 0) {
       svg << "<line x1=\"" << left << "\" y1=\"" << y_of(r.median_ms) << "\" x2=\"" << left + width
           << "\" y2=\"" << y_of(r.median_ms)
           << "\" stroke=\"#999\" stroke-dasharray=\"2,3\"/>\n<text x=\"" << left + 6 << "\" y=\""
@@ -249,9 +265,18 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     return make_model(setup.name, mo);
   };
   if (o.baselines) {
-    for (int threads : {1, cores}) {
+    std::vector<std::pair<int, std::size_t>> plain{{1, 0}, {cores, 0}};
+    for (auto m : o.splits) {
+      if (o.accumulated && m > 1) {
+        plain.emplace_back(cores, m);
+      }
+    }
+    for (auto [threads, accumulate] : plain) {
       contender c;
-      c.row.name = detail::concat("plain libtorch ", threads, "t");
+      c.row.name = accumulate > 0 ? detail::concat("plain ", threads, "t accum ", accumulate)
+                                  : detail::concat("plain libtorch ", threads, "t");
+      c.row.accumulated = accumulate;
+      c.accumulate = accumulate;
       c.layers = fresh_layers();
       std::vector<torch::Tensor> params;
       for (const auto& l : c.layers) {
@@ -331,6 +356,8 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       r.efficiency = r.lower_bound_ms / r.median_ms;
       r.predicted_ms = median(c.predicted);
       r.compute_ms_per_sample = median(c.per_sample);
+    } else if (r.accumulated > 0) {
+      // Matched with the pipelines below.
     } else if (c.threads == 1) {
       plain_1 = r.median_ms;
     } else {
@@ -338,23 +365,34 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     }
     rows.push_back(r);
   }
+  auto relative_difference = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double d = 0;
+    for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+      d = std::max(d, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
+    }
+    return d;
+  };
   double loss_difference = 0;
+  double accumulated_difference = -1;
   for (auto& r : rows) {
     r.speedup_1t = plain_1 > 0 ? plain_1 / r.median_ms : 0;
     r.speedup_all = plain_all > 0 ? plain_all / r.median_ms : 0;
-    const auto& reference = rows.front().losses;
-    for (std::size_t i = 0; i < r.losses.size() && i < reference.size(); ++i) {
-      r.loss_difference = std::max(r.loss_difference, std::abs(r.losses[i] - reference[i]) /
-                                                        std::max(1e-12, std::abs(reference[i])));
+    for (const auto& a : rows) {
+      if (r.splits > 1 && a.accumulated == r.splits) {
+        r.speedup_accumulated = a.median_ms / r.median_ms;
+        r.loss_difference_accumulated = relative_difference(r.losses, a.losses);
+        accumulated_difference = std::max(accumulated_difference, r.loss_difference_accumulated);
+      }
     }
+    r.loss_difference = relative_difference(r.losses, rows.front().losses);
     loss_difference = std::max(loss_difference, r.loss_difference);
   }
 
-  std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %7s %6s %8s %7s\n", "config",
+  std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s\n", "config",
               "splits", "median", "min", "max", "ideal", "fill", "eff", "predict", "vs 1t",
-              "vs all", "GFLOP/s", "peak", "ms/smpl", "RSS MB");
-  std::printf("%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %7s %6s %8s %7s\n", "", "", "s/step",
-              "s", "s", "s", "drain s", "", "s", "", "", "", "", "compute", "");
+              "vs all", "vs acc", "GFLOP/s", "peak", "ms/smpl", "RSS MB");
+  std::printf("%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s\n", "", "",
+              "s/step", "s", "s", "s", "drain s", "", "s", "", "", "", "", "", "compute", "");
   for (const auto& r : rows) {
     std::printf("%s\n", format_row(r).c_str());
   }
@@ -368,6 +406,11 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   std::printf("losses: every configuration's loss at every step within %.1e (relative) of %s's "
               "(%s)\n",
               loss_difference, rows.front().name.c_str(), reference_losses.str().c_str());
+  if (accumulated_difference >= 0) {
+    std::printf("losses: every pipeline within %.1e (relative) of plain libtorch accumulating over "
+                "the same micro-batches (vs acc: speedup over it)\n",
+                accumulated_difference);
+  }
   auto warm = memory::stats();
   std::printf("warm memory of the stage threads: %zu buffers reused, %zu from the system, %.2f GB "
               "cached at the end%s\n",
@@ -380,7 +423,7 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     if (!o.csv.empty()) {
       csv.open(o.csv);
       csv << "config,partition,splits,median_ms,min_ms,max_ms,lower_bound_ms,fill_drain_ms,"
-             "efficiency,predicted_ms,speedup_1t,speedup_all,gflops,peak_share,"
+             "efficiency,predicted_ms,speedup_1t,speedup_all,speedup_accumulated,gflops,peak_share,"
              "compute_ms_per_sample,rss_mb\n";
     }
     for (const auto& r : rows) {
@@ -396,18 +439,21 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
                    {"predicted_ms", r.predicted_ms},
                    {"speedup_1t", r.speedup_1t},
                    {"speedup_all", r.speedup_all},
+                   {"speedup_accumulated", r.speedup_accumulated},
+                   {"accumulated", r.accumulated},
                    {"gflops", r.gflops},
                    {"peak_share", r.peak_share},
                    {"compute_ms_per_sample", r.compute_ms_per_sample},
                    {"rss_mb", r.rss_mb},
                    {"losses", r.losses},
-                   {"loss_difference", r.loss_difference}});
+                   {"loss_difference", r.loss_difference},
+                   {"loss_difference_accumulated", r.loss_difference_accumulated}});
       if (csv.is_open()) {
         csv << r.name << ',' << r.partition << ',' << r.splits << ',' << r.median_ms << ','
             << r.min_ms << ',' << r.max_ms << ',' << r.lower_bound_ms << ',' << r.fill_drain_ms
             << ',' << r.efficiency << ',' << r.predicted_ms << ',' << r.speedup_1t << ','
-            << r.speedup_all << ',' << r.gflops << ',' << r.peak_share << ','
-            << r.compute_ms_per_sample << ',' << r.rss_mb << '\n';
+            << r.speedup_all << ',' << r.speedup_accumulated << ',' << r.gflops << ','
+            << r.peak_share << ',' << r.compute_ms_per_sample << ',' << r.rss_mb << '\n';
       }
     }
     if (!o.json.empty()) {

@@ -26,6 +26,9 @@ struct sweep_options {
   std::size_t steps = 3;
   double lr = 0.05;
   bool baselines = true;
+  /// With baselines: plain libtorch on all cores also accumulates gradients over the micro-batches
+  /// of every swept split above 1 (what the pipeline computes, without the pipeline).
+  bool accumulated = true;
   bool progress = true;
   std::string json;
   std::string csv;
@@ -86,11 +89,18 @@ struct sweep_row {
   double peak_share = 0;
   double speedup_1t = 0;
   double speedup_all = 0;
+  /// Pipelines: speedup over plain libtorch (all cores) accumulating gradients over the same
+  /// micro-batches, the same math as the pipeline's.
+  double speedup_accumulated = 0;
+  /// Plain libtorch: the micro-batches it accumulates gradients over (0: the whole batch).
+  std::size_t accumulated = 0;
   int64_t rss_mb = 0;
   /// The loss of every step (warm-up first), and the largest relative difference from the
   /// first configuration's (plain libtorch 1 thread when baselines run): same math, same data.
   std::vector<double> losses;
   double loss_difference = 0;
+  /// Pipelines: the same against plain libtorch accumulating over the same micro-batches.
+  double loss_difference_accumulated = -1;
 };
 
 /// The bench's batches: `count` random image batches shaped like `setup`'s with one-hot

@@ -31,6 +31,8 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
     ->capture_default_str();
   cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();
   cmd->add_flag("!--no-baselines", o.baselines, "Skip plain libtorch");
+  cmd->add_flag("!--no-accumulated", o.accumulated,
+                "Skip plain libtorch accumulating gradients over each split's micro-batches");
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
   cmd->add_option("--json", o.json, "Write the rows as JSON");
   cmd->add_option("--csv", o.csv, "Write the rows as CSV");

@@ -280,15 +280,28 @@ TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a
   std::ifstream in(json);
   auto j = nlohmann::json::parse(in);
   CHECK(j["gflop_per_step"].get<double>() > 0);
-  REQUIRE(j["rows"].size() == 5); // 2 baselines + 3 splits
+  // Plain libtorch on 1 and all cores, plain libtorch accumulating over 2 and 4 micro-batches,
+  // and the pipeline at 1, 2 and 4 splits.
+  REQUIRE(j["rows"].size() == 7);
+  CHECK(j["rows"][2]["accumulated"].get<int>() == 2);
+  CHECK(j["rows"][3]["accumulated"].get<int>() == 4);
+  CHECK(r.output.find("of plain libtorch accumulating over the same micro-batches") !=
+        std::string::npos);
   for (const auto& row : j["rows"]) {
     CAPTURE(row.dump());
     CHECK(row["median_ms"].get<double>() > 0);
+    // An MLP has no batch norm: every configuration computes the same losses.
+    CHECK(row["loss_difference"].get<double>() < 1e-5);
     if (row["splits"].get<int>() > 0) {
       CHECK(row["lower_bound_ms"].get<double>() > 0);
       CHECK(row["efficiency"].get<double>() > 0);
       CHECK(row["predicted_ms"].get<double>() > 0);
       CHECK(row["speedup_1t"].get<double>() > 0);
+    }
+    if (row["splits"].get<int>() > 1) {
+      CHECK(row["speedup_accumulated"].get<double>() > 0);
+      CHECK(row["loss_difference_accumulated"].get<double>() >= 0);
+      CHECK(row["loss_difference_accumulated"].get<double>() < 1e-5);
     }
   }
   std::ifstream c(csv);

@@ -101,3 +101,28 @@ TEST_CASE("raw allocations (as oneDNN makes them) work on warm and cold threads"
     });
   }
 }
+
+TEST_CASE("a warm memory scope warms a thread for its lifetime only") {
+  memory::release_cached();
+  on_thread(false, [] {
+    auto start = memory::stats();
+    {
+      memory::warm_memory_scope scope;
+      { auto a = torch::empty({1 << 18}); }
+      { auto b = torch::empty({1 << 18}); } // the same buffer again
+      {
+        memory::warm_memory_scope cold(false); // nested: cold inside, warm after
+        auto c = torch::empty({1 << 18});
+        CHECK(memory::stats().hits == start.hits + 1);
+      }
+      auto d = torch::empty({1 << 18});
+      CHECK(memory::stats().hits == start.hits + 2);
+    }
+    auto after = memory::stats();
+    CHECK(after.misses == start.misses + 1);
+    { auto e = torch::empty({1 << 18}); } // cold again
+    CHECK(memory::stats().hits == after.hits);
+    CHECK(memory::stats().misses == after.misses);
+  });
+  memory::release_cached();
+}
