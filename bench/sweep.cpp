@@ -48,7 +48,6 @@ struct contender {
   layer_list layers;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   int threads = 0;
-  std::size_t accumulate = 0;
   std::vector<double> times;
   std::vector<double> lower;
   std::vector<double> fill_drain;
@@ -86,10 +85,11 @@ struct contender {
       auto start = clock_type::now();
       optimizer->zero_grad();
       double loss = 0;
-      if (accumulate > 1) {
+      if (row.accumulated > 1) {
         // The pipeline's micro-batches (torch::tensor_split) and loss scales.
-        auto xs = torch::tensor_split(x, static_cast<int64_t>(accumulate), 0);
-        auto ys = torch::tensor_split(y, static_cast<int64_t>(accumulate), 0);
+        auto parts = static_cast<int64_t>(row.accumulated);
+        auto xs = torch::tensor_split(x, parts, 0);
+        auto ys = torch::tensor_split(y, parts, 0);
         for (std::size_t i = 0; i < xs.size(); ++i) {
           auto part = mse(run_layers(layers, xs[i]), ys[i]) *
                       (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
@@ -276,7 +276,6 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       c.row.name = accumulate > 0 ? detail::concat("plain ", threads, "t accum ", accumulate)
                                   : detail::concat("plain libtorch ", threads, "t");
       c.row.accumulated = accumulate;
-      c.accumulate = accumulate;
       c.layers = fresh_layers();
       std::vector<torch::Tensor> params;
       for (const auto& l : c.layers) {
@@ -356,12 +355,9 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       r.efficiency = r.lower_bound_ms / r.median_ms;
       r.predicted_ms = median(c.predicted);
       r.compute_ms_per_sample = median(c.per_sample);
-    } else if (r.accumulated > 0) {
-      // Matched with the pipelines below.
-    } else if (c.threads == 1) {
-      plain_1 = r.median_ms;
-    } else {
-      plain_all = r.median_ms;
+    } else if (r.accumulated == 0) {
+      // The whole-batch baselines; accumulated ones are matched with the pipelines below.
+      (c.threads == 1 ? plain_1 : plain_all) = r.median_ms;
     }
     rows.push_back(r);
   }

@@ -38,6 +38,19 @@ void require_file(const std::string& path, const char* what) {
   }
 }
 
+// Why an SSL_read or SSL_write on a blocking socket with deadlines failed: the deadline (a
+// timed-out socket call reads as WANT_READ/WANT_WRITE), the socket's errno, or OpenSSL's queue.
+[[noreturn]] void throw_io_error(int code, int saved_errno, const std::string& what,
+                                 const char* timed_out) {
+  if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE) {
+    throw comm_error(detail::concat(what, " ", timed_out));
+  }
+  throw comm_error(detail::concat(what, ": ",
+                                  code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0
+                                    ? std::strerror(saved_errno)
+                                    : ssl_errors()));
+}
+
 } // namespace
 
 tls_context::tls_context(const tls_options& options) {
@@ -136,13 +149,7 @@ std::size_t tls_stream::read(void* out, std::size_t n) {
         (code == SSL_ERROR_SYSCALL && errno == 0 && ERR_peek_error() == 0)) {
       break;
     }
-    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE) {
-      throw comm_error(detail::concat("reading from ", peer_, " timed out"));
-    }
-    auto saved = errno;
-    throw comm_error(detail::concat(
-      "reading from ", peer_, ": ",
-      code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0 ? std::strerror(saved) : ssl_errors()));
+    throw_io_error(code, errno, "reading from " + peer_, "timed out");
   }
   return got;
 }
@@ -159,14 +166,7 @@ void tls_stream::write(const void* data, std::size_t n) {
       continue;
     }
     auto code = SSL_get_error(ssl_, r);
-    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE) {
-      throw comm_error(
-        detail::concat("writing to ", peer_, " timed out (the peer stopped reading)"));
-    }
-    auto saved = errno;
-    throw comm_error(detail::concat(
-      "writing to ", peer_, ": ",
-      code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0 ? std::strerror(saved) : ssl_errors()));
+    throw_io_error(code, errno, "writing to " + peer_, "timed out (the peer stopped reading)");
   }
 }
 

@@ -36,24 +36,23 @@ public:
       return fallback_->allocate(n);
     }
     auto bytes = (n + granule - 1) / granule * granule;
-    void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = free_.find(bytes);
       if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
+        void* p = it->second.back();
         it->second.pop_back();
         cached_ -= bytes;
         ++hits_;
-      } else {
-        ++misses_;
+        live_.emplace(p, bytes);
+        return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
       }
+      ++misses_;
     }
+    // A miss allocates outside the lock.
+    void* p = std::aligned_alloc(alignment, bytes);
     if (p == nullptr) {
-      p = std::aligned_alloc(alignment, bytes);
-      if (p == nullptr) {
-        throw std::bad_alloc();
-      }
+      throw std::bad_alloc();
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -81,16 +80,7 @@ public:
     live_.erase(it);
     if (bytes <= limit_) {
       // Make room by evicting buffers of other sizes: those of the current shapes stay.
-      for (auto bin = free_.begin(); cached_ + bytes > limit_ && bin != free_.end(); ++bin) {
-        if (bin->first == bytes) {
-          continue;
-        }
-        while (cached_ + bytes > limit_ && !bin->second.empty()) {
-          std::free(bin->second.back());
-          bin->second.pop_back();
-          cached_ -= bin->first;
-        }
-      }
+      evict_locked(limit_ - bytes, bytes);
       if (cached_ + bytes <= limit_) {
         free_[bytes].push_back(p);
         cached_ += bytes;
@@ -103,7 +93,7 @@ public:
   void set_limit(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     limit_ = bytes;
-    trim_locked();
+    evict_locked(limit_);
   }
   std::size_t limit() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -115,16 +105,17 @@ public:
   }
   void release_all() {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto keep = limit_;
-    limit_ = 0;
-    trim_locked();
-    limit_ = keep;
+    evict_locked(0);
   }
 
 private:
-  void trim_locked() {
+  // Frees cached buffers, except those of size `keep`, until at most `target` bytes are cached.
+  void evict_locked(std::size_t target, std::size_t keep = 0) {
     for (auto& [bytes, blocks] : free_) {
-      while (cached_ > limit_ && !blocks.empty()) {
+      if (bytes == keep) {
+        continue;
+      }
+      while (cached_ > target && !blocks.empty()) {
         std::free(blocks.back());
         blocks.pop_back();
         cached_ -= bytes;

@@ -314,8 +314,8 @@ std::string ask(caf::scoped_actor& self, const caf::actor& node, const std::stri
   self->request(node, timeout, std::forward<Ts>(xs)...)
     .receive([&](std::string& text) { reply = std::move(text); },
              [&](caf::error& e) {
-               failure = detail::concat(label, " did not answer '", what, "' within ",
-                                        timeout.count(), " ms: ", self->system().render(e));
+               failure = detail::concat(label, ", asked '", what, "', ",
+                                        actors::request_error(self->system(), e, timeout));
              });
   if (!failure.empty()) {
     throw pipeline_error(failure);

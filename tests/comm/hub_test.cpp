@@ -221,13 +221,11 @@ TEST_CASE("secrets come from private files only") {
 
 namespace {
 
-// One CA for "our" processes and a stranger CA, in a folder of this test process.
-struct tls_fixture {
-  std::filesystem::path dir =
-    std::filesystem::temp_directory_path() / ("actorpipe-tls-test-" + std::to_string(::getpid()));
-  actorpipe::testing::test_ca ca{dir, "cluster"};
-  actorpipe::testing::test_ca stranger{dir, "stranger"};
-  ~tls_fixture() { std::filesystem::remove_all(dir); }
+// Our CA and a stranger's, in a folder of this test process.
+struct tls_fixture : actorpipe::testing::test_pki {
+  tls_fixture()
+    : test_pki(std::filesystem::temp_directory_path() /
+               ("actorpipe-tls-test-" + std::to_string(::getpid()))) {}
 
   hub_options with(const actorpipe::tls_options& tls, const std::string& secret = "") const {
     auto o = options(secret);

@@ -243,11 +243,8 @@ TEST_CASE("a node that goes away fails the next step, naming it, within the dead
 namespace {
 
 // A CA for the cluster and one for strangers, in a folder of this test process.
-struct cluster_pki {
-  std::filesystem::path dir = temp_dir("pki");
-  actorpipe::testing::test_ca ca{dir, "cluster"};
-  actorpipe::testing::test_ca stranger{dir, "stranger"};
-  ~cluster_pki() { std::filesystem::remove_all(dir); }
+struct cluster_pki : actorpipe::testing::test_pki {
+  cluster_pki() : test_pki(temp_dir("pki")) {}
 
   actorpipe::node_options node(const std::string& name) const {
     actorpipe::node_options o;

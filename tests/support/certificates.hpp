@@ -111,4 +111,16 @@ private:
   std::string ca_file_;
 };
 
+/// The CA of "our" processes and a stranger's CA, in a folder that goes with the object.
+struct test_pki {
+  explicit test_pki(std::filesystem::path folder) : dir(std::move(folder)) {}
+  ~test_pki() { std::filesystem::remove_all(dir); }
+  test_pki(const test_pki&) = delete;
+  test_pki& operator=(const test_pki&) = delete;
+
+  std::filesystem::path dir;
+  test_ca ca{dir, "cluster"};
+  test_ca stranger{dir, "stranger"};
+};
+
 } // namespace actorpipe::testing
