@@ -40,7 +40,7 @@ build() {
 
 # Unit tests under sanitizers: a build of the library and the test binaries that need no
 # external process (the CLI tests run the program, the install test a whole install).
-sanitized_tests="models_test stages_test scheduler_test pipeline_test replicas_test training_test comm_test nodes_test memory_test"
+sanitized_tests="models_test stages_test actors_test scheduler_test trace_test pipeline_test replicas_test training_test comm_test nodes_test memory_test"
 sanitize() {
   local kind=$1 dir=$2 tests=$3
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DACTORPIPE_SANITIZE="$kind" \
@@ -65,7 +65,7 @@ if [[ $command == sanitize ]]; then
   # docs/troubleshooting.md and .ci/tsan.supp.
   export TSAN_OPTIONS="suppressions=$PWD/.ci/tsan.supp halt_on_error=1 second_deadlock_stack=1"
   export OMP_NUM_THREADS=1
-  sanitize thread build-tsan "pipeline_test replicas_test"
+  sanitize thread build-tsan "actors_test pipeline_test replicas_test"
   exit 0
 fi
 build

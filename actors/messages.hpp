@@ -9,14 +9,16 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
 
-#include <actorpipe/pipeline.hpp>
-#include <actorpipe/schedule.hpp>
+#include <actorpipe/actions.hpp>
+#include <actorpipe/errors.hpp>
+#include <actorpipe/results.hpp>
 
 namespace actorpipe::actors {
 
@@ -33,7 +35,7 @@ using forward_atom = caf::atom_constant<caf::atom("forward")>;
 using backward_atom = caf::atom_constant<caf::atom("backward")>;
 /// stage -> scheduler: (done_atom, stage_report) once its program has run.
 using done_atom = caf::atom_constant<caf::atom("done")>;
-/// stage -> scheduler: (failed_atom, step, message) when an action failed or a wait expired.
+/// stage -> scheduler: (failed_atom, step, failure) when an action failed or a wait expired.
 using failed_atom = caf::atom_constant<caf::atom("failed")>;
 /// scheduler -> stage: (abort_atom, step): drop the step, restore the stage as it was.
 using abort_atom = caf::atom_constant<caf::atom("abort")>;
@@ -51,6 +53,33 @@ using load_atom = caf::atom_constant<caf::atom("load")>;
 
 /// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.
 using tensor_map = std::map<std::string, torch::Tensor>;
+
+/// Why a step failed: what the caller's pipeline_error will carry as fields, and its message.
+struct failure {
+  error_details details;
+  std::string message;
+};
+
+/// The failure an exception thrown by a stage's work stands for: a pipeline_error keeps its
+/// fields, anything else (and a pipeline_error of kind `other`) is a stage failure; `stage` and
+/// `step` are this stage's, `microbatch` is filled in where the exception left it empty.
+inline failure failure_of(const std::exception& e, std::size_t stage, uint64_t step,
+                          std::optional<int32_t> microbatch = std::nullopt) {
+  failure f;
+  f.message = e.what();
+  if (const auto* pe = dynamic_cast<const pipeline_error*>(&e)) {
+    f.details = pe->details();
+  }
+  if (f.details.kind == error_kind::other) {
+    f.details.kind = error_kind::stage_failure;
+  }
+  f.details.stage = stage;
+  f.details.step = step;
+  if (!f.details.microbatch) {
+    f.details.microbatch = microbatch;
+  }
+  return f;
+}
 
 /// What a stage runs in one step.
 struct step_plan {
@@ -88,4 +117,5 @@ struct stage_report {
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(torch::Tensor)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::step_plan)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::stage_report)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::failure)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const actorpipe::actors::tensor_map>)

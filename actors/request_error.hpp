@@ -23,4 +23,16 @@ inline std::string request_error(caf::actor_system& sys, const caf::error& err,
   return "failed: " + sys.render(err);
 }
 
+/// What kind of failure a failed request is: a timeout, a receiver that is gone (the stage
+/// actor terminated), or something else.
+inline error_kind request_error_kind(const caf::error& err) {
+  if (err == caf::sec::request_timeout) {
+    return error_kind::timeout;
+  }
+  if (err == caf::sec::request_receiver_down) {
+    return error_kind::stage_lost;
+  }
+  return error_kind::other;
+}
+
 } // namespace actorpipe::actors

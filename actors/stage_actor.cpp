@@ -79,13 +79,20 @@ void abort_chunks(stage_state& s) {
   }
 }
 
-void fail(stage_actor_type* self, const std::string& message) {
+void fail(stage_actor_type* self, failure why) {
   auto& s = self->state;
   s.active = false;
   abort_chunks(s);
   drop_step(s.activations, s.plan.step);
   drop_step(s.gradients, s.plan.step);
-  self->send(s.scheduler, failed_atom::value, s.plan.step, message);
+  self->send(s.scheduler, failed_atom::value, s.plan.step, std::move(why));
+}
+
+// Fails the step with what `e` says, from this stage (and micro-batch, when one was running).
+void fail(stage_actor_type* self, const std::exception& e,
+          std::optional<int32_t> microbatch = std::nullopt) {
+  auto& s = self->state;
+  fail(self, failure_of(e, s.options.index, s.plan.step, microbatch));
 }
 
 // "stage 2" or, with chunks, "stage 2 chunk 1".
@@ -259,7 +266,7 @@ void advance(stage_actor_type* self) {
     try {
       bytes = run_action(self, a);
     } catch (const std::exception& e) {
-      fail(self, e.what());
+      fail(self, e, a.microbatch);
       return;
     }
     auto end = clock_type::now();
@@ -291,7 +298,7 @@ void advance(stage_actor_type* self) {
           }
         }
       } catch (const std::exception& e) {
-        fail(self, e.what());
+        fail(self, e);
         return;
       }
     }
@@ -359,7 +366,7 @@ caf::behavior stage_actor(stage_actor_type* self,
           chunk->begin_step(s.plan.train);
         }
       } catch (const std::exception& e) {
-        fail(self, e.what());
+        fail(self, e);
         return;
       }
       advance(self);
@@ -390,9 +397,10 @@ caf::behavior stage_actor(stage_actor_type* self,
         return;
       }
       const auto& a = s.plan.program[s.pc];
-      fail(self, detail::concat(describe_wait(s, a), " (step ", step, ", action ", s.pc,
-                                " of its program) and gave up after ",
-                                s.options.wait_timeout.count(), " ms"));
+      fail(self, failure{{error_kind::timeout, s.options.index, a.microbatch, step},
+                         detail::concat(describe_wait(s, a), " (step ", step, ", action ", s.pc,
+                                        " of its program) and gave up after ",
+                                        s.options.wait_timeout.count(), " ms")});
     },
     [=](abort_atom, uint64_t step) {
       auto& s = self->state;

@@ -38,7 +38,7 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
-#include <actorpipe/pipeline.hpp>
+#include <actorpipe/options.hpp>
 
 namespace actorpipe::stages {
 class stage;

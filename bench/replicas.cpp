@@ -32,7 +32,7 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
   ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
   auto stage_counts =
     o.stage_counts.empty() ? std::vector<std::size_t>{o.plan.stages} : o.stage_counts;
-  auto setup = cli::build_model(o.model);
+  auto setup = training::build_model(o.model);
   const auto& mo = setup.options;
   auto cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
 
@@ -49,8 +49,8 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
       plan_args.stages = p;
       plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
       auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
-      auto choice = cli::choose_plan(setup.layers, local, plan_args);
-      auto po = cli::pipeline_options_for(choice, plan_args);
+      auto choice = training::choose_plan(setup.layers, local, plan_args);
+      auto po = training::pipeline_options_for(choice, plan_args);
       po.loss = [](const torch::Tensor& y, const torch::Tensor& t) {
         return torch::mse_loss(y, t);
       };

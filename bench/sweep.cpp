@@ -230,7 +230,7 @@ void write_plot(const std::string& path, const std::vector<sweep_row>& rows,
 } // namespace
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>>
-make_batches(const cli::model_setup& setup, uint64_t seed, std::size_t count) {
+make_batches(const training::model_setup& setup, uint64_t seed, std::size_t count) {
   const auto& mo = setup.options;
   torch::manual_seed(seed);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
@@ -246,7 +246,7 @@ make_batches(const cli::model_setup& setup, uint64_t seed, std::size_t count) {
 std::vector<sweep_row> run_sweep(const sweep_options& o) {
   ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
   ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");
-  auto setup = cli::build_model(o.model);
+  auto setup = training::build_model(o.model);
   const auto& mo = setup.options;
   auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   auto partitions =
@@ -301,8 +301,8 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
         plan_args.partition = spec;
         plan_args.microbatches = m;
         plan_args.cold_memory = memory_mode == "cold";
-        auto choice = cli::choose_plan(setup.layers, setup.sample(), plan_args);
-        auto po = cli::pipeline_options_for(choice, plan_args);
+        auto choice = training::choose_plan(setup.layers, setup.sample(), plan_args);
+        auto po = training::pipeline_options_for(choice, plan_args);
         po.loss = mse;
         po.optimizer = sgd(o.lr);
         contender c;

@@ -11,13 +11,13 @@
 #include <utility>
 #include <vector>
 
-#include "cli/planning.hpp"
+#include "training/planning.hpp"
 
 namespace actorpipe::bench {
 
 struct sweep_options {
-  cli::model_args model;
-  cli::planning_args plan;
+  training::model_args model;
+  training::planning_args plan;
   std::vector<std::size_t> splits{1, 2, 4, 8};
   /// Partitions to measure (each with every split); empty: plan.partition only.
   std::vector<std::string> partitions;
@@ -105,8 +105,8 @@ struct sweep_row {
 
 /// The bench's batches: `count` random image batches shaped like `setup`'s with one-hot
 /// targets, drawn after torch::manual_seed(seed); the same for every configuration measured.
-std::vector<std::pair<torch::Tensor, torch::Tensor>> make_batches(const cli::model_setup& setup,
-                                                                  uint64_t seed, std::size_t count);
+std::vector<std::pair<torch::Tensor, torch::Tensor>>
+make_batches(const training::model_setup& setup, uint64_t seed, std::size_t count);
 
 /// The median (the upper one for an even count); 0 for none.
 inline double median(std::vector<double> xs) {

@@ -29,7 +29,7 @@
 
 #include "bench/sweep.hpp"
 #include "comm/tensor_hub.hpp"
-#include "tests/support/certificates.hpp"
+#include "comm/test_certificates.hpp"
 #include <actorpipe/node.hpp>
 
 using namespace actorpipe;

@@ -2,6 +2,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/flags.hpp"
+
 namespace actorpipe::cli {
 
 CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "cli/planning.hpp"
+#include "cli/flags.hpp"
 
 namespace CLI {
 class App;

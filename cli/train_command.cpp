@@ -30,7 +30,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   };
   opt("--data-dir", a.data_dir,
       "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
-  opt("--steps", a.steps, "Synthetic data: training steps (batches)");
+  opt("--steps", a.steps,
+      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
+      "data; Fashion-MNIST: all --epochs)");
   opt("--epochs", a.epochs, "Fashion-MNIST: epochs");
   opt("--lr", a.lr, "Learning rate (fashion-mnist: peak of the cosine schedule)");
   opt("--momentum", a.momentum, "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic)");
@@ -39,16 +41,16 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Milliseconds a stage waits for an input before failing the step");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
   opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
-  opt("--max-steps", a.max_steps, "Fashion-MNIST: stop (and checkpoint) after N steps in total");
-  opt("--checkpoint-dir", a.checkpoint_dir, "Fashion-MNIST: write checkpoints into this folder");
-  opt("--checkpoint-every", a.checkpoint_every,
-      "Fashion-MNIST: checkpoint every N steps (0: only at the end)");
-  opt("--keep", a.keep, "Fashion-MNIST: checkpoints to keep");
+  opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
+  opt("--checkpoint-dir", a.checkpoint_dir, "Write checkpoints into this folder");
+  opt("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: only at the end)");
+  opt("--keep", a.keep, "Checkpoints to keep");
   opt("--resume", a.resume,
-      "Fashion-MNIST: continue from a checkpoint (or the newest in a folder); the stage count "
-      "may differ");
-  opt("--metrics", a.metrics, "Fashion-MNIST: per-epoch metrics file (.csv, else JSON lines)");
-  cmd->add_flag("--no-progress", a.no_progress, "Fashion-MNIST: no progress bar");
+      "Continue from a checkpoint (or the newest in a folder); the stage count may differ");
+  opt("--metrics", a.metrics,
+      "Per-epoch metrics file (.csv, else JSON lines); synthetic data: one row for the run");
+  cmd->add_flag("--no-progress", a.no_progress,
+                "No progress bar (synthetic data: no line per step)");
   opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
   opt("--replicas", a.replicas,
       "Data parallelism in this process: replicas of the pipeline, each on batch/replicas "
@@ -77,8 +79,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--max-grad-norm", a.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
   opt("--trace", a.trace,
-      "Synthetic data: write a Chrome trace (Perfetto, chrome://tracing) of every step and print "
-      "planned against measured bubbles");
+      "Write a Chrome trace (Perfetto, chrome://tracing) of every step and print planned against "
+      "measured bubbles");
+  a.given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };
   return cmd;
 }
 
@@ -163,13 +166,54 @@ optimizer_spec sgd_spec(double lr, double momentum) {
   return spec;
 }
 
-int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                      pipeline_options po) {
-  auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
-  auto train = load_fashion_mnist(dir, true).head(a.train_samples);
-  auto test = load_fashion_mnist(dir, false).head(a.test_samples);
-  po.loss = builtin_loss("cross_entropy");
-  po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.9 : a.momentum);
+// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
+void check_flags_apply(const train_args& a, const plan_choice& choice) {
+  auto refuse = [&](const char* flag, const char* why) {
+    ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
+  };
+  if (a.model.data == "synthetic") {
+    const char* stream = "does not apply to --data synthetic, an endless stream of generated "
+                         "batches: say how long to train with --steps";
+    refuse("--epochs", stream);
+    refuse("--data-dir", "does not apply to --data synthetic (no files are read)");
+    refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
+    refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
+    refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
+  } else {
+    refuse("--image", "sets the synthetic images' side; Fashion-MNIST's images are 28x28");
+    refuse("--classes", "sets the synthetic data's classes; Fashion-MNIST has 10");
+  }
+  ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
+                  "--steps and --max-steps both give the steps of the run in all: give one");
+  ACTORPIPE_CHECK(choice.kind != schedule_kind::interleaved || choice.chunks > 1,
+                  "--schedule interleaved with --chunks ", choice.chunks,
+                  " interleaves nothing: give --chunks 2 or more, or --schedule 1f1b");
+}
+
+// One loop for every kind of data (training/: train), then the reports.
+int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                 pipeline_options po) {
+  const bool synthetic = a.model.data == "synthetic";
+  const auto& mo = setup.options;
+  const auto& dp = po.data_parallel;
+  const bool lead = dp.rank == 0;
+  auto momentum = a.momentum < 0 ? (synthetic ? 0.0 : 0.9) : a.momentum;
+  const char* loss = synthetic ? "mse" : "cross_entropy";
+  po.loss = builtin_loss(loss);
+  po.optimizer = sgd(a.lr, momentum);
+  auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
+
+  std::unique_ptr<batch_source> data;
+  if (synthetic) {
+    data = std::make_unique<synthetic_source>(mo.in_channels, mo.image_size, mo.num_classes);
+    steps = steps > 0 ? steps : 3;
+  } else {
+    auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
+    auto train_set = load_fashion_mnist(dir, true).head(a.train_samples);
+    auto test_set = load_fashion_mnist(dir, false).head(a.test_samples);
+    data =
+      std::make_unique<dataset_source>("fashion-mnist", std::move(train_set), std::move(test_set));
+  }
 
   train_options to;
   to.epochs = a.epochs;
@@ -182,124 +226,86 @@ int run_fashion_mnist(const train_args& a, const model_setup& setup, const plan_
   to.keep = a.keep;
   to.resume = a.resume;
   to.metrics = a.metrics;
-  to.max_steps = a.max_steps;
-  to.progress = !a.no_progress;
+  to.max_steps = steps;
   to.model = setup.name;
-  to.dataset = "fashion-mnist";
-
-  const auto& dp = po.data_parallel;
+  to.dataset = data->name();
   to.rank = static_cast<int64_t>(dp.rank);
   to.replicas = static_cast<int64_t>(dp.replicas);
-  const bool lead = dp.rank == 0;
+  // Synthetic runs are few, slow steps at a constant rate: a line per step is their progress.
+  to.cosine = !synthetic;
+  to.log_steps = synthetic && !a.no_progress;
+  to.progress = !synthetic && !a.no_progress;
+  to.keep_results = !a.trace.empty() || (synthetic && !a.json.empty());
+
   if (lead) {
-    std::cout << "actorpipe train: " << setup.name << " on Fashion-MNIST (" << train.size()
-              << " train, " << test.size() << " test), " << choice.cut.stages() / choice.chunks
-              << " stages " << choice.cut.to_string() << ", schedule " << choice.schedule_name
-              << ", " << choice.microbatches << " micro-batches, batch " << to.batch << ", "
-              << a.epochs << " epochs, lr " << a.lr << " (cosine, " << a.warmup
-              << " warm-up steps), seed " << a.model.seed << replicas_note(dp) << '\n';
+    std::cout << "actorpipe train: " << setup.name << " on ";
+    if (synthetic) {
+      std::cout << "synthetic data, input " << mo.in_channels << 'x' << mo.image_size << 'x'
+                << mo.image_size << ", " << steps << " steps";
+    } else {
+      std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << a.epochs
+                << " epochs" << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "")
+                << ", lr " << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
+    }
+    std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
+              << ", schedule " << choice.schedule_name << ", " << choice.microbatches
+              << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
+              << replicas_note(dp) << '\n';
     print_plan(setup, choice);
   }
 
   engine sys;
-  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, "cross_entropy",
-                                sgd_spec(a.lr, a.momentum < 0 ? 0.9 : a.momentum));
+  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, loss, sgd_spec(a.lr, momentum));
   auto& pipe = *pipe_ptr;
-  auto report = train_classifier(pipe, train, test, to);
+  auto report = train(pipe, *data, to);
   if (!lead) {
     return 0;
   }
-
-  nlohmann::json j;
-  j["config"] = config_json(a, setup, choice);
-  j["steps"] = nlohmann::json::array();
-  for (const auto& [step, loss] : report.steps) {
-    j["steps"].push_back({{"step", step}, {"loss", loss}});
-  }
-  j["epochs"] = nlohmann::json::array();
-  for (const auto& e : report.epochs) {
-    j["epochs"].push_back({{"epoch", e.epoch},
-                           {"train_loss", e.train_loss},
-                           {"test_loss", e.test.loss},
-                           {"top1", e.test.top1},
-                           {"top5", e.test.top5},
-                           {"seconds", e.seconds}});
-  }
-  if (!report.epochs.empty()) {
+  if (!synthetic && !report.epochs.empty()) {
     std::cout << "test accuracy: top-1 " << report.epochs.back().test.top1 << ", top-5 "
               << report.epochs.back().test.top5 << '\n';
   }
-  write_json(a.json, j);
-  return 0;
-}
-
-int run_synthetic(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                  pipeline_options po) {
-  const auto& mo = setup.options;
-  po.loss = builtin_loss("mse");
-  po.optimizer = sgd(a.lr, a.momentum < 0 ? 0.0 : a.momentum);
-  if (po.data_parallel.rank == 0) {
-    std::cout << "actorpipe train: " << setup.name << " on synthetic data, "
-              << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
-              << ", schedule " << choice.schedule_name << ", " << choice.microbatches
-              << " micro-batches, batch " << setup.batch << ", input " << mo.in_channels << 'x'
-              << mo.image_size << 'x' << mo.image_size << ", seed " << a.model.seed
-              << replicas_note(po.data_parallel) << '\n';
-    print_plan(setup, choice);
-  }
-
-  const auto& dp = po.data_parallel;
-  const bool lead = dp.rank == 0;
-  engine sys;
-  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, "mse",
-                                sgd_spec(a.lr, a.momentum < 0 ? 0.0 : a.momentum));
-  auto& pipe = *pipe_ptr;
-  nlohmann::json report;
-  report["config"] = config_json(a, setup, choice);
-  report["steps"] = nlohmann::json::array();
-  std::vector<step_result> results;
-  for (std::size_t step = 0; step < a.steps; ++step) {
-    // Every rank draws the whole batch from the step's own generator and takes its part.
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(a.model.seed * 1000003ULL + step + 1);
-    auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size}, gen,
-                          torch::TensorOptions());
-    auto labels = torch::randint(mo.num_classes, {setup.batch}, gen, torch::kLong);
-    auto y = torch::nn::functional::one_hot(labels, mo.num_classes).to(torch::kFloat);
-    if (dp.replicas > 1) {
-      auto part = static_cast<std::size_t>(dp.rank);
-      x = torch::tensor_split(x, static_cast<int64_t>(dp.replicas), 0).at(part);
-      y = torch::tensor_split(y, static_cast<int64_t>(dp.replicas), 0).at(part);
+  if (!a.json.empty()) {
+    nlohmann::json j;
+    j["config"] = config_json(a, setup, choice);
+    j["steps"] = nlohmann::json::array();
+    for (std::size_t i = 0; i < report.steps.size(); ++i) {
+      nlohmann::json row{{"step", report.steps[i].first}, {"loss", report.steps[i].second}};
+      if (i < report.results.size()) {
+        const auto& r = report.results[i];
+        nlohmann::json stages = nlohmann::json::array();
+        for (const auto& st : r.stages) {
+          stages.push_back({{"stage", st.stage},
+                            {"forward_ms", st.forward_ms},
+                            {"backward_ms", st.backward_ms},
+                            {"wait_ms", st.wait_ms},
+                            {"optimizer_ms", st.optimizer_ms},
+                            {"sync_ms", st.sync_end_ms - st.sync_start_ms},
+                            {"peak_stash", st.peak_stash}});
+        }
+        row["wall_ms"] = r.wall_ms;
+        row["stages"] = stages;
+      }
+      j["steps"].push_back(row);
     }
-    auto r = pipe.train_step(x, y);
-    if (lead) {
-      std::cout << "step " << r.step << "/" << a.steps << "  loss " << std::setprecision(9)
-                << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
-                << std::flush;
+    j["epochs"] = nlohmann::json::array();
+    for (const auto& e : report.epochs) {
+      j["epochs"].push_back({{"epoch", e.epoch},
+                             {"train_loss", e.train_loss},
+                             {"test_loss", e.test.loss},
+                             {"top1", e.test.top1},
+                             {"top5", e.test.top5},
+                             {"seconds", e.seconds}});
     }
-    nlohmann::json stages = nlohmann::json::array();
-    for (const auto& s : r.stages) {
-      stages.push_back({{"stage", s.stage},
-                        {"forward_ms", s.forward_ms},
-                        {"backward_ms", s.backward_ms},
-                        {"wait_ms", s.wait_ms},
-                        {"optimizer_ms", s.optimizer_ms},
-                        {"sync_ms", s.sync_end_ms - s.sync_start_ms},
-                        {"peak_stash", s.peak_stash}});
-    }
-    report["steps"].push_back(
-      {{"step", r.step}, {"loss", r.loss}, {"wall_ms", r.wall_ms}, {"stages", stages}});
-    results.push_back(std::move(r));
+    write_json(a.json, j);
   }
-  if (!lead) {
-    return 0;
-  }
-  write_json(a.json, report);
-  if (!a.trace.empty()) {
-    write_chrome_trace(a.trace, results);
-    std::cout
-      << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
-      << "planned against measured, last step:\n"
-      << compare_bubbles(pipe.training_schedule(), choice.microbatches, results.back()).to_string();
+  if (!a.trace.empty() && !report.results.empty()) {
+    write_chrome_trace(a.trace, report.results);
+    std::cout << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
+              << "planned against measured, last step:\n"
+              << compare_bubbles(pipe.training_schedule(), choice.microbatches,
+                                 report.results.back())
+                   .to_string();
   }
   return 0;
 }
@@ -310,6 +316,7 @@ int run_train(const train_args& a) {
   ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
+  check_flags_apply(a, choice);
   auto po = pipeline_options_for(choice, a.plan);
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
@@ -349,8 +356,7 @@ int run_train(const train_args& a) {
                   "--batch (", setup.batch, ") must be a multiple of the ",
                   std::max(a.replicas, dp.replicas), " replicas");
   auto run_rank = [&](const model_setup& model, pipeline_options o) {
-    return a.model.data == "synthetic" ? run_synthetic(a, model, choice, std::move(o))
-                                       : run_fashion_mnist(a, model, choice, std::move(o));
+    return run_training(a, model, choice, std::move(o));
   };
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));

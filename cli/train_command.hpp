@@ -3,12 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <actorpipe/tls.hpp>
 
-#include "cli/planning.hpp"
+#include "cli/flags.hpp"
 
 namespace CLI {
 class App;
@@ -21,7 +22,8 @@ struct train_args {
   model_args model;
   planning_args plan;
   std::string data_dir;
-  std::size_t steps = 3;
+  /// 0: 3 for synthetic data, all epochs for Fashion-MNIST.
+  std::size_t steps = 0;
   int64_t epochs = 1;
   double lr = 0.05;
   double momentum = -1;
@@ -53,6 +55,8 @@ struct train_args {
   std::string secret_file;
   tls_options tls;
   int64_t connect_timeout_ms = 10000;
+  /// Whether a flag was given on the command line (set by add_train_command; unset: none was).
+  std::function<bool(const std::string&)> given;
 };
 
 /// Adds the `train` subcommand; `args` receives the parsed flags.

@@ -3,6 +3,8 @@
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
 #endif
+#include <actorpipe/errors.hpp>
+
 #include "comm/replica_group.hpp"
 #include "logging/log.hpp"
 
@@ -60,11 +62,13 @@ c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o) {
   try {
     return c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
   } catch (const std::exception& e) {
-    throw pipeline_error(detail::concat(
-      who(o), ": ",
-      o.rank == 0 ? "cannot serve the rendezvous store on "
-                  : "cannot reach the rendezvous store of rank 0 at ",
-      o.master_addr, ":", o.master_port, " within ", o.timeout.count(), " ms: ", brief(e)));
+    throw pipeline_error(detail::concat(who(o), ": ",
+                                        o.rank == 0
+                                          ? "cannot serve the rendezvous store on "
+                                          : "cannot reach the rendezvous store of rank 0 at ",
+                                        o.master_addr, ":", o.master_port, " within ",
+                                        o.timeout.count(), " ms: ", brief(e)),
+                         error_details{error_kind::replica_failure});
   }
 }
 
@@ -91,7 +95,8 @@ void barrier(c10d::Store& store, const data_parallel_options& o) {
       throw pipeline_error(detail::concat(who(o), ": rank", missing.size() > 1 ? "s " : " ", names,
                                           " of ", o.replicas, " did not arrive at the rendezvous (",
                                           rendezvous_of(o), ", group '", o.group, "') within ",
-                                          o.timeout.count(), " ms"));
+                                          o.timeout.count(), " ms"),
+                           error_details{error_kind::replica_failure});
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -129,7 +134,8 @@ struct stage_sync::impl {
     } catch (const std::exception& e) {
       throw pipeline_error(detail::concat(where(what), " failed or passed its deadline of ",
                                           timeout.count(),
-                                          " ms (a replica failed or is gone): ", brief(e)));
+                                          " ms (a replica failed or is gone): ", brief(e)),
+                           error_details{error_kind::replica_failure});
     }
   }
 
@@ -299,7 +305,8 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
     } catch (const std::exception& e) {
       throw pipeline_error(detail::concat(who(o), ": the process group of stage ", s,
                                           " did not form within ", o.timeout.count(),
-                                          " ms: ", brief(e)));
+                                          " ms: ", brief(e)),
+                           error_details{error_kind::replica_failure});
     }
     self->stage = s;
     self->rank = o.rank;

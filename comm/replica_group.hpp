@@ -15,7 +15,7 @@
 
 #include <torch/types.h>
 
-#include <actorpipe/pipeline.hpp>
+#include <actorpipe/options.hpp>
 
 namespace actorpipe::comm {
 

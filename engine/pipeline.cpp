@@ -12,9 +12,6 @@
 #include <caf/all.hpp>
 #include <caf/io/middleman.hpp>
 #include <caf/openssl/manager.hpp>
-#include <torch/nn/functional/loss.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/sgd.h>
 
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
@@ -28,44 +25,6 @@
 #include "stages/stage.hpp"
 
 namespace actorpipe {
-
-optimizer_factory sgd(double lr, double momentum, double weight_decay) {
-  ACTORPIPE_CHECK(lr > 0, "sgd: learning rate (", lr, ") must be > 0");
-  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::SGD>(
-      std::move(params),
-      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
-  };
-}
-
-optimizer_factory adam(double lr) {
-  ACTORPIPE_CHECK(lr > 0, "adam: learning rate (", lr, ") must be > 0");
-  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
-  };
-}
-
-optimizer_factory make_optimizer(const optimizer_spec& spec) {
-  if (spec.name == "sgd") {
-    return sgd(spec.lr, spec.momentum, spec.weight_decay);
-  }
-  if (spec.name == "adam") {
-    return adam(spec.lr);
-  }
-  throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));
-}
-
-loss_function builtin_loss(const std::string& name) {
-  if (name == "mse") {
-    return [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
-  }
-  if (name == "cross_entropy") {
-    return [](const torch::Tensor& y, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(y, t);
-    };
-  }
-  throw invalid_argument(detail::concat("unknown loss '", name, "' (known: mse, cross_entropy)"));
-}
 
 struct engine::impl {
   explicit impl(std::size_t workers) : system(configure(config, workers)) {}
@@ -170,7 +129,8 @@ struct pipeline::impl {
     auto deadline = options.step_timeout + std::chrono::seconds(30);
     if (future.wait_for(deadline) != std::future_status::ready) {
       throw pipeline_error(detail::concat(what, ": the scheduler did not answer within ",
-                                          std::chrono::milliseconds(deadline).count(), " ms"));
+                                          std::chrono::milliseconds(deadline).count(), " ms"),
+                           error_details{error_kind::timeout});
     }
     return future.get();
   }
@@ -405,7 +365,9 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
     sys.internals().use_tls(options.placement.tls);
   }
   auto& actor_system = sys.internals().system;
-  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
+  auto so = scheduler_options_of(options);
+  so.nodes = options.placement.nodes;
+  self.scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   try {
     auto remote = nodes::connect_stages(actor_system, model, cut, options, threads, self.scheduler);
     self.stage_actors = std::move(remote.proxies);
@@ -469,7 +431,8 @@ void pipeline::save_state(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
-    throw pipeline_error(detail::concat("save_state: cannot create '", dir, "': ", ec.message()));
+    throw pipeline_error(detail::concat("save_state: cannot create '", dir, "': ", ec.message()),
+                         error_details{error_kind::io});
   }
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::save;
@@ -493,13 +456,15 @@ void pipeline::load_state(const std::string& dir) {
     for (auto& [key, value] : stages::load_tensors(entry.path().string())) {
       if (!all->emplace(key, std::move(value)).second) {
         throw pipeline_error(
-          detail::concat("load_state: tensor '", key, "' appears twice in '", dir, "'"));
+          detail::concat("load_state: tensor '", key, "' appears twice in '", dir, "'"),
+          error_details{error_kind::io});
       }
     }
   }
   if (ec || files == 0) {
     throw pipeline_error(detail::concat("load_state: no stage-*.pt files in '", dir, "'",
-                                        ec ? ": " + ec.message() : std::string{}));
+                                        ec ? ": " + ec.message() : std::string{}),
+                         error_details{error_kind::io});
   }
   // All-or-nothing: check every stage's needs and every file's tensors before loading any.
   std::set<std::string> known;
@@ -508,12 +473,14 @@ void pipeline::load_state(const std::string& dir) {
       auto it = all->find(key);
       if (it == all->end()) {
         throw pipeline_error(detail::concat("load_state: '", dir, "' has no tensor '", key,
-                                            "' (needed by stage ", st->config().index, ")"));
+                                            "' (needed by stage ", st->config().index, ")"),
+                             error_details{error_kind::io});
       }
       if (it->second.sizes().vec() != shape) {
-        throw pipeline_error(detail::concat(
-          "load_state: tensor '", key, "' in '", dir, "' has shape ", it->second.sizes(),
-          " but stage ", st->config().index, " needs ", c10::IntArrayRef(shape)));
+        throw pipeline_error(detail::concat("load_state: tensor '", key, "' in '", dir,
+                                            "' has shape ", it->second.sizes(), " but stage ",
+                                            st->config().index, " needs ", c10::IntArrayRef(shape)),
+                             error_details{error_kind::shape_mismatch});
       }
       known.insert(key);
     }
@@ -525,7 +492,8 @@ void pipeline::load_state(const std::string& dir) {
     }
     if (known.count(name) == 0) {
       throw pipeline_error(detail::concat("load_state: '", dir, "' holds tensor '", key,
-                                          "', which this model does not have"));
+                                          "', which this model does not have"),
+                           error_details{error_kind::io});
     }
   }
   auto request = std::make_shared<scheduler::step_request>();

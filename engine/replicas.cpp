@@ -38,8 +38,9 @@ std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::millis
   for (std::size_t r = 0; r < futures.size(); ++r) {
     try {
       if (futures[r].wait_for(deadline) != std::future_status::ready) {
-        throw pipeline_error(detail::concat(what, ": replica ", r, " did not answer within ",
-                                            deadline.count(), " ms"));
+        throw pipeline_error(
+          detail::concat(what, ": replica ", r, " did not answer within ", deadline.count(), " ms"),
+          error_details{error_kind::timeout});
       }
       values.push_back(futures[r].get());
     } catch (...) {

@@ -2,9 +2,6 @@
 
 #include <actorpipe/batch_norm.hpp>
 
-#include <cstdio>
-#include <cstdlib>
-
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
@@ -12,15 +9,6 @@
 #include <actorpipe/errors.hpp>
 
 namespace actorpipe {
-
-namespace detail {
-
-void assertion_failed(const char* condition, const char* file, int line) {
-  std::fprintf(stderr, "actorpipe: assertion failed: %s (%s:%d)\n", condition, file, line);
-  std::abort();
-}
-
-} // namespace detail
 
 layer::layer(std::string name, torch::nn::AnyModule module)
   : name_(std::move(name)), module_(std::move(module)) {

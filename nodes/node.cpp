@@ -16,8 +16,11 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 
+#include <actorpipe/losses.hpp>
 #include <actorpipe/models.hpp>
+#include <actorpipe/optimizers.hpp>
 
+#include "actors/request_error.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
@@ -67,7 +70,7 @@ caf::behavior link_actor(caf::event_based_actor* self, std::shared_ptr<comm::ten
     try {
       hub->send(to.host, to.port, comm::describe(kind, to_stage, step, microbatch, chunk, t), t);
     } catch (const std::exception& e) {
-      self->send(host, link_failed_atom::value, from_stage, step,
+      self->send(host, link_failed_atom::value, from_stage, step, microbatch, to.node,
                  detail::concat("stage ", from_stage, " could not send the ", comm::to_string(kind),
                                 " of microbatch ", microbatch, " to stage ", to_stage, " on node ",
                                 to.node, ": ", e.what()));
@@ -85,6 +88,9 @@ caf::behavior link_actor(caf::event_based_actor* self, std::shared_ptr<comm::ten
 
 struct hosted {
   caf::actor actor;
+  // How long the node waits for its stage actor to answer an abort or an update: the stage's
+  // wait deadline, which the scheduler's own requests also use.
+  std::chrono::milliseconds deadline{60000};
   std::shared_ptr<stages::stage> stage;
   caf::actor proxy;
   peer_table peers;
@@ -206,6 +212,7 @@ std::string build(node_actor* self, const std::string& text) {
   options.report_gradient_norm = spec.report_gradient_norm;
   hosted h;
   h.stage = st;
+  h.deadline = options.wait_timeout;
   h.actor = spawn_stage(self->system(), {st}, caf::actor_cast<caf::actor>(self), options);
   {
     std::lock_guard<std::mutex> lock(s.route->mutex);
@@ -364,6 +371,7 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
         h->plan = step_plan_from_json(text, targets);
       } catch (const std::exception& e) {
         self->send(h->proxy, rfailed_atom::value, index, uint64_t{0},
+                   error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
                    detail::concat("node ", self->state.label, ": ", e.what()));
         return;
       }
@@ -403,29 +411,33 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
         }
       } catch (const std::exception& e) {
         self->send(h->proxy, rfailed_atom::value, index, report.step,
+                   error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
                    detail::concat("stage ", index, " on node ", self->state.label,
                                   " could not send its outputs: ", e.what()));
         return;
       }
       self->send(h->proxy, rdone_atom::value, index, to_json(report));
     },
-    [=](failed_atom, uint64_t step, const std::string& message) {
+    [=](failed_atom, uint64_t step, const failure& why) {
       auto* h = find_by_actor(self->state, self->current_sender());
       if (h != nullptr) {
         // Say where the neighbour it waited for lives.
-        auto text = message;
+        auto text = why.message;
         for (std::size_t j = 0; j < h->peers.stages.size(); ++j) {
-          if (message.find(detail::concat("from stage ", j, " ")) != std::string::npos) {
+          if (why.message.find(detail::concat("from stage ", j, " ")) != std::string::npos) {
             text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
           }
         }
         self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index),
-                   step, text);
+                   step, error_kind_to_wire(why.details.kind), why.details.microbatch.value_or(-1),
+                   why.details.node, text);
       }
     },
-    [=](link_failed_atom, uint32_t index, uint64_t step, const std::string& message) {
+    [=](link_failed_atom, uint32_t index, uint64_t step, int32_t microbatch,
+        const std::string& node, const std::string& message) {
       if (auto* h = find(index); h != nullptr && allowed(self, "link")) {
-        self->send(h->proxy, rfailed_atom::value, index, step, message);
+        self->send(h->proxy, rfailed_atom::value, index, step,
+                   error_kind_to_wire(error_kind::node_lost), microbatch, node, message);
       }
     },
     [=](rabort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
@@ -435,9 +447,16 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       }
       h->pending = false;
       auto rp = self->make_response_promise<bool>();
-      self->request(h->actor, caf::infinite, abort_atom::value, step)
+      auto deadline = h->deadline;
+      self->request(h->actor, deadline, abort_atom::value, step)
         .then([=](bool ok) mutable { rp.deliver(ok); },
-              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+              [=](caf::error& e) mutable {
+                rp.deliver(
+                  caf::make_error(caf::sec::runtime_error,
+                                  detail::concat("stage ", index, " on node ", self->state.label,
+                                                 ", asked to abort, ",
+                                                 request_error(self->system(), e, deadline))));
+              });
       return rp;
     },
     [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
@@ -447,9 +466,14 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
         return {0.0, missing(index)};
       }
       auto rp = self->make_response_promise<double, std::string>();
-      self->request(h->actor, caf::infinite, update_atom::value, step, lr, scale)
+      auto deadline = h->deadline;
+      self->request(h->actor, deadline, update_atom::value, step, lr, scale)
         .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
-              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+              [=](caf::error& e) mutable {
+                rp.deliver(0.0, detail::concat("stage ", index, " on node ", self->state.label,
+                                               ", asked to step its optimizer, ",
+                                               request_error(self->system(), e, deadline)));
+              });
       return rp;
     },
     [=](rsave_atom, uint32_t index, uint64_t id) -> std::string {

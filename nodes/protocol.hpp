@@ -21,7 +21,9 @@
 /// - (release_atom, uint32 stage): drop the stage.
 /// proxy (scheduler side):
 /// - (rdone_atom, uint32 stage, std::string report), then output frames when forward-only
-/// - (rfailed_atom, uint32 stage, uint64 step, std::string message)
+/// - (rfailed_atom, uint32 stage, uint64 step, uint8 kind, int32 microbatch, std::string node,
+///   std::string message): the step failed; kind is an error_kind (error_kind_to_wire),
+///   microbatch -1 when none, node the node concerned when it is not the stage's own.
 #pragma once
 
 #include <string>
@@ -30,7 +32,7 @@
 #include <caf/fwd.hpp>
 #include <nlohmann/json_fwd.hpp>
 
-#include <actorpipe/pipeline.hpp>
+#include <actorpipe/options.hpp>
 #include <actorpipe/tls.hpp>
 
 #include "actors/messages.hpp"
@@ -95,6 +97,15 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what);
 
 std::string to_hex(const std::string& bytes);
+
+/// An error_kind as rfailed carries it, and back; an unknown number reads as error_kind::other.
+inline uint8_t error_kind_to_wire(error_kind kind) {
+  return static_cast<uint8_t>(kind);
+}
+inline error_kind error_kind_from_wire(uint8_t value) {
+  return value <= static_cast<uint8_t>(error_kind::io) ? static_cast<error_kind>(value)
+                                                       : error_kind::other;
+}
 
 /// Control over TLS: the identity CAF's OpenSSL module presents and the CA it checks peers
 /// against. Set before the module makes its first connection (sessions read the config then).

@@ -73,9 +73,17 @@ struct proxy_state {
 
 using proxy_actor = caf::stateful_actor<proxy_state>;
 
-void fail_step(proxy_actor* self, uint64_t step, const std::string& message) {
-  self->state.running = false;
-  self->send(self->state.scheduler, failed_atom::value, step, message);
+// Fails `step` on the scheduler: a failure of this stage, on this proxy's node unless `why`
+// names another.
+void fail_step(proxy_actor* self, uint64_t step, failure why) {
+  auto& s = self->state;
+  s.running = false;
+  why.details.stage = s.index;
+  why.details.step = step;
+  if (why.details.node.empty()) {
+    why.details.node = s.label.substr(s.label.find(' ') + 1);
+  }
+  self->send(s.scheduler, failed_atom::value, step, std::move(why));
 }
 
 void maybe_report(proxy_actor* self) {
@@ -140,8 +148,9 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
                                self->system().render(msg.reason), ")");
     if (st.running) {
       fail_step(self, st.step,
-                detail::concat(what, " while the scheduler waited for stage ", st.index,
-                               " to finish its program of step ", st.step));
+                failure{{error_kind::node_lost},
+                        detail::concat(what, " while the scheduler waited for stage ", st.index,
+                                       " to finish its program of step ", st.step)});
     }
     for (auto& [id, save] : st.saves) {
       save.promise.deliver(what);
@@ -179,8 +188,9 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
         send_all(comm::frame_kind::target, plan.targets);
       } catch (const std::exception& e) {
         fail_step(self, plan.step,
-                  detail::concat("sending step ", plan.step, "'s data to stage ", st.index, " on ",
-                                 st.label, " failed: ", e.what()));
+                  failure{{error_kind::node_lost},
+                          detail::concat("sending step ", plan.step, "'s data to stage ", st.index,
+                                         " on ", st.label, " failed: ", e.what())});
         return;
       }
       self->send(st.node, rplan_atom::value, st.index, to_json(plan, plan.targets.size()));
@@ -190,7 +200,8 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
       try {
         st.report = stage_report_from_json(text, st.outputs_expected);
       } catch (const std::exception& e) {
-        fail_step(self, st.step, detail::concat(st.label, " sent a bad report: ", e.what()));
+        fail_step(self, st.step,
+                  failure{{}, detail::concat(st.label, " sent a bad report: ", e.what())});
         return;
       }
       if (st.report.step != st.step) {
@@ -203,10 +214,16 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
       self->state.outputs[{step, microbatch}] = std::move(t);
       maybe_report(self);
     },
-    [=](rfailed_atom, uint32_t, uint64_t step, const std::string& message) {
+    [=](rfailed_atom, uint32_t, uint64_t step, uint8_t kind, int32_t microbatch,
+        const std::string& node, const std::string& message) {
       auto& st = self->state;
       if (st.running && (step == st.step || step == 0)) {
-        fail_step(self, st.step, detail::concat(message, " [", st.label, "]"));
+        failure why{{error_kind_from_wire(kind)}, detail::concat(message, " [", st.label, "]")};
+        if (microbatch >= 0) {
+          why.details.microbatch = microbatch;
+        }
+        why.details.node = node;
+        fail_step(self, st.step, std::move(why));
       }
     },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {

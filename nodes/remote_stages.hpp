@@ -18,8 +18,8 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
+#include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
-#include <actorpipe/pipeline.hpp>
 
 namespace actorpipe::comm {
 class tensor_hub;

@@ -204,12 +204,6 @@ bool splits_backward(const schedule& s) {
   return false;
 }
 
-std::string to_string(const action& a) {
-  char kind = a.kind == action_kind::forward ? 'F' : a.kind == action_kind::backward ? 'B' : 'W';
-  return a.chunk == 0 ? detail::concat(kind, a.microbatch)
-                      : detail::concat(kind, a.microbatch, '@', a.chunk);
-}
-
 std::string to_string(const stage_program& program) {
   std::string out;
   for (const auto& a : program) {

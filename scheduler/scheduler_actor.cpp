@@ -4,6 +4,7 @@
 #include <cmath>
 #include <deque>
 #include <map>
+#include <optional>
 
 #include <caf/all.hpp>
 
@@ -22,8 +23,8 @@ struct scheduler_state {
   scheduler_options options;
   std::vector<caf::actor> stages;
   std::deque<std::shared_ptr<step_request>> queue;
-  // A stage actor that terminated makes every later step fail at once with this text.
-  std::string broken;
+  // A stage actor that terminated makes every later step fail at once with this failure.
+  std::optional<failure> broken;
 
   std::shared_ptr<step_request> current;
   uint64_t step = 0;
@@ -33,7 +34,7 @@ struct scheduler_state {
   std::size_t updated = 0;
   double grad_norm = 0;
   bool aborting = false;
-  std::string abort_message;
+  failure abort_failure;
   std::size_t aborts_pending = 0;
   std::map<std::pair<std::size_t, bool>, schedule> schedules;
 
@@ -52,23 +53,35 @@ void finish(scheduler_actor_type* self, step_outcome outcome) {
   start_next(self);
 }
 
-void finish_with_error(scheduler_actor_type* self, const std::string& message) {
+void finish_with_error(scheduler_actor_type* self, const failure& why) {
   step_outcome outcome;
-  outcome.error = std::make_exception_ptr(pipeline_error(message));
+  outcome.error = std::make_exception_ptr(pipeline_error(why.message, why.details));
   finish(self, std::move(outcome));
+}
+
+// A failed request to stage `stage`: a timeout, a stage that is gone, or CAF's error.
+failure request_failure(scheduler_actor_type* self, std::size_t stage, uint64_t step,
+                        const caf::error& err, std::chrono::milliseconds timeout,
+                        const std::string& what) {
+  return failure{{request_error_kind(err), stage, std::nullopt, step},
+                 detail::concat("stage ", stage, ", step ", step, ", asked to ", what, ", ",
+                                request_error(self->system(), err, timeout))};
 }
 
 // Fails the running step: every stage is told to abort (drop stash and gradients, restore
 // buffers), and the step's caller hears of the failure only once all stages confirmed, so that
 // the pipeline it then inspects is exactly as before the step.
-void fail(scheduler_actor_type* self, const std::string& message) {
+void fail(scheduler_actor_type* self, failure why) {
   auto& s = self->state;
   if (s.aborting) {
     return;
   }
   s.aborting = true;
-  s.abort_message = message;
-  log::get()->warn("step {} fails: {}", s.step, message);
+  if (!why.details.step) {
+    why.details.step = s.step;
+  }
+  s.abort_failure = std::move(why);
+  log::get()->warn("step {} fails: {}", s.step, s.abort_failure.message);
   s.aborts_pending = s.stages.size();
   auto step = s.step;
   auto confirmed = [=](const std::string& note) {
@@ -77,10 +90,10 @@ void fail(scheduler_actor_type* self, const std::string& message) {
       return;
     }
     if (!note.empty()) {
-      st.abort_message += "; " + note;
+      st.abort_failure.message += "; " + note;
     }
     if (--st.aborts_pending == 0) {
-      finish_with_error(self, st.abort_message);
+      finish_with_error(self, st.abort_failure);
     }
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
@@ -130,7 +143,7 @@ void run_state_request(scheduler_actor_type* self) {
       if (errors->empty()) {
         finish(self, step_outcome{});
       } else {
-        finish_with_error(self, *errors);
+        finish_with_error(self, failure{{error_kind::io}, *errors});
       }
     }
   };
@@ -157,8 +170,8 @@ void start_next(scheduler_actor_type* self) {
   }
   s.current = std::move(s.queue.front());
   s.queue.pop_front();
-  if (!s.broken.empty()) {
-    finish_with_error(self, s.broken);
+  if (s.broken) {
+    finish_with_error(self, *s.broken);
     return;
   }
   auto& request = *s.current;
@@ -251,7 +264,7 @@ void on_all_reported(scheduler_actor_type* self) {
             return;
           }
           if (!error.empty()) {
-            fail(self, error);
+            fail(self, failure{{error_kind::stage_failure, i, std::nullopt, step}, error});
             return;
           }
           st.reports[i].stats.optimizer_ms = optimizer_ms;
@@ -262,9 +275,8 @@ void on_all_reported(scheduler_actor_type* self) {
         [=](const caf::error& err) {
           auto& st = self->state;
           if (st.current && st.step == step) {
-            fail(self,
-                 detail::concat("stage ", i, ", step ", step, ", asked to step its optimizer, ",
-                                request_error(self->system(), err, st.options.step_timeout)));
+            fail(self, request_failure(self, i, step, err, st.options.step_timeout,
+                                       "step its optimizer"));
           }
         });
   }
@@ -276,10 +288,16 @@ caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options opti
     auto& s = self->state;
     for (std::size_t i = 0; i < s.stages.size(); ++i) {
       if (s.stages[i].address() == msg.source) {
-        s.broken = detail::concat("stage ", i, " terminated (", self->system().render(msg.reason),
-                                  "); the pipeline cannot run further steps");
+        auto on_node = i < s.options.nodes.size() && !s.options.nodes[i].empty();
+        s.broken =
+          failure{{on_node ? error_kind::node_lost : error_kind::stage_lost, i, std::nullopt,
+                   std::nullopt, on_node ? s.options.nodes[i] : ""},
+                  detail::concat("stage ", i, " terminated (", self->system().render(msg.reason),
+                                 "); the pipeline cannot run further steps")};
         if (s.current) {
-          fail(self, detail::concat("step ", s.step, ": ", s.broken));
+          auto why = *s.broken;
+          why.message = detail::concat("step ", s.step, ": ", why.message);
+          fail(self, std::move(why));
         }
         return;
       }
@@ -308,18 +326,19 @@ caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options opti
         on_all_reported(self);
       }
     },
-    [=](failed_atom, uint64_t step, std::string& message) {
+    [=](failed_atom, uint64_t step, failure& why) {
       auto& s = self->state;
       if (s.current && step == s.step) {
-        fail(self, message);
+        fail(self, std::move(why));
       }
     },
     [=](step_timeout_atom, uint64_t step) {
       auto& s = self->state;
       if (s.current && step == s.step) {
-        fail(self, detail::concat("step ", step, " did not finish within ",
-                                  s.options.step_timeout.count(), " ms (", s.reported, " of ",
-                                  s.stages.size(), " stages reported)"));
+        fail(self, failure{{error_kind::timeout, std::nullopt, std::nullopt, step},
+                           detail::concat("step ", step, " did not finish within ",
+                                          s.options.step_timeout.count(), " ms (", s.reported,
+                                          " of ", s.stages.size(), " stages reported)")});
       }
     },
   };

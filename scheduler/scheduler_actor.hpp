@@ -23,7 +23,8 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
-#include <actorpipe/pipeline.hpp>
+#include <actorpipe/actions.hpp>
+#include <actorpipe/results.hpp>
 #include <actorpipe/schedule.hpp>
 
 namespace actorpipe::scheduler {
@@ -76,6 +77,9 @@ struct scheduler_options {
   std::chrono::milliseconds abort_timeout{60000};
   /// Global gradient-norm clipping when > 0 (stages then report their squared gradient sums).
   double max_grad_norm = 0;
+  /// Per stage actor, the node ("host:port") that hosts it; empty when stages are in process. A
+  /// stage actor that terminates is then a lost node (error_kind::node_lost), not a lost stage.
+  std::vector<std::string> nodes;
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.

@@ -95,6 +95,10 @@ std::string stage::where(int32_t microbatch) const {
   return detail::concat("stage ", config_.index, ", microbatch ", microbatch);
 }
 
+error_details stage::details(int32_t microbatch, error_kind kind) const {
+  return error_details{kind, config_.index, microbatch};
+}
+
 void stage::begin_step(bool train) {
   std::lock_guard<std::mutex> guard{mutex_};
   train_ = train;
@@ -139,10 +143,16 @@ torch::Tensor stage::run(int32_t microbatch, const torch::Tensor& input) const {
         source = detail::concat("the activation from stage ", config_.index - 1);
       }
       auto expected = l.expected_input();
-      throw pipeline_error(detail::concat(
-        where(microbatch), ": layer '", l.name(), "' (model layer ", config_.first_layer + i,
-        ") cannot take ", source, " of shape ", shape_of(x),
-        expected.empty() ? "" : "; it expects ", expected, ". libtorch: ", first_line(what)));
+      throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
+                                          "' (model layer ", config_.first_layer + i,
+                                          ") cannot take ", source, " of shape ", shape_of(x),
+                                          expected.empty() ? "" : "; it expects ", expected,
+                                          ". libtorch: ", first_line(what)),
+                           // libtorch refusing the tensor is (almost always) its shape; anything
+                           // else the layer threw is the layer's own failure.
+                           details(microbatch, dynamic_cast<const c10::Error*>(&e) != nullptr
+                                                 ? error_kind::shape_mismatch
+                                                 : error_kind::stage_failure));
     }
   }
   return x;
@@ -184,11 +194,14 @@ double stage::forward_loss(int32_t microbatch, const torch::Tensor& input,
   } catch (const c10::Error& e) {
     throw pipeline_error(detail::concat(where(microbatch), ": the loss function failed on output ",
                                         shape_of(y), " and target ", shape_of(target),
-                                        ". libtorch: ", first_line(e.what_without_backtrace())));
+                                        ". libtorch: ", first_line(e.what_without_backtrace())),
+                         details(microbatch, error_kind::stage_failure));
   }
   if (value.numel() != 1) {
-    throw pipeline_error(detail::concat(
-      where(microbatch), ": the loss function must return a scalar, got shape ", shape_of(value)));
+    throw pipeline_error(detail::concat(where(microbatch),
+                                        ": the loss function must return a scalar, got shape ",
+                                        shape_of(value)),
+                         details(microbatch, error_kind::stage_failure));
   }
   stash_[microbatch] = stash_entry{x, value * scale, {}, false};
   peak_stash_ = std::max(peak_stash_, stash_.size());
@@ -202,9 +215,11 @@ torch::Tensor stage::start_gradient(int32_t microbatch, const stash_entry& entry
   }
   auto g = output_gradient.to(config_.device);
   if (!g.sizes().equals(entry.output.sizes())) {
-    throw pipeline_error(detail::concat(
-      where(microbatch), ": the gradient from stage ", config_.index + 1, " has shape ",
-      shape_of(g), " but the stage's output has shape ", shape_of(entry.output)));
+    throw pipeline_error(detail::concat(where(microbatch), ": the gradient from stage ",
+                                        config_.index + 1, " has shape ", shape_of(g),
+                                        " but the stage's output has shape ",
+                                        shape_of(entry.output)),
+                         details(microbatch, error_kind::shape_mismatch));
   }
   return g;
 }
@@ -221,7 +236,8 @@ torch::Tensor stage::backward(int32_t microbatch, const torch::Tensor& output_gr
   std::lock_guard<std::mutex> guard{mutex_};
   auto it = stash_.find(microbatch);
   if (it == stash_.end()) {
-    throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"));
+    throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"),
+                         details(microbatch, error_kind::stage_failure));
   }
   auto g = start_gradient(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
@@ -242,7 +258,8 @@ torch::Tensor stage::backward_input(int32_t microbatch, const torch::Tensor& out
   auto it = stash_.find(microbatch);
   if (it == stash_.end() || it->second.input_done) {
     throw pipeline_error(detail::concat(where(microbatch), ": input-gradient backward without a "
-                                                           "stashed forward"));
+                                                           "stashed forward"),
+                         details(microbatch, error_kind::stage_failure));
   }
   auto& entry = it->second;
   entry.output_gradient = start_gradient(microbatch, entry, output_gradient);
@@ -265,7 +282,8 @@ void stage::backward_weight(int32_t microbatch) {
   auto it = stash_.find(microbatch);
   if (it == stash_.end() || !it->second.input_done) {
     throw pipeline_error(detail::concat(where(microbatch), ": weight-gradient backward before "
-                                                           "its input-gradient backward"));
+                                                           "its input-gradient backward"),
+                         details(microbatch, error_kind::stage_failure));
   }
   auto entry = std::move(it->second);
   stash_.erase(it);
@@ -446,12 +464,14 @@ void stage::load_state(const tensor_map& all) {
     auto it = all.find(name);
     if (it == all.end()) {
       throw pipeline_error(
-        detail::concat("stage ", config_.index, ": the checkpoint has no tensor '", name, "'"));
+        detail::concat("stage ", config_.index, ": the checkpoint has no tensor '", name, "'"),
+        error_details{error_kind::io, config_.index});
     }
     if (it->second.sizes().vec() != shape) {
       throw pipeline_error(detail::concat("stage ", config_.index, ": checkpoint tensor '", name,
                                           "' has shape ", shape_of(it->second), " but ",
-                                          c10::IntArrayRef(shape), " is needed"));
+                                          c10::IntArrayRef(shape), " is needed"),
+                           error_details{error_kind::shape_mismatch, config_.index});
     }
   }
   std::lock_guard<std::mutex> guard{mutex_};
@@ -511,7 +531,8 @@ stage::tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& w
     }
   } catch (const c10::Error& e) {
     throw pipeline_error(detail::concat(what, " is not a tensor file written by actorpipe: ",
-                                        first_line(e.what_without_backtrace())));
+                                        first_line(e.what_without_backtrace())),
+                         error_details{error_kind::io});
   }
   return result;
 }
@@ -521,7 +542,8 @@ void write_bytes(const std::string& path, const char* data, std::size_t size) {
   out.write(data, static_cast<std::streamsize>(size));
   out.flush();
   if (!out) {
-    throw pipeline_error(detail::concat("cannot write '", path, "'"));
+    throw pipeline_error(detail::concat("cannot write '", path, "'"),
+                         error_details{error_kind::io});
   }
 }
 
@@ -549,7 +571,7 @@ std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut
 stage::tensor_map load_tensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    throw pipeline_error(detail::concat("cannot read '", path, "'"));
+    throw pipeline_error(detail::concat("cannot read '", path, "'"), error_details{error_kind::io});
   }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return unpickle_tensors(std::move(bytes), detail::concat("'", path, "'"));

@@ -16,7 +16,8 @@
 #include <c10/core/Device.h>
 
 #include <actorpipe/layers.hpp>
-#include <actorpipe/pipeline.hpp>
+#include <actorpipe/options.hpp>
+#include <actorpipe/partition.hpp>
 
 namespace actorpipe {
 class DeferredBatchNorm2dImpl;
@@ -141,6 +142,8 @@ private:
 
   torch::Tensor run(int32_t microbatch, const torch::Tensor& input) const;
   std::string where(int32_t microbatch) const;
+  // The fields of a pipeline_error about `microbatch` of this stage.
+  error_details details(int32_t microbatch, error_kind kind) const;
   std::vector<torch::Tensor> buffers() const;
   std::vector<torch::Tensor> parameters() const;
 

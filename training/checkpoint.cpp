@@ -65,7 +65,8 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
     out << j.dump(2) << '\n';
     out.flush();
     if (!out) {
-      throw pipeline_error(detail::concat("cannot write '", (tmp / "manifest.json").string(), "'"));
+      throw pipeline_error(detail::concat("cannot write '", (tmp / "manifest.json").string(), "'"),
+                           error_details{error_kind::io});
     }
   }
   maybe_die("checkpoint-before-rename");
@@ -73,7 +74,8 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
   fs::rename(tmp, dir, ec);
   if (ec) {
     throw pipeline_error(
-      detail::concat("cannot publish checkpoint '", dir.string(), "': ", ec.message()));
+      detail::concat("cannot publish checkpoint '", dir.string(), "': ", ec.message()),
+      error_details{error_kind::io});
   }
   auto all = checkpoints_in(root);
   for (std::size_t i = 0; i + keep < all.size(); ++i) {
@@ -103,13 +105,14 @@ checkpoint_manifest read_manifest(const std::string& dir) {
   auto file = (fs::path(dir) / "manifest.json").string();
   std::ifstream in(file);
   if (!in) {
-    throw pipeline_error(detail::concat("cannot read '", file, "'"));
+    throw pipeline_error(detail::concat("cannot read '", file, "'"), error_details{error_kind::io});
   }
   try {
     auto j = nlohmann::json::parse(in);
     if (j.at("format") != manifest_format) {
-      throw pipeline_error(detail::concat("'", file, "': format ", j.at("format").dump(),
-                                          " is not ", manifest_format));
+      throw pipeline_error(
+        detail::concat("'", file, "': format ", j.at("format").dump(), " is not ", manifest_format),
+        error_details{error_kind::io});
     }
     checkpoint_manifest m;
     m.model = j.at("model").get<std::string>();
@@ -122,7 +125,8 @@ checkpoint_manifest read_manifest(const std::string& dir) {
     m.dataset = j.at("dataset").get<std::string>();
     return m;
   } catch (const nlohmann::json::exception& e) {
-    throw pipeline_error(detail::concat("'", file, "' is not a valid manifest: ", e.what()));
+    throw pipeline_error(detail::concat("'", file, "' is not a valid manifest: ", e.what()),
+                         error_details{error_kind::io});
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
@@ -103,47 +104,113 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
   return r;
 }
 
-train_report train_classifier(pipeline& pipe, const dataset& train, const dataset& test,
-                              const train_options& o) {
+dataset_source::dataset_source(std::string name, dataset train, dataset test)
+  : name_(std::move(name)), train_(std::move(train)), test_(std::move(test)) {}
+
+std::pair<torch::Tensor, torch::Tensor> dataset_source::batch(int64_t epoch, int64_t index,
+                                                              int64_t batch, uint64_t seed,
+                                                              int64_t rank,
+                                                              int64_t replicas) const {
+  // The order of an epoch is drawn once and reused for its batches.
+  if (order_epoch_ != epoch || !order_.defined()) {
+    order_ = replicas == 1 ? epoch_order(train_.size(), seed, epoch)
+                           : distributed_order(train_.size(), seed, epoch, rank, replicas);
+    order_epoch_ = epoch;
+  }
+  auto local = batch / replicas;
+  auto index_range = order_.slice(0, index * local, (index + 1) * local);
+  return {train_.images.index_select(0, index_range), train_.labels.index_select(0, index_range)};
+}
+
+std::optional<eval_result> dataset_source::evaluate(pipeline& pipe, int64_t batch) const {
+  return actorpipe::evaluate(pipe, test_, batch);
+}
+
+synthetic_source::synthetic_source(int64_t channels, int64_t side, int64_t classes)
+  : channels_(channels), side_(side), classes_(classes) {
+  ACTORPIPE_CHECK(channels >= 1 && side >= 1 && classes >= 1, "synthetic data: channels (",
+                  channels, "), side (", side, ") and classes (", classes, ") must be >= 1");
+}
+
+std::pair<torch::Tensor, torch::Tensor> synthetic_source::batch(int64_t, int64_t index,
+                                                                int64_t batch, uint64_t seed,
+                                                                int64_t rank,
+                                                                int64_t replicas) const {
+  // Every rank draws the whole batch from the step's own generator and takes its part.
+  auto gen =
+    at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(index) + 1);
+  auto x = torch::randn({batch, channels_, side_, side_}, gen, torch::TensorOptions());
+  auto labels = torch::randint(classes_, {batch}, gen, torch::kLong);
+  auto y = torch::nn::functional::one_hot(labels, classes_).to(torch::kFloat);
+  if (replicas > 1) {
+    x = torch::tensor_split(x, replicas, 0).at(static_cast<std::size_t>(rank));
+    y = torch::tensor_split(y, replicas, 0).at(static_cast<std::size_t>(rank));
+  }
+  return {x, y};
+}
+
+namespace {
+
+// Where a run starts: at the beginning, or where a checkpoint of the same run stopped.
+struct start_point {
+  uint64_t step = 0;
+  int64_t epoch = 0;
+  int64_t batch = 0;
+};
+
+start_point resume(pipeline& pipe, const batch_source& data, const train_options& o, bool lead) {
+  if (o.resume.empty()) {
+    return {};
+  }
+  auto dir = find_checkpoint(o.resume);
+  auto m = read_manifest(dir);
+  ACTORPIPE_CHECK(m.model == o.model, "checkpoint '", dir, "' is of model '", m.model, "', not '",
+                  o.model, "'");
+  ACTORPIPE_CHECK(m.batch_size == o.batch && m.seed == o.seed && m.dataset == data.name(),
+                  "checkpoint '", dir, "' was written with batch ", m.batch_size, ", seed ", m.seed,
+                  ", data ", m.dataset, "; this run has batch ", o.batch, ", seed ", o.seed,
+                  ", data ", data.name(), ": resuming would not continue the same run");
+  pipe.load_state(dir);
+  if (lead) {
+    std::cerr << "resumed from " << dir << " at step " << m.step << " (epoch " << m.epoch + 1
+              << ", batch " << m.batch_in_epoch << ")\n";
+  }
+  return {m.step, m.epoch, m.batch_in_epoch};
+}
+
+} // namespace
+
+train_report train(pipeline& pipe, const batch_source& data, const train_options& o) {
   ACTORPIPE_CHECK(o.epochs >= 1, "epochs (", o.epochs, ") must be >= 1");
   ACTORPIPE_CHECK(o.batch >= 1, "batch (", o.batch, ") must be >= 1");
   ACTORPIPE_CHECK(o.lr > 0, "learning rate (", o.lr, ") must be > 0");
+  ACTORPIPE_CHECK(o.max_steps >= 0, "max_steps (", o.max_steps, ") must be >= 0");
   ACTORPIPE_CHECK(o.replicas >= 1 && o.rank >= 0 && o.rank < o.replicas, "rank ", o.rank, " of ",
                   o.replicas, " replicas");
   ACTORPIPE_CHECK(o.batch % o.replicas == 0, "batch (", o.batch, ") must be a multiple of the ",
                   o.replicas, " replicas");
   const bool lead = o.rank == 0;
+  const bool stream = data.epoch_samples() == 0;
+  ACTORPIPE_CHECK(!stream || o.max_steps > 0, data.name(),
+                  " data is an endless stream: say how many steps to train (max_steps, --steps)");
   const int64_t local_batch = o.batch / o.replicas;
-  const int64_t shard = (train.size() + o.replicas - 1) / o.replicas;
-  const int64_t steps_per_epoch = shard / local_batch;
-  ACTORPIPE_CHECK(steps_per_epoch >= 1, "the training set (", train.size(),
+  // A stream's run is one "epoch" of max_steps steps.
+  const int64_t steps_per_epoch =
+    stream ? o.max_steps : ((data.epoch_samples() + o.replicas - 1) / o.replicas) / local_batch;
+  const int64_t epochs = stream ? 1 : o.epochs;
+  ACTORPIPE_CHECK(steps_per_epoch >= 1, "the training set (", data.epoch_samples(),
                   " samples) is smaller than one batch (", o.batch, ")");
-  cosine_schedule lr{o.lr, o.min_lr, o.warmup_steps, o.epochs * steps_per_epoch};
-
-  uint64_t step = 0;
-  int64_t first_epoch = 0;
-  int64_t first_batch = 0;
-  if (!o.resume.empty()) {
-    auto dir = find_checkpoint(o.resume);
-    auto m = read_manifest(dir);
-    ACTORPIPE_CHECK(m.model == o.model, "checkpoint '", dir, "' is of model '", m.model, "', not '",
-                    o.model, "'");
-    ACTORPIPE_CHECK(m.batch_size == o.batch && m.seed == o.seed && m.dataset == o.dataset,
-                    "checkpoint '", dir, "' was written with batch ", m.batch_size, ", seed ",
-                    m.seed, ", data ", m.dataset, "; this run has batch ", o.batch, ", seed ",
-                    o.seed, ", data ", o.dataset, ": resuming would not continue the same run");
-    pipe.load_state(dir);
-    step = m.step;
-    first_epoch = m.epoch;
-    first_batch = m.batch_in_epoch;
-    if (lead)
-      std::cerr << "resumed from " << dir << " at step " << step << " (epoch " << m.epoch + 1
-                << ", batch " << m.batch_in_epoch << ")\n";
-  }
-
+  const int64_t total_steps =
+    o.max_steps > 0 ? std::min(o.max_steps, epochs * steps_per_epoch) : epochs * steps_per_epoch;
+  cosine_schedule lr{o.lr, o.min_lr, o.warmup_steps, epochs * steps_per_epoch};
+  auto start = resume(pipe, data, o, lead);
+  uint64_t step = start.step;
   metrics_writer metrics(lead ? o.metrics : std::string{});
   train_report report;
-  auto manifest_at = [&](int64_t epoch, int64_t next_batch) {
+  auto checkpoint = [&](int64_t epoch, int64_t next_batch) {
+    if (!lead || o.checkpoint_dir.empty()) {
+      return;
+    }
     checkpoint_manifest m;
     m.model = o.model;
     m.bounds = pipe.cut().bounds;
@@ -152,34 +219,37 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
     m.batch_in_epoch = next_batch;
     m.seed = o.seed;
     m.batch_size = o.batch;
-    m.dataset = o.dataset;
-    return m;
+    m.dataset = data.name();
+    write_checkpoint(pipe, o.checkpoint_dir, m, o.keep);
   };
-  auto checkpoint = [&](int64_t epoch, int64_t next_batch) {
-    if (lead && !o.checkpoint_dir.empty()) {
-      write_checkpoint(pipe, o.checkpoint_dir, manifest_at(epoch, next_batch), o.keep);
-    }
-  };
-
-  for (int64_t epoch = first_epoch; epoch < o.epochs; ++epoch) {
-    auto order = o.replicas == 1
-                   ? epoch_order(train.size(), o.seed, epoch)
-                   : distributed_order(train.size(), o.seed, epoch, o.rank, o.replicas);
-    training::progress_bar bar(detail::concat("epoch ", epoch + 1, "/", o.epochs),
-                               steps_per_epoch * o.batch);
+  for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
+    auto label = stream ? std::string("steps") : detail::concat("epoch ", epoch + 1, "/", epochs);
+    training::progress_bar bar(label, steps_per_epoch * o.batch);
     double loss_sum = 0;
     int64_t loss_count = 0;
-    int64_t start_batch = epoch == first_epoch ? first_batch : 0;
+    int64_t start_batch = epoch == start.epoch ? start.batch : 0;
+    bool stopped = false;
     for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
-      auto index = order.slice(0, b * local_batch, (b + 1) * local_batch);
-      auto current_lr = lr.at(static_cast<int64_t>(step));
+      if (o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps)) {
+        stopped = true;
+        break;
+      }
+      auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
+      auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(step)) : o.lr;
       pipe.set_learning_rate(current_lr);
-      auto r =
-        pipe.train_step(train.images.index_select(0, index), train.labels.index_select(0, index));
+      auto r = pipe.train_step(x, y);
       ++step;
       report.steps.emplace_back(step, r.loss);
       loss_sum += r.loss;
       ++loss_count;
+      if (o.log_steps && lead) {
+        std::cout << "step " << step << "/" << total_steps << "  loss " << std::setprecision(9)
+                  << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+                  << std::flush;
+      }
+      if (o.keep_results) {
+        report.results.push_back(std::move(r));
+      }
       if (o.progress && lead) {
         auto done = (b + 1 - start_batch) * o.batch;
         bar.update((b + 1) * o.batch,
@@ -188,18 +258,24 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
                                   " samples/s, loss ", loss_sum / static_cast<double>(loss_count)));
       }
       bool stop = o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps);
-      if (stop ||
+      bool last = b + 1 == steps_per_epoch && epoch + 1 == epochs;
+      if ((stop && !last) ||
           (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
         checkpoint(epoch, b + 1);
       }
-      if (stop) {
-        return report;
+      if (stop && !last) {
+        stopped = true;
+        break;
       }
+    }
+    if (stopped && !stream) {
+      // Stopped inside an epoch: no epoch result, the checkpoint holds the position.
+      return report;
     }
     epoch_result e;
     e.epoch = epoch + 1;
     e.step = step;
-    e.lr = lr.at(static_cast<int64_t>(step) - 1);
+    e.lr = o.cosine ? lr.at(static_cast<int64_t>(step) - 1) : o.lr;
     e.train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : 0;
     e.seconds = bar.elapsed_seconds();
     e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
@@ -207,18 +283,27 @@ train_report train_classifier(pipeline& pipe, const dataset& train, const datase
       report.epochs.push_back(e);
       continue;
     }
-    e.test = evaluate(pipe, test, o.eval_batch);
-    std::cout << "epoch " << e.epoch << "/" << o.epochs << "  train loss " << e.train_loss
-              << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
-              << e.test.top5 << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n"
-              << std::flush;
+    if (auto test = data.evaluate(pipe, o.eval_batch)) {
+      e.test = *test;
+      std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss
+                << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
+                << e.test.top5 << "  " << static_cast<int64_t>(e.samples_per_second)
+                << " samples/s\n"
+                << std::flush;
+    }
     metrics.write(e);
     report.epochs.push_back(e);
-    if (epoch + 1 == o.epochs) {
-      checkpoint(epoch + 1, 0);
+    if (epoch + 1 == epochs) {
+      // The end of the run: a stream's position is its step.
+      checkpoint(stream ? 0 : epoch + 1, stream ? static_cast<int64_t>(step) : 0);
     }
   }
   return report;
+}
+
+train_report train_classifier(pipeline& pipe, const dataset& train_set, const dataset& test_set,
+                              const train_options& options) {
+  return train(pipe, dataset_source(options.dataset, train_set, test_set), options);
 }
 
 } // namespace actorpipe

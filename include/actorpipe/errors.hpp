@@ -1,7 +1,13 @@
 /// \file
-/// Errors thrown by actorpipe at its API edges, and the checking macros that throw them.
+/// Vocabulary: errors thrown by actorpipe at its API edges and by failed steps, with what failed
+/// as fields an application can act on, and the checking macros that throw them.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -16,12 +22,92 @@ public:
   using std::invalid_argument::invalid_argument;
 };
 
+/// What went wrong in a failed step or request, as a pipeline_error reports it.
+enum class error_kind : uint8_t {
+  /// Not classified further (the message says what).
+  other,
+  /// A wait or request passed its deadline: a stage waiting for its neighbour, the step's own
+  /// deadline, a stage that did not answer a request. Retrying may help; a slow stage may need
+  /// a longer wait_timeout.
+  timeout,
+  /// A tensor did not fit where it arrived: the activation a stage received, a loss target, a
+  /// checkpoint tensor of another shape.
+  shape_mismatch,
+  /// A stage's own work threw: a layer, the loss function, a hook, the optimizer.
+  stage_failure,
+  /// A stage actor in this process terminated; the pipeline cannot run further steps.
+  stage_lost,
+  /// A node hosting stages was lost: its connection closed or it stopped answering.
+  node_lost,
+  /// A collective with the other data-parallel replicas failed or passed its deadline.
+  replica_failure,
+  /// A file could not be read or written, or is not what it should be (checkpoints).
+  io,
+};
+
+/// "timeout", "shape_mismatch", ... (the enumerator's name).
+inline const char* to_string(error_kind kind) {
+  switch (kind) {
+  case error_kind::timeout:
+    return "timeout";
+  case error_kind::shape_mismatch:
+    return "shape_mismatch";
+  case error_kind::stage_failure:
+    return "stage_failure";
+  case error_kind::stage_lost:
+    return "stage_lost";
+  case error_kind::node_lost:
+    return "node_lost";
+  case error_kind::replica_failure:
+    return "replica_failure";
+  case error_kind::io:
+    return "io";
+  case error_kind::other:
+    break;
+  }
+  return "other";
+}
+
+/// Where and how a step failed; every field the failure does not concern stays empty.
+struct error_details {
+  error_details() = default;
+  /// Fields in the order a failure is usually known: what, where, when, on which node.
+  error_details(error_kind kind_, std::optional<std::size_t> stage_ = std::nullopt,
+                std::optional<int32_t> microbatch_ = std::nullopt,
+                std::optional<uint64_t> step_ = std::nullopt, std::string node_ = {})
+    : kind(kind_), stage(stage_), microbatch(microbatch_), step(step_), node(std::move(node_)) {}
+
+  error_kind kind = error_kind::other;
+  /// The stage actor at fault (or the one that noticed: a stage that waited names itself and,
+  /// in the message, the neighbour it waited for).
+  std::optional<std::size_t> stage;
+  std::optional<int32_t> microbatch;
+  /// The pipeline's 1-based step counter.
+  std::optional<uint64_t> step;
+  /// "host:port" of the node concerned, for stages on nodes.
+  std::string node;
+};
+
 /// Thrown (or carried by a failed step) when a pipeline step fails at run time: a stage could
 /// not take its input, a wait ran past its deadline, a stage died. The message names the stage,
-/// the micro-batch and the action. A failed step leaves parameters and buffers as they were.
+/// the micro-batch and the action; details() carries the same as fields. A failed step leaves
+/// parameters and buffers as they were.
 class pipeline_error : public std::runtime_error {
 public:
-  using std::runtime_error::runtime_error;
+  explicit pipeline_error(const std::string& message, error_details details = {})
+    : std::runtime_error(message), details_(std::move(details)) {}
+  explicit pipeline_error(const char* message, error_details details = {})
+    : std::runtime_error(message), details_(std::move(details)) {}
+
+  const error_details& details() const noexcept { return details_; }
+  error_kind kind() const noexcept { return details_.kind; }
+  std::optional<std::size_t> stage() const noexcept { return details_.stage; }
+  std::optional<int32_t> microbatch() const noexcept { return details_.microbatch; }
+  std::optional<uint64_t> step() const noexcept { return details_.step; }
+  const std::string& node() const noexcept { return details_.node; }
+
+private:
+  error_details details_;
 };
 
 namespace detail {
@@ -33,7 +119,10 @@ std::string concat(Ts&&... xs) {
   return out.str();
 }
 
-[[noreturn]] void assertion_failed(const char* condition, const char* file, int line);
+[[noreturn]] inline void assertion_failed(const char* condition, const char* file, int line) {
+  std::fprintf(stderr, "actorpipe: assertion failed: %s (%s:%d)\n", condition, file, line);
+  std::abort();
+}
 
 } // namespace detail
 } // namespace actorpipe

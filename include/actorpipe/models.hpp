@@ -7,21 +7,9 @@
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/layers.hpp>
+#include <actorpipe/options.hpp>
 
 namespace actorpipe {
-
-/// What a built-in model is built for.
-struct model_options {
-  /// Output classes.
-  int64_t num_classes = 1000;
-  /// Input channels (3 for the ResNets' RGB images, 1 for 28x28 grey images).
-  int64_t in_channels = 3;
-  /// Input side length; the MLP's first layer depends on it, the ResNets adapt by pooling.
-  int64_t image_size = 224;
-  /// ResNets: batch norm updates its running statistics once per step from the whole batch's
-  /// statistics instead of once per micro-batch (see batch_norm.hpp).
-  bool deferred_batch_norm = false;
-};
 
 /// Names accepted by make_model, in a stable order.
 const std::vector<std::string>& model_names();

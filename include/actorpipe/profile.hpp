@@ -9,9 +9,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <actorpipe/actions.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/partition.hpp>
-#include <actorpipe/schedule.hpp>
 
 namespace actorpipe {
 

@@ -1,5 +1,6 @@
 /// \file
-/// Schedules as data: per stage, the ordered actions it runs in one step.
+/// Schedules: the built-in ones, validation, JSON files, and the simulator that runs a schedule
+/// on per-action costs (the types themselves are in <actorpipe/actions.hpp>).
 #pragma once
 
 #include <cstddef>
@@ -7,56 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <actorpipe/actions.hpp>
 #include <actorpipe/errors.hpp>
+#include <actorpipe/results.hpp>
 
 namespace actorpipe {
-
-/// What a stage does with one micro-batch.
-enum class action_kind : uint8_t {
-  /// Run the chunk's layers on the micro-batch's input; stash what backward needs.
-  forward,
-  /// Back-propagate the micro-batch's output gradient. In a schedule without weight actions this
-  /// is the whole backward and releases the stash; with them (zero-bubble schedules) it computes
-  /// only the input gradient, the part the previous stage waits for.
-  backward,
-  /// Zero-bubble schedules: the weight-gradient part of a backward, deferred into bubbles;
-  /// releases the stash.
-  weight,
-};
-
-/// One step of a stage's program.
-struct action {
-  action_kind kind;
-  int32_t microbatch;
-  /// The stage's model chunk (0 unless the schedule is interleaved). Chunk c of stage i is
-  /// virtual stage c * stages + i of the model.
-  int32_t chunk = 0;
-
-  friend bool operator==(const action& a, const action& b) {
-    return a.kind == b.kind && a.microbatch == b.microbatch && a.chunk == b.chunk;
-  }
-};
-
-/// The ordered actions of one stage.
-using stage_program = std::vector<action>;
-
-/// One program per stage, index = stage index.
-using schedule = std::vector<stage_program>;
-
-/// The built-in schedules.
-enum class schedule_kind {
-  /// All forwards, then all backwards in reverse order; stashes m micro-batches per stage.
-  gpipe,
-  /// Warm-up forwards, then one forward one backward, then cool-down backwards; stage i stashes
-  /// at most min(p - i, m) micro-batches.
-  one_f_one_b,
-  /// Megatron's interleaved 1F1B: each stage holds v model chunks; bubble (1/v)(p-1)/m.
-  /// Needs microbatches to be a multiple of stages.
-  interleaved,
-  /// Zero-bubble ZB-H1 (Qi et al.): backward split into input-gradient (B) and weight-gradient
-  /// (W) actions, W deferred into bubbles, the same stash bound as 1F1B.
-  zb_h1,
-};
 
 /// "gpipe", "1f1b", "interleaved" or "zb-h1"; throws invalid_argument naming the known ones.
 schedule_kind parse_schedule_kind(const std::string& name);
@@ -89,8 +45,7 @@ void validate(const schedule& s, std::size_t microbatches, bool training);
 /// The most micro-batches stage `program` holds stashed at once (a chunk's entry counts 1/v).
 double peak_stash(const stage_program& program, std::size_t chunks = 1);
 
-/// "F0 F1 B0 W0 F2@1" style description of an action and a program.
-std::string to_string(const action& a);
+/// "F0 F1 B0 W0 F2@1": a program as its actions' names (to_string(action) in actions.hpp).
 std::string to_string(const stage_program& program);
 
 /// Parses one action as to_string writes it ("F3", "B0", "W2", "F1@1").
@@ -99,22 +54,6 @@ action parse_action(const std::string& text);
 /// Reads a schedule from JSON: {"programs": [["F0", "F1", "B0", ...], ...]}, one list per stage.
 /// Throws invalid_argument naming the file and the bad entry. Validate before running it.
 schedule load_schedule(const std::string& path);
-
-/// Cost of each action on one virtual stage (chunk c of stage i is virtual stage c * p + i), in
-/// any unit. `backward` is the input-gradient part; a schedule without weight actions charges
-/// backward + weight for its B.
-struct action_costs {
-  double forward = 1;
-  double backward = 1;
-  double weight = 1;
-};
-
-/// One action placed in time.
-struct timed_action {
-  action what;
-  double start = 0;
-  double end = 0;
-};
 
 /// What a schedule does with given costs.
 struct simulation {
@@ -134,5 +73,23 @@ struct simulation {
 /// schedule deadlocks (naming who waits for what) or costs do not fit.
 simulation simulate(const schedule& s, std::size_t microbatches,
                     const std::vector<action_costs>& costs, double send_latency = 0);
+
+/// Planned against measured: the simulator's bubble per stage and makespan with costs taken
+/// from the step's own actions (mean per stage, chunk and kind), beside what happened.
+struct bubble_report {
+  std::vector<double> planned_bubble;
+  std::vector<double> measured_bubble;
+  double planned_ms = 0;
+  /// From the first action's start to the last action's end (optimizer steps excluded).
+  double measured_ms = 0;
+  /// Per stage: milliseconds spent in its actions.
+  std::vector<double> busy_ms;
+
+  /// A short table, one line per stage.
+  std::string to_string() const;
+};
+
+bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
+                              const step_result& measured);
 
 } // namespace actorpipe

@@ -1,13 +1,14 @@
 /// \file
 /// Timelines people can open: Chrome trace event files (Perfetto, chrome://tracing), SVG Gantt
-/// charts of planned or measured schedules, and planned-versus-measured bubble reports.
+/// charts of planned or measured schedules. (Planned against measured bubbles, which needs the
+/// simulator: compare_bubbles in <actorpipe/schedule.hpp>.)
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include <actorpipe/pipeline.hpp>
-#include <actorpipe/schedule.hpp>
+#include <actorpipe/actions.hpp>
+#include <actorpipe/results.hpp>
 
 namespace actorpipe {
 
@@ -25,23 +26,5 @@ std::vector<std::vector<timed_action>> timeline_of(const step_result& step);
 /// colours, labelled with their micro-batch) as SVG. `unit` labels the time axis ("ms").
 void write_gantt_svg(const std::string& path, const std::vector<std::vector<timed_action>>& rows,
                      const std::string& title, const std::string& unit);
-
-/// Planned against measured: the simulator's bubble per stage and makespan with costs taken
-/// from the step's own actions (mean per stage, chunk and kind), beside what happened.
-struct bubble_report {
-  std::vector<double> planned_bubble;
-  std::vector<double> measured_bubble;
-  double planned_ms = 0;
-  /// From the first action's start to the last action's end (optimizer steps excluded).
-  double measured_ms = 0;
-  /// Per stage: milliseconds spent in its actions.
-  std::vector<double> busy_ms;
-
-  /// A short table, one line per stage.
-  std::string to_string() const;
-};
-
-bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
-                              const step_result& measured);
 
 } // namespace actorpipe

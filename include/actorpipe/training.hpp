@@ -1,11 +1,14 @@
 /// \file
-/// Training a classifier end to end: epochs over a shuffled dataset, a cosine learning-rate
-/// schedule with warm-up, evaluation, metrics, and checkpoints that resume exactly.
+/// Training end to end, one loop for every kind of data: epochs over a shuffled data set or steps
+/// of a generated stream, a cosine learning-rate schedule with warm-up, evaluation, metrics,
+/// progress, and checkpoints that resume exactly.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <actorpipe/data.hpp>
@@ -66,7 +69,73 @@ struct eval_result {
 /// Runs `data` through `pipe` forward-only in batches of `batch` samples.
 eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch);
 
+/// Where a training run's batches come from: a data set visited in a seeded order every epoch,
+/// or an endless stream of generated batches numbered by step. train() serves both alike.
+/// Implementations are read from the training thread only.
+class batch_source {
+public:
+  virtual ~batch_source() = default;
+
+  /// Recorded in checkpoints ("fashion-mnist", "synthetic") and checked on resume.
+  virtual std::string name() const = 0;
+
+  /// Samples one epoch visits; 0 for an endless stream (which has steps but no epochs).
+  virtual int64_t epoch_samples() const = 0;
+
+  /// Inputs and targets of rank `rank`'s part (of `replicas`) of batch `index` of `epoch`, a
+  /// batch being `batch` samples over all ranks. A stream takes epoch 0 and index = step.
+  virtual std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                        uint64_t seed, int64_t rank,
+                                                        int64_t replicas) const = 0;
+
+  /// Held-out accuracy of `pipe` (after each epoch), or nothing when the source has none.
+  virtual std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const {
+    return std::nullopt;
+  }
+};
+
+/// A classification data set: epoch_order (distributed_order with replicas) over `train`, the
+/// last incomplete batch of an epoch dropped; evaluated on `test` after every epoch.
+class dataset_source : public batch_source {
+public:
+  dataset_source(std::string name, dataset train, dataset test);
+  std::string name() const override { return name_; }
+  int64_t epoch_samples() const override { return train_.size(); }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override;
+  std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const override;
+
+private:
+  std::string name_;
+  dataset train_;
+  dataset test_;
+  // The order of the epoch last asked for, drawn once per epoch.
+  mutable torch::Tensor order_;
+  mutable int64_t order_epoch_ = -1;
+};
+
+/// The PyTorch RPC tutorial's synthetic data, as an endless stream: batch `step` holds random
+/// images [channels, side, side] (standard normal) and one-hot float targets of `classes`
+/// classes (for an MSE loss), drawn from a generator seeded by (seed, step) alone, so every rank
+/// and every resumed run draws the same batches; a rank takes its part of each.
+class synthetic_source : public batch_source {
+public:
+  synthetic_source(int64_t channels, int64_t side, int64_t classes);
+  std::string name() const override { return "synthetic"; }
+  int64_t epoch_samples() const override { return 0; }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override;
+
+private:
+  int64_t channels_;
+  int64_t side_;
+  int64_t classes_;
+};
+
 struct train_options {
+  /// Epochs of a data set (a stream has none: max_steps says how long it runs).
   int64_t epochs = 1;
   /// Samples per step; the last incomplete batch of an epoch is dropped.
   int64_t batch = 64;
@@ -84,10 +153,17 @@ struct train_options {
   std::string resume;
   /// Per-epoch metrics: CSV when the name ends in .csv, else JSON lines.
   std::string metrics;
-  /// Stop after this many steps in total (0: run all epochs); a checkpoint is written there.
+  /// Stop after this many steps in total, counting the steps before a resume (0: run all
+  /// epochs; a stream needs it); a checkpoint is written there.
   int64_t max_steps = 0;
+  /// The learning rate follows the cosine schedule with warm-up; false: `lr` throughout.
+  bool cosine = true;
   /// Progress bar on stderr.
   bool progress = true;
+  /// One line per step on stdout (step, loss, seconds), for runs of few, slow steps.
+  bool log_steps = false;
+  /// Keep every step's step_result in the report (timings, per-stage actions: traces).
+  bool keep_results = false;
   /// Data parallelism: this process is replica `rank` of `replicas` (its pipeline has
   /// data_parallel set accordingly). Each rank takes batch / replicas samples of every step
   /// from its distributed_order shard; only rank 0 shows progress, evaluates, writes metrics and
@@ -110,13 +186,22 @@ struct epoch_result {
 };
 
 struct train_report {
+  /// One per epoch finished (a stream: one for the whole run, without evaluation).
   std::vector<epoch_result> epochs;
   /// (step, loss) of every step this run took.
   std::vector<std::pair<uint64_t, double>> steps;
+  /// Every step's result, when train_options::keep_results.
+  std::vector<step_result> results;
 };
 
-/// Trains `pipe` (whose loss should be cross-entropy over class indices) on `train`, evaluating
-/// on `test` after every epoch.
+/// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or
+/// max_steps steps of a stream, with checkpoints, resume, metrics and progress alike. Throws
+/// invalid_argument for options that do not fit the source (a stream without max_steps, a
+/// checkpoint of another run), and what train_step throws.
+train_report train(pipeline& pipe, const batch_source& data, const train_options& options);
+
+/// train() on dataset_source("fashion-mnist"-style `options.dataset`, train, test): a classifier
+/// whose loss should be cross-entropy over class indices.
 train_report train_classifier(pipeline& pipe, const dataset& train, const dataset& test,
                               const train_options& options);
 

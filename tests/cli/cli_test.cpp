@@ -1,5 +1,8 @@
 // Runs the `actorpipe` program as a user would.
-#include "tests/cli/helpers.hpp"
+#include <map>
+
+#include "cli/program.hpp"
+#include "helpers.hpp"
 
 using namespace actorpipe::test;
 
@@ -51,15 +54,89 @@ TEST_CASE("train explains bad flags and exits non-zero") {
   CHECK(not_a_number.output.find("--batch") != std::string::npos);
 }
 
-TEST_CASE("--help documents every train flag") {
-  auto help = run("train --help");
-  CHECK(help.exit_code == 0);
-  for (const auto* flag :
-       {"--model", "--stages", "--microbatches", "--schedule", "--batch", "--image", "--steps",
-        "--lr", "--seed", "--partition", "--json", "--replicas", "--rank", "--world-size",
-        "--master-addr", "--master-port", "--dp-timeout", "--buffers", "--max-grad-norm"}) {
-    CAPTURE(flag);
-    CHECK(help.output.find(flag) != std::string::npos);
+namespace {
+
+// Every long flag each subcommand's parser defines ("--stages"), with the default it shows.
+std::map<std::string, std::map<std::string, std::string>> flags_of_every_command() {
+  actorpipe::cli::program program;
+  std::map<std::string, std::map<std::string, std::string>> flags;
+  for (auto* command : program.app.get_subcommands({})) {
+    for (const auto* option : command->get_options()) {
+      for (const auto& name : option->get_lnames()) {
+        if (name != "help") {
+          flags[command->get_name()]["--" + name] = option->get_default_str();
+        }
+      }
+    }
+  }
+  return flags;
+}
+
+// The README's flag table of `actorpipe <command>`: the rows between the heading line that
+// names the command and the next blank line, as flag -> default cell.
+std::map<std::string, std::string> readme_table(const std::string& command) {
+  std::ifstream in(std::string(ACTORPIPE_SOURCE_DIR) + "/README.md");
+  REQUIRE(in.good());
+  std::string line;
+  std::string marker = "<!-- flags: " + command + " -->";
+  while (std::getline(in, line) && line.find(marker) == std::string::npos) {
+  }
+  std::map<std::string, std::string> rows;
+  while (std::getline(in, line) && !line.empty()) {
+    if (line.rfind("| `--", 0) != 0) {
+      continue;
+    }
+    auto first = line.find('|', 1);
+    auto second = line.find('|', first + 1);
+    auto names = line.substr(1, first - 1);
+    auto default_cell = line.substr(first + 1, second - first - 1);
+    // A row may name several flags: "`--rank`, `--world-size`" or "`--json FILE`".
+    for (auto at = names.find("`--"); at != std::string::npos; at = names.find("`--", at + 1)) {
+      auto end = names.find_first_of("` ", at + 1);
+      rows[names.substr(at + 1, end - at - 1)] = default_cell;
+    }
+  }
+  return rows;
+}
+
+} // namespace
+
+TEST_CASE("--help documents every flag the parser defines, for every command") {
+  auto flags = flags_of_every_command();
+  REQUIRE(flags.size() == 5);
+  REQUIRE(flags["train"].size() > 40);
+  for (const auto& [command, options] : flags) {
+    auto help = run(command + " --help");
+    CHECK(help.exit_code == 0);
+    for (const auto& [flag, default_value] : options) {
+      CAPTURE(command);
+      CAPTURE(flag);
+      CHECK(help.output.find(flag) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("the README's table of each command has a row for every flag with its default, and no "
+          "row for a flag that does not exist") {
+  for (const auto& [command, options] : flags_of_every_command()) {
+    CAPTURE(command);
+    auto rows = readme_table(command);
+    REQUIRE_MESSAGE(!rows.empty(), "README.md has no table after <!-- flags: ", command, " -->");
+    for (const auto& [flag, default_value] : options) {
+      CAPTURE(flag);
+      auto row = rows.find(flag);
+      REQUIRE_MESSAGE(row != rows.end(), "no README row for ", flag);
+      if (!default_value.empty()) {
+        CAPTURE(default_value);
+        CAPTURE(row->second);
+        CHECK(row->second.find(default_value) != std::string::npos);
+      }
+    }
+    for (const auto& [flag, cell] : rows) {
+      CAPTURE(flag);
+      CHECK_MESSAGE(options.count(flag) == 1, "the README names ", flag, ", which `", command,
+                    "` does not define");
+    }
   }
 }
 
@@ -413,4 +490,73 @@ TEST_CASE("bench --replicas measures the replicas x stages grid with its all-red
   CHECK(synced == std::set<int>{0, 1});
   std::filesystem::remove(json);
   std::filesystem::remove(trace);
+}
+
+TEST_CASE("one training loop for every kind of data: --steps, checkpoints, resume and metrics "
+          "work on synthetic data, --steps and --trace on Fashion-MNIST") {
+  const std::string synthetic =
+    "train --data synthetic --model mlp --image 8 --classes 4 --batch 8 --seed 5 --lr 0.1";
+  auto full = temp_file("stream_full.json");
+  auto resumed = temp_file("stream_resumed.json");
+  auto metrics = temp_file("stream_metrics.csv");
+  auto dir = temp_file("stream_ckpt");
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(metrics);
+  REQUIRE(run(synthetic + " --steps 4 --json " + full.string()).exit_code == 0);
+  auto first = run(synthetic + " --steps 2 --checkpoint-dir " + dir.string());
+  CAPTURE(first.output);
+  REQUIRE(first.exit_code == 0);
+  REQUIRE(std::filesystem::exists(dir / "step-2" / "manifest.json"));
+  auto second = run(synthetic + " --steps 4 --resume " + dir.string() + " --json " +
+                    resumed.string() + " --metrics " + metrics.string());
+  CAPTURE(second.output);
+  REQUIRE(second.exit_code == 0);
+  auto expected = step_losses(full);
+  auto got = step_losses(resumed);
+  REQUIRE(expected.size() == 4);
+  REQUIRE(got.size() == 2);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CHECK(got[i].first == expected[2 + i].first);
+    CHECK(got[i].second == expected[2 + i].second);
+  }
+  std::ifstream rows(metrics);
+  std::string header;
+  std::string row;
+  REQUIRE(std::getline(rows, header));
+  REQUIRE(std::getline(rows, row));
+  CHECK(row.rfind("1,4,", 0) == 0); // one row for the run: "epoch" 1, at step 4
+
+  auto fashion_json = temp_file("fashion_steps.json");
+  auto fashion_trace = temp_file("fashion_trace.json");
+  auto fashion = run(small_fashion + " --steps 3 --json " + fashion_json.string() + " --trace " +
+                     fashion_trace.string());
+  CAPTURE(fashion.output);
+  REQUIRE(fashion.exit_code == 0);
+  CHECK(step_losses(fashion_json).size() == 3);
+  std::ifstream trace_in(fashion_trace);
+  auto trace = nlohmann::json::parse(trace_in);
+  CHECK(trace["traceEvents"].size() > 3 * 2 * 4);
+  for (const auto& f : {full, resumed, metrics, fashion_json, fashion_trace}) {
+    std::filesystem::remove(f);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a flag that does not apply to the chosen data or schedule is an error naming it") {
+  auto epochs = run("train --data synthetic --model mlp --epochs 2 --steps 1");
+  CHECK(epochs.exit_code == 2);
+  CHECK(epochs.output.find("--epochs does not apply to --data synthetic") != std::string::npos);
+  auto warmup = run("train --data synthetic --model mlp --warmup 5 --steps 1");
+  CHECK(warmup.exit_code == 2);
+  CHECK(warmup.output.find("--warmup does not apply to --data synthetic") != std::string::npos);
+  auto image = run("train --image 64 --steps 1");
+  CHECK(image.exit_code == 2);
+  CHECK(image.output.find("--image sets the synthetic images' side") != std::string::npos);
+  auto both = run("train --data synthetic --model mlp --steps 2 --max-steps 2");
+  CHECK(both.exit_code == 2);
+  CHECK(both.output.find("--steps and --max-steps") != std::string::npos);
+  auto interleaved = run("train --data synthetic --model mlp --schedule interleaved --steps 1");
+  CHECK(interleaved.exit_code == 2);
+  CHECK(interleaved.output.find("--schedule interleaved with --chunks 1 interleaves nothing") !=
+        std::string::npos);
 }

@@ -1,8 +1,8 @@
 // `actorpipe node` processes hosting the stages of `actorpipe train --nodes`.
 #include <sys/stat.h>
 
-#include "tests/cli/helpers.hpp"
-#include "tests/support/certificates.hpp"
+#include "comm/test_certificates.hpp"
+#include "helpers.hpp"
 
 using namespace actorpipe::test;
 using namespace std::chrono_literals;

@@ -19,7 +19,7 @@
 #include <actorpipe/errors.hpp>
 
 #include "comm/tensor_hub.hpp"
-#include "tests/support/certificates.hpp"
+#include "comm/test_certificates.hpp"
 
 using namespace actorpipe::comm;
 using namespace std::chrono_literals;
@@ -305,7 +305,23 @@ TEST_CASE("TLS: the bytes on the wire are not the plain protocol") {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   char buffer[32];
   CHECK(::recv(fd, buffer, sizeof buffer, 0) < 0);
+  // What a plain peer then sends (a frame) is no ClientHello: the server refuses it and closes
+  // the connection, rather than waiting on it.
+  auto t = torch::ones({4});
+  auto bytes = encode_frame(describe(frame_kind::activation, 0, 1, 0, 0, t), t);
+  REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) > 0);
+  timeval patient{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &patient, sizeof patient);
+  auto start = std::chrono::steady_clock::now();
+  ssize_t got = 0;
+  // The server may answer with a TLS alert before it closes; read until the end of the stream.
+  do {
+    got = ::recv(fd, buffer, sizeof buffer, 0);
+  } while (got > 0);
+  CHECK(got == 0);
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
   ::close(fd);
+  check_refused(b, received);
 }
 
 TEST_CASE("TLS: files that are missing, unreadable or do not belong together are named") {

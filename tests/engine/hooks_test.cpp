@@ -4,7 +4,7 @@
 #include <set>
 #include <tuple>
 
-#include "tests/engine/oracle.hpp"
+#include "oracle.hpp"
 
 using namespace actorpipe;
 using namespace actorpipe::test;

@@ -8,7 +8,7 @@ using namespace actorpipe::test;
 
 namespace {
 
-pipeline_options train_options(std::size_t microbatches) {
+pipeline_options step_options(std::size_t microbatches) {
   pipeline_options o;
   o.microbatches = microbatches;
   o.loss = mse;
@@ -29,6 +29,28 @@ bool all_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
   return true;
 }
 
+// The pipeline_error `run` throws (fails the test when it throws nothing or something else).
+template <class F>
+pipeline_error error_of(F&& run) {
+  try {
+    run();
+  } catch (const pipeline_error& e) {
+    return e;
+  }
+  FAIL("no pipeline_error was thrown");
+  return pipeline_error("");
+}
+
+void check_fields(const pipeline_error& e, error_kind kind, std::optional<std::size_t> stage,
+                  std::optional<int32_t> microbatch, std::optional<uint64_t> step) {
+  CAPTURE(e.what());
+  CHECK(to_string(e.kind()) == std::string(to_string(kind)));
+  CHECK(e.stage() == stage);
+  CHECK(e.microbatch() == microbatch);
+  CHECK(e.step() == step);
+  CHECK(e.node().empty());
+}
+
 } // namespace
 
 TEST_CASE("an activation the next stage cannot take names the stage, micro-batch and shapes") {
@@ -37,7 +59,7 @@ TEST_CASE("an activation the next stage cannot take names the stage, micro-batch
   layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(4, 8)));
   layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(6, 2)));
   engine sys;
-  pipeline pipe(sys, layers, partition_uniform(2, 2), train_options(2));
+  pipeline pipe(sys, layers, partition_uniform(2, 2), step_options(2));
   auto before = pipe.named_parameters();
   CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({5, 4}), torch::randn({5, 2})),
                        doctest::Contains("stage 1, microbatch 0: layer 'fc2' (model layer 1) "
@@ -45,6 +67,9 @@ TEST_CASE("an activation the next stage cannot take names the stage, micro-batch
                                          "[3, 8]; it expects [*, 6]"),
                        actorpipe::pipeline_error);
   CHECK(all_equal(before, pipe.named_parameters()));
+  // The same as fields: an application can act on them without reading the message.
+  auto e = error_of([&] { pipe.train_step(torch::randn({5, 4}), torch::randn({5, 2})); });
+  check_fields(e, error_kind::shape_mismatch, 1, 0, 2);
 }
 
 TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics as they were, "
@@ -68,7 +93,7 @@ TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics
   };
   auto layers = make(true);
   engine sys;
-  pipeline pipe(sys, layers, partition_at(4, {2}), train_options(4));
+  pipeline pipe(sys, layers, partition_at(4, {2}), step_options(4));
   auto params_before = pipe.named_parameters();
   auto bn = layers[1].module();
   auto mean_before = bn->named_buffers()["running_mean"].clone();
@@ -79,6 +104,10 @@ TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics
                                          "cannot take the activation from stage 0 of shape [2, 6]. "
                                          "libtorch: trap sprung"),
                        actorpipe::pipeline_error);
+  // A layer's own exception is a stage failure; only libtorch refusing a tensor is a shape
+  // mismatch.
+  calls = 2;
+  check_fields(error_of([&] { pipe.train_step(x, t); }), error_kind::stage_failure, 1, 0, 2);
   CHECK(all_equal(params_before, pipe.named_parameters()));
   CHECK(torch::equal(mean_before, bn->named_buffers()["running_mean"]));
   for (const auto& g : pipe.named_gradients()) {
@@ -88,7 +117,7 @@ TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics
   // same step on a pipeline that never failed (batch norm sees micro-batch statistics, so the
   // reference is a pipeline with the same cut, not the plain model).
   auto clean_layers = make(false);
-  pipeline clean(sys, clean_layers, partition_at(4, {2}), train_options(4));
+  pipeline clean(sys, clean_layers, partition_at(4, {2}), step_options(4));
   CHECK(pipe.train_step(x, t).loss == doctest::Approx(clean.train_step(x, t).loss).epsilon(1e-6));
   check_close(pipe.named_parameters(), clean.named_parameters(), 1e-6, 1e-7);
   CHECK(torch::allclose(bn->named_buffers()["running_mean"],
@@ -103,7 +132,7 @@ TEST_CASE("a stage that waits past its deadline says who waits for what") {
   });
   layers.emplace_back("fc", torch::nn::AnyModule(torch::nn::Linear(3, 3)));
   engine sys;
-  auto o = train_options(2);
+  auto o = step_options(2);
   o.wait_timeout = std::chrono::milliseconds(200);
   pipeline pipe(sys, layers, partition_uniform(2, 2), o);
   auto before = pipe.named_parameters();
@@ -113,6 +142,10 @@ TEST_CASE("a stage that waits past its deadline says who waits for what") {
                                          "after 200 ms"),
                        actorpipe::pipeline_error);
   CHECK(all_equal(before, pipe.named_parameters()));
+  check_fields(error_of([&] {
+                 pipe.train_step(torch::randn({4, 3}), torch::randn({4, 3}));
+               }),
+               error_kind::timeout, 1, 0, 2);
 }
 
 TEST_CASE("a step over its step deadline fails instead of hanging") {
@@ -122,33 +155,37 @@ TEST_CASE("a step over its step deadline fails instead of hanging") {
     return x;
   });
   engine sys;
-  auto o = train_options(1);
+  auto o = step_options(1);
   o.step_timeout = std::chrono::milliseconds(100);
   pipeline pipe(sys, layers, partition_uniform(1, 1), o);
   CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({2, 3}), torch::randn({2, 3})),
                        doctest::Contains("step 1 did not finish within 100 ms"),
                        actorpipe::pipeline_error);
+  check_fields(error_of([&] {
+                 pipe.train_step(torch::randn({2, 3}), torch::randn({2, 3}));
+               }),
+               error_kind::timeout, std::nullopt, std::nullopt, 2);
 }
 
 TEST_CASE("bad pipeline arguments are rejected before anything runs") {
   engine sys;
   auto layers = tiny_mlp();
   auto cut = partition_uniform(layers.size(), 2);
-  CHECK_THROWS_WITH_AS(pipeline(sys, layers, cut, train_options(0)),
+  CHECK_THROWS_WITH_AS(pipeline(sys, layers, cut, step_options(0)),
                        doctest::Contains("microbatches (0) must be >= 1"),
                        actorpipe::invalid_argument);
-  CHECK_THROWS_WITH_AS(pipeline(sys, layers, partition_uniform(5, 2), train_options(1)),
+  CHECK_THROWS_WITH_AS(pipeline(sys, layers, partition_uniform(5, 2), step_options(1)),
                        doctest::Contains("does not cover the model's 6 layers"),
                        actorpipe::invalid_argument);
-  CHECK_THROWS_WITH_AS(pipeline(sys, layer_list{}, cut, train_options(1)),
+  CHECK_THROWS_WITH_AS(pipeline(sys, layer_list{}, cut, step_options(1)),
                        doctest::Contains("the model has no layers"), actorpipe::invalid_argument);
-  auto o = train_options(1);
+  auto o = step_options(1);
   o.devices = {c10::Device(c10::kCPU)};
   CHECK_THROWS_WITH_AS(pipeline(sys, layers, cut, o),
                        doctest::Contains("1 devices given for 2 stages"),
                        actorpipe::invalid_argument);
 
-  pipeline pipe(sys, layers, cut, train_options(4));
+  pipeline pipe(sys, layers, cut, step_options(4));
   CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({3, 1, 4, 4}), torch::randn({3, 3})),
                        doctest::Contains("batch of 3 samples cannot be split into 4 micro-batches"),
                        actorpipe::invalid_argument);
@@ -165,11 +202,15 @@ TEST_CASE("bad pipeline arguments are rejected before anything runs") {
 TEST_CASE("a loss function that does not return a scalar fails the step with its shape") {
   engine sys;
   auto layers = tiny_mlp();
-  auto o = train_options(2);
+  auto o = step_options(2);
   o.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return (y - t).pow(2); };
   pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
   CHECK_THROWS_WITH_AS(pipe.train_step(torch::randn({4, 1, 4, 4}), torch::randn({4, 3})),
                        doctest::Contains("stage 1, microbatch 0: the loss function must return a "
                                          "scalar, got shape [2, 3]"),
                        actorpipe::pipeline_error);
+  check_fields(error_of([&] {
+                 pipe.train_step(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
+               }),
+               error_kind::stage_failure, 1, 0, 2);
 }

@@ -6,7 +6,7 @@
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/data.hpp>
 
-#include "tests/engine/oracle.hpp"
+#include "oracle.hpp"
 
 using namespace actorpipe;
 using namespace actorpipe::test;

@@ -1,4 +1,5 @@
 # cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -P install_test.cmake
+cmake_minimum_required(VERSION 3.16)
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
 
@@ -21,6 +22,7 @@ set(launcher)
 if(CCACHE)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
 endif()
+include(${CMAKE_CURRENT_LIST_DIR}/doc_blocks.cmake)
 foreach(example embed custom_model data_parallel distributed)
   run_step("configure examples/${example}" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/${example}
     -B ${WORK_DIR}/build-${example} -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}

@@ -7,9 +7,9 @@
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
 
+#include "../engine/oracle.hpp"
+#include "comm/test_certificates.hpp"
 #include "nodes/protocol.hpp"
-#include "tests/engine/oracle.hpp"
-#include "tests/support/certificates.hpp"
 #include <actorpipe/node.hpp>
 
 using namespace actorpipe;
@@ -238,6 +238,16 @@ TEST_CASE("a node that goes away fails the next step, naming it, within the dead
   CHECK_THROWS_WITH_AS(remote.train_step(x, y), doctest::Contains(("node " + address).c_str()),
                        pipeline_error);
   CHECK(std::chrono::steady_clock::now() - start < 10s);
+  // The same as fields, for an application that re-plans: which node, which stage.
+  try {
+    remote.train_step(x, y);
+    FAIL("a step on a lost node succeeded");
+  } catch (const pipeline_error& e) {
+    CAPTURE(e.what());
+    CHECK(e.kind() == error_kind::node_lost);
+    CHECK(e.node() == address);
+    CHECK(e.stage() == std::optional<std::size_t>(0));
+  }
 }
 
 namespace {

@@ -1,6 +1,7 @@
 /// \file
-/// A throw-away certificate authority for TLS tests: EC P-256 keys and X.509 certificates made
-/// with OpenSSL in a folder, so no test depends on committed keys or on the openssl program.
+/// A throw-away certificate authority for TLS tests and the wire bench: EC P-256 keys and X.509
+/// certificates made with OpenSSL in a folder, so no test depends on committed keys or on the
+/// openssl program.
 #pragma once
 
 #include <cstdio>

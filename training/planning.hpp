@@ -1,6 +1,7 @@
 /// \file
-/// Choosing a pipeline's cut and schedule from flags, with per-layer profiles where asked for
-/// (`--partition time`, `--schedule auto`), shared by `actorpipe train` and `actorpipe plan`.
+/// Choosing a model, a pipeline's cut and its schedule from a program's settings, with per-layer
+/// profiles where asked for (`--partition time`, `--schedule auto`): what `actorpipe train`,
+/// `plan` and `bench` share. The flags that fill these settings are cli/flags.hpp's.
 #pragma once
 
 #include <cstdint>
@@ -16,11 +17,7 @@
 #include <actorpipe/profile.hpp>
 #include <actorpipe/schedule.hpp>
 
-namespace CLI {
-class App;
-}
-
-namespace actorpipe::cli {
+namespace actorpipe::training {
 
 /// What model and data a command uses.
 struct model_args {
@@ -64,9 +61,6 @@ struct planning_args {
   bool cold_memory = false;
 };
 
-void add_model_flags(CLI::App* cmd, model_args& args);
-void add_pipeline_flags(CLI::App* cmd, planning_args& args);
-
 /// What to run.
 struct plan_choice {
   partition cut;
@@ -95,4 +89,4 @@ pipeline_options pipeline_options_for(const plan_choice& choice, const planning_
 /// The threads each stage gets for `stages` stage actors and the --threads flag.
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag);
 
-} // namespace actorpipe::cli
+} // namespace actorpipe::training

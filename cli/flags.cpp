@@ -1,0 +1,63 @@
+#include "cli/flags.hpp"
+
+#include <CLI/CLI.hpp>
+
+namespace actorpipe::cli {
+
+void add_model_flags(CLI::App* cmd, model_args& m) {
+  cmd->add_option("--data", m.data, "Data: fashion-mnist (real, 1x28x28, 10 classes) or synthetic")
+    ->capture_default_str()
+    ->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
+  cmd->add_option("--model", m.model,
+                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn (default: cnn for "
+                  "fashion-mnist, resnet50 for synthetic)");
+  cmd
+    ->add_option("--batch", m.batch,
+                 "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)")
+    ->capture_default_str();
+  cmd->add_option("--image", m.image, "Synthetic data: image side length for the ResNets")
+    ->capture_default_str();
+  cmd
+    ->add_option("--classes", m.classes,
+                 "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
+    ->capture_default_str();
+  cmd->add_option("--seed", m.seed, "Seed for parameters and data")->capture_default_str();
+  cmd->add_flag("--deferred-bn", m.deferred_batch_norm,
+                "ResNets: batch norm updates running statistics once per step from the whole "
+                "batch (deferred batch norm), not once per micro-batch");
+}
+
+void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
+  cmd->add_option("--stages", a.stages, "Pipeline stages (stage actors), >= 1")
+    ->capture_default_str();
+  cmd
+    ->add_option("--microbatches", a.microbatches,
+                 "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose)")
+    ->capture_default_str();
+  cmd->add_option("--chunks", a.chunks, "Model chunks per stage (interleaved schedule)")
+    ->capture_default_str();
+  cmd
+    ->add_option("--schedule", a.schedule,
+                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
+                 "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]})")
+    ->capture_default_str();
+  cmd
+    ->add_option(
+      "--partition", a.partition,
+      "How to cut the layer list: uniform (by layer count), params (balance "
+      "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J)")
+    ->capture_default_str();
+  cmd
+    ->add_option("--max-stash", a.max_stash,
+                 "--schedule auto: most micro-batches a stage may stash (0: no limit)")
+    ->capture_default_str();
+  cmd
+    ->add_option("--threads", a.threads,
+                 "Intra-op threads per stage (0: cores divided among the stages)")
+    ->capture_default_str();
+  cmd->add_flag("--cold-memory", a.cold_memory,
+                "Stage threads give freed tensor buffers back to the system (libtorch's "
+                "allocator) instead of keeping them warm for the next micro-batch");
+}
+
+} // namespace actorpipe::cli

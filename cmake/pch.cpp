@@ -1,0 +1,1 @@
+// The precompiled header is built with this empty translation unit (CMakeLists.txt).

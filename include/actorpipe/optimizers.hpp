@@ -1,0 +1,20 @@
+/// \file
+/// Optimizer factories for pipeline_options::optimizer: each stage builds its own optimizer over
+/// its own parameters with the factory, on its own thread.
+#pragma once
+
+#include <actorpipe/options.hpp>
+
+namespace actorpipe {
+
+/// SGD with the given learning rate, momentum and weight decay. Throws invalid_argument for
+/// lr <= 0.
+optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
+
+/// Adam with the given learning rate. Throws invalid_argument for lr <= 0.
+optimizer_factory adam(double lr);
+
+/// The factory an optimizer_spec describes; throws invalid_argument for an unknown name.
+optimizer_factory make_optimizer(const optimizer_spec& spec);
+
+} // namespace actorpipe

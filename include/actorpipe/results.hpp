@@ -1,0 +1,56 @@
+/// \file
+/// Vocabulary: what a training step reports (per stage and per action), as plain values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <actorpipe/actions.hpp>
+
+namespace actorpipe {
+
+/// One action as it ran. Times in milliseconds from the step's start (one clock for all stages
+/// of a process).
+struct action_record {
+  action what;
+  double start_ms = 0;
+  double end_ms = 0;
+  /// Bytes of the tensor sent to the neighbour (0 when nothing was sent).
+  int64_t bytes_sent = 0;
+};
+
+/// What one stage did during a step. Times in milliseconds on the stage's own clock.
+struct stage_stats {
+  std::size_t stage = 0;
+  double forward_ms = 0;
+  double backward_ms = 0;
+  /// Time spent waiting for inputs (activations or gradients) while the program was not done.
+  double wait_ms = 0;
+  double optimizer_ms = 0;
+  /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
+  double peak_stash = 0;
+  /// Every action in the order it ran.
+  std::vector<action_record> actions;
+  /// Data parallelism: the gradient (and buffer) sync with the other replicas after the
+  /// stage's last backward, in milliseconds from the step's start; bytes all-reduced.
+  double sync_start_ms = 0;
+  double sync_end_ms = 0;
+  int64_t sync_bytes = 0;
+};
+
+/// The outcome of a training step.
+struct step_result {
+  /// 1-based step counter of this pipeline.
+  uint64_t step = 0;
+  /// The full-batch loss: micro-batch losses combined with the same scales as the gradients
+  /// (with replicas: over all replicas' samples).
+  double loss = 0;
+  /// The global gradient norm before clipping (0 unless max_grad_norm > 0).
+  double grad_norm = 0;
+  /// Wall time from the request to the last optimizer step, in milliseconds.
+  double wall_ms = 0;
+  std::vector<stage_stats> stages;
+};
+
+} // namespace actorpipe

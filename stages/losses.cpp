@@ -1,0 +1,21 @@
+#include <actorpipe/losses.hpp>
+
+#include <torch/nn/functional/loss.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe {
+
+loss_function builtin_loss(const std::string& name) {
+  if (name == "mse") {
+    return [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  }
+  if (name == "cross_entropy") {
+    return [](const torch::Tensor& y, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(y, t);
+    };
+  }
+  throw invalid_argument(detail::concat("unknown loss '", name, "' (known: mse, cross_entropy)"));
+}
+
+} // namespace actorpipe

@@ -1,0 +1,36 @@
+#include <actorpipe/optimizers.hpp>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe {
+
+optimizer_factory sgd(double lr, double momentum, double weight_decay) {
+  ACTORPIPE_CHECK(lr > 0, "sgd: learning rate (", lr, ") must be > 0");
+  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::SGD>(
+      std::move(params),
+      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
+  };
+}
+
+optimizer_factory adam(double lr) {
+  ACTORPIPE_CHECK(lr > 0, "adam: learning rate (", lr, ") must be > 0");
+  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+  };
+}
+
+optimizer_factory make_optimizer(const optimizer_spec& spec) {
+  if (spec.name == "sgd") {
+    return sgd(spec.lr, spec.momentum, spec.weight_decay);
+  }
+  if (spec.name == "adam") {
+    return adam(spec.lr);
+  }
+  throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));
+}
+
+} // namespace actorpipe

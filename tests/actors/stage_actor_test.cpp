@@ -1,0 +1,138 @@
+// The stage actor on its own: a test actor plays the scheduler and the neighbouring stage.
+#include <chrono>
+
+#include <caf/all.hpp>
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <actorpipe/partition.hpp>
+
+#include "actors/messages.hpp"
+#include "actors/stage_actor.hpp"
+#include "stages/stage.hpp"
+
+using namespace actorpipe;
+using namespace actorpipe::actors;
+
+namespace {
+
+struct two_stage_fixture {
+  caf::actor_system_config config;
+  caf::actor_system system{config};
+  caf::scoped_actor self{system};
+  layer_list layers;
+  caf::actor stage;
+
+  // Stage 1 of a two-layer model; the test actor is the scheduler and stage 0.
+  two_stage_fixture() {
+    torch::manual_seed(1);
+    layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(3, 4)));
+    layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(4, 2)));
+    auto chunk = stages::make_stage(layers, partition_uniform(2, 2), 1, c10::kCPU, {});
+    stage_actor_options options;
+    options.index = 1;
+    options.count = 2;
+    options.wait_timeout = std::chrono::milliseconds(300);
+    options.threads = 1;
+    options.warm_memory = false;
+    stage = spawn_stage(system, {chunk}, caf::actor_cast<caf::actor>(self), options);
+    self->send(stage, connect_atom::value,
+               std::vector<caf::actor>{caf::actor_cast<caf::actor>(self), stage});
+  }
+
+  ~two_stage_fixture() { self->send_exit(stage, caf::exit_reason::user_shutdown); }
+
+  void plan_forward(uint64_t step) {
+    step_plan plan;
+    plan.step = step;
+    plan.train = false;
+    plan.program = {{action_kind::forward, 0}};
+    self->send(stage, plan_atom::value, std::move(plan));
+  }
+};
+
+} // namespace
+
+TEST_CASE("a stage actor runs its program on the activation its neighbour sends and reports "
+          "the output") {
+  two_stage_fixture f;
+  auto x = torch::randn({5, 4});
+  // The activation may come before the plan: it is kept for the step.
+  f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0}, x);
+  f.plan_forward(1);
+  bool reported = false;
+  f.self->receive(
+    [&](done_atom, stage_report& report) {
+      reported = true;
+      CHECK(report.step == 1);
+      CHECK(report.stats.stage == 1);
+      REQUIRE(report.outputs.size() == 1);
+      torch::NoGradGuard no_grad;
+      CHECK(torch::allclose(report.outputs[0], f.layers[1].forward(x)));
+      REQUIRE(report.stats.actions.size() == 1);
+      CHECK(report.stats.actions[0].what == action{action_kind::forward, 0});
+    },
+    [&](failed_atom, uint64_t, failure& why) { FAIL(why.message); },
+    caf::after(std::chrono::seconds(10)) >> [&] { FAIL("the stage did not report"); });
+  CHECK(reported);
+}
+
+TEST_CASE("a stage actor whose input never comes fails the step at its deadline, saying what it "
+          "waited for") {
+  two_stage_fixture f;
+  f.plan_forward(1);
+  auto start = std::chrono::steady_clock::now();
+  bool failed = false;
+  f.self->receive(
+    [&](failed_atom, uint64_t step, failure& why) {
+      failed = true;
+      CHECK(step == 1);
+      CHECK(why.message.find("stage 1 waits for the activation of microbatch 0 from stage 0") !=
+            std::string::npos);
+      CHECK(why.details.kind == error_kind::timeout);
+      CHECK(why.details.stage == std::optional<std::size_t>(1));
+      CHECK(why.details.microbatch == std::optional<int32_t>(0));
+    },
+    [&](done_atom, stage_report&) { FAIL("the stage reported without its input"); },
+    caf::after(std::chrono::seconds(10)) >> [&] { FAIL("the stage neither reported nor failed"); });
+  CHECK(failed);
+  auto waited = std::chrono::steady_clock::now() - start;
+  CHECK(waited >= std::chrono::milliseconds(300));
+  CHECK(waited < std::chrono::seconds(5));
+  // A late activation of the failed step is dropped; the next step runs normally.
+  f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0},
+               torch::randn({2, 4}));
+  f.self->send(f.stage, forward_atom::value, uint64_t{2}, int32_t{0}, int32_t{0},
+               torch::randn({3, 4}));
+  f.plan_forward(2);
+  f.self->receive(
+    [&](done_atom, stage_report& report) {
+      CHECK(report.step == 2);
+      REQUIRE(report.outputs.size() == 1);
+      CHECK(report.outputs[0].size(0) == 3);
+    },
+    [&](failed_atom, uint64_t, failure& why) { FAIL(why.message); },
+    caf::after(std::chrono::seconds(10)) >> [&] { FAIL("the stage did not report"); });
+}
+
+TEST_CASE("a stage actor answers abort, and an activation of the wrong shape fails with its "
+          "fields") {
+  two_stage_fixture f;
+  f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0},
+               torch::randn({2, 7}));
+  f.plan_forward(1);
+  f.self->receive(
+    [&](failed_atom, uint64_t, failure& why) {
+      CHECK(why.details.kind == error_kind::shape_mismatch);
+      CHECK(why.details.stage == std::optional<std::size_t>(1));
+      CHECK(why.details.microbatch == std::optional<int32_t>(0));
+      CHECK(why.message.find("layer 'fc2'") != std::string::npos);
+    },
+    [&](done_atom, stage_report&) { FAIL("a misshapen activation was taken"); },
+    caf::after(std::chrono::seconds(10)) >> [&] { FAIL("the stage neither reported nor failed"); });
+  bool confirmed = false;
+  f.self->request(f.stage, std::chrono::seconds(5), abort_atom::value, uint64_t{1})
+    .receive([&](bool ok) { confirmed = ok; },
+             [&](const caf::error& err) { FAIL(f.system.render(err)); });
+  CHECK(confirmed);
+}
