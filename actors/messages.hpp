@@ -50,6 +50,9 @@ using run_atom = caf::atom_constant<caf::atom("run")>;
 using save_atom = caf::atom_constant<caf::atom("save")>;
 /// scheduler -> stage request: (load_atom, shared_ptr<const tensor_map>) -> error text or empty.
 using load_atom = caf::atom_constant<caf::atom("load")>;
+/// scheduler -> stage request: (fetch_atom) -> (error text or empty, shared_ptr<const
+/// tensor_map>): copies of the stage's state as save_atom would write it, in memory.
+using fetch_atom = caf::atom_constant<caf::atom("fetch")>;
 
 /// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.
 using tensor_map = std::map<std::string, torch::Tensor>;

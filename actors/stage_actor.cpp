@@ -15,6 +15,7 @@
 #include "actors/messages.hpp"
 #include "comm/replica_group.hpp"
 #include "logging/log.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe::actors {
@@ -42,7 +43,8 @@ struct stage_state {
   // The running step.
   bool active = false;
   step_plan plan;
-  std::size_t pc = 0;
+  // Index of the program's next action.
+  std::size_t next_action = 0;
   stage_report report;
   // Zero-bubble programs split backward into B (input gradient) and W (weight gradient).
   bool split = false;
@@ -53,7 +55,7 @@ struct stage_state {
   bool waiting = false;
   clock_type::time_point wait_start;
 
-  std::size_t p() const { return options.count; }
+  std::size_t actor_count() const { return options.count; }
   std::size_t virtual_index(int32_t chunk) const {
     return static_cast<std::size_t>(chunk) * options.count + options.index;
   }
@@ -96,28 +98,30 @@ void fail(stage_actor_type* self, const std::exception& e,
 }
 
 // "stage 2" or, with chunks, "stage 2 chunk 1".
-std::string name_of_virtual(const stage_state& s, std::size_t vs) {
-  return s.chunks.size() == 1 ? detail::concat("stage ", vs % s.p())
-                              : detail::concat("stage ", vs % s.p(), " chunk ", vs / s.p());
+std::string name_of_virtual(const stage_state& s, std::size_t virtual_stage) {
+  return s.chunks.size() == 1 ? detail::concat("stage ", virtual_stage % s.actor_count())
+                              : detail::concat("stage ", virtual_stage % s.actor_count(), " chunk ",
+                                               virtual_stage / s.actor_count());
 }
 
 std::string describe_wait(const stage_state& s, const action& a) {
-  auto vs = s.virtual_index(a.chunk);
+  auto virtual_stage = s.virtual_index(a.chunk);
   if (a.kind == action_kind::forward) {
-    return detail::concat(name_of_virtual(s, vs), " waits for the activation of microbatch ",
-                          a.microbatch, " from ", name_of_virtual(s, vs - 1));
+    return detail::concat(name_of_virtual(s, virtual_stage),
+                          " waits for the activation of microbatch ", a.microbatch, " from ",
+                          name_of_virtual(s, virtual_stage - 1));
   }
-  return detail::concat(name_of_virtual(s, vs), " waits for the gradient of microbatch ",
-                        a.microbatch, " from ", name_of_virtual(s, vs + 1));
+  return detail::concat(name_of_virtual(s, virtual_stage), " waits for the gradient of microbatch ",
+                        a.microbatch, " from ", name_of_virtual(s, virtual_stage + 1));
 }
 
-// Sends to the actor holding virtual stage `vs`.
+// Sends to the actor holding virtual stage `virtual_stage`.
 template <class Atom>
-void send_to_virtual(stage_actor_type* self, std::size_t vs, Atom atom, int32_t microbatch,
-                     torch::Tensor t) {
+void send_to_virtual(stage_actor_type* self, std::size_t virtual_stage, Atom atom,
+                     int32_t microbatch, torch::Tensor t) {
   auto& s = self->state;
-  self->send(s.stages[vs % s.p()], atom, s.plan.step, microbatch, static_cast<int32_t>(vs / s.p()),
-             std::move(t));
+  self->send(s.stages[virtual_stage % s.actor_count()], atom, s.plan.step, microbatch,
+             static_cast<int32_t>(virtual_stage / s.actor_count()), std::move(t));
 }
 
 // Runs a user hook on `t`; a replacement must keep the shape.
@@ -145,8 +149,8 @@ int64_t run_action(stage_actor_type* self, const action& a) {
   auto& s = self->state;
   auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
   const key k{s.plan.step, a.microbatch, a.chunk};
-  auto vs = s.virtual_index(a.chunk);
-  auto mb = static_cast<std::size_t>(a.microbatch);
+  auto virtual_stage = s.virtual_index(a.chunk);
+  auto position = static_cast<std::size_t>(a.microbatch);
   bool split = s.split;
   switch (a.kind) {
   case action_kind::forward: {
@@ -156,9 +160,9 @@ int64_t run_action(stage_actor_type* self, const action& a) {
       s.peak_live = std::max(s.peak_live, ++s.live);
     }
     if (s.plan.train && st.is_last()) {
-      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(mb), s.options.loss,
-                                   s.plan.loss_scales.at(mb));
-      s.report.loss += s.plan.loss_scales.at(mb) * value;
+      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(position), s.options.loss,
+                                   s.plan.loss_scales.at(position));
+      s.report.loss += s.plan.loss_scales.at(position) * value;
       return 0;
     }
     auto output = st.forward(a.microbatch, input);
@@ -166,11 +170,11 @@ int64_t run_action(stage_actor_type* self, const action& a) {
       run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
     }
     if (st.is_last()) {
-      s.report.outputs.at(mb) = std::move(output);
+      s.report.outputs.at(position) = std::move(output);
       return 0;
     }
     auto bytes = static_cast<int64_t>(output.nbytes());
-    send_to_virtual(self, vs + 1, forward_atom::value, a.microbatch, std::move(output));
+    send_to_virtual(self, virtual_stage + 1, forward_atom::value, a.microbatch, std::move(output));
     return bytes;
   }
   case action_kind::backward: {
@@ -191,7 +195,8 @@ int64_t run_action(stage_actor_type* self, const action& a) {
       run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
     }
     auto bytes = static_cast<int64_t>(input_grad.nbytes());
-    send_to_virtual(self, vs - 1, backward_atom::value, a.microbatch, std::move(input_grad));
+    send_to_virtual(self, virtual_stage - 1, backward_atom::value, a.microbatch,
+                    std::move(input_grad));
     return bytes;
   }
   case action_kind::weight:
@@ -247,8 +252,8 @@ void advance(stage_actor_type* self) {
     s.waiting = false;
   }
   auto origin = clock_type::time_point(std::chrono::nanoseconds(s.plan.origin_ns));
-  while (s.active && s.pc < s.plan.program.size()) {
-    const auto a = s.plan.program[s.pc];
+  while (s.active && s.next_action < s.plan.program.size()) {
+    const auto a = s.plan.program[s.next_action];
     const key k{s.plan.step, a.microbatch, a.chunk};
     const auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
     bool has_input = a.kind == action_kind::forward    ? s.activations.count(k) == 1
@@ -280,7 +285,7 @@ void advance(stage_actor_type* self) {
     s.report.stats.actions.push_back(
       {a, std::chrono::duration<double, std::milli>(start - origin).count(),
        std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
-    ++s.pc;
+    ++s.next_action;
     ++s.wait_token;
   }
   if (s.active) {
@@ -321,7 +326,7 @@ void set_threads(stage_state& s) {
 }
 
 bool stale(const stage_state& s, uint64_t step) {
-  return step < s.plan.step || (step == s.plan.step && !s.active && s.pc > 0);
+  return step < s.plan.step || (step == s.plan.step && !s.active && s.next_action > 0);
 }
 
 caf::behavior stage_actor(stage_actor_type* self,
@@ -348,14 +353,15 @@ caf::behavior stage_actor(stage_actor_type* self,
         }
         s.report.outputs.resize(m);
       }
-      for (std::size_t mb = 0; mb < plan.inputs.size(); ++mb) {
-        s.activations[key{plan.step, static_cast<int32_t>(mb), 0}] = std::move(plan.inputs[mb]);
+      for (std::size_t position = 0; position < plan.inputs.size(); ++position) {
+        s.activations[key{plan.step, static_cast<int32_t>(position), 0}] =
+          std::move(plan.inputs[position]);
       }
       plan.inputs.clear();
       s.plan = std::move(plan);
       s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
                             [](const action& a) { return a.kind == action_kind::weight; });
-      s.pc = 0;
+      s.next_action = 0;
       s.live = 0;
       s.peak_live = 0;
       ++s.wait_token;
@@ -396,10 +402,10 @@ caf::behavior stage_actor(stage_actor_type* self,
       if (!s.active || step != s.plan.step || token != s.wait_token || !s.waiting) {
         return;
       }
-      const auto& a = s.plan.program[s.pc];
+      const auto& a = s.plan.program[s.next_action];
       fail(self, failure{{error_kind::timeout, s.options.index, a.microbatch, step},
-                         detail::concat(describe_wait(s, a), " (step ", step, ", action ", s.pc,
-                                        " of its program) and gave up after ",
+                         detail::concat(describe_wait(s, a), " (step ", step, ", action ",
+                                        s.next_action, " of its program) and gave up after ",
                                         s.options.wait_timeout.count(), " ms")});
     },
     [=](abort_atom, uint64_t step) {
@@ -439,6 +445,18 @@ caf::behavior stage_actor(stage_actor_type* self,
         return detail::concat("stage ", self->state.options.index, ": ", e.what());
       }
       return {};
+    },
+    [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
+      try {
+        auto all = std::make_shared<tensor_map>();
+        for (auto& chunk : self->state.chunks) {
+          all->merge(chunk->state());
+        }
+        return {std::string{}, std::shared_ptr<const tensor_map>(std::move(all))};
+      } catch (const std::exception& e) {
+        return {detail::concat("stage ", self->state.options.index, ": ", e.what()),
+                std::shared_ptr<const tensor_map>{}};
+      }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> std::string {
       try {

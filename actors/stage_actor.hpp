@@ -25,6 +25,8 @@
 /// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.
+/// - in  (fetch_atom) -> (std::string error, shared_ptr<const tensor_map>): the chunks' state
+///       (as save_atom writes it) in memory.
 /// - out (done_atom, stage_report) to the scheduler when the program has run.
 /// - out (failed_atom, step, message) to the scheduler when an action throws or a wait runs past
 ///       wait_timeout; the message says who waits for what ("stage 1 waits for the activation

@@ -243,27 +243,19 @@ make_batches(const training::model_setup& setup, uint64_t seed, std::size_t coun
   return batches;
 }
 
-std::vector<sweep_row> run_sweep(const sweep_options& o) {
-  ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
-  ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");
-  auto setup = training::build_model(o.model);
-  const auto& mo = setup.options;
-  auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  auto partitions =
-    o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions;
+namespace {
 
-  // The batches: one warm-up and `steps` timed, the same for every contender.
-  auto batches = make_batches(setup, o.model.seed + 1, o.steps + 1);
-  auto flops = training_flops(setup.layers, batches[0].first);
-  auto peak_1 = gemm_gflops(1);
-  auto peak_all = gemm_gflops(cores);
+// Parameters drawn as every contender's: the same seed, the same model.
+layer_list fresh_layers(const training::model_setup& setup, uint64_t seed) {
+  torch::manual_seed(seed);
+  return make_model(setup.name, setup.options);
+}
 
-  engine sys;
+// Plain libtorch on one thread and on all cores, whole batch, and on all cores accumulating over
+// each swept split's micro-batches (the pipeline's math without the pipeline).
+std::vector<contender> plain_contenders(const sweep_options& o, const training::model_setup& setup,
+                                        int cores) {
   std::vector<contender> contenders;
-  auto fresh_layers = [&] {
-    torch::manual_seed(o.model.seed);
-    return make_model(setup.name, mo);
-  };
   if (o.baselines) {
     std::vector<std::pair<int, std::size_t>> plain{{1, 0}, {cores, 0}};
     for (auto m : o.splits) {
@@ -276,7 +268,7 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       c.row.name = accumulate > 0 ? detail::concat("plain ", threads, "t accum ", accumulate)
                                   : detail::concat("plain libtorch ", threads, "t");
       c.row.accumulated = accumulate;
-      c.layers = fresh_layers();
+      c.layers = fresh_layers(setup, o.model.seed);
       std::vector<torch::Tensor> params;
       for (const auto& l : c.layers) {
         if (auto m = l.module()) {
@@ -290,10 +282,25 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
       contenders.push_back(std::move(c));
     }
   }
-  auto memory_modes = o.memory;
-  if (memory_modes.empty()) {
-    memory_modes.push_back(o.plan.cold_memory ? "cold" : "warm");
+  return contenders;
+}
+
+// The stage threads' memory of each configuration: "warm", "cold".
+std::vector<std::string> memory_modes_of(const sweep_options& o) {
+  auto modes = o.memory;
+  if (modes.empty()) {
+    modes.push_back(o.plan.cold_memory ? "cold" : "warm");
   }
+  return modes;
+}
+
+// A pipeline per partition x split x memory mode.
+std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
+                                           const training::model_setup& setup) {
+  std::vector<contender> contenders;
+  auto partitions =
+    o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions;
+  auto memory_modes = memory_modes_of(o);
   for (const auto& spec : partitions) {
     for (auto m : o.splits) {
       for (const auto& memory_mode : memory_modes) {
@@ -310,40 +317,40 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
                                     memory_modes.size() > 1 ? " " + memory_mode : "");
         c.row.partition = spec;
         c.row.splits = choice.microbatches;
-        c.pipe = std::make_unique<pipeline>(sys, fresh_layers(), choice.cut, po);
+        c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
         c.plan = c.pipe->training_schedule();
         contenders.push_back(std::move(c));
       }
     }
   }
 
-  std::printf("actorpipe bench: %s, batch %lld, input %lldx%lldx%lld, %zu stages, schedule %s, "
-              "%zu timed steps after 1 warm-up, %d cores, seed %llu\n",
-              setup.name.c_str(), static_cast<long long>(setup.batch),
-              static_cast<long long>(mo.in_channels), static_cast<long long>(mo.image_size),
-              static_cast<long long>(mo.image_size), o.plan.stages, o.plan.schedule.c_str(),
-              o.steps, cores, static_cast<unsigned long long>(o.model.seed));
-  std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
-              "thread, %.1f on %d\n",
-              flops / 1e9, peak_1, peak_all, cores);
-  std::fflush(stdout);
+  return contenders;
+}
 
-  training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * contenders.size()));
-  int64_t done = 0;
-  for (std::size_t i = 0; i <= o.steps; ++i) {
-    for (auto& c : contenders) {
-      c.step(batches[i].first, batches[i].second, /*record=*/i > 0);
-      if (o.progress) {
-        bar.update(++done, c.row.name);
-      }
-    }
+// The largest relative difference between two loss series.
+double relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0;
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    d = std::max(d, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
   }
+  return d;
+}
 
+// How far apart the contenders' losses are: all against the first, pipelines against plain
+// accumulation over their micro-batches (-1 when there is none).
+struct loss_agreement {
+  double loss_difference = 0;
+  double accumulated_difference = -1;
+};
+
+// One row per contender, with its times, ideals, speedups and loss differences.
+std::vector<sweep_row> rows_of(const std::vector<contender>& contenders, double flops,
+                               double peak_all, loss_agreement& agreement) {
   std::vector<sweep_row> rows;
   double plain_1 = 0;
   double plain_all = 0;
-  for (auto& c : contenders) {
-    auto& r = c.row;
+  for (const auto& c : contenders) {
+    auto r = c.row;
     r.min_ms = *std::min_element(c.times.begin(), c.times.end());
     r.max_ms = *std::max_element(c.times.begin(), c.times.end());
     r.median_ms = median(c.times);
@@ -361,15 +368,8 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     }
     rows.push_back(r);
   }
-  auto relative_difference = [](const std::vector<double>& a, const std::vector<double>& b) {
-    double d = 0;
-    for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
-      d = std::max(d, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
-    }
-    return d;
-  };
-  double loss_difference = 0;
-  double accumulated_difference = -1;
+  auto& loss_difference = agreement.loss_difference;
+  auto& accumulated_difference = agreement.accumulated_difference;
   for (auto& r : rows) {
     r.speedup_1t = plain_1 > 0 ? plain_1 / r.median_ms : 0;
     r.speedup_all = plain_all > 0 ? plain_all / r.median_ms : 0;
@@ -384,6 +384,13 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     loss_difference = std::max(loss_difference, r.loss_difference);
   }
 
+  return rows;
+}
+
+void print_table(const std::vector<sweep_row>& rows, const loss_agreement& agreement,
+                 const std::vector<std::string>& memory_modes) {
+  const auto loss_difference = agreement.loss_difference;
+  const auto accumulated_difference = agreement.accumulated_difference;
   std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s\n", "config",
               "splits", "median", "min", "max", "ideal", "fill", "eff", "predict", "vs 1t",
               "vs all", "vs acc", "GFLOP/s", "peak", "ms/smpl", "RSS MB");
@@ -412,7 +419,13 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
               "cached at the end%s\n",
               warm.hits, warm.misses, static_cast<double>(warm.cached_bytes) / 1e9,
               memory_modes.size() == 1 && memory_modes[0] == "cold" ? " (cold: off)" : "");
+}
 
+// --json and --csv.
+void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
+                   const training::model_setup& setup, double flops, double peak_1,
+                   double peak_all) {
+  const auto& mo = setup.options;
   if (!o.json.empty() || !o.csv.empty()) {
     nlohmann::json j = nlohmann::json::array();
     std::ofstream csv;
@@ -463,6 +476,58 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
           << '\n';
     }
   }
+}
+
+} // namespace
+
+std::vector<sweep_row> run_sweep(const sweep_options& o) {
+  ACTORPIPE_CHECK(o.steps >= 1, "--steps (", o.steps, ") must be >= 1");
+  ACTORPIPE_CHECK(!o.splits.empty(), "--splits needs at least one count");
+  auto setup = training::build_model(o.model);
+  const auto& mo = setup.options;
+  auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  // The batches: one warm-up and `steps` timed, the same for every contender.
+  auto batches = make_batches(setup, o.model.seed + 1, o.steps + 1);
+  auto flops = training_flops(setup.layers, batches[0].first);
+  auto peak_1 = gemm_gflops(1);
+  auto peak_all = gemm_gflops(cores);
+
+  engine sys;
+  std::vector<contender> contenders;
+  if (o.baselines) {
+    contenders = plain_contenders(o, setup, cores);
+  }
+  for (auto& c : pipeline_contenders(sys, o, setup)) {
+    contenders.push_back(std::move(c));
+  }
+
+  std::printf("actorpipe bench: %s, batch %lld, input %lldx%lldx%lld, %zu stages, schedule %s, "
+              "%zu timed steps after 1 warm-up, %d cores, seed %llu\n",
+              setup.name.c_str(), static_cast<long long>(setup.batch),
+              static_cast<long long>(mo.in_channels), static_cast<long long>(mo.image_size),
+              static_cast<long long>(mo.image_size), o.plan.stages, o.plan.schedule.c_str(),
+              o.steps, cores, static_cast<unsigned long long>(o.model.seed));
+  std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
+              "thread, %.1f on %d\n",
+              flops / 1e9, peak_1, peak_all, cores);
+  std::fflush(stdout);
+
+  training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * contenders.size()));
+  int64_t done = 0;
+  for (std::size_t i = 0; i <= o.steps; ++i) {
+    for (auto& c : contenders) {
+      c.step(batches[i].first, batches[i].second, /*record=*/i > 0);
+      if (o.progress) {
+        bar.update(++done, c.row.name);
+      }
+    }
+  }
+
+  loss_agreement agreement;
+  auto rows = rows_of(contenders, flops, peak_all, agreement);
+  print_table(rows, agreement, memory_modes_of(o));
+  write_reports(o, rows, setup, flops, peak_1, peak_all);
   if (!o.plot.empty()) {
     write_plot(o.plot, rows,
                detail::concat(setup.name, ", batch ", setup.batch, ", ", o.plan.stages, " stages, ",

@@ -3,11 +3,7 @@
 
 #include <filesystem>
 #include <map>
-#include <regex>
-#include <set>
 #include <thread>
-
-#include <unistd.h>
 
 #include <caf/all.hpp>
 #include <caf/io/middleman.hpp>
@@ -22,6 +18,7 @@
 #include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe {
@@ -167,35 +164,21 @@ struct pipeline::impl {
                                [](scheduler::step_outcome& o) { return std::move(o.result); });
   }
 
-  // Stages on nodes: their parameters come back through a save into a temporary folder.
+  // Stages on nodes: their state comes back in memory (a fetch request to every stage).
   std::vector<std::pair<std::string, torch::Tensor>> named_remote(bool gradients) {
     if (gradients) {
       throw pipeline_error("named_gradients: the gradients of stages on nodes stay on the nodes");
     }
-    namespace fs = std::filesystem;
-    auto dir = fs::temp_directory_path() / detail::concat("actorpipe-parameters-", ::getpid(), "-",
-                                                          reinterpret_cast<uintptr_t>(this));
-    fs::create_directories(dir);
     auto request = std::make_shared<scheduler::step_request>();
-    request->kind = scheduler::request_kind::save;
-    request->path = dir.string();
-    auto future = submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
-    stages::stage::tensor_map all;
-    try {
-      wait(future, "named_parameters");
-      for (std::size_t i = 0; i < stage_actors.size(); ++i) {
-        all.merge(stages::load_tensors((dir / detail::concat("stage-", i, ".pt")).string()));
-      }
-    } catch (...) {
-      fs::remove_all(dir);
-      throw;
-    }
-    fs::remove_all(dir);
+    request->kind = scheduler::request_kind::fetch;
+    auto future = submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
+      std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
+    auto all = wait(future, "named_parameters");
     std::vector<std::pair<std::string, torch::Tensor>> result;
     for (const auto& st : stages) {
       for (auto& [name, initial] : st->named_tensors(false)) {
-        auto it = all.find(name);
-        if (it == all.end()) {
+        auto it = all->find(name);
+        if (it == all->end()) {
           throw pipeline_error(detail::concat("named_parameters: stage ", st->config().index,
                                               " did not return '", name, "'"));
         }
@@ -444,58 +427,9 @@ void pipeline::save_state(const std::string& dir) {
 
 void pipeline::load_state(const std::string& dir) {
   auto& self = *impl_;
-  auto all = std::make_shared<stages::stage::tensor_map>();
-  const std::regex stage_file{R"(stage-[0-9]+\.pt)"};
-  std::size_t files = 0;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (!std::regex_match(entry.path().filename().string(), stage_file)) {
-      continue;
-    }
-    ++files;
-    for (auto& [key, value] : stages::load_tensors(entry.path().string())) {
-      if (!all->emplace(key, std::move(value)).second) {
-        throw pipeline_error(
-          detail::concat("load_state: tensor '", key, "' appears twice in '", dir, "'"),
-          error_details{error_kind::io});
-      }
-    }
-  }
-  if (ec || files == 0) {
-    throw pipeline_error(detail::concat("load_state: no stage-*.pt files in '", dir, "'",
-                                        ec ? ": " + ec.message() : std::string{}),
-                         error_details{error_kind::io});
-  }
-  // All-or-nothing: check every stage's needs and every file's tensors before loading any.
-  std::set<std::string> known;
-  for (const auto& st : self.stages) {
-    for (const auto& [key, shape] : st->required_keys()) {
-      auto it = all->find(key);
-      if (it == all->end()) {
-        throw pipeline_error(detail::concat("load_state: '", dir, "' has no tensor '", key,
-                                            "' (needed by stage ", st->config().index, ")"),
-                             error_details{error_kind::io});
-      }
-      if (it->second.sizes().vec() != shape) {
-        throw pipeline_error(detail::concat("load_state: tensor '", key, "' in '", dir,
-                                            "' has shape ", it->second.sizes(), " but stage ",
-                                            st->config().index, " needs ", c10::IntArrayRef(shape)),
-                             error_details{error_kind::shape_mismatch});
-      }
-      known.insert(key);
-    }
-  }
-  for (const auto& [key, value] : *all) {
-    auto name = key;
-    if (name.rfind("optimizer/", 0) == 0) {
-      name = name.substr(10, name.rfind('/') - 10);
-    }
-    if (known.count(name) == 0) {
-      throw pipeline_error(detail::concat("load_state: '", dir, "' holds tensor '", key,
-                                          "', which this model does not have"),
-                           error_details{error_kind::io});
-    }
-  }
+  // All-or-nothing: every stage's needs and every file's tensors are checked before any loads.
+  auto all = std::make_shared<stages::tensor_map>(stages::read_checkpoint(dir));
+  stages::check_checkpoint(*all, self.stages, dir);
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::load;
   request->state = all;

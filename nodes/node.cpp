@@ -25,6 +25,7 @@
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe {
@@ -225,13 +226,18 @@ std::string build(node_actor* self, const std::string& text) {
   return nlohmann::json{{"data_host", s.hub->host()}, {"data_port", s.hub->port()}}.dump();
 }
 
-caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
-                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route) {
-  auto& s = self->state;
-  s.label = std::move(label);
-  s.secret = std::move(secret);
-  s.hub = std::move(hub);
-  s.route = std::move(route);
+hosted* find_stage(node_actor* self, uint32_t index) {
+  auto it = self->state.stages.find(index);
+  return it == self->state.stages.end() ? nullptr : &it->second;
+}
+
+std::string missing_stage(node_actor* self, uint32_t index) {
+  return detail::concat("node ", self->state.label, " hosts no stage ", index);
+}
+
+// Unknown messages are counted and dropped; stopping the node stops its stages; a scheduler
+// that goes away takes its stages with it.
+void install_handlers(node_actor* self) {
   self->set_default_handler(
     [](caf::scheduled_actor* ptr, caf::message_view& x) -> caf::result<caf::message> {
       auto* me = static_cast<node_actor*>(ptr);
@@ -268,44 +274,246 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       release(self, index);
     }
   });
-  auto find = [=](uint32_t index) -> hosted* {
-    auto it = self->state.stages.find(index);
-    return it == self->state.stages.end() ? nullptr : &it->second;
-  };
-  auto missing = [=](uint32_t index) {
-    return detail::concat("node ", self->state.label, " hosts no stage ", index);
-  };
+}
+
+std::string make_challenge(node_actor* self) {
+  std::string challenge(32, '\0');
+  RAND_bytes(reinterpret_cast<unsigned char*>(challenge.data()), 32);
+  challenge = to_hex(challenge);
+  if (auto sender = self->current_sender()) {
+    self->state.challenges[sender->node()] = challenge;
+  }
+  return challenge;
+}
+
+std::string authenticate(node_actor* self, const std::string& answer) {
+  auto& st = self->state;
+  auto sender = self->current_sender();
+  if (!sender) {
+    return "anonymous senders cannot authenticate";
+  }
+  auto it = st.challenges.find(sender->node());
+  auto expected = it == st.challenges.end() ? std::string{}
+                                            : to_hex(comm::handshake_answer(st.secret, it->second));
+  if (it == st.challenges.end() || answer.size() != expected.size() ||
+      CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
+    ++st.route->rejected;
+    log::get()->error("node {}: refused a scheduler from {}: wrong secret", st.label,
+                      caf::to_string(sender->node()));
+    return detail::concat("node ", st.label, " refused the secret (check --secret-file)");
+  }
+  st.challenges.erase(it);
+  st.authorized.insert(sender->node());
+  return {};
+}
+
+std::string wire_stage(node_actor* self, uint32_t index, const std::string& text,
+                       caf::actor proxy) {
+  if (!allowed(self, "wire")) {
+    return refused(self);
+  }
+  auto* h = find_stage(self, index);
+  if (h == nullptr) {
+    return missing_stage(self, index);
+  }
+  try {
+    h->peers = peer_table_from_json(text);
+    auto count = h->peers.stages.size();
+    ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
+                    " stages, the stage was built for ", h->stage->config().count);
+    std::vector<caf::actor> neighbours(count);
+    for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
+      if (j < 0 || j >= static_cast<int64_t>(count)) {
+        continue;
+      }
+      auto to = h->peers.stages[static_cast<std::size_t>(j)];
+      auto local = find_stage(self, static_cast<uint32_t>(j));
+      if (local != nullptr && to.host == self->state.hub->host() &&
+          to.port == self->state.hub->port()) {
+        neighbours[static_cast<std::size_t>(j)] = local->actor;
+      } else {
+        auto link = self->system().spawn<caf::detached>(link_actor, self->state.hub, to,
+                                                        static_cast<uint32_t>(j), index,
+                                                        caf::actor_cast<caf::actor>(self));
+        h->links.push_back(link);
+        neighbours[static_cast<std::size_t>(j)] = link;
+      }
+    }
+    self->send(h->actor, connect_atom::value, std::move(neighbours));
+    h->proxy = std::move(proxy);
+    self->monitor(h->proxy);
+  } catch (const std::exception& e) {
+    return detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what());
+  }
+  return {};
+}
+
+void receive_plan(node_actor* self, uint32_t index, const std::string& text) {
+  if (!allowed(self, "plan")) {
+    return;
+  }
+  auto* h = find_stage(self, index);
+  if (h == nullptr) {
+    log::get()->error("{}", missing_stage(self, index));
+    return;
+  }
+  std::size_t targets = 0;
+  try {
+    h->plan = step_plan_from_json(text, targets);
+  } catch (const std::exception& e) {
+    self->send(h->proxy, rfailed_atom::value, index, uint64_t{0},
+               error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
+               detail::concat("node ", self->state.label, ": ", e.what()));
+    return;
+  }
+  h->plan.origin_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch())
+                        .count();
+  h->targets_expected = targets;
+  h->pending = true;
+  if (targets_complete(*h)) {
+    deliver_plan(self, *h);
+  }
+}
+
+void receive_target(node_actor* self, uint32_t index, uint64_t step, int32_t microbatch,
+                    torch::Tensor& t) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr) {
+    return;
+  }
+  h->targets[{step, microbatch}] = std::move(t);
+  if (h->pending && h->plan.step == step && targets_complete(*h)) {
+    deliver_plan(self, *h);
+  }
+}
+
+void report_done(node_actor* self, stage_report& report) {
+  auto* h = find_stage(self, static_cast<uint32_t>(report.stats.stage));
+  if (h == nullptr || !allowed(self, "done")) {
+    return;
+  }
+  auto index = static_cast<uint32_t>(report.stats.stage);
+  try {
+    const auto& to = h->peers.scheduler;
+    for (std::size_t mb = 0; mb < report.outputs.size(); ++mb) {
+      const auto& t = report.outputs[mb];
+      self->state.hub->send(to.host, to.port,
+                            comm::describe(comm::frame_kind::output, index, report.step,
+                                           static_cast<int32_t>(mb), 0, t),
+                            t);
+    }
+  } catch (const std::exception& e) {
+    self->send(h->proxy, rfailed_atom::value, index, report.step,
+               error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
+               detail::concat("stage ", index, " on node ", self->state.label,
+                              " could not send its outputs: ", e.what()));
+    return;
+  }
+  self->send(h->proxy, rdone_atom::value, index, to_json(report));
+}
+
+void report_failure(node_actor* self, uint64_t step, const failure& why) {
+  auto* h = find_by_actor(self->state, self->current_sender());
+  if (h != nullptr) {
+    // Say where the neighbour it waited for lives.
+    auto text = why.message;
+    for (std::size_t j = 0; j < h->peers.stages.size(); ++j) {
+      if (why.message.find(detail::concat("from stage ", j, " ")) != std::string::npos) {
+        text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
+      }
+    }
+    self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index), step,
+               error_kind_to_wire(why.details.kind), why.details.microbatch.value_or(-1),
+               why.details.node, text);
+  }
+}
+
+caf::result<bool> relay_abort(node_actor* self, uint32_t index, uint64_t step) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "abort")) {
+    return caf::make_error(caf::sec::runtime_error, missing_stage(self, index));
+  }
+  h->pending = false;
+  auto rp = self->make_response_promise<bool>();
+  auto deadline = h->deadline;
+  self->request(h->actor, deadline, abort_atom::value, step)
+    .then([=](bool ok) mutable { rp.deliver(ok); },
+          [=](caf::error& e) mutable {
+            rp.deliver(caf::make_error(caf::sec::runtime_error,
+                                       detail::concat("stage ", index, " on node ",
+                                                      self->state.label, ", asked to abort, ",
+                                                      request_error(self->system(), e, deadline))));
+          });
+  return rp;
+}
+
+caf::result<double, std::string> relay_update(node_actor* self, uint32_t index, uint64_t step,
+                                              double lr, double scale) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "update")) {
+    return {0.0, missing_stage(self, index)};
+  }
+  auto rp = self->make_response_promise<double, std::string>();
+  auto deadline = h->deadline;
+  self->request(h->actor, deadline, update_atom::value, step, lr, scale)
+    .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
+          [=](caf::error& e) mutable {
+            rp.deliver(0.0, detail::concat("stage ", index, " on node ", self->state.label,
+                                           ", asked to step its optimizer, ",
+                                           request_error(self->system(), e, deadline)));
+          });
+  return rp;
+}
+
+std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "save")) {
+    return missing_stage(self, index);
+  }
+  try {
+    auto bytes = stages::pickle_tensors(h->stage->state());
+    auto blob = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+    const auto& to = h->peers.scheduler;
+    self->state.hub->send(to.host, to.port,
+                          comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
+  } catch (const std::exception& e) {
+    return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
+  }
+  return {};
+}
+
+void finish_load(node_actor* self, uint32_t index, uint64_t id) {
+  // A load completes once both its request and its state frame are here.
+  auto* h = find_stage(self, index);
+  if (h == nullptr || h->loads.count(id) == 0 || h->states.count(id) == 0) {
+    return;
+  }
+  auto rp = h->loads.at(id);
+  auto blob = h->states.at(id);
+  h->loads.erase(id);
+  h->states.erase(id);
+  try {
+    const auto* bytes = static_cast<const char*>(blob.data_ptr());
+    h->stage->load_state(
+      stages::unpickle_tensors(std::vector<char>(bytes, bytes + blob.numel()), "checkpoint state"));
+    rp.deliver(std::string{});
+  } catch (const std::exception& e) {
+    rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
+  }
+}
+
+caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
+                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route) {
+  auto& s = self->state;
+  s.label = std::move(label);
+  s.secret = std::move(secret);
+  s.hub = std::move(hub);
+  s.route = std::move(route);
+  install_handlers(self);
   return {
-    [=](hello_atom) -> std::string {
-      std::string challenge(32, '\0');
-      RAND_bytes(reinterpret_cast<unsigned char*>(challenge.data()), 32);
-      challenge = to_hex(challenge);
-      if (auto sender = self->current_sender()) {
-        self->state.challenges[sender->node()] = challenge;
-      }
-      return challenge;
-    },
-    [=](auth_atom, const std::string& answer) -> std::string {
-      auto& st = self->state;
-      auto sender = self->current_sender();
-      if (!sender) {
-        return "anonymous senders cannot authenticate";
-      }
-      auto it = st.challenges.find(sender->node());
-      auto expected = it == st.challenges.end()
-                        ? std::string{}
-                        : to_hex(comm::handshake_answer(st.secret, it->second));
-      if (it == st.challenges.end() || answer.size() != expected.size() ||
-          CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
-        ++st.route->rejected;
-        log::get()->error("node {}: refused a scheduler from {}: wrong secret", st.label,
-                          caf::to_string(sender->node()));
-        return detail::concat("node ", st.label, " refused the secret (check --secret-file)");
-      }
-      st.challenges.erase(it);
-      st.authorized.insert(sender->node());
-      return {};
-    },
+    [=](hello_atom) -> std::string { return make_challenge(self); },
+    [=](auth_atom, const std::string& answer) -> std::string { return authenticate(self, answer); },
     [=](build_atom, const std::string& spec) -> std::string {
       if (!allowed(self, "build")) {
         return nlohmann::json{{"error", refused(self)}}.dump();
@@ -319,184 +527,33 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       }
     },
     [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) -> std::string {
-      if (!allowed(self, "wire")) {
-        return refused(self);
-      }
-      auto* h = find(index);
-      if (h == nullptr) {
-        return missing(index);
-      }
-      try {
-        h->peers = peer_table_from_json(text);
-        auto count = h->peers.stages.size();
-        ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
-                        " stages, the stage was built for ", h->stage->config().count);
-        std::vector<caf::actor> neighbours(count);
-        for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
-          if (j < 0 || j >= static_cast<int64_t>(count)) {
-            continue;
-          }
-          auto to = h->peers.stages[static_cast<std::size_t>(j)];
-          auto local = find(static_cast<uint32_t>(j));
-          if (local != nullptr && to.host == self->state.hub->host() &&
-              to.port == self->state.hub->port()) {
-            neighbours[static_cast<std::size_t>(j)] = local->actor;
-          } else {
-            auto link = self->system().spawn<caf::detached>(link_actor, self->state.hub, to,
-                                                            static_cast<uint32_t>(j), index,
-                                                            caf::actor_cast<caf::actor>(self));
-            h->links.push_back(link);
-            neighbours[static_cast<std::size_t>(j)] = link;
-          }
-        }
-        self->send(h->actor, connect_atom::value, std::move(neighbours));
-        h->proxy = std::move(proxy);
-        self->monitor(h->proxy);
-      } catch (const std::exception& e) {
-        return detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what());
-      }
-      return {};
+      return wire_stage(self, index, text, proxy);
     },
-    [=](rplan_atom, uint32_t index, const std::string& text) {
-      if (!allowed(self, "plan")) {
-        return;
-      }
-      auto* h = find(index);
-      if (h == nullptr) {
-        log::get()->error("{}", missing(index));
-        return;
-      }
-      std::size_t targets = 0;
-      try {
-        h->plan = step_plan_from_json(text, targets);
-      } catch (const std::exception& e) {
-        self->send(h->proxy, rfailed_atom::value, index, uint64_t{0},
-                   error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
-                   detail::concat("node ", self->state.label, ": ", e.what()));
-        return;
-      }
-      h->plan.origin_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            std::chrono::steady_clock::now().time_since_epoch())
-                            .count();
-      h->targets_expected = targets;
-      h->pending = true;
-      if (targets_complete(*h)) {
-        deliver_plan(self, *h);
-      }
-    },
+    [=](rplan_atom, uint32_t index, const std::string& text) { receive_plan(self, index, text); },
     [=](target_atom, uint32_t index, uint64_t step, int32_t microbatch, torch::Tensor& t) {
-      auto* h = find(index);
-      if (h == nullptr) {
-        return;
-      }
-      h->targets[{step, microbatch}] = std::move(t);
-      if (h->pending && h->plan.step == step && targets_complete(*h)) {
-        deliver_plan(self, *h);
-      }
+      receive_target(self, index, step, microbatch, t);
     },
-    [=](done_atom, stage_report& report) {
-      auto* h = find(static_cast<uint32_t>(report.stats.stage));
-      if (h == nullptr || !allowed(self, "done")) {
-        return;
-      }
-      auto index = static_cast<uint32_t>(report.stats.stage);
-      try {
-        const auto& to = h->peers.scheduler;
-        for (std::size_t mb = 0; mb < report.outputs.size(); ++mb) {
-          const auto& t = report.outputs[mb];
-          self->state.hub->send(to.host, to.port,
-                                comm::describe(comm::frame_kind::output, index, report.step,
-                                               static_cast<int32_t>(mb), 0, t),
-                                t);
-        }
-      } catch (const std::exception& e) {
-        self->send(h->proxy, rfailed_atom::value, index, report.step,
-                   error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
-                   detail::concat("stage ", index, " on node ", self->state.label,
-                                  " could not send its outputs: ", e.what()));
-        return;
-      }
-      self->send(h->proxy, rdone_atom::value, index, to_json(report));
-    },
-    [=](failed_atom, uint64_t step, const failure& why) {
-      auto* h = find_by_actor(self->state, self->current_sender());
-      if (h != nullptr) {
-        // Say where the neighbour it waited for lives.
-        auto text = why.message;
-        for (std::size_t j = 0; j < h->peers.stages.size(); ++j) {
-          if (why.message.find(detail::concat("from stage ", j, " ")) != std::string::npos) {
-            text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
-          }
-        }
-        self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index),
-                   step, error_kind_to_wire(why.details.kind), why.details.microbatch.value_or(-1),
-                   why.details.node, text);
-      }
-    },
+    [=](done_atom, stage_report& report) { report_done(self, report); },
+    [=](failed_atom, uint64_t step, const failure& why) { report_failure(self, step, why); },
     [=](link_failed_atom, uint32_t index, uint64_t step, int32_t microbatch,
         const std::string& node, const std::string& message) {
-      if (auto* h = find(index); h != nullptr && allowed(self, "link")) {
+      if (auto* h = find_stage(self, index); h != nullptr && allowed(self, "link")) {
         self->send(h->proxy, rfailed_atom::value, index, step,
                    error_kind_to_wire(error_kind::node_lost), microbatch, node, message);
       }
     },
     [=](rabort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
-      auto* h = find(index);
-      if (h == nullptr || !allowed(self, "abort")) {
-        return caf::make_error(caf::sec::runtime_error, missing(index));
-      }
-      h->pending = false;
-      auto rp = self->make_response_promise<bool>();
-      auto deadline = h->deadline;
-      self->request(h->actor, deadline, abort_atom::value, step)
-        .then([=](bool ok) mutable { rp.deliver(ok); },
-              [=](caf::error& e) mutable {
-                rp.deliver(
-                  caf::make_error(caf::sec::runtime_error,
-                                  detail::concat("stage ", index, " on node ", self->state.label,
-                                                 ", asked to abort, ",
-                                                 request_error(self->system(), e, deadline))));
-              });
-      return rp;
+      return relay_abort(self, index, step);
     },
-    [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
-        double scale) -> caf::result<double, std::string> {
-      auto* h = find(index);
-      if (h == nullptr || !allowed(self, "update")) {
-        return {0.0, missing(index)};
-      }
-      auto rp = self->make_response_promise<double, std::string>();
-      auto deadline = h->deadline;
-      self->request(h->actor, deadline, update_atom::value, step, lr, scale)
-        .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
-              [=](caf::error& e) mutable {
-                rp.deliver(0.0, detail::concat("stage ", index, " on node ", self->state.label,
-                                               ", asked to step its optimizer, ",
-                                               request_error(self->system(), e, deadline)));
-              });
-      return rp;
-    },
+    [=](rupdate_atom, uint32_t index, uint64_t step, double lr, double scale)
+      -> caf::result<double, std::string> { return relay_update(self, index, step, lr, scale); },
     [=](rsave_atom, uint32_t index, uint64_t id) -> std::string {
-      auto* h = find(index);
-      if (h == nullptr || !allowed(self, "save")) {
-        return missing(index);
-      }
-      try {
-        auto bytes = stages::pickle_tensors(h->stage->state());
-        auto blob =
-          torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-        const auto& to = h->peers.scheduler;
-        self->state.hub->send(to.host, to.port,
-                              comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
-      } catch (const std::exception& e) {
-        return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
-      }
-      return {};
+      return send_state(self, index, id);
     },
     [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<std::string> {
-      auto* h = find(index);
+      auto* h = find_stage(self, index);
       if (h == nullptr || !allowed(self, "load")) {
-        return missing(index);
+        return missing_stage(self, index);
       }
       auto rp = self->make_response_promise<std::string>();
       h->loads.emplace(id, rp);
@@ -504,30 +561,12 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       return rp;
     },
     [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
-      if (auto* h = find(index)) {
+      if (auto* h = find_stage(self, index)) {
         h->states[id] = std::move(blob);
         self->send(self, state_atom::value, index, id);
       }
     },
-    [=](state_atom, uint32_t index, uint64_t id) {
-      // A load completes once both its request and its state frame are here.
-      auto* h = find(index);
-      if (h == nullptr || h->loads.count(id) == 0 || h->states.count(id) == 0) {
-        return;
-      }
-      auto rp = h->loads.at(id);
-      auto blob = h->states.at(id);
-      h->loads.erase(id);
-      h->states.erase(id);
-      try {
-        const auto* bytes = static_cast<const char*>(blob.data_ptr());
-        h->stage->load_state(stages::unpickle_tensors(
-          std::vector<char>(bytes, bytes + blob.numel()), "checkpoint state"));
-        rp.deliver(std::string{});
-      } catch (const std::exception& e) {
-        rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
-      }
-    },
+    [=](state_atom, uint32_t index, uint64_t id) { finish_load(self, index, id); },
     [=](label_atom, std::string& label) {
       if (self->state.label.empty()) {
         self->state.label = std::move(label);

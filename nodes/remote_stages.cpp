@@ -17,6 +17,7 @@
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe::nodes {
@@ -42,12 +43,24 @@ struct proxy_routes {
   }
 };
 
+// A save (the state frame goes to `path`) or a fetch (it goes back to the scheduler in memory):
+// complete once the node replied and, unless it failed, the state frame came.
 struct save_request {
   std::string path;
   caf::typed_response_promise<std::string> promise;
+  bool fetch = false;
+  caf::typed_response_promise<std::string, std::shared_ptr<const tensor_map>> fetch_promise;
   bool replied = false;
   std::string error;
   torch::Tensor state;
+
+  void fail(std::string why) {
+    if (fetch) {
+      fetch_promise.deliver(std::move(why), std::shared_ptr<const tensor_map>{});
+    } else {
+      promise.deliver(std::move(why));
+    }
+  }
 };
 
 struct proxy_state {
@@ -114,15 +127,22 @@ void finish_save(proxy_actor* self, uint64_t id) {
   auto request = std::move(it->second);
   s.saves.erase(it);
   if (!request.error.empty()) {
-    request.promise.deliver(std::move(request.error));
+    request.fail(std::move(request.error));
     return;
   }
+  const auto* bytes = static_cast<const char*>(request.state.data_ptr());
+  auto size = static_cast<std::size_t>(request.state.numel());
   try {
-    stages::write_bytes(request.path, static_cast<const char*>(request.state.data_ptr()),
-                        static_cast<std::size_t>(request.state.numel()));
-    request.promise.deliver(std::string{});
+    if (request.fetch) {
+      auto state = std::make_shared<const tensor_map>(stages::unpickle_tensors(
+        std::vector<char>(bytes, bytes + size), detail::concat("stage ", s.index, "'s state")));
+      request.fetch_promise.deliver(std::string{}, state);
+    } else {
+      stages::write_bytes(request.path, bytes, size);
+      request.promise.deliver(std::string{});
+    }
   } catch (const std::exception& e) {
-    request.promise.deliver(std::string(e.what()));
+    request.fail(std::string(e.what()));
   }
 }
 
@@ -153,7 +173,7 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
                                        " to finish its program of step ", st.step)});
     }
     for (auto& [id, save] : st.saves) {
-      save.promise.deliver(what);
+      save.fail(what);
     }
     st.saves.clear();
     self->quit(caf::make_error(caf::sec::runtime_error, what));
@@ -164,6 +184,28 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
                             action, ", ",
                             actors::request_error(self->system(), e, self->state.timeout));
     };
+  };
+  // Asks the node for a stage state frame; finish_save completes the request.
+  auto ask_for_state = [=](uint64_t id) {
+    auto& st = self->state;
+    self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
+      .then(
+        [=](std::string& error) {
+          auto it = self->state.saves.find(id);
+          if (it != self->state.saves.end()) {
+            it->second.replied = true;
+            it->second.error = std::move(error);
+            finish_save(self, id);
+          }
+        },
+        [=](caf::error& e) {
+          auto it = self->state.saves.find(id);
+          if (it != self->state.saves.end()) {
+            it->second.replied = true;
+            it->second.error = forward_error("save its state")(e);
+            finish_save(self, id);
+          }
+        });
   };
   return {
     [=](connect_atom, std::vector<caf::actor>&) {
@@ -248,25 +290,22 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
       auto& st = self->state;
       auto id = ++st.next_id;
       auto rp = self->make_response_promise<std::string>();
-      st.saves[id] = save_request{path, rp, false, {}, {}};
-      self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
-        .then(
-          [=](std::string& error) {
-            auto it = self->state.saves.find(id);
-            if (it != self->state.saves.end()) {
-              it->second.replied = true;
-              it->second.error = std::move(error);
-              finish_save(self, id);
-            }
-          },
-          [=](caf::error& e) {
-            auto it = self->state.saves.find(id);
-            if (it != self->state.saves.end()) {
-              it->second.replied = true;
-              it->second.error = forward_error("save its state")(e);
-              finish_save(self, id);
-            }
-          });
+      save_request request;
+      request.path = path;
+      request.promise = rp;
+      st.saves[id] = std::move(request);
+      ask_for_state(id);
+      return rp;
+    },
+    [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
+      auto& st = self->state;
+      auto id = ++st.next_id;
+      auto rp = self->make_response_promise<std::string, std::shared_ptr<const tensor_map>>();
+      save_request request;
+      request.fetch = true;
+      request.fetch_promise = rp;
+      st.saves[id] = std::move(request);
+      ask_for_state(id);
       return rp;
     },
     [=](state_atom, uint32_t, uint64_t id, torch::Tensor& blob) {

@@ -11,6 +11,7 @@
 #include "actors/messages.hpp"
 #include "actors/request_error.hpp"
 #include "logging/log.hpp"
+#include "stages/checkpoint.hpp"
 
 namespace actorpipe::scheduler {
 namespace {
@@ -129,19 +130,25 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   return it->second;
 }
 
-// Save or load: every stage acts on its own state; errors are collected, then reported together.
+// Save, load or fetch: every stage acts on its own state; errors are collected, then reported
+// together.
 void run_state_request(scheduler_actor_type* self) {
   auto& s = self->state;
   auto request = s.current;
   auto pending = std::make_shared<std::size_t>(s.stages.size());
   auto errors = std::make_shared<std::string>();
+  auto fetched = std::make_shared<std::map<std::string, torch::Tensor>>();
   auto one_done = [=](const std::string& error) {
     if (!error.empty()) {
       *errors += (errors->empty() ? "" : "; ") + error;
     }
     if (--*pending == 0) {
       if (errors->empty()) {
-        finish(self, step_outcome{});
+        step_outcome outcome;
+        if (request->kind == request_kind::fetch) {
+          outcome.state = fetched;
+        }
+        finish(self, std::move(outcome));
       } else {
         finish_with_error(self, failure{{error_kind::io}, *errors});
       }
@@ -152,8 +159,18 @@ void run_state_request(scheduler_actor_type* self) {
       one_done(detail::concat(
         "stage ", i, " ", request_error(self->system(), err, self->state.options.step_timeout)));
     };
-    if (request->kind == request_kind::save) {
-      auto path = detail::concat(request->path, "/stage-", i, ".pt");
+    if (request->kind == request_kind::fetch) {
+      self->request(s.stages[i], s.options.step_timeout, fetch_atom::value)
+        .then(
+          [=](std::string& error, std::shared_ptr<const tensor_map>& state) {
+            if (error.empty() && state) {
+              fetched->insert(state->begin(), state->end());
+            }
+            one_done(error);
+          },
+          on_error);
+    } else if (request->kind == request_kind::save) {
+      auto path = stages::stage_file(request->path, i);
       self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
         .then([=](const std::string& error) { one_done(error); }, on_error);
     } else {
@@ -175,7 +192,8 @@ void start_next(scheduler_actor_type* self) {
     return;
   }
   auto& request = *s.current;
-  if (request.kind == request_kind::save || request.kind == request_kind::load) {
+  if (request.kind == request_kind::save || request.kind == request_kind::load ||
+      request.kind == request_kind::fetch) {
     run_state_request(self);
     return;
   }

@@ -34,6 +34,8 @@ struct step_outcome {
   step_result result;
   /// Forward-only: outputs by micro-batch.
   std::vector<torch::Tensor> outputs;
+  /// fetch: every stage's state, merged (keys are model-wide).
+  std::shared_ptr<std::map<std::string, torch::Tensor>> state;
   /// Set when the step failed.
   std::exception_ptr error;
 };
@@ -48,6 +50,8 @@ enum class request_kind {
   save,
   /// Every stage loads its keys from `state`.
   load,
+  /// Every stage sends a copy of its state (outcome.state).
+  fetch,
 };
 
 /// One request, queued and run in order with the steps; inputs already split into micro-batches.

@@ -6,10 +6,6 @@
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
-#include <torch/serialize.h>
-
-#include <fstream>
-#include <iterator>
 
 #include <actorpipe/errors.hpp>
 
@@ -514,44 +510,6 @@ void stage::load_state(const tensor_map& all) {
   });
 }
 
-std::vector<char> pickle_tensors(const stage::tensor_map& tensors) {
-  c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& [key, value] : tensors) {
-    dict.insert(key, value);
-  }
-  return torch::pickle_save(dict);
-}
-
-stage::tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what) {
-  stage::tensor_map result;
-  try {
-    auto value = torch::pickle_load(bytes);
-    for (const auto& entry : value.toGenericDict()) {
-      result[entry.key().toStringRef()] = entry.value().toTensor();
-    }
-  } catch (const c10::Error& e) {
-    throw pipeline_error(detail::concat(what, " is not a tensor file written by actorpipe: ",
-                                        first_line(e.what_without_backtrace())),
-                         error_details{error_kind::io});
-  }
-  return result;
-}
-
-void write_bytes(const std::string& path, const char* data, std::size_t size) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(data, static_cast<std::streamsize>(size));
-  out.flush();
-  if (!out) {
-    throw pipeline_error(detail::concat("cannot write '", path, "'"),
-                         error_details{error_kind::io});
-  }
-}
-
-void save_tensors(const std::string& path, const stage::tensor_map& tensors) {
-  auto bytes = pickle_tensors(tensors);
-  write_bytes(path, bytes.data(), bytes.size());
-}
-
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
                                   c10::Device device, const optimizer_factory& optimizer) {
   stage_config config;
@@ -566,15 +524,6 @@ std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut
     st->attach_optimizer(optimizer);
   }
   return st;
-}
-
-stage::tensor_map load_tensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw pipeline_error(detail::concat("cannot read '", path, "'"), error_details{error_kind::io});
-  }
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return unpickle_tensors(std::move(bytes), detail::concat("'", path, "'"));
 }
 
 } // namespace actorpipe::stages

@@ -158,25 +158,9 @@ private:
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;
 };
 
-/// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).
-/// Throws pipeline_error naming the file when it cannot be written.
-void save_tensors(const std::string& path, const stage::tensor_map& tensors);
-
-/// Writes `size` bytes to `path` (replacing it); throws pipeline_error naming the file.
-void write_bytes(const std::string& path, const char* data, std::size_t size);
-
-/// The bytes save_tensors writes (libtorch's pickle format).
-std::vector<char> pickle_tensors(const stage::tensor_map& tensors);
-
-/// Tensors from pickle_tensors' bytes; throws pipeline_error naming `what` on bad input.
-stage::tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what);
-
 /// Stage k of `cut` over its slice of `layers`, on `device`, with an optimizer when `optimizer`
 /// is set (the in-process pipeline and a node build their stages alike).
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
                                   c10::Device device, const optimizer_factory& optimizer);
-
-/// Reads a file written by save_tensors. Throws pipeline_error naming the file and the problem.
-stage::tensor_map load_tensors(const std::string& path);
 
 } // namespace actorpipe::stages

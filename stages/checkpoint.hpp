@@ -1,0 +1,56 @@
+/// \file
+/// Checkpoint files, in one place: the tensor file of a stage (libtorch's pickle format, which
+/// torch.load reads in Python), tensors keyed model-wide so that a pipeline cut differently can
+/// load them, and reading a checkpoint folder with every tensor checked against what the stages
+/// need before any of them changes. Manifests and atomic folders of training runs build on this
+/// (training/checkpoint.cpp); nodes send the same bytes as state frames.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace actorpipe::stages {
+
+class stage;
+
+/// Tensors keyed model-wide: "<layer>.<name>" for parameters and buffers,
+/// "optimizer/<layer>.<name>/<field>" for optimizer state.
+using tensor_map = std::map<std::string, torch::Tensor>;
+
+/// "<dir>/stage-<stage>.pt": where stage `stage` of a pipeline keeps its part of a checkpoint.
+std::string stage_file(const std::string& dir, std::size_t stage);
+
+/// The bytes save_tensors writes (libtorch's pickle format).
+std::vector<char> pickle_tensors(const tensor_map& tensors);
+
+/// Tensors from pickle_tensors' bytes; throws pipeline_error (io) naming `what` on bad input.
+tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what);
+
+/// Writes `size` bytes to `path` (replacing it); throws pipeline_error (io) naming the file.
+void write_bytes(const std::string& path, const char* data, std::size_t size);
+
+/// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).
+/// Throws pipeline_error (io) naming the file when it cannot be written.
+void save_tensors(const std::string& path, const tensor_map& tensors);
+
+/// Reads a file written by save_tensors. Throws pipeline_error (io) naming the file and the
+/// problem.
+tensor_map load_tensors(const std::string& path);
+
+/// Every stage-*.pt file of the checkpoint folder `dir`, merged (a pipeline cut another way
+/// wrote it). Throws pipeline_error (io) when there is none or a tensor appears twice.
+tensor_map read_checkpoint(const std::string& dir);
+
+/// Checks that `all` (read from `dir`) holds every parameter and buffer each of `stages` needs,
+/// with its shape, and nothing this model does not have (optimizer state of unknown
+/// parameters included), so that a load changes all stages or none. Throws pipeline_error
+/// naming the tensor and the stage.
+void check_checkpoint(const tensor_map& all, const std::vector<std::shared_ptr<stage>>& stages,
+                      const std::string& dir);
+
+} // namespace actorpipe::stages
