@@ -199,8 +199,10 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   const bool lead = dp.rank == 0;
   auto momentum = a.momentum < 0 ? (synthetic ? 0.0 : 0.9) : a.momentum;
   const char* loss = synthetic ? "mse" : "cross_entropy";
+  // One description of the optimizer: built here, or by the nodes from the same spec.
+  auto optimizer = sgd_spec(a.lr, momentum);
   po.loss = builtin_loss(loss);
-  po.optimizer = sgd(a.lr, momentum);
+  po.optimizer = make_optimizer(optimizer);
   auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
 
   std::unique_ptr<batch_source> data;
@@ -255,7 +257,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   }
 
   engine sys;
-  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, loss, sgd_spec(a.lr, momentum));
+  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, loss, optimizer);
   auto& pipe = *pipe_ptr;
   auto report = train(pipe, *data, to);
   if (!lead) {

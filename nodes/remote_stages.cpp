@@ -185,9 +185,12 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
                             actors::request_error(self->system(), e, self->state.timeout));
     };
   };
-  // Asks the node for a stage state frame; finish_save completes the request.
-  auto ask_for_state = [=](uint64_t id) {
+  // Files `request` under a fresh id and asks the node for the stage's state frame;
+  // finish_save completes the request.
+  auto ask_for_state = [=](save_request request) {
     auto& st = self->state;
+    auto id = ++st.next_id;
+    st.saves[id] = std::move(request);
     self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
       .then(
         [=](std::string& error) {
@@ -287,25 +290,20 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
       return rp;
     },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
-      auto& st = self->state;
-      auto id = ++st.next_id;
-      auto rp = self->make_response_promise<std::string>();
       save_request request;
       request.path = path;
-      request.promise = rp;
-      st.saves[id] = std::move(request);
-      ask_for_state(id);
+      request.promise = self->make_response_promise<std::string>();
+      auto rp = request.promise;
+      ask_for_state(std::move(request));
       return rp;
     },
     [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
-      auto& st = self->state;
-      auto id = ++st.next_id;
-      auto rp = self->make_response_promise<std::string, std::shared_ptr<const tensor_map>>();
       save_request request;
       request.fetch = true;
-      request.fetch_promise = rp;
-      st.saves[id] = std::move(request);
-      ask_for_state(id);
+      request.fetch_promise =
+        self->make_response_promise<std::string, std::shared_ptr<const tensor_map>>();
+      auto rp = request.fetch_promise;
+      ask_for_state(std::move(request));
       return rp;
     },
     [=](state_atom, uint32_t, uint64_t id, torch::Tensor& blob) {
