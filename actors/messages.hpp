@@ -1,5 +1,5 @@
 /// \file
-/// Atoms and message types exchanged by the scheduler and stage actors.
+/// Atoms, message types and typed actor interfaces of the scheduler and stage actors.
 ///
 /// In-process, tensors travel by reference count (detached, never with an autograd graph).
 /// The plain structs below are marked as unsafe (not serialisable) for CAF; when stages live in
@@ -15,6 +15,8 @@
 
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
+#include <caf/replies_to.hpp>
+#include <caf/typed_actor.hpp>
 
 #include <actorpipe/actions.hpp>
 #include <actorpipe/errors.hpp>
@@ -22,8 +24,9 @@
 
 namespace actorpipe::actors {
 
-/// scheduler -> stage: (connect_atom, std::vector<caf::actor> stages): every stage actor, in
-/// order; a stage sends to the actors holding its virtual neighbours.
+/// whoever builds the stages -> stage: (connect_atom, std::vector<stage_peer_actor> stages): every
+/// stage actor, in order; a stage sends to the actors holding its virtual neighbours.
+/// Whoever builds the pipeline -> scheduler: (connect_atom, std::vector<stage_actor> stages).
 using connect_atom = caf::atom_constant<caf::atom("connect")>;
 /// scheduler -> stage: (plan_atom, step_plan): run this step's program.
 using plan_atom = caf::atom_constant<caf::atom("plan")>;
@@ -114,6 +117,31 @@ struct stage_report {
   /// Last stage, forward-only: the outputs, by micro-batch.
   std::vector<torch::Tensor> outputs;
 };
+
+/// What a stage's neighbours send it: activations forward, gradients back. A stage actor is one;
+/// so is a node's link that carries them to a stage on another node.
+using stage_peer_actor =
+  caf::typed_actor<caf::reacts_to<forward_atom, uint64_t, int32_t, int32_t, torch::Tensor>,
+                   caf::reacts_to<backward_atom, uint64_t, int32_t, int32_t, torch::Tensor>>;
+
+/// Who a stage reports to: the scheduler (or, on a node, the node relaying to its scheduler).
+using stage_listener_actor = caf::typed_actor<caf::reacts_to<done_atom, stage_report>,
+                                              caf::reacts_to<failed_atom, uint64_t, failure>>;
+
+/// The stage protocol as the scheduler uses it (actors/stage_actor.hpp has each message's
+/// meaning). A stage actor and the scheduler's proxy of a stage on a node both implement it, so
+/// a message it does not list, or a reply of the wrong type, is a compile error.
+using stage_actor = caf::typed_actor<
+  caf::reacts_to<plan_atom, step_plan>, caf::replies_to<abort_atom, uint64_t>::with<bool>,
+  caf::replies_to<update_atom, uint64_t, double, double>::with<double, std::string>,
+  caf::replies_to<save_atom, std::string>::with<std::string>,
+  caf::replies_to<load_atom, std::shared_ptr<const tensor_map>>::with<std::string>,
+  caf::replies_to<fetch_atom>::with<std::string, std::shared_ptr<const tensor_map>>>;
+
+/// A stage actor running in this process: the scheduler's protocol, its neighbours', and
+/// (connect_atom, peers) once, which tells it the actor holding each stage.
+using local_stage_actor = stage_actor::extend_with<stage_peer_actor>::extend<
+  caf::reacts_to<connect_atom, std::vector<stage_peer_actor>>>;
 
 } // namespace actorpipe::actors
 

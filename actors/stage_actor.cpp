@@ -32,8 +32,8 @@ double ms_since(clock_type::time_point start) {
 struct stage_state {
   std::vector<std::shared_ptr<stages::stage>> chunks;
   stage_actor_options options;
-  caf::actor scheduler;
-  std::vector<caf::actor> stages;
+  stage_listener_actor scheduler;
+  std::vector<stage_peer_actor> stages;
   bool threads_set = false;
 
   // Inputs that arrived, by (step, micro-batch, chunk).
@@ -64,7 +64,10 @@ struct stage_state {
   static inline const char* name = "actorpipe.stage";
 };
 
-using stage_actor_type = caf::stateful_actor<stage_state>;
+/// The stage protocol plus the deadline timer the stage sets itself.
+using stage_self_actor =
+  local_stage_actor::extend<caf::reacts_to<timeout_atom, uint64_t, uint64_t>>;
+using stage_actor_type = stage_self_actor::stateful_pointer<stage_state>;
 
 void drop_older_than(std::map<key, torch::Tensor>& inputs, uint64_t step) {
   inputs.erase(inputs.begin(), inputs.lower_bound(key{step, INT32_MIN, INT32_MIN}));
@@ -81,7 +84,7 @@ void abort_chunks(stage_state& s) {
   }
 }
 
-void fail(stage_actor_type* self, failure why) {
+void fail(stage_actor_type self, failure why) {
   auto& s = self->state;
   s.active = false;
   abort_chunks(s);
@@ -91,7 +94,7 @@ void fail(stage_actor_type* self, failure why) {
 }
 
 // Fails the step with what `e` says, from this stage (and micro-batch, when one was running).
-void fail(stage_actor_type* self, const std::exception& e,
+void fail(stage_actor_type self, const std::exception& e,
           std::optional<int32_t> microbatch = std::nullopt) {
   auto& s = self->state;
   fail(self, failure_of(e, s.options.index, s.plan.step, microbatch));
@@ -117,7 +120,7 @@ std::string describe_wait(const stage_state& s, const action& a) {
 
 // Sends to the actor holding virtual stage `virtual_stage`.
 template <class Atom>
-void send_to_virtual(stage_actor_type* self, std::size_t virtual_stage, Atom atom,
+void send_to_virtual(stage_actor_type self, std::size_t virtual_stage, Atom atom,
                      int32_t microbatch, torch::Tensor t) {
   auto& s = self->state;
   self->send(s.stages[virtual_stage % s.actor_count()], atom, s.plan.step, microbatch,
@@ -145,7 +148,7 @@ void run_hook(const stage_state& s, const action& a, const Hook& hook, torch::Te
 }
 
 // Runs one action whose input is there; returns the bytes it sent.
-int64_t run_action(stage_actor_type* self, const action& a) {
+int64_t run_action(stage_actor_type self, const action& a) {
   auto& s = self->state;
   auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
   const key k{s.plan.step, a.microbatch, a.chunk};
@@ -209,7 +212,7 @@ int64_t run_action(stage_actor_type* self, const action& a) {
 
 // After a training program: average gradients (and buffers) with the other replicas' same
 // stage. Runs on this stage's thread while earlier stages may still be in backward.
-void sync_replicas(stage_actor_type* self, clock_type::time_point origin) {
+void sync_replicas(stage_actor_type self, clock_type::time_point origin) {
   auto& s = self->state;
   auto& sync = *s.options.sync;
   auto start = clock_type::now();
@@ -245,7 +248,7 @@ void sync_replicas(stage_actor_type* self, clock_type::time_point origin) {
 }
 
 // Runs the program as far as its inputs allow.
-void advance(stage_actor_type* self) {
+void advance(stage_actor_type self) {
   auto& s = self->state;
   if (s.waiting) {
     s.report.stats.wait_ms += ms_since(s.wait_start);
@@ -329,15 +332,18 @@ bool stale(const stage_state& s, uint64_t step) {
   return step < s.plan.step || (step == s.plan.step && !s.active && s.next_action > 0);
 }
 
-caf::behavior stage_actor(stage_actor_type* self,
-                          std::vector<std::shared_ptr<stages::stage>> chunks, caf::actor scheduler,
-                          stage_actor_options options) {
+stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
+                                               std::vector<std::shared_ptr<stages::stage>> chunks,
+                                               stage_listener_actor scheduler,
+                                               stage_actor_options options) {
   pthread_setname_np(pthread_self(), "ap.stage");
   self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);
   return {
-    [=](connect_atom, std::vector<caf::actor>& stages) { self->state.stages = std::move(stages); },
+    [=](connect_atom, std::vector<stage_peer_actor>& stages) {
+      self->state.stages = std::move(stages);
+    },
     [=](plan_atom, step_plan& plan) {
       auto& s = self->state;
       set_threads(s);
@@ -408,7 +414,7 @@ caf::behavior stage_actor(stage_actor_type* self,
                                         s.next_action, " of its program) and gave up after ",
                                         s.options.wait_timeout.count(), " ms")});
     },
-    [=](abort_atom, uint64_t step) {
+    [=](abort_atom, uint64_t step) -> caf::result<bool> {
       auto& s = self->state;
       drop_step(s.activations, step);
       drop_step(s.gradients, step);
@@ -434,7 +440,7 @@ caf::behavior stage_actor(stage_actor_type* self,
       }
       return {ms_since(start), std::string{}};
     },
-    [=](save_atom, const std::string& path) -> std::string {
+    [=](save_atom, const std::string& path) -> caf::result<std::string> {
       try {
         stages::stage::tensor_map all;
         for (auto& chunk : self->state.chunks) {
@@ -444,7 +450,7 @@ caf::behavior stage_actor(stage_actor_type* self,
       } catch (const std::exception& e) {
         return detail::concat("stage ", self->state.options.index, ": ", e.what());
       }
-      return {};
+      return std::string{};
     },
     [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
       try {
@@ -458,24 +464,25 @@ caf::behavior stage_actor(stage_actor_type* self,
                 std::shared_ptr<const tensor_map>{}};
       }
     },
-    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> std::string {
+    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
       try {
         for (auto& chunk : self->state.chunks) {
           chunk->load_state(*all);
         }
       } catch (const std::exception& e) {
-        return e.what();
+        return std::string(e.what());
       }
-      return {};
+      return std::string{};
     },
   };
 }
 
 } // namespace
 
-caf::actor spawn_stage(caf::actor_system& sys, std::vector<std::shared_ptr<stages::stage>> chunks,
-                       caf::actor scheduler, stage_actor_options options) {
-  return sys.spawn<caf::detached>(stage_actor, std::move(chunks), std::move(scheduler),
+local_stage_actor spawn_stage(caf::actor_system& sys,
+                              std::vector<std::shared_ptr<stages::stage>> chunks,
+                              stage_listener_actor scheduler, stage_actor_options options) {
+  return sys.spawn<caf::detached>(stage_behavior, std::move(chunks), std::move(scheduler),
                                   std::move(options));
 }
 

@@ -7,7 +7,9 @@
 /// actors.
 ///
 /// Protocol
-/// - in  (connect_atom, std::vector<caf::actor> stages): all stage actors, in order.
+/// The protocol is the typed interface `local_stage_actor` (actors/messages.hpp): a message it
+/// does not list, or a reply of the wrong type, does not compile.
+/// - in  (connect_atom, std::vector<stage_peer_actor> stages): all stage actors, in order.
 /// - in  (plan_atom, step_plan): start a step. Gradients are cleared; the program runs action by
 ///       action, each as soon as its input is there: a forward needs the micro-batch's input
 ///       (first virtual stage: from the plan) or activation; a backward needs the gradient from
@@ -27,8 +29,9 @@
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.
 /// - in  (fetch_atom) -> (std::string error, shared_ptr<const tensor_map>): the chunks' state
 ///       (as save_atom writes it) in memory.
-/// - out (done_atom, stage_report) to the scheduler when the program has run.
-/// - out (failed_atom, step, message) to the scheduler when an action throws or a wait runs past
+/// - out (done_atom, stage_report) to its listener (`stage_listener_actor`: the scheduler, or the
+///       node hosting it) when the program has run.
+/// - out (failed_atom, step, failure) to its listener when an action throws or a wait runs past
 ///       wait_timeout; the message says who waits for what ("stage 1 waits for the activation
 ///       of microbatch 7 from stage 0").
 #pragma once
@@ -37,10 +40,11 @@
 #include <memory>
 #include <vector>
 
-#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
 #include <actorpipe/options.hpp>
+
+#include "actors/messages.hpp"
 
 namespace actorpipe::stages {
 class stage;
@@ -74,7 +78,8 @@ struct stage_actor_options {
 
 /// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),
 /// reporting to `scheduler`.
-caf::actor spawn_stage(caf::actor_system& sys, std::vector<std::shared_ptr<stages::stage>> chunks,
-                       caf::actor scheduler, stage_actor_options options);
+local_stage_actor spawn_stage(caf::actor_system& sys,
+                              std::vector<std::shared_ptr<stages::stage>> chunks,
+                              stage_listener_actor scheduler, stage_actor_options options);
 
 } // namespace actorpipe::actors

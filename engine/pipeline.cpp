@@ -67,8 +67,8 @@ struct pipeline::impl {
   partition cut;
   pipeline_options options;
   std::vector<std::shared_ptr<stages::stage>> stages;
-  std::vector<caf::actor> stage_actors;
-  caf::actor scheduler;
+  std::vector<actors::stage_actor> stage_actors;
+  scheduler::scheduler_actor scheduler;
   // Data parallelism: this replica's process groups (null without replicas).
   std::unique_ptr<comm::replica_group> replicas;
   // Stages on nodes: their proxies' transport (null in process). `stages` then holds local
@@ -273,6 +273,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
       options.devices.empty() ? c10::Device(c10::kCPU) : options.devices[k % stage_count];
     self.stages.push_back(stages::make_stage(layers, cut, k, device, options.optimizer));
   }
+  std::vector<actors::local_stage_actor> local;
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
     for (std::size_t c = 0; c < options.chunks; ++c) {
@@ -301,9 +302,15 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
         });
       }
     }
-    self.stage_actors.push_back(actors::spawn_stage(actor_system, std::move(chunks), self.scheduler,
-                                                    std::move(actor_options)));
+    local.push_back(actors::spawn_stage(actor_system, std::move(chunks), self.scheduler,
+                                        std::move(actor_options)));
   }
+  // Every stage learns the actors holding its neighbours before the scheduler can plan a step.
+  std::vector<actors::stage_peer_actor> peers(local.begin(), local.end());
+  for (const auto& stage : local) {
+    caf::anon_send(stage, actors::connect_atom::value, peers);
+  }
+  self.stage_actors.assign(local.begin(), local.end());
   caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
   log::get()->info("pipeline: {} stage actors ({} chunks each) over partition {}, {} "
                    "micro-batches, {} intra-op threads per stage{}",
@@ -357,7 +364,7 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
     self.remote_hub = std::move(remote.hub);
   } catch (...) {
     caf::anon_send_exit(self.scheduler, caf::exit_reason::user_shutdown);
-    self.scheduler = caf::actor{};
+    self.scheduler = nullptr;
     throw;
   }
   caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);

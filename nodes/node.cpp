@@ -42,14 +42,14 @@ struct routes {
   caf::weak_actor_ptr host_ptr;
   std::atomic<uint64_t> rejected{0};
 
-  caf::actor stage(uint32_t index) {
+  stage_peer_actor stage(uint32_t index) {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = stages.find(index);
     auto strong = it == stages.end() ? caf::strong_actor_ptr{} : it->second.lock();
     if (!strong) {
       throw comm::frame_error(detail::concat("no stage ", index, " on this node"));
     }
-    return caf::actor_cast<caf::actor>(strong);
+    return caf::actor_cast<stage_peer_actor>(strong);
   }
 
   caf::actor host() {
@@ -63,18 +63,22 @@ using label_atom = caf::atom_constant<caf::atom("label")>;
 
 // Sends one neighbour's activations or gradients as frames, on a thread of its own so that the
 // stage computes while the bytes go out.
-caf::behavior link_actor(caf::event_based_actor* self, std::shared_ptr<comm::tensor_hub> hub,
-                         endpoint to, uint32_t to_stage, uint32_t from_stage, caf::actor host) {
+stage_peer_actor::behavior_type link_actor(stage_peer_actor::pointer self,
+                                           std::shared_ptr<comm::tensor_hub> hub, endpoint to,
+                                           uint32_t to_stage, uint32_t from_stage,
+                                           caf::actor host) {
   pthread_setname_np(pthread_self(), "ap.link");
   auto send = [=](comm::frame_kind kind, uint64_t step, int32_t microbatch, int32_t chunk,
                   const torch::Tensor& t) {
     try {
       hub->send(to.host, to.port, comm::describe(kind, to_stage, step, microbatch, chunk, t), t);
     } catch (const std::exception& e) {
-      self->send(host, link_failed_atom::value, from_stage, step, microbatch, to.node,
-                 detail::concat("stage ", from_stage, " could not send the ", comm::to_string(kind),
-                                " of microbatch ", microbatch, " to stage ", to_stage, " on node ",
-                                to.node, ": ", e.what()));
+      // The node checks who sends (a typed actor may not send() to a dynamically typed one).
+      caf::unsafe_send_as(
+        self, host, link_failed_atom::value, from_stage, step, microbatch, to.node,
+        detail::concat("stage ", from_stage, " could not send the ", comm::to_string(kind),
+                       " of microbatch ", microbatch, " to stage ", to_stage, " on node ", to.node,
+                       ": ", e.what()));
     }
   };
   return {
@@ -88,14 +92,14 @@ caf::behavior link_actor(caf::event_based_actor* self, std::shared_ptr<comm::ten
 }
 
 struct hosted {
-  caf::actor actor;
+  local_stage_actor actor;
   // How long the node waits for its stage actor to answer an abort or an update: the stage's
   // wait deadline, which the scheduler's own requests also use.
   std::chrono::milliseconds deadline{60000};
   std::shared_ptr<stages::stage> stage;
   caf::actor proxy;
   peer_table peers;
-  std::vector<caf::actor> links;
+  std::vector<stage_peer_actor> links;
   // A plan waiting for its targets.
   bool pending = false;
   step_plan plan;
@@ -214,7 +218,9 @@ std::string build(node_actor* self, const std::string& text) {
   hosted h;
   h.stage = st;
   h.deadline = options.wait_timeout;
-  h.actor = spawn_stage(self->system(), {st}, caf::actor_cast<caf::actor>(self), options);
+  // The node is its stage's listener: node_behavior handles done_atom and failed_atom (the node
+  // protocol itself is dynamically typed, being a protocol between processes).
+  h.actor = spawn_stage(self->system(), {st}, caf::actor_cast<stage_listener_actor>(self), options);
   {
     std::lock_guard<std::mutex> lock(s.route->mutex);
     s.route->stages[index] = caf::actor_cast<caf::weak_actor_ptr>(h.actor);
@@ -321,7 +327,7 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
     auto count = h->peers.stages.size();
     ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
                     " stages, the stage was built for ", h->stage->config().count);
-    std::vector<caf::actor> neighbours(count);
+    std::vector<stage_peer_actor> neighbours(count);
     for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
       if (j < 0 || j >= static_cast<int64_t>(count)) {
         continue;

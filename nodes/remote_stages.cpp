@@ -25,12 +25,20 @@ namespace {
 
 using namespace actorpipe::actors;
 
+/// A stage on a node as the scheduler sees it: the stage protocol, plus what the node and the
+/// hub's reader threads send back (reports, failures, output and state frames).
+using remote_stage_actor = stage_actor::extend<
+  caf::reacts_to<rdone_atom, uint32_t, std::string>,
+  caf::reacts_to<rfailed_atom, uint32_t, uint64_t, uint8_t, int32_t, std::string, std::string>,
+  caf::reacts_to<output_atom, uint64_t, int32_t, torch::Tensor>,
+  caf::reacts_to<state_atom, uint32_t, uint64_t, torch::Tensor>>;
+
 // Weak: the hub (owned by the proxies) must not keep them alive.
 struct proxy_routes {
   std::mutex mutex;
   std::vector<caf::weak_actor_ptr> proxies;
 
-  caf::actor proxy(uint32_t index) {
+  remote_stage_actor proxy(uint32_t index) {
     std::lock_guard<std::mutex> lock(mutex);
     if (index >= proxies.size()) {
       throw comm::frame_error(detail::concat("a frame for unknown stage ", index));
@@ -39,7 +47,7 @@ struct proxy_routes {
     if (!strong) {
       throw comm::frame_error(detail::concat("stage ", index, "'s proxy is gone"));
     }
-    return caf::actor_cast<caf::actor>(strong);
+    return caf::actor_cast<remote_stage_actor>(strong);
   }
 };
 
@@ -68,7 +76,7 @@ struct proxy_state {
   std::string label;
   uint32_t index = 0;
   endpoint data;
-  caf::actor scheduler;
+  stage_listener_actor scheduler;
   std::shared_ptr<comm::tensor_hub> hub;
   std::chrono::milliseconds timeout{60000};
   uint64_t step = 0;
@@ -84,11 +92,11 @@ struct proxy_state {
   static inline const char* name = "actorpipe.remote_stage";
 };
 
-using proxy_actor = caf::stateful_actor<proxy_state>;
+using proxy_actor = remote_stage_actor::stateful_pointer<proxy_state>;
 
 // Fails `step` on the scheduler: a failure of this stage, on this proxy's node unless `why`
 // names another.
-void fail_step(proxy_actor* self, uint64_t step, failure why) {
+void fail_step(proxy_actor self, uint64_t step, failure why) {
   auto& s = self->state;
   s.running = false;
   why.details.stage = s.index;
@@ -99,7 +107,7 @@ void fail_step(proxy_actor* self, uint64_t step, failure why) {
   self->send(s.scheduler, failed_atom::value, step, std::move(why));
 }
 
-void maybe_report(proxy_actor* self) {
+void maybe_report(proxy_actor self) {
   auto& s = self->state;
   if (!s.running || !s.reported) {
     return;
@@ -117,7 +125,7 @@ void maybe_report(proxy_actor* self) {
   self->send(s.scheduler, done_atom::value, std::move(s.report));
 }
 
-void finish_save(proxy_actor* self, uint64_t id) {
+void finish_save(proxy_actor self, uint64_t id) {
   auto& s = self->state;
   auto it = s.saves.find(id);
   if (it == s.saves.end() || !it->second.replied ||
@@ -146,10 +154,11 @@ void finish_save(proxy_actor* self, uint64_t id) {
   }
 }
 
-caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string label, uint32_t index,
-                             endpoint data, caf::actor scheduler,
-                             std::shared_ptr<comm::tensor_hub> hub,
-                             std::chrono::milliseconds timeout) {
+remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor node,
+                                                 std::string label, uint32_t index, endpoint data,
+                                                 stage_listener_actor scheduler,
+                                                 std::shared_ptr<comm::tensor_hub> hub,
+                                                 std::chrono::milliseconds timeout) {
   auto& s = self->state;
   s.node = std::move(node);
   s.label = std::move(label);
@@ -211,9 +220,6 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
         });
   };
   return {
-    [=](connect_atom, std::vector<caf::actor>&) {
-      // The node wired its stage to its neighbours when the pipeline was built.
-    },
     [=](plan_atom, step_plan& plan) {
       auto& st = self->state;
       st.step = plan.step;
@@ -238,7 +244,9 @@ caf::behavior proxy_behavior(proxy_actor* self, caf::actor node, std::string lab
                                          " on ", st.label, " failed: ", e.what())});
         return;
       }
-      self->send(st.node, rplan_atom::value, st.index, to_json(plan, plan.targets.size()));
+      // The node checks who sends (a typed actor may not send() to a dynamically typed one).
+      caf::unsafe_send_as(self, st.node, rplan_atom::value, st.index,
+                          to_json(plan, plan.targets.size()));
     },
     [=](rdone_atom, uint32_t, const std::string& text) {
       auto& st = self->state;
@@ -402,7 +410,7 @@ std::string local_address_towards(const std::string& host, uint16_t port) {
 
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
-                             std::size_t threads, const caf::actor& scheduler) {
+                             std::size_t threads, const stage_listener_actor& scheduler) {
   const auto& placement = options.placement;
   auto count = cut.stages();
   ACTORPIPE_CHECK(placement.nodes.size() == count, "pipeline: ", placement.nodes.size(),
@@ -458,7 +466,8 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   std::size_t built = 0;
   auto release_all = [&] {
     for (std::size_t i = 0; i < built; ++i) {
-      caf::anon_send(nodes[i], release_atom::value, static_cast<uint32_t>(i));
+      // From the authenticated scoped actor: a node refuses anonymous senders.
+      self->send(nodes[i], release_atom::value, static_cast<uint32_t>(i));
     }
     for (auto& proxy : result.proxies) {
       caf::anon_send_exit(proxy, caf::exit_reason::user_shutdown);
@@ -501,8 +510,9 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       }
     }
     for (std::size_t i = 0; i < count; ++i) {
-      auto error = ask(self, nodes[i], names[i], timeout, "wire", wire_atom::value,
-                       static_cast<uint32_t>(i), table, result.proxies[i]);
+      auto error =
+        ask(self, nodes[i], names[i], timeout, "wire", wire_atom::value, static_cast<uint32_t>(i),
+            table, caf::actor_cast<caf::actor>(result.proxies[i]));
       if (!error.empty()) {
         throw pipeline_error(error);
       }

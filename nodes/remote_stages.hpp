@@ -15,11 +15,12 @@
 #include <memory>
 #include <vector>
 
-#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
+
+#include "actors/messages.hpp"
 
 namespace actorpipe::comm {
 class tensor_hub;
@@ -30,7 +31,7 @@ namespace actorpipe::nodes {
 /// Stages placed on nodes, as the scheduler sees them.
 struct remote_stages {
   /// One proxy per stage actor, in order.
-  std::vector<caf::actor> proxies;
+  std::vector<actors::stage_actor> proxies;
   /// Where the nodes' output and state frames arrive.
   std::shared_ptr<comm::tensor_hub> hub;
 };
@@ -41,6 +42,6 @@ struct remote_stages {
 /// after releasing the stages already built.
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
-                             std::size_t threads, const caf::actor& scheduler);
+                             std::size_t threads, const actors::stage_listener_actor& scheduler);
 
 } // namespace actorpipe::nodes

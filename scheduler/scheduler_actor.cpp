@@ -22,7 +22,7 @@ using step_timeout_atom = caf::atom_constant<caf::atom("steptime")>;
 
 struct scheduler_state {
   scheduler_options options;
-  std::vector<caf::actor> stages;
+  std::vector<stage_actor> stages;
   std::deque<std::shared_ptr<step_request>> queue;
   // A stage actor that terminated makes every later step fail at once with this failure.
   std::optional<failure> broken;
@@ -42,11 +42,13 @@ struct scheduler_state {
   static inline const char* name = "actorpipe.scheduler";
 };
 
-using scheduler_actor_type = caf::stateful_actor<scheduler_state>;
+/// The scheduler protocol plus the step deadline the scheduler sets itself.
+using scheduler_self_actor = scheduler_actor::extend<caf::reacts_to<step_timeout_atom, uint64_t>>;
+using scheduler_actor_type = scheduler_self_actor::stateful_pointer<scheduler_state>;
 
-void start_next(scheduler_actor_type* self);
+void start_next(scheduler_actor_type self);
 
-void finish(scheduler_actor_type* self, step_outcome outcome) {
+void finish(scheduler_actor_type self, step_outcome outcome) {
   auto& s = self->state;
   auto request = std::move(s.current);
   s.current.reset();
@@ -54,14 +56,14 @@ void finish(scheduler_actor_type* self, step_outcome outcome) {
   start_next(self);
 }
 
-void finish_with_error(scheduler_actor_type* self, const failure& why) {
+void finish_with_error(scheduler_actor_type self, const failure& why) {
   step_outcome outcome;
   outcome.error = std::make_exception_ptr(pipeline_error(why.message, why.details));
   finish(self, std::move(outcome));
 }
 
 // A failed request to stage `stage`: a timeout, a stage that is gone, or CAF's error.
-failure request_failure(scheduler_actor_type* self, std::size_t stage, uint64_t step,
+failure request_failure(scheduler_actor_type self, std::size_t stage, uint64_t step,
                         const caf::error& err, std::chrono::milliseconds timeout,
                         const std::string& what) {
   return failure{{request_error_kind(err), stage, std::nullopt, step},
@@ -72,7 +74,7 @@ failure request_failure(scheduler_actor_type* self, std::size_t stage, uint64_t 
 // Fails the running step: every stage is told to abort (drop stash and gradients, restore
 // buffers), and the step's caller hears of the failure only once all stages confirmed, so that
 // the pipeline it then inspects is exactly as before the step.
-void fail(scheduler_actor_type* self, failure why) {
+void fail(scheduler_actor_type self, failure why) {
   auto& s = self->state;
   if (s.aborting) {
     return;
@@ -132,7 +134,7 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
 
 // Save, load or fetch: every stage acts on its own state; errors are collected, then reported
 // together.
-void run_state_request(scheduler_actor_type* self) {
+void run_state_request(scheduler_actor_type self) {
   auto& s = self->state;
   auto request = s.current;
   auto pending = std::make_shared<std::size_t>(s.stages.size());
@@ -180,7 +182,7 @@ void run_state_request(scheduler_actor_type* self) {
   }
 }
 
-void start_next(scheduler_actor_type* self) {
+void start_next(scheduler_actor_type self) {
   auto& s = self->state;
   if (s.current || s.queue.empty()) {
     return;
@@ -237,7 +239,7 @@ void start_next(scheduler_actor_type* self) {
   self->delayed_send(self, s.options.step_timeout, step_timeout_atom::value, s.step);
 }
 
-void on_all_reported(scheduler_actor_type* self) {
+void on_all_reported(scheduler_actor_type self) {
   auto& s = self->state;
   auto make_outcome = [&] {
     step_outcome outcome;
@@ -300,7 +302,8 @@ void on_all_reported(scheduler_actor_type* self) {
   }
 }
 
-caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options options) {
+scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self,
+                                                       scheduler_options options) {
   self->state.options = options;
   self->set_down_handler([=](caf::down_msg& msg) {
     auto& s = self->state;
@@ -322,10 +325,9 @@ caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options opti
     }
   });
   return {
-    [=](connect_atom, std::vector<caf::actor>& stages) {
+    [=](connect_atom, std::vector<stage_actor>& stages) {
       for (auto& stage : stages) {
         self->monitor(stage);
-        self->send(stage, connect_atom::value, stages);
       }
       self->state.stages = std::move(stages);
     },
@@ -364,10 +366,10 @@ caf::behavior scheduler_actor(scheduler_actor_type* self, scheduler_options opti
 
 } // namespace
 
-caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_options options) {
+scheduler_actor spawn_scheduler(caf::actor_system& sys, scheduler_options options) {
   // Detached: a thread of its own wakes on each message at once, where a pooled worker in CAF's
   // relaxed polling mode may sleep for milliseconds (measured: 1.4 ms per step on the pool).
-  return sys.spawn<caf::detached>(scheduler_actor, options);
+  return sys.spawn<caf::detached>(scheduler_behavior, options);
 }
 
 } // namespace actorpipe::scheduler

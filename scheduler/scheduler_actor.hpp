@@ -2,12 +2,14 @@
 /// The scheduler actor: plans each step, hands every stage its program, collects the stages'
 /// reports and runs the optimizer steps once every stage has finished.
 ///
-/// Protocol
-/// - in  (connect_atom, std::vector<caf::actor> stages): the stage actors, in order; monitored.
+/// Protocol (the typed interface `scheduler_actor` below)
+/// - in  (connect_atom, std::vector<stage_actor> stages): the stage actors, in order; monitored.
+///       Whoever built them has wired them to each other (in process: the pipeline sends each
+///       local stage actor its peers; on nodes: each node wires its own).
 /// - in  (run_atom, std::shared_ptr<step_request>): queue a request (train, forward, save, load);
 ///       requests run one at a time, in arrival order. The request's `finish` is called exactly
 ///       once, from the scheduler's thread, with the result or an error.
-/// - in  (done_atom, stage_report), (failed_atom, step, message): from the stages.
+/// - in  (done_atom, stage_report), (failed_atom, step, failure): from the stages.
 /// - A step fails (and every stage is told to abort, leaving parameters and buffers as they
 ///   were) when a stage fails, a stage actor terminates, or the step passes step_timeout.
 #pragma once
@@ -20,12 +22,13 @@
 #include <string>
 #include <vector>
 
-#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
 #include <actorpipe/actions.hpp>
 #include <actorpipe/results.hpp>
 #include <actorpipe/schedule.hpp>
+
+#include "actors/messages.hpp"
 
 namespace actorpipe::scheduler {
 
@@ -87,8 +90,18 @@ struct scheduler_options {
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.
-caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_options options);
-
 } // namespace actorpipe::scheduler
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<actorpipe::scheduler::step_request>)
+
+namespace actorpipe::scheduler {
+
+/// The scheduler protocol: it hears from its stages as their listener, takes its stages once
+/// and requests to run.
+using scheduler_actor = actors::stage_listener_actor::extend<
+  caf::reacts_to<actors::connect_atom, std::vector<actors::stage_actor>>,
+  caf::reacts_to<actors::run_atom, std::shared_ptr<step_request>>>;
+
+scheduler_actor spawn_scheduler(caf::actor_system& sys, scheduler_options options);
+
+} // namespace actorpipe::scheduler

@@ -21,7 +21,7 @@ struct two_stage_fixture {
   caf::actor_system system{config};
   caf::scoped_actor self{system};
   layer_list layers;
-  caf::actor stage;
+  local_stage_actor stage;
 
   // Stage 1 of a two-layer model; the test actor is the scheduler and stage 0.
   two_stage_fixture() {
@@ -35,9 +35,11 @@ struct two_stage_fixture {
     options.wait_timeout = std::chrono::milliseconds(300);
     options.threads = 1;
     options.warm_memory = false;
-    stage = spawn_stage(system, {chunk}, caf::actor_cast<caf::actor>(self), options);
+    // The test actor stands in for the listener and for stage 0 (a scoped actor is dynamically
+    // typed: the casts say which part of the protocol it plays).
+    stage = spawn_stage(system, {chunk}, caf::actor_cast<stage_listener_actor>(self), options);
     self->send(stage, connect_atom::value,
-               std::vector<caf::actor>{caf::actor_cast<caf::actor>(self), stage});
+               std::vector<stage_peer_actor>{caf::actor_cast<stage_peer_actor>(self), stage});
   }
 
   ~two_stage_fixture() { self->send_exit(stage, caf::exit_reason::user_shutdown); }

@@ -8,9 +8,13 @@
 #include <caf/io/all.hpp>
 
 #include "../engine/oracle.hpp"
+#include "comm/tensor_hub.hpp"
 #include "comm/test_certificates.hpp"
+#include "comm/wire.hpp"
 #include "nodes/protocol.hpp"
+#include <actorpipe/models.hpp>
 #include <actorpipe/node.hpp>
+#include <nlohmann/json.hpp>
 
 using namespace actorpipe;
 using namespace actorpipe::test;
@@ -69,6 +73,40 @@ std::string temp_dir(const std::string& name) {
   std::filesystem::remove_all(dir);
   return dir.string();
 }
+
+// A client of its own actor system speaking the node protocol to a node directly, as a
+// scheduler (or an intruder) would.
+struct control_client {
+  caf::actor_system_config config;
+  std::unique_ptr<caf::actor_system> system;
+  caf::actor node;
+  std::unique_ptr<caf::scoped_actor> self;
+
+  explicit control_client(const std::string& address) {
+    config.load<caf::io::middleman>();
+    config.set("logger.verbosity", caf::atom("quiet"));
+    system = std::make_unique<caf::actor_system>(config);
+    auto [host, port] = nodes::parse_host_port(address, "node");
+    auto handle = system->middleman().remote_actor(host, port);
+    REQUIRE(handle);
+    node = *handle;
+    self = std::make_unique<caf::scoped_actor>(*system);
+  }
+
+  ~control_client() { self.reset(); }
+
+  // A request answered by text; a failed request gives CAF's error, rendered.
+  template <class... Ts>
+  std::string ask(Ts... xs) {
+    std::string reply = "no reply";
+    (*self)
+      ->request(node, 10s, xs...)
+      .receive([&](std::string& r) { reply = r; }, [&](caf::error& e) { reply = render(e); });
+    return reply;
+  }
+
+  std::string render(const caf::error& e) const { return system->render(e); }
+};
 
 } // namespace
 
@@ -190,27 +228,17 @@ TEST_CASE("a node refuses a non-loopback address without a secret") {
 
 TEST_CASE("unauthenticated and unknown control messages are refused; the node keeps serving") {
   node n(node_config("pw"));
-  caf::actor_system_config cfg;
-  cfg.load<caf::io::middleman>();
-  cfg.set("logger.verbosity", caf::atom("quiet"));
-  caf::actor_system intruder_system(cfg);
-  auto [host, port] = nodes::parse_host_port(n.address(), "node");
-  auto handle = intruder_system.middleman().remote_actor(host, port);
-  REQUIRE(handle);
-  caf::scoped_actor intruder(intruder_system);
-  std::string reply;
-  intruder->request(*handle, 5s, nodes::build_atom::value, std::string("{}"))
-    .receive([&](std::string& r) { reply = r; }, [&](caf::error& e) { reply = "error"; });
-  CHECK(reply.find("authenticate first") != std::string::npos);
+  control_client intruder(n.address());
+  CHECK(intruder.ask(nodes::build_atom::value, std::string("{}")).find("authenticate first") !=
+        std::string::npos);
   // A wrong answer to the challenge.
-  intruder->request(*handle, 5s, nodes::hello_atom::value)
-    .receive([](std::string&) {}, [](caf::error&) {});
-  intruder->request(*handle, 5s, nodes::auth_atom::value, std::string("00"))
-    .receive([&](std::string& r) { reply = r; }, [&](caf::error&) { reply = "error"; });
-  CHECK(reply.find("refused the secret") != std::string::npos);
+  intruder.ask(nodes::hello_atom::value);
+  CHECK(intruder.ask(nodes::auth_atom::value, std::string("00")).find("refused the secret") !=
+        std::string::npos);
   // Messages the protocol does not know are dropped.
   bool failed = false;
-  intruder->request(*handle, 5s, std::string("hello?"), 42)
+  (*intruder.self)
+    ->request(intruder.node, 5s, std::string("hello?"), 42)
     .receive([&](caf::message&) {}, [&](caf::error&) { failed = true; });
   CHECK(failed);
   CHECK(n.rejected() >= 3);
@@ -221,6 +249,69 @@ TEST_CASE("unauthenticated and unknown control messages are refused; the node ke
                   remote_options({n.address(), n2.address()}, "pw"));
   auto [x, y] = batch(0);
   CHECK(std::isfinite(remote.train_step(x, y).loss));
+}
+
+TEST_CASE("a node whose stage is busy past its deadline answers an abort and an update with an "
+          "error naming the stage, the node and the deadline") {
+  // The test speaks the node protocol itself: it builds a one-stage ResNet-18 with a 100 ms wait
+  // deadline, gives it a forward-only program long enough to keep its thread busy for seconds,
+  // then asks the node to abort and to step the optimizer while the stage cannot answer.
+  node n(node_config());
+  control_client scheduler(n.address());
+  auto challenge = scheduler.ask(nodes::hello_atom::value);
+  REQUIRE(scheduler.ask(nodes::auth_atom::value,
+                        nodes::to_hex(comm::handshake_answer("", challenge))) == "");
+  nodes::stage_spec spec;
+  spec.model.name = "resnet18";
+  spec.model.options.num_classes = 10;
+  spec.model.options.image_size = 224;
+  spec.bounds = {0, make_model("resnet18", spec.model.options).size()};
+  spec.wait_timeout_ms = 100;
+  auto built = nlohmann::json::parse(scheduler.ask(nodes::build_atom::value, nodes::to_json(spec)));
+  REQUIRE_MESSAGE(!built.contains("error"), built.dump());
+  comm::hub_options hub_options;
+  hub_options.host = "127.0.0.1";
+  comm::tensor_hub hub(hub_options, [](comm::frame&&) {});
+  nodes::peer_table peers;
+  peers.stages.push_back(
+    {built.at("data_host").get<std::string>(), built.at("data_port").get<uint16_t>(), n.address()});
+  peers.scheduler = {hub.host(), hub.port(), "scheduler"};
+  auto& self = *scheduler.self;
+  REQUIRE(scheduler.ask(nodes::wire_atom::value, uint32_t{0}, nodes::to_json(peers),
+                        caf::actor_cast<caf::actor>(self)) == "");
+  // Three forward passes of 16 images at 224x224 (about 90 GFLOP on one thread), their inputs
+  // there before the plan: the stage runs them in one go, for a second or more.
+  actors::step_plan plan;
+  plan.step = 1;
+  plan.train = false;
+  for (int32_t mb = 0; mb < 3; ++mb) {
+    plan.program.push_back({action_kind::forward, mb});
+    auto x = torch::randn({16, 3, 224, 224});
+    hub.send(peers.stages[0].host, peers.stages[0].port,
+             comm::describe(comm::frame_kind::activation, 0, 1, mb, 0, x), x);
+  }
+  std::this_thread::sleep_for(200ms);
+  self->send(scheduler.node, nodes::rplan_atom::value, uint32_t{0}, nodes::to_json(plan, 0));
+  std::this_thread::sleep_for(100ms);
+  auto start = std::chrono::steady_clock::now();
+  std::string abort_error;
+  self->request(scheduler.node, 10s, nodes::rabort_atom::value, uint32_t{0}, uint64_t{1})
+    .receive([&](bool) { abort_error = "the busy stage confirmed the abort"; },
+             [&](caf::error& e) { abort_error = scheduler.render(e); });
+  CHECK_MESSAGE(abort_error.find("stage 0 on node " + n.address() + ", asked to abort") !=
+                  std::string::npos,
+                abort_error);
+  CHECK_MESSAGE(abort_error.find("100 ms") != std::string::npos, abort_error);
+  std::string update_error;
+  self->request(scheduler.node, 10s, nodes::rupdate_atom::value, uint32_t{0}, uint64_t{1}, 0.1, 1.0)
+    .receive([&](double, std::string& error) { update_error = error; },
+             [&](caf::error& e) { update_error = scheduler.render(e); });
+  CHECK_MESSAGE(update_error.find("asked to step its optimizer") != std::string::npos,
+                update_error);
+  CHECK_MESSAGE(update_error.find("100 ms") != std::string::npos, update_error);
+  // Both answers came at the node's deadline, not when the stage got free (or never).
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  self->send(scheduler.node, nodes::release_atom::value, uint32_t{0});
 }
 
 TEST_CASE("a node that goes away fails the next step, naming it, within the deadline") {
