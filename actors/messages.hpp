@@ -19,6 +19,7 @@
 #include <caf/typed_actor.hpp>
 
 #include <actorpipe/actions.hpp>
+#include <actorpipe/bundle.hpp>
 #include <actorpipe/errors.hpp>
 #include <actorpipe/results.hpp>
 
@@ -31,10 +32,10 @@ using connect_atom = caf::atom_constant<caf::atom("connect")>;
 /// scheduler -> stage: (plan_atom, step_plan): run this step's program.
 using plan_atom = caf::atom_constant<caf::atom("plan")>;
 /// stage -> stage holding the next virtual stage: (forward_atom, step, microbatch, chunk,
-/// activation), chunk being the receiver's local chunk.
+/// bundle activation), chunk being the receiver's local chunk.
 using forward_atom = caf::atom_constant<caf::atom("forward")>;
 /// stage -> stage holding the previous virtual stage: (backward_atom, step, microbatch, chunk,
-/// gradient).
+/// bundle gradients): one tensor per activation tensor that needs a gradient (possibly none).
 using backward_atom = caf::atom_constant<caf::atom("backward")>;
 /// stage -> scheduler: (done_atom, stage_report) once its program has run.
 using done_atom = caf::atom_constant<caf::atom("done")>;
@@ -121,8 +122,8 @@ struct stage_report {
 /// What a stage's neighbours send it: activations forward, gradients back. A stage actor is one;
 /// so is a node's link that carries them to a stage on another node.
 using stage_peer_actor =
-  caf::typed_actor<caf::reacts_to<forward_atom, uint64_t, int32_t, int32_t, torch::Tensor>,
-                   caf::reacts_to<backward_atom, uint64_t, int32_t, int32_t, torch::Tensor>>;
+  caf::typed_actor<caf::reacts_to<forward_atom, uint64_t, int32_t, int32_t, bundle>,
+                   caf::reacts_to<backward_atom, uint64_t, int32_t, int32_t, bundle>>;
 
 /// Who a stage reports to: the scheduler (or, on a node, the node relaying to its scheduler).
 using stage_listener_actor = caf::typed_actor<caf::reacts_to<done_atom, stage_report>,
@@ -146,6 +147,7 @@ using local_stage_actor = stage_actor::extend_with<stage_peer_actor>::extend<
 } // namespace actorpipe::actors
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(torch::Tensor)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::bundle)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::step_plan)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::stage_report)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(actorpipe::actors::failure)

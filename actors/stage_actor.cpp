@@ -37,8 +37,8 @@ struct stage_state {
   bool threads_set = false;
 
   // Inputs that arrived, by (step, micro-batch, chunk).
-  std::map<key, torch::Tensor> activations;
-  std::map<key, torch::Tensor> gradients;
+  std::map<key, bundle> activations;
+  std::map<key, bundle> gradients;
 
   // The running step.
   bool active = false;
@@ -69,11 +69,11 @@ using stage_self_actor =
   local_stage_actor::extend<caf::reacts_to<timeout_atom, uint64_t, uint64_t>>;
 using stage_actor_type = stage_self_actor::stateful_pointer<stage_state>;
 
-void drop_older_than(std::map<key, torch::Tensor>& inputs, uint64_t step) {
+void drop_older_than(std::map<key, bundle>& inputs, uint64_t step) {
   inputs.erase(inputs.begin(), inputs.lower_bound(key{step, INT32_MIN, INT32_MIN}));
 }
 
-void drop_step(std::map<key, torch::Tensor>& inputs, uint64_t step) {
+void drop_step(std::map<key, bundle>& inputs, uint64_t step) {
   inputs.erase(inputs.lower_bound(key{step, INT32_MIN, INT32_MIN}),
                inputs.upper_bound(key{step, INT32_MAX, INT32_MAX}));
 }
@@ -121,30 +121,44 @@ std::string describe_wait(const stage_state& s, const action& a) {
 // Sends to the actor holding virtual stage `virtual_stage`.
 template <class Atom>
 void send_to_virtual(stage_actor_type self, std::size_t virtual_stage, Atom atom,
-                     int32_t microbatch, torch::Tensor t) {
+                     int32_t microbatch, bundle t) {
   auto& s = self->state;
   self->send(s.stages[virtual_stage % s.actor_count()], atom, s.plan.step, microbatch,
              static_cast<int32_t>(virtual_stage / s.actor_count()), std::move(t));
 }
 
-// Runs a user hook on `t`; a replacement must keep the shape.
+// Runs a user hook on each tensor of `b`; a replacement must keep the shape, and keeps the flag
+// saying whether the tensor needs a gradient.
 template <class Hook>
-void run_hook(const stage_state& s, const action& a, const Hook& hook, torch::Tensor& t,
+void run_hook(const stage_state& s, const action& a, const Hook& hook, bundle& b,
               const char* name) {
-  hook_context context{s.options.index, static_cast<std::size_t>(a.chunk), a.microbatch,
-                       s.plan.step, s.plan.train};
-  auto shape = t.sizes().vec();
-  try {
-    hook(context, t);
-  } catch (const std::exception& e) {
-    throw pipeline_error(detail::concat("stage ", s.options.index, ", microbatch ", a.microbatch,
-                                        ": the ", name, " hook failed: ", e.what()));
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    auto& t = b[i];
+    hook_context context{s.options.index,
+                         static_cast<std::size_t>(a.chunk),
+                         a.microbatch,
+                         s.plan.step,
+                         s.plan.train,
+                         i,
+                         b.is_named() ? b.names()[i] : std::string{}};
+    auto shape = t.sizes().vec();
+    bool flagged = bundle::needs_gradient(t);
+    try {
+      hook(context, t);
+    } catch (const std::exception& e) {
+      throw pipeline_error(detail::concat("stage ", s.options.index, ", microbatch ", a.microbatch,
+                                          ": the ", name, " hook failed on ", b.label(i), ": ",
+                                          e.what()));
+    }
+    ACTORPIPE_CHECK(t.defined() && t.sizes().vec() == shape, "stage ", s.options.index,
+                    ", microbatch ", a.microbatch, ": the ", name, " hook replaced ", b.label(i),
+                    " of shape ", c10::IntArrayRef(shape), " by one of shape ",
+                    t.defined() ? t.sizes() : c10::IntArrayRef{});
+    t = t.detach();
+    if (flagged && t.is_floating_point()) {
+      t.requires_grad_(true);
+    }
   }
-  ACTORPIPE_CHECK(t.defined() && t.sizes().vec() == shape, "stage ", s.options.index,
-                  ", microbatch ", a.microbatch, ": the ", name,
-                  " hook replaced a tensor of shape ", c10::IntArrayRef(shape), " by one of shape ",
-                  t.defined() ? t.sizes() : c10::IntArrayRef{});
-  t = t.detach();
 }
 
 // Runs one action whose input is there; returns the bytes it sent.
@@ -173,7 +187,8 @@ int64_t run_action(stage_actor_type self, const action& a) {
       run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
     }
     if (st.is_last()) {
-      s.report.outputs.at(position) = std::move(output);
+      s.report.outputs.at(position) = output.single(
+        detail::concat("stage ", s.options.index, ": the pipeline's output (forward-only)"));
       return 0;
     }
     auto bytes = static_cast<int64_t>(output.nbytes());
@@ -181,7 +196,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
     return bytes;
   }
   case action_kind::backward: {
-    torch::Tensor grad;
+    bundle grad;
     if (!st.is_last()) {
       grad = std::move(s.gradients[k]);
       s.gradients.erase(k);
@@ -383,7 +398,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
       advance(self);
     },
-    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, torch::Tensor& x) {
+    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& x) {
       auto& s = self->state;
       if (stale(s, step)) {
         return;
@@ -393,7 +408,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         advance(self);
       }
     },
-    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, torch::Tensor& g) {
+    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& g) {
       auto& s = self->state;
       if (stale(s, step)) {
         return;

@@ -14,7 +14,7 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the wire format is little-endian; add byte swapping for this host");
 
 constexpr std::array<uint8_t, 4> magic = {'A', 'P', 'W', '1'};
-constexpr uint8_t version = 1;
+constexpr uint8_t version = 2;
 // A dimension this large is an attack or a bug, whatever the payload limit says.
 constexpr int64_t max_dim = int64_t{1} << 40;
 
@@ -105,6 +105,9 @@ std::vector<uint8_t> encode_header(const frame_header& h) {
   put(out, 8, h.stage);
   put(out, 12, h.microbatch);
   put(out, 16, h.chunk);
+  out[20] = h.part;
+  out[21] = h.parts;
+  out[22] = h.needs_gradient ? uint8_t{1} : uint8_t{0};
   put(out, 24, h.step);
   put(out, 32, h.payload_bytes);
   for (std::size_t d = 0; d < h.shape.size(); ++d) {
@@ -130,8 +133,12 @@ std::size_t shape_bytes(const uint8_t* fixed) {
     throw frame_error(
       detail::concat("frame has ", int{fixed[7]}, " dimensions (at most ", max_frame_dims, ")"));
   }
-  if (get<uint32_t>(fixed, 20) != 0) {
-    throw frame_error("frame has non-zero reserved bytes");
+  if (fixed[22] > 1 || fixed[23] != 0) {
+    throw frame_error("frame has unknown flags or non-zero reserved bytes");
+  }
+  if (fixed[21] == 0 ? fixed[20] != 0 : fixed[20] >= fixed[21]) {
+    throw frame_error(detail::concat("frame is part ", int{fixed[20]}, " of a bundle of ",
+                                     int{fixed[21]}, " tensors"));
   }
   return 8 * std::size_t{fixed[7]};
 }
@@ -152,6 +159,9 @@ frame_header decode_header(const uint8_t* data, std::size_t size, const frame_li
   h.stage = get<uint32_t>(data, 8);
   h.microbatch = get<int32_t>(data, 12);
   h.chunk = get<int32_t>(data, 16);
+  h.part = data[20];
+  h.parts = data[21];
+  h.needs_gradient = data[22] == 1;
   h.step = get<uint64_t>(data, 24);
   h.payload_bytes = get<uint64_t>(data, 32);
   uint64_t elements = 1;

@@ -6,19 +6,26 @@
 ///
 ///     offset  size  field
 ///          0     4  magic "APW1"
-///          4     1  version (1)
+///          4     1  version (2)
 ///          5     1  kind (frame_kind)
 ///          6     1  dtype code (see dtype_code)
 ///          7     1  ndim (0..8)
 ///          8     4  stage: the stage actor the frame is for (or, for outputs and state, from)
 ///         12     4  microbatch (int32)
 ///         16     4  chunk (int32, the receiver's local chunk)
-///         20     4  reserved, 0
+///         20     1  part: this tensor's position in its bundle
+///         21     1  parts: the bundle's tensor count (0: an empty bundle, sent as one frame
+///                   with an empty payload)
+///         22     1  flags: bit 0 = the tensor needs a gradient back (an activation whose
+///                   sender's graph reaches it); other bits 0
+///         23     1  reserved, 0
 ///         24     8  step (uint64)
 ///         32     8  payload bytes (uint64) = product(shape) * element size
 ///         40  8*nd  shape (int64 each)
 ///
-/// The shape travels with every payload, so variable shapes need no extra round trip. Everything
+/// A bundle (<actorpipe/bundle.hpp>) crosses as `parts` frames in a row on one connection,
+/// parts 0..parts-1. The shape travels with every payload, so variable shapes need no extra
+/// round trip. Everything
 /// read is checked before it is trusted: a bad magic, version, kind or dtype, too many
 /// dimensions, a negative or absurd dimension, a payload length that does not match the shape or
 /// exceeds the receiver's limit, and a truncated frame all throw frame_error.
@@ -76,6 +83,11 @@ struct frame_header {
   c10::ScalarType dtype = c10::ScalarType::Float;
   std::vector<int64_t> shape;
   uint64_t payload_bytes = 0;
+  /// This tensor's position in its bundle, the bundle's size, and whether the tensor needs a
+  /// gradient back.
+  uint8_t part = 0;
+  uint8_t parts = 1;
+  bool needs_gradient = false;
 };
 
 /// A decoded frame: its header and a tensor that owns the payload (CPU, contiguous).

@@ -19,15 +19,39 @@ layer::layer(std::string name, layer_function fn) : name_(std::move(name)), fn_(
   ACTORPIPE_CHECK(static_cast<bool>(fn_), "layer '", name_, "': function is empty");
 }
 
+layer::layer(std::string name, bundle_function fn)
+  : name_(std::move(name)), bundle_fn_(std::move(fn)), bundles_(true) {
+  ACTORPIPE_CHECK(static_cast<bool>(bundle_fn_), "layer '", name_, "': function is empty");
+}
+
+layer layer::over_bundles(std::string name, torch::nn::AnyModule module) {
+  layer result(std::move(name), std::move(module));
+  result.bundles_ = true;
+  return result;
+}
+
 std::shared_ptr<torch::nn::Module> layer::module() const {
   return is_function() ? nullptr : module_.ptr();
 }
 
 torch::Tensor layer::forward(const torch::Tensor& x) const {
-  if (is_function()) {
+  if (bundles_) {
+    return forward(bundle(x)).single(detail::concat("the output of layer '", name_, "'"));
+  }
+  if (fn_) {
     return fn_(x);
   }
   return module_.forward<torch::Tensor>(x);
+}
+
+bundle layer::forward(const bundle& x) const {
+  if (!bundles_) {
+    return forward(x.single(detail::concat("layer '", name_, "'")));
+  }
+  if (bundle_fn_) {
+    return bundle_fn_(x);
+  }
+  return module_.forward<bundle>(x);
 }
 
 int64_t layer::parameter_count() const {
@@ -88,6 +112,10 @@ int64_t parameter_count(const layer_list& layers, std::size_t begin, std::size_t
 }
 
 torch::Tensor run_layers(const layer_list& layers, const torch::Tensor& x) {
+  return run_layers(layers, bundle(x)).single("run_layers: the model's output");
+}
+
+bundle run_layers(const layer_list& layers, const bundle& x) {
   auto y = x;
   for (const auto& l : layers) {
     y = l.forward(y);

@@ -22,6 +22,7 @@
 
 #include "actors/request_error.hpp"
 #include "actors/stage_actor.hpp"
+#include "comm/bundle_frames.hpp"
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
@@ -41,6 +42,8 @@ struct routes {
   std::map<uint32_t, caf::weak_actor_ptr> stages;
   caf::weak_actor_ptr host_ptr;
   std::atomic<uint64_t> rejected{0};
+  // Activation and gradient bundles, put together from their frames.
+  comm::bundle_assembler bundles;
 
   stage_peer_actor stage(uint32_t index) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -69,9 +72,15 @@ stage_peer_actor::behavior_type link_actor(stage_peer_actor::pointer self,
                                            caf::actor host) {
   pthread_setname_np(pthread_self(), "ap.link");
   auto send = [=](comm::frame_kind kind, uint64_t step, int32_t microbatch, int32_t chunk,
-                  const torch::Tensor& t) {
+                  const bundle& b) {
     try {
-      hub->send(to.host, to.port, comm::describe(kind, to_stage, step, microbatch, chunk, t), t);
+      comm::frame_header address;
+      address.kind = kind;
+      address.stage = to_stage;
+      address.step = step;
+      address.microbatch = microbatch;
+      address.chunk = chunk;
+      comm::send_bundle(*hub, to.host, to.port, address, b);
     } catch (const std::exception& e) {
       // The node checks who sends (a typed actor may not send() to a dynamically typed one).
       caf::unsafe_send_as(
@@ -82,11 +91,11 @@ stage_peer_actor::behavior_type link_actor(stage_peer_actor::pointer self,
     }
   };
   return {
-    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const torch::Tensor& t) {
-      send(comm::frame_kind::activation, step, microbatch, chunk, t);
+    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const bundle& b) {
+      send(comm::frame_kind::activation, step, microbatch, chunk, b);
     },
-    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const torch::Tensor& t) {
-      send(comm::frame_kind::gradient, step, microbatch, chunk, t);
+    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const bundle& b) {
+      send(comm::frame_kind::gradient, step, microbatch, chunk, b);
     },
   };
 }
@@ -377,6 +386,8 @@ void receive_plan(node_actor* self, uint32_t index, const std::string& text) {
                         .count();
   h->targets_expected = targets;
   h->pending = true;
+  // Bundles of earlier steps that never completed (a sender that failed mid-bundle).
+  self->state.route->bundles.drop_before(h->plan.step);
   if (targets_complete(*h)) {
     deliver_plan(self, *h);
   }
@@ -619,13 +630,25 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
       const auto& h = f.header;
       switch (h.kind) {
       case comm::frame_kind::activation:
-        caf::anon_send(route->stage(h.stage), actors::forward_atom::value, h.step, h.microbatch,
-                       h.chunk, std::move(f.tensor));
+      case comm::frame_kind::gradient: {
+        auto stage = route->stage(h.stage);
+        auto step = h.step;
+        auto microbatch = h.microbatch;
+        auto chunk = h.chunk;
+        auto kind = h.kind;
+        auto b = route->bundles.add(std::move(f));
+        if (!b) {
+          return;
+        }
+        if (kind == comm::frame_kind::activation) {
+          caf::anon_send(stage, actors::forward_atom::value, step, microbatch, chunk,
+                         std::move(*b));
+        } else {
+          caf::anon_send(stage, actors::backward_atom::value, step, microbatch, chunk,
+                         std::move(*b));
+        }
         return;
-      case comm::frame_kind::gradient:
-        caf::anon_send(route->stage(h.stage), actors::backward_atom::value, h.step, h.microbatch,
-                       h.chunk, std::move(f.tensor));
-        return;
+      }
       case comm::frame_kind::target:
         route->stage(h.stage);
         caf::anon_send(route->host(), nodes::target_atom::value, h.stage, h.step, h.microbatch,

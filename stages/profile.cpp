@@ -36,21 +36,33 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     }
   }
   std::vector<layer_profile> result;
-  auto x = sample.detach();
+  bundle x(sample.detach());
   for (const auto& l : layers) {
     layer_profile p;
     p.name = l.name();
     p.parameters = l.parameter_count();
     std::vector<double> forward;
     std::vector<double> backward;
-    torch::Tensor y;
+    bundle y;
     for (int r = 0; r <= repeats; ++r) {
-      auto input = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+      // Float inputs take a gradient, as they do between stages.
+      auto input = x;
+      for (auto& t : input.tensors()) {
+        t = t.is_floating_point() ? t.detach().requires_grad_(true) : t;
+      }
       auto t0 = std::chrono::steady_clock::now();
       y = l.forward(input);
       auto t1 = std::chrono::steady_clock::now();
-      if (y.requires_grad()) {
-        y.backward(torch::randn_like(y));
+      std::vector<torch::Tensor> roots;
+      std::vector<torch::Tensor> gradients;
+      for (const auto& t : y.tensors()) {
+        if (t.defined() && t.requires_grad()) {
+          roots.push_back(t);
+          gradients.push_back(torch::randn_like(t));
+        }
+      }
+      if (!roots.empty()) {
+        torch::autograd::backward(roots, gradients);
       }
       auto t2 = std::chrono::steady_clock::now();
       if (r > 0) { // the first run warms caches and allocators
@@ -60,9 +72,12 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     }
     p.forward_ms = median(forward);
     p.backward_ms = median(backward);
-    p.output_bytes = static_cast<int64_t>(y.nbytes());
+    p.output_bytes = y.nbytes();
     result.push_back(p);
-    x = y.detach();
+    x = y;
+    for (auto& t : x.tensors()) {
+      t = t.detach();
+    }
   }
   torch::NoGradGuard no_grad;
   std::size_t i = 0;

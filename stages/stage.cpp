@@ -18,6 +18,11 @@ std::string shape_of(const torch::Tensor& t) {
   return out.str();
 }
 
+// "[5, 9]" for one tensor, the bundle's description for several.
+std::string shape_of(const bundle& b) {
+  return b.size() == 1 && !b.is_named() ? shape_of(b[0]) : b.describe();
+}
+
 // First line of a libtorch message: the rest is a C++ backtrace users cannot act on.
 std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
@@ -120,28 +125,34 @@ void stage::begin_step(bool train) {
   }
 }
 
-torch::Tensor stage::run(int32_t microbatch, const torch::Tensor& input) const {
+bundle stage::run(int32_t microbatch, const bundle& input) const {
   auto x = input;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const auto& l = layers_[i];
+    auto source = [&] {
+      if (i > 0) {
+        return detail::concat("the output of layer '", layers_[i - 1].name(), "'");
+      }
+      return is_first() ? std::string("the input")
+                        : detail::concat("the activation from stage ", config_.index - 1);
+    };
+    if (!l.takes_bundles() && x.size() != 1) {
+      throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
+                                          "' (model layer ", config_.first_layer + i,
+                                          ") takes one tensor, but ", source(), " is a bundle of ",
+                                          x.size(), ": ", x.describe()),
+                           details(microbatch, error_kind::shape_mismatch));
+    }
     try {
       x = l.forward(x);
     } catch (const std::exception& e) {
       std::string what = dynamic_cast<const c10::Error*>(&e) != nullptr
                            ? static_cast<const c10::Error&>(e).what_without_backtrace()
                            : e.what();
-      std::string source;
-      if (i > 0) {
-        source = detail::concat("the output of layer '", layers_[i - 1].name(), "'");
-      } else if (is_first()) {
-        source = "the input";
-      } else {
-        source = detail::concat("the activation from stage ", config_.index - 1);
-      }
       auto expected = l.expected_input();
       throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
                                           "' (model layer ", config_.first_layer + i,
-                                          ") cannot take ", source, " of shape ", shape_of(x),
+                                          ") cannot take ", source(), " of shape ", shape_of(x),
                                           expected.empty() ? "" : "; it expects ", expected,
                                           ". libtorch: ", first_line(what)),
                            // libtorch refusing the tensor is (almost always) its shape; anything
@@ -154,36 +165,70 @@ torch::Tensor stage::run(int32_t microbatch, const torch::Tensor& input) const {
   return x;
 }
 
-torch::Tensor stage::forward(int32_t microbatch, const torch::Tensor& input) {
+bundle stage::receive(const bundle& input, bool train) const {
+  auto x = input;
+  for (auto& t : x.tensors()) {
+    if (!t.defined()) {
+      continue;
+    }
+    bool flagged = !is_first() && bundle::needs_gradient(t);
+    t = t.to(config_.device).detach();
+    if (train && flagged) {
+      t.requires_grad_(true);
+    }
+  }
+  return x;
+}
+
+namespace {
+
+// Detached copies of `y`'s tensors that keep the flag saying they need a gradient.
+bundle detach_keeping_flags(const bundle& y) {
+  auto out = y;
+  for (auto& t : out.tensors()) {
+    if (t.defined()) {
+      bool flagged = bundle::needs_gradient(t);
+      t = t.detach();
+      if (flagged) {
+        t.requires_grad_(true);
+      }
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+bundle stage::forward(int32_t microbatch, const bundle& input) {
   std::lock_guard<std::mutex> guard{mutex_};
-  auto x = input.to(config_.device);
   if (!train_) {
     torch::NoGradGuard no_grad;
-    return run(microbatch, x);
+    return run(microbatch, receive(input, false));
   }
   torch::AutoGradMode grad_mode{true};
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
-  x = x.detach();
-  if (!is_first() && x.is_floating_point()) {
-    x.requires_grad_(true);
-  }
+  auto x = receive(input, true);
   auto y = run(microbatch, x);
-  stash_[microbatch] = stash_entry{x, y, {}, false};
+  auto sent = detach_keeping_flags(y);
+  stash_[microbatch] = stash_entry{std::move(x), std::move(y), {}, {}, false};
   peak_stash_ = std::max(peak_stash_, stash_.size());
-  return y.detach();
+  return sent;
 }
 
-double stage::forward_loss(int32_t microbatch, const torch::Tensor& input,
-                           const torch::Tensor& target, const loss_function& loss, double scale) {
+double stage::forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
+                           const loss_function& loss, double scale) {
   std::lock_guard<std::mutex> guard{mutex_};
   ACTORPIPE_ASSERT(train_ && is_last());
   torch::AutoGradMode grad_mode{true};
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
-  auto x = input.to(config_.device).detach();
-  if (!is_first() && x.is_floating_point()) {
-    x.requires_grad_(true);
+  auto x = receive(input, true);
+  auto outputs = run(microbatch, x);
+  if (outputs.size() != 1) {
+    throw pipeline_error(detail::concat(where(microbatch), ": the last stage's output is a bundle ",
+                                        outputs.describe(), ", but the loss takes one tensor"),
+                         details(microbatch, error_kind::shape_mismatch));
   }
-  auto y = run(microbatch, x);
+  const auto& y = outputs[0];
   torch::Tensor value;
   try {
     value = loss(y, target.to(config_.device));
@@ -199,57 +244,119 @@ double stage::forward_loss(int32_t microbatch, const torch::Tensor& input,
                                         shape_of(value)),
                          details(microbatch, error_kind::stage_failure));
   }
-  stash_[microbatch] = stash_entry{x, value * scale, {}, false};
+  stash_[microbatch] = stash_entry{std::move(x), bundle(value * scale), {}, {}, false};
   peak_stash_ = std::max(peak_stash_, stash_.size());
   return value.item<double>();
 }
 
-torch::Tensor stage::start_gradient(int32_t microbatch, const stash_entry& entry,
-                                    const torch::Tensor& output_gradient) const {
+void stage::pair_gradients(int32_t microbatch, stash_entry& entry,
+                           const bundle& output_gradient) const {
+  entry.roots.clear();
+  entry.root_gradients.clear();
   if (is_last()) {
-    return {};
+    // Backward starts from the scaled loss.
+    if (entry.output[0].requires_grad()) {
+      entry.roots.push_back(entry.output[0]);
+    }
+    return;
   }
-  auto g = output_gradient.to(config_.device);
-  if (!g.sizes().equals(entry.output.sizes())) {
-    throw pipeline_error(detail::concat(where(microbatch), ": the gradient from stage ",
-                                        config_.index + 1, " has shape ", shape_of(g),
-                                        " but the stage's output has shape ",
-                                        shape_of(entry.output)),
-                         details(microbatch, error_kind::shape_mismatch));
+  std::vector<std::size_t> needing;
+  for (std::size_t i = 0; i < entry.output.size(); ++i) {
+    if (bundle::needs_gradient(entry.output[i])) {
+      needing.push_back(i);
+    }
   }
-  return g;
+  auto from = detail::concat("the gradients from stage ", config_.index + 1);
+  if (output_gradient.size() != needing.size()) {
+    std::string which;
+    for (auto i : needing) {
+      which += (which.empty() ? "" : ", ") + entry.output.label(i);
+    }
+    throw pipeline_error(
+      detail::concat(where(microbatch), ": ", from, " are ", output_gradient.size(),
+                     " tensors, but ", needing.size(), " of the stage's outputs need one",
+                     which.empty() ? std::string{} : detail::concat(" (", which, ")"), "; outputs ",
+                     entry.output.describe()),
+      details(microbatch, error_kind::shape_mismatch));
+  }
+  for (std::size_t k = 0; k < needing.size(); ++k) {
+    auto i = needing[k];
+    const auto& y = entry.output[i];
+    if (output_gradient.is_named() && entry.output.is_named() &&
+        output_gradient.names()[k] != entry.output.names()[i]) {
+      throw pipeline_error(detail::concat(where(microbatch), ": ", from, " name '",
+                                          output_gradient.names()[k], "' where the output ",
+                                          entry.output.label(i), " needs its gradient"),
+                           details(microbatch, error_kind::shape_mismatch));
+    }
+    auto g = output_gradient[k].to(config_.device);
+    if (!g.sizes().equals(y.sizes())) {
+      throw pipeline_error(detail::concat(where(microbatch), ": the gradient from stage ",
+                                          config_.index + 1, " for output ", entry.output.label(i),
+                                          " has shape ", shape_of(g), " but the output has shape ",
+                                          shape_of(y)),
+                           details(microbatch, error_kind::shape_mismatch));
+    }
+    entry.roots.push_back(y);
+    entry.root_gradients.push_back(g.to(y.scalar_type()));
+  }
 }
 
-torch::Tensor stage::input_gradient(const stash_entry& entry) const {
-  if (is_first() || !entry.input.requires_grad()) {
-    return {};
+std::vector<torch::Tensor> stage::gradient_inputs(const stash_entry& entry) {
+  std::vector<torch::Tensor> inputs;
+  for (const auto& t : entry.input.tensors()) {
+    if (t.defined() && t.requires_grad()) {
+      inputs.push_back(t);
+    }
   }
-  auto grad = entry.input.grad();
-  return grad.defined() ? grad.detach() : torch::zeros_like(entry.input);
+  return inputs;
 }
 
-torch::Tensor stage::backward(int32_t microbatch, const torch::Tensor& output_gradient) {
+bundle stage::input_gradients(const stash_entry& entry, std::vector<torch::Tensor> grads) const {
+  if (is_first()) {
+    return {};
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  std::vector<torch::Tensor> positional;
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < entry.input.size(); ++i) {
+    const auto& x = entry.input[i];
+    if (!x.defined() || !x.requires_grad()) {
+      continue;
+    }
+    auto g = k < grads.size() && grads[k].defined() ? grads[k].detach() : torch::zeros_like(x);
+    ++k;
+    if (entry.input.is_named()) {
+      named.emplace_back(entry.input.names()[i], std::move(g));
+    } else {
+      positional.push_back(std::move(g));
+    }
+  }
+  return entry.input.is_named() ? bundle::named(std::move(named)) : bundle(std::move(positional));
+}
+
+bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
   std::lock_guard<std::mutex> guard{mutex_};
   auto it = stash_.find(microbatch);
   if (it == stash_.end()) {
     throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"),
                          details(microbatch, error_kind::stage_failure));
   }
-  auto g = start_gradient(microbatch, it->second, output_gradient);
+  pair_gradients(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
   stash_.erase(it);
   torch::AutoGradMode grad_mode{true};
-  if (entry.output.requires_grad()) {
-    if (g.defined()) {
-      torch::autograd::backward({entry.output}, {g});
-    } else {
-      torch::autograd::backward({entry.output});
-    }
+  if (!entry.roots.empty()) {
+    torch::autograd::backward(entry.roots, entry.root_gradients);
   }
-  return input_gradient(entry);
+  std::vector<torch::Tensor> grads;
+  for (const auto& x : gradient_inputs(entry)) {
+    grads.push_back(x.grad());
+  }
+  return input_gradients(entry, std::move(grads));
 }
 
-torch::Tensor stage::backward_input(int32_t microbatch, const torch::Tensor& output_gradient) {
+bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) {
   std::lock_guard<std::mutex> guard{mutex_};
   auto it = stash_.find(microbatch);
   if (it == stash_.end() || it->second.input_done) {
@@ -258,19 +365,18 @@ torch::Tensor stage::backward_input(int32_t microbatch, const torch::Tensor& out
                          details(microbatch, error_kind::stage_failure));
   }
   auto& entry = it->second;
-  entry.output_gradient = start_gradient(microbatch, entry, output_gradient);
+  pair_gradients(microbatch, entry, output_gradient);
   entry.input_done = true;
-  if (is_first() || !entry.input.requires_grad() || !entry.output.requires_grad()) {
-    return input_gradient(entry);
+  auto inputs = gradient_inputs(entry);
+  if (is_first() || inputs.empty() || entry.roots.empty()) {
+    return input_gradients(entry, {});
   }
   torch::AutoGradMode grad_mode{true};
-  // The graph is kept for the weight pass; only the input's gradient is computed now.
-  auto grads = torch::autograd::grad(
-    {entry.output}, {entry.input},
-    entry.output_gradient.defined() ? torch::autograd::variable_list{entry.output_gradient}
-                                    : torch::autograd::variable_list{},
-    /*retain_graph=*/true, /*create_graph=*/false, /*allow_unused=*/true);
-  return grads[0].defined() ? grads[0].detach() : torch::zeros_like(entry.input);
+  // The graph is kept for the weight pass; only the inputs' gradients are computed now.
+  auto grads = torch::autograd::grad(entry.roots, inputs, entry.root_gradients,
+                                     /*retain_graph=*/true, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+  return input_gradients(entry, std::move(grads));
 }
 
 void stage::backward_weight(int32_t microbatch) {
@@ -289,14 +395,11 @@ void stage::backward_weight(int32_t microbatch) {
       params.push_back(p);
     }
   }
-  if (params.empty() || !entry.output.requires_grad()) {
+  if (params.empty() || entry.roots.empty()) {
     return;
   }
   torch::AutoGradMode grad_mode{true};
-  torch::autograd::backward({entry.output},
-                            entry.output_gradient.defined()
-                              ? torch::autograd::variable_list{entry.output_gradient}
-                              : torch::autograd::variable_list{},
+  torch::autograd::backward(entry.roots, entry.root_gradients,
                             /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
 }
 

@@ -15,6 +15,7 @@
 
 #include <c10/core/Device.h>
 
+#include <actorpipe/bundle.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
@@ -39,6 +40,12 @@ struct stage_config {
 /// micro-batch; the autograd graph of a micro-batch lives in the stash between them and never
 /// leaves the stage: outputs and input gradients are returned detached.
 ///
+/// Activations are bundles (<actorpipe/bundle.hpp>). An output tensor that needs a gradient
+/// (floating point, in the graph) is returned detached but still flagged `requires_grad`, which
+/// is how the next stage knows to send its gradient back; the gradient bundle a backward takes
+/// holds exactly one tensor per such output, in order, and a backward returns one per input
+/// so flagged.
+///
 /// Errors: forward and backward throw pipeline_error naming the stage, micro-batch, layer and
 /// shapes; the stage is then unchanged except for the failed micro-batch, and abort_step()
 /// restores the state of begin_step().
@@ -58,22 +65,24 @@ public:
   void begin_step(bool train);
 
   /// Forward of one micro-batch; in training, stashes input and output. Returns the output,
-  /// detached, on this stage's device.
-  torch::Tensor forward(int32_t microbatch, const torch::Tensor& input);
+  /// detached (flags kept, see above), on this stage's device.
+  bundle forward(int32_t microbatch, const bundle& input);
 
   /// Last stage, training: forward plus loss; stashes `scale * loss` for backward and returns
-  /// the unscaled loss value.
-  double forward_loss(int32_t microbatch, const torch::Tensor& input, const torch::Tensor& target,
+  /// the unscaled loss value. The stage's output must be one tensor.
+  double forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
                       const loss_function& loss, double scale);
 
-  /// Backward of one micro-batch from its output gradient (undefined on the last stage, which
+  /// Backward of one micro-batch from its output gradients (empty on the last stage, which
   /// starts from its stashed loss). Accumulates parameter gradients, drops the stash entry and
-  /// returns the input gradient, detached (undefined on the first stage).
-  torch::Tensor backward(int32_t microbatch, const torch::Tensor& output_gradient);
+  /// returns the input gradients, detached (empty on the first stage). A gradient bundle whose
+  /// layout does not match the outputs that need one throws pipeline_error (shape_mismatch)
+  /// naming the tensor, with the stash entry kept.
+  bundle backward(int32_t microbatch, const bundle& output_gradient);
 
-  /// Zero-bubble B: only the input gradient (undefined on the first stage), which the previous
-  /// stage waits for. Keeps the stash and the output gradient for backward_weight.
-  torch::Tensor backward_input(int32_t microbatch, const torch::Tensor& output_gradient);
+  /// Zero-bubble B: only the input gradients (empty on the first stage), which the previous
+  /// stage waits for. Keeps the stash and the output gradients for backward_weight.
+  bundle backward_input(int32_t microbatch, const bundle& output_gradient);
 
   /// Zero-bubble W: accumulates the parameter gradients of a micro-batch whose backward_input
   /// ran, and releases its stash.
@@ -127,20 +136,28 @@ public:
 
 private:
   struct stash_entry {
-    torch::Tensor input;
+    bundle input;
     /// The output, or the scaled loss on the last stage.
-    torch::Tensor output;
-    /// Zero-bubble schedules: the output gradient, kept from B for W.
-    torch::Tensor output_gradient;
+    bundle output;
+    /// The outputs backward starts from, and their gradients (none on the last stage: the
+    /// loss). Zero-bubble schedules keep them from B for W.
+    std::vector<torch::Tensor> roots;
+    std::vector<torch::Tensor> root_gradients;
     bool input_done = false;
   };
 
-  // The gradient to start the entry's backward from (undefined on the last stage: the loss).
-  torch::Tensor start_gradient(int32_t microbatch, const stash_entry& entry,
-                               const torch::Tensor& output_gradient) const;
-  torch::Tensor input_gradient(const stash_entry& entry) const;
+  // Pairs the outputs that need a gradient with `output_gradient`'s tensors, checking the
+  // layout, into entry.roots and entry.root_gradients.
+  void pair_gradients(int32_t microbatch, stash_entry& entry, const bundle& output_gradient) const;
+  // The inputs that take a gradient.
+  static std::vector<torch::Tensor> gradient_inputs(const stash_entry& entry);
+  // Their gradients, as a bundle (zeros where the graph did not reach an input).
+  bundle input_gradients(const stash_entry& entry, std::vector<torch::Tensor> grads) const;
+  // The input as this stage runs it: on its device and, in training, detached, with the
+  // tensors flagged by the previous stage requiring grad.
+  bundle receive(const bundle& input, bool train) const;
 
-  torch::Tensor run(int32_t microbatch, const torch::Tensor& input) const;
+  bundle run(int32_t microbatch, const bundle& input) const;
   std::string where(int32_t microbatch) const;
   // The fields of a pipeline_error about `microbatch` of this stage.
   error_details details(int32_t microbatch, error_kind kind) const;

@@ -11,13 +11,19 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <actorpipe/bundle.hpp>
+
 namespace actorpipe {
 
 /// A function layer: parameter-free, e.g. flatten.
 using layer_function = std::function<torch::Tensor(const torch::Tensor&)>;
 
+/// A function layer over bundles: parameter-free, e.g. one that splits or joins tensors.
+using bundle_function = std::function<bundle(const bundle&)>;
+
 /// One named layer of a model: either a module (with parameters and buffers) or a plain
-/// function. Copies alias the same module, like libtorch's module holders.
+/// function, over one tensor or over bundles (<actorpipe/bundle.hpp>). Copies alias the same
+/// module, like libtorch's module holders.
 class layer {
 public:
   /// A module layer; `module` may be any libtorch module holder with `Tensor forward(Tensor)`.
@@ -26,16 +32,29 @@ public:
   /// A function layer.
   layer(std::string name, layer_function fn);
 
+  /// A function layer over bundles.
+  layer(std::string name, bundle_function fn);
+
+  /// A module layer over bundles: `module` has `bundle forward(const bundle&)`.
+  static layer over_bundles(std::string name, torch::nn::AnyModule module);
+
   const std::string& name() const noexcept { return name_; }
 
   /// True for a plain function layer (no module, no parameters).
-  bool is_function() const noexcept { return static_cast<bool>(fn_); }
+  bool is_function() const noexcept { return fn_ || bundle_fn_; }
 
   /// The module, or nullptr for a function layer.
   std::shared_ptr<torch::nn::Module> module() const;
 
+  /// True for a layer over bundles; the others take and give one tensor.
+  bool takes_bundles() const noexcept { return bundles_; }
+
   /// Runs the layer. Thread-safety: as the module's own forward.
   torch::Tensor forward(const torch::Tensor& x) const;
+
+  /// Runs the layer on a bundle; a one-tensor layer takes a bundle of one (invalid_argument
+  /// naming the layer otherwise).
+  bundle forward(const bundle& x) const;
 
   /// Number of parameter elements (0 for a function layer).
   int64_t parameter_count() const;
@@ -49,6 +68,8 @@ private:
   // AnyModule::forward is not const; running a layer does not change which module it holds.
   mutable torch::nn::AnyModule module_;
   layer_function fn_;
+  bundle_function bundle_fn_;
+  bool bundles_ = false;
 };
 
 /// An ordered model: layer i feeds layer i + 1.
@@ -62,5 +83,8 @@ int64_t parameter_count(const layer_list& layers, std::size_t begin, std::size_t
 
 /// Runs all layers in order: the plain, unpipelined model.
 torch::Tensor run_layers(const layer_list& layers, const torch::Tensor& x);
+
+/// Runs all layers in order on a bundle.
+bundle run_layers(const layer_list& layers, const bundle& x);
 
 } // namespace actorpipe

@@ -83,12 +83,16 @@ struct hook_context {
   uint64_t step = 0;
   /// False in forward-only passes.
   bool train = true;
+  /// Which tensor of the bundle the hook sees (hooks run once per tensor): its position and, in
+  /// a named bundle, its name.
+  std::size_t tensor = 0;
+  std::string name;
 };
 
 /// Per-stage hooks (as torchgpipe and the pipeline library actorpipe grew from allow), called on
-/// the stage's thread. A hook may read the tensor or replace it with one of the same shape (for
-/// instance to clip, quantise or record it). A hook that throws fails the step like any stage
-/// error, naming the stage.
+/// the stage's thread, once per tensor of the bundle crossing the boundary. A hook may read the
+/// tensor or replace it with one of the same shape (for instance to clip, quantise or record it). A
+/// hook that throws fails the step like any stage error, naming the stage.
 struct stage_hooks {
   /// After a stage's forward of a micro-batch, with its output (the activation about to be sent
   /// to the next stage, or the last stage's output in forward-only passes). Not called with the

@@ -16,7 +16,7 @@ struct action_record {
   action what;
   double start_ms = 0;
   double end_ms = 0;
-  /// Bytes of the tensor sent to the neighbour (0 when nothing was sent).
+  /// Bytes of the tensors sent to the neighbour (0 when nothing was sent).
   int64_t bytes_sent = 0;
 };
 

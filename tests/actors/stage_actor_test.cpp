@@ -60,7 +60,7 @@ TEST_CASE("a stage actor runs its program on the activation its neighbour sends 
   two_stage_fixture f;
   auto x = torch::randn({5, 4});
   // The activation may come before the plan: it is kept for the step.
-  f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0}, x);
+  f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0}, bundle(x));
   f.plan_forward(1);
   bool reported = false;
   f.self->receive(
@@ -103,9 +103,9 @@ TEST_CASE("a stage actor whose input never comes fails the step at its deadline,
   CHECK(waited < std::chrono::seconds(5));
   // A late activation of the failed step is dropped; the next step runs normally.
   f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0},
-               torch::randn({2, 4}));
+               bundle(torch::randn({2, 4})));
   f.self->send(f.stage, forward_atom::value, uint64_t{2}, int32_t{0}, int32_t{0},
-               torch::randn({3, 4}));
+               bundle(torch::randn({3, 4})));
   f.plan_forward(2);
   f.self->receive(
     [&](done_atom, stage_report& report) {
@@ -121,7 +121,7 @@ TEST_CASE("a stage actor answers abort, and an activation of the wrong shape fai
           "fields") {
   two_stage_fixture f;
   f.self->send(f.stage, forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0},
-               torch::randn({2, 7}));
+               bundle(torch::randn({2, 7})));
   f.plan_forward(1);
   f.self->receive(
     [&](failed_atom, uint64_t, failure& why) {

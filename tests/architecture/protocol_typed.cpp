@@ -10,7 +10,7 @@ void use_protocols(caf::event_based_actor* self, const actors::stage_actor& stag
                    const scheduler::scheduler_actor& scheduler) {
   self->send(stage, actors::plan_atom::value, actors::step_plan{});
   self->send(local, actors::forward_atom::value, uint64_t{1}, int32_t{0}, int32_t{0},
-             torch::Tensor{});
+             bundle(torch::Tensor{}));
   self->send(scheduler, actors::connect_atom::value, std::vector<actors::stage_actor>{stage});
   self->request(stage, caf::infinite, actors::abort_atom::value, uint64_t{1}).then([](bool) {});
   self->request(stage, caf::infinite, actors::update_atom::value, uint64_t{1}, 0.1, 1.0)

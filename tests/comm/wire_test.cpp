@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
+#include "comm/bundle_frames.hpp"
 #include "comm/wire.hpp"
 
 using namespace actorpipe::comm;
@@ -87,8 +88,8 @@ TEST_CASE("malformed headers are rejected with what is wrong") {
   b[0] = 'X';
   check(b, "magic");
   b = base;
-  b[4] = 2;
-  check(b, "version 2");
+  b[4] = 1;
+  check(b, "version 1");
   b = base;
   b[5] = 0;
   check(b, "unknown kind 0");
@@ -102,8 +103,18 @@ TEST_CASE("malformed headers are rejected with what is wrong") {
   b[7] = 9;
   check(b, "9 dimensions");
   b = base;
-  poke<uint32_t>(b, 20, 1);
+  b[23] = 1;
   check(b, "reserved");
+  b = base;
+  b[22] = 2;
+  check(b, "unknown flags");
+  b = base;
+  b[20] = 1; // part 1 of a bundle of 1
+  check(b, "part 1 of a bundle of 1");
+  b = base;
+  b[20] = 1;
+  b[21] = 0;
+  check(b, "part 1 of a bundle of 0");
   b = base;
   poke<int64_t>(b, 40, -2);
   check(b, "dimension 0 of size -2");
@@ -183,4 +194,88 @@ TEST_CASE("fuzz: random bytes never pass as a frame") {
     }
     CHECK_THROWS_AS(decode_frame(b.data(), b.size()), frame_error);
   }
+}
+
+namespace {
+
+frame_header address(frame_kind kind, uint32_t stage, uint64_t step, int32_t microbatch) {
+  frame_header h;
+  h.kind = kind;
+  h.stage = stage;
+  h.step = step;
+  h.microbatch = microbatch;
+  return h;
+}
+
+// The frames of `b` through the byte format and an assembler, in the order given.
+std::optional<actorpipe::bundle> through_the_wire(const actorpipe::bundle& b,
+                                                  bundle_assembler& assembler) {
+  std::optional<actorpipe::bundle> result;
+  for (auto& [header, tensor] : bundle_frames(address(frame_kind::activation, 2, 5, 1), b)) {
+    auto bytes = encode_frame(header, tensor);
+    auto got = assembler.add(decode_frame(bytes.data(), bytes.size()));
+    CHECK_FALSE(result.has_value());
+    result = std::move(got);
+  }
+  return result;
+}
+
+} // namespace
+
+TEST_CASE("a bundle crosses as its frames and comes back with its dtypes, shapes and flags") {
+  bundle_assembler assembler;
+  auto h = torch::randn({2, 3, 4}).requires_grad_(true);
+  auto mask = torch::rand({2, 3}) > 0.5;
+  auto ids = torch::randint(0, 50, {2, 3}, torch::kLong);
+  auto side = torch::randn({2, 4});
+  auto back = through_the_wire(actorpipe::bundle({h, mask, ids, side}), assembler);
+  REQUIRE(back.has_value());
+  REQUIRE(back->size() == 4);
+  CHECK(torch::equal((*back)[0], h.detach()));
+  CHECK((*back)[0].requires_grad());
+  CHECK(torch::equal((*back)[1], mask));
+  CHECK(torch::equal((*back)[2], ids));
+  CHECK(torch::equal((*back)[3], side));
+  CHECK_FALSE((*back)[3].requires_grad());
+  CHECK(back->differentiable_count() == 1);
+  CHECK(assembler.pending() == 0);
+  // An empty bundle (no gradients to send back) is one frame.
+  auto empty = through_the_wire(actorpipe::bundle{}, assembler);
+  REQUIRE(empty.has_value());
+  CHECK(empty->empty());
+}
+
+TEST_CASE("bundles interleaved on the wire are put together by their addresses") {
+  bundle_assembler assembler;
+  auto first = bundle_frames(address(frame_kind::activation, 1, 7, 0),
+                             actorpipe::bundle({torch::ones({2}), torch::zeros({3})}));
+  auto second = bundle_frames(address(frame_kind::activation, 1, 7, 1),
+                              actorpipe::bundle({torch::full({2}, 2.0), torch::full({3}, 3.0)}));
+  CHECK_FALSE(assembler.add({first[0].first, first[0].second}).has_value());
+  CHECK_FALSE(assembler.add({second[0].first, second[0].second}).has_value());
+  auto b1 = assembler.add({second[1].first, second[1].second});
+  REQUIRE(b1.has_value());
+  CHECK(torch::equal((*b1)[0], torch::full({2}, 2.0)));
+  CHECK(assembler.pending() == 1);
+  // A repeated part is refused, and the bundle it belonged to dropped.
+  CHECK_THROWS_WITH_AS(assembler.add({first[0].first, first[0].second}),
+                       doctest::Contains("repeats a part"), frame_error);
+  CHECK(assembler.pending() == 0);
+  // Unfinished bundles of earlier steps are dropped.
+  CHECK_FALSE(assembler.add({first[0].first, first[0].second}).has_value());
+  assembler.drop_before(8);
+  CHECK(assembler.pending() == 0);
+}
+
+TEST_CASE("what the wire cannot carry is refused by the sender, naming it") {
+  CHECK_THROWS_WITH_AS(
+    bundle_frames({}, actorpipe::bundle::named({{"hidden", torch::ones({2})}})),
+    doctest::Contains("the named bundle (hidden: Float[2]) cannot cross the wire"),
+    std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bundle_frames({}, actorpipe::bundle({torch::ones({2}), torch::Tensor{}})),
+                       doctest::Contains("has an undefined tensor 1"), std::invalid_argument);
+  std::vector<torch::Tensor> many(256, torch::ones({1}));
+  CHECK_THROWS_WITH_AS(bundle_frames({}, actorpipe::bundle(many)),
+                       doctest::Contains("256 tensors cannot cross the wire"),
+                       std::invalid_argument);
 }
