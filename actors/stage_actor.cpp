@@ -48,6 +48,8 @@ struct stage_state {
   stage_report report;
   // Zero-bubble programs split backward into B (input gradient) and W (weight gradient).
   bool split = false;
+  // Micro-batches in the running step.
+  int32_t microbatches = 0;
   std::size_t live = 0;
   std::size_t peak_live = 0;
   // Bumped whenever the program moves; a deadline timer only fires for the token it was set for.
@@ -161,6 +163,19 @@ void run_hook(const stage_state& s, const action& a, const Hook& hook, bundle& b
   }
 }
 
+// Whether the forward `a` keeps only its input, to be recomputed at backward.
+bool recompute(const stage_state& s, const action& a) {
+  switch (s.options.recompute) {
+  case recompute_mode::never:
+    return false;
+  case recompute_mode::except_last:
+    return a.microbatch + 1 < s.microbatches;
+  case recompute_mode::always:
+    return true;
+  }
+  return false;
+}
+
 // Runs one action whose input is there; returns the bytes it sent.
 int64_t run_action(stage_actor_type self, const action& a) {
   auto& s = self->state;
@@ -176,13 +191,15 @@ int64_t run_action(stage_actor_type self, const action& a) {
     if (s.plan.train) {
       s.peak_live = std::max(s.peak_live, ++s.live);
     }
+    bool recomputed = s.plan.train && recompute(s, a);
+    s.report.stats.recomputed += recomputed ? 1 : 0;
     if (s.plan.train && st.is_last()) {
       auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(position), s.options.loss,
-                                   s.plan.loss_scales.at(position));
+                                   s.plan.loss_scales.at(position), recomputed);
       s.report.loss += s.plan.loss_scales.at(position) * value;
       return 0;
     }
-    auto output = st.forward(a.microbatch, input);
+    auto output = st.forward(a.microbatch, input, recomputed);
     if (s.options.hooks.after_forward) {
       run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
     }
@@ -382,6 +399,10 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       s.plan = std::move(plan);
       s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
                             [](const action& a) { return a.kind == action_kind::weight; });
+      s.microbatches = 0;
+      for (const auto& a : s.plan.program) {
+        s.microbatches = std::max(s.microbatches, a.microbatch + 1);
+      }
       s.next_action = 0;
       s.live = 0;
       s.peak_live = 0;

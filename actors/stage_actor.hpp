@@ -74,6 +74,7 @@ struct stage_actor_options {
   /// Report the sum of squared gradients (global norm clipping).
   bool report_gradient_norm = false;
   stage_hooks hooks;
+  recompute_mode recompute = recompute_mode::never;
 };
 
 /// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),

@@ -37,6 +37,10 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--lr", a.lr, "Learning rate (fashion-mnist: peak of the cosine schedule)");
   opt("--momentum", a.momentum, "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic)");
   opt("--warmup", a.warmup, "Fashion-MNIST: linear warm-up steps of the cosine schedule");
+  opt("--recompute", a.recompute,
+      "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
+      "always: keep only each stage's input between forward and backward and recompute the "
+      "forward during backward (less memory, more time; docs/transformers.md)");
   opt("--wait-timeout", a.wait_timeout_ms,
       "Milliseconds a stage waits for an input before failing the step");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
@@ -323,6 +327,7 @@ int run_train(const train_args& a) {
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
   po.max_grad_norm = a.max_grad_norm;
+  po.recompute = parse_recompute_mode(a.recompute);
 
   auto& dp = po.data_parallel;
   dp = data_parallel_from_env();

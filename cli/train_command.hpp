@@ -50,6 +50,8 @@ struct train_args {
   int64_t dp_timeout_ms = 60000;
   std::string buffers = "broadcast";
   double max_grad_norm = 0;
+  /// --recompute: never, except_last or always.
+  std::string recompute = "never";
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
   std::vector<std::string> nodes;
   std::string secret_file;

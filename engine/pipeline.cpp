@@ -289,6 +289,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.reduction = options.reduction;
     actor_options.report_gradient_norm = options.max_grad_norm > 0;
     actor_options.hooks = options.hooks;
+    actor_options.recompute = options.recompute;
     if (self.replicas) {
       // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);

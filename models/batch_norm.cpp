@@ -42,7 +42,7 @@ torch::Tensor DeferredBatchNorm2dImpl::forward(const torch::Tensor& input) {
                              is_training() || !tracking, factor, options.eps(),
                              at::globalContext().userEnabledCuDNN());
   }
-  {
+  if (!recomputing) {
     torch::NoGradGuard no_grad;
     auto [var, mean] = torch::var_mean(input.detach(), {0, 2, 3}, /*unbiased=*/false);
     auto n = static_cast<double>(input.numel() / std::max<int64_t>(1, input.size(1)));

@@ -223,6 +223,7 @@ std::string build(node_actor* self, const std::string& text) {
   options.threads = spec.threads;
   options.loss = builtin_loss(spec.model.loss);
   options.reduction = spec.reduction;
+  options.recompute = spec.recompute;
   options.report_gradient_norm = spec.report_gradient_norm;
   hosted h;
   h.stage = st;

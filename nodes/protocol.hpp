@@ -66,6 +66,7 @@ struct stage_spec {
   int64_t wait_timeout_ms = 60000;
   bool report_gradient_norm = false;
   loss_reduction reduction = loss_reduction::mean;
+  recompute_mode recompute = recompute_mode::never;
 };
 
 /// Where a stage receives frames, and the node that hosts it ("host:port" of its control).

@@ -485,6 +485,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       spec.wait_timeout_ms = options.wait_timeout.count();
       spec.report_gradient_norm = options.max_grad_norm > 0;
       spec.reduction = options.reduction;
+      spec.recompute = options.recompute;
       auto reply = nlohmann::json::parse(
         ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
       if (reply.contains("error")) {

@@ -2,8 +2,13 @@
 
 #include <actorpipe/batch_norm.hpp>
 
+#include <shared_mutex>
+
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -44,6 +49,36 @@ void for_each_named(const layer_list& layers, bool buffers, F&& f) {
   }
 }
 
+// Modules whose training forward draws from the CPU generator.
+bool draws_random(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::DropoutImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::Dropout2dImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::Dropout3dImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::AlphaDropoutImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::FeatureAlphaDropoutImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::RReLUImpl*>(&m) != nullptr;
+}
+
+// Stages share the CPU generator. A forward that will be recomputed must draw a contiguous run
+// of it (recomputation replays the run from its start), so it holds this lock exclusively;
+// other forwards that draw hold it shared, and stages that draw nothing never take it.
+std::shared_mutex& generator_lock() {
+  static std::shared_mutex lock;
+  return lock;
+}
+
+torch::Tensor generator_state() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_generator_state(const torch::Tensor& state) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
 } // namespace
 
 stage::stage(stage_config config, layer_list layers) : config_(config), layers_(std::move(layers)) {
@@ -55,6 +90,7 @@ stage::stage(stage_config config, layer_list layers) : config_(config), layers_(
         if (auto bn = std::dynamic_pointer_cast<DeferredBatchNorm2dImpl>(sub)) {
           batch_norms_.push_back(std::move(bn));
         }
+        draws_random_ = draws_random_ || draws_random(*sub);
       }
     }
   }
@@ -199,7 +235,7 @@ bundle detach_keeping_flags(const bundle& y) {
 
 } // namespace
 
-bundle stage::forward(int32_t microbatch, const bundle& input) {
+bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
   if (!train_) {
     torch::NoGradGuard no_grad;
@@ -207,22 +243,34 @@ bundle stage::forward(int32_t microbatch, const bundle& input) {
   }
   torch::AutoGradMode grad_mode{true};
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
-  auto x = receive(input, true);
-  auto y = run(microbatch, x);
+  stash_entry entry;
+  entry.input = receive(input, true);
+  // With recomputation the graph is built (it says which outputs need a gradient) and dropped
+  // at once: only the input, and where the stage draws random numbers the generator's state,
+  // stay until backward.
+  bundle y;
+  if (recompute && draws_random_) {
+    std::unique_lock<std::shared_mutex> exclusive(generator_lock());
+    entry.generator_state = generator_state();
+    y = run(microbatch, entry.input);
+  } else if (draws_random_) {
+    std::shared_lock<std::shared_mutex> shared(generator_lock());
+    y = run(microbatch, entry.input);
+  } else {
+    y = run(microbatch, entry.input);
+  }
   auto sent = detach_keeping_flags(y);
-  stash_[microbatch] = stash_entry{std::move(x), std::move(y), {}, {}, false};
+  entry.recompute = recompute;
+  if (!recompute) {
+    entry.output = std::move(y);
+  }
+  stash_[microbatch] = std::move(entry);
   peak_stash_ = std::max(peak_stash_, stash_.size());
   return sent;
 }
 
-double stage::forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
-                           const loss_function& loss, double scale) {
-  std::lock_guard<std::mutex> guard{mutex_};
-  ACTORPIPE_ASSERT(train_ && is_last());
-  torch::AutoGradMode grad_mode{true};
-  ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
-  auto x = receive(input, true);
-  auto outputs = run(microbatch, x);
+torch::Tensor stage::loss_of(int32_t microbatch, const bundle& outputs, const torch::Tensor& target,
+                             const loss_function& loss) const {
   if (outputs.size() != 1) {
     throw pipeline_error(detail::concat(where(microbatch), ": the last stage's output is a bundle ",
                                         outputs.describe(), ", but the loss takes one tensor"),
@@ -244,9 +292,102 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
                                         shape_of(value)),
                          details(microbatch, error_kind::stage_failure));
   }
-  stash_[microbatch] = stash_entry{std::move(x), bundle(value * scale), {}, {}, false};
+  return value;
+}
+
+double stage::forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
+                           const loss_function& loss, double scale, bool recompute) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  ACTORPIPE_ASSERT(train_ && is_last());
+  ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
+  stash_entry entry;
+  entry.input = receive(input, true);
+  torch::Tensor value;
+  {
+    // Recomputed, the forward runs without a graph (the last stage sends no activation whose
+    // flags would need one); the loss function and target wait for backward.
+    torch::AutoGradMode grad_mode{!recompute};
+    if (recompute && draws_random_) {
+      std::unique_lock<std::shared_mutex> exclusive(generator_lock());
+      entry.generator_state = generator_state();
+      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
+    } else if (draws_random_) {
+      std::shared_lock<std::shared_mutex> shared(generator_lock());
+      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
+    } else {
+      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
+    }
+  }
+  entry.recompute = recompute;
+  if (recompute) {
+    entry.target = target;
+    entry.loss = loss;
+    entry.scale = scale;
+  } else {
+    entry.output = bundle(value * scale);
+  }
+  stash_[microbatch] = std::move(entry);
   peak_stash_ = std::max(peak_stash_, stash_.size());
   return value.item<double>();
+}
+
+void stage::recompute(int32_t microbatch, stash_entry& entry) {
+  if (!entry.recompute) {
+    return;
+  }
+  torch::AutoGradMode grad_mode{true};
+  // The recomputed forward must not count the micro-batch again in batch-norm statistics.
+  std::vector<torch::Tensor> saved;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& b : buffers()) {
+      saved.push_back(b.clone());
+    }
+  }
+  for (auto& bn : batch_norms_) {
+    bn->recomputing = true;
+  }
+  auto restore = [&] {
+    torch::NoGradGuard no_grad;
+    auto current = buffers();
+    for (std::size_t i = 0; i < current.size(); ++i) {
+      // Through .data(): the recomputed graph saved the buffers it read, and their version
+      // counter must not change (backward in training mode uses the batch's own statistics).
+      current[i].data().copy_(saved[i]);
+    }
+    for (auto& bn : batch_norms_) {
+      bn->recomputing = false;
+    }
+  };
+  auto rerun = [&] {
+    auto y = run(microbatch, entry.input);
+    return is_last() && entry.loss
+             ? bundle(loss_of(microbatch, y, entry.target, entry.loss) * entry.scale)
+             : y;
+  };
+  try {
+    if (entry.generator_state.defined()) {
+      // Replay the forward's run of the generator, then leave it where it was.
+      std::unique_lock<std::shared_mutex> exclusive(generator_lock());
+      auto now = generator_state();
+      set_generator_state(entry.generator_state);
+      try {
+        entry.output = rerun();
+      } catch (...) {
+        set_generator_state(now);
+        throw;
+      }
+      set_generator_state(now);
+    } else {
+      entry.output = rerun();
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  entry.recompute = false;
+  entry.generator_state = torch::Tensor();
 }
 
 void stage::pair_gradients(int32_t microbatch, stash_entry& entry,
@@ -342,6 +483,7 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
     throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"),
                          details(microbatch, error_kind::stage_failure));
   }
+  recompute(microbatch, it->second);
   pair_gradients(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
   stash_.erase(it);
@@ -365,6 +507,7 @@ bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) 
                          details(microbatch, error_kind::stage_failure));
   }
   auto& entry = it->second;
+  recompute(microbatch, entry);
   pair_gradients(microbatch, entry, output_gradient);
   entry.input_done = true;
   auto inputs = gradient_inputs(entry);

@@ -65,13 +65,15 @@ public:
   void begin_step(bool train);
 
   /// Forward of one micro-batch; in training, stashes input and output. Returns the output,
-  /// detached (flags kept, see above), on this stage's device.
-  bundle forward(int32_t microbatch, const bundle& input);
+  /// detached (flags kept, see above), on this stage's device. With `recompute`, only the input
+  /// (and the generator's state, for a stage with dropout) is stashed and backward recomputes
+  /// the forward first: same gradients, same dropout masks, batch-norm statistics counted once.
+  bundle forward(int32_t microbatch, const bundle& input, bool recompute = false);
 
   /// Last stage, training: forward plus loss; stashes `scale * loss` for backward and returns
   /// the unscaled loss value. The stage's output must be one tensor.
   double forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
-                      const loss_function& loss, double scale);
+                      const loss_function& loss, double scale, bool recompute = false);
 
   /// Backward of one micro-batch from its output gradients (empty on the last stage, which
   /// starts from its stashed loss). Accumulates parameter gradients, drops the stash entry and
@@ -144,7 +146,21 @@ private:
     std::vector<torch::Tensor> roots;
     std::vector<torch::Tensor> root_gradients;
     bool input_done = false;
+    /// Activation recomputation: the output is rebuilt from the input at backward, replaying
+    /// the generator from `generator_state` (defined when the stage draws random numbers);
+    /// the last stage keeps its target, loss function and scale for it.
+    bool recompute = false;
+    torch::Tensor generator_state;
+    torch::Tensor target;
+    loss_function loss;
+    double scale = 1.0;
   };
+
+  // Rebuilds a recomputed entry's output (and graph); nothing for the others.
+  void recompute(int32_t microbatch, stash_entry& entry);
+  // The loss of the last stage's output, checked (one tensor in, a scalar out).
+  torch::Tensor loss_of(int32_t microbatch, const bundle& outputs, const torch::Tensor& target,
+                        const loss_function& loss) const;
 
   // Pairs the outputs that need a gradient with `output_gradient`'s tensors, checking the
   // layout, into entry.roots and entry.root_gradients.
@@ -173,6 +189,8 @@ private:
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;
+  // A module of the stage draws from the CPU generator in training (dropout).
+  bool draws_random_ = false;
 };
 
 /// Stage k of `cut` over its slice of `layers`, on `device`, with an optimizer when `optimizer`

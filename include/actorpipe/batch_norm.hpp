@@ -44,6 +44,9 @@ public:
   torch::nn::BatchNormOptions options;
   /// Whether training forwards accumulate instead of updating running statistics.
   bool deferred = false;
+  /// Set by a stage while it recomputes a forward (activation recomputation): training
+  /// forwards then accumulate nothing, so a micro-batch counts once.
+  bool recomputing = false;
   torch::Tensor weight;
   torch::Tensor bias;
   torch::Tensor running_mean;

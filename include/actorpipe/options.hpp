@@ -18,6 +18,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <actorpipe/actions.hpp>
+#include <actorpipe/errors.hpp>
 
 namespace actorpipe {
 
@@ -178,6 +179,42 @@ struct node_placement {
   std::chrono::milliseconds connect_timeout{10000};
 };
 
+/// Activation recomputation (torchgpipe's checkpoint modes): which micro-batches keep only
+/// their stage input between forward and backward, their forward recomputed during backward.
+enum class recompute_mode {
+  /// Keep every micro-batch's activations (fastest, most memory).
+  never,
+  /// Recompute all but each step's last micro-batch (whose backward comes right after its
+  /// forward in 1F1B, so keeping it costs little).
+  except_last,
+  /// Recompute every micro-batch.
+  always,
+};
+
+/// "never", "except_last", "always".
+inline const char* to_string(recompute_mode mode) {
+  switch (mode) {
+  case recompute_mode::never:
+    return "never";
+  case recompute_mode::except_last:
+    return "except_last";
+  case recompute_mode::always:
+    return "always";
+  }
+  return "never";
+}
+
+/// The mode named by to_string; invalid_argument naming the choices otherwise.
+inline recompute_mode parse_recompute_mode(const std::string& text) {
+  for (auto mode : {recompute_mode::never, recompute_mode::except_last, recompute_mode::always}) {
+    if (text == to_string(mode)) {
+      return mode;
+    }
+  }
+  throw invalid_argument("unknown recompute mode '" + text +
+                         "' (choose never, except_last or always)");
+}
+
 /// Everything a pipeline needs besides its layers and partition.
 struct pipeline_options {
   /// Micro-batches per step (m >= 1). The batch is split into m parts whose sizes differ by at
@@ -218,6 +255,10 @@ struct pipeline_options {
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).
   stage_hooks hooks;
+  /// Activation recomputation on every stage (docs/transformers.md#recomputation). Gradients
+  /// equal those without; dropout draws the same masks in forward and recomputation; batch-norm
+  /// statistics are updated once.
+  recompute_mode recompute = recompute_mode::never;
   /// Stage actors on `actorpipe node` processes (see the remote_model constructor).
   node_placement placement;
 };

@@ -30,6 +30,8 @@ struct stage_stats {
   double optimizer_ms = 0;
   /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
   double peak_stash = 0;
+  /// Forwards that kept only their input, recomputed at backward (pipeline_options::recompute).
+  std::size_t recomputed = 0;
   /// Every action in the order it ran.
   std::vector<action_record> actions;
   /// Data parallelism: the gradient (and buffer) sync with the other replicas after the

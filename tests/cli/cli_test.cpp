@@ -49,6 +49,10 @@ TEST_CASE("train explains bad flags and exits non-zero") {
   auto zero = run("train --data synthetic --model mlp --microbatches 0 --steps 1");
   CHECK(zero.exit_code == 2);
   CHECK(zero.output.find("microbatches (0) must be >= 1") != std::string::npos);
+  auto recompute = run("train --data synthetic --model mlp --recompute sometimes --steps 1");
+  CHECK(recompute.exit_code == 2);
+  CHECK(recompute.output.find("unknown recompute mode 'sometimes' (choose never, except_last or "
+                              "always)") != std::string::npos);
   auto not_a_number = run("train --batch many");
   CHECK(not_a_number.exit_code != 0);
   CHECK(not_a_number.output.find("--batch") != std::string::npos);
@@ -559,4 +563,24 @@ TEST_CASE("a flag that does not apply to the chosen data or schedule is an error
   CHECK(interleaved.exit_code == 2);
   CHECK(interleaved.output.find("--schedule interleaved with --chunks 1 interleaves nothing") !=
         std::string::npos);
+}
+
+TEST_CASE("--recompute trains to the same losses as keeping every activation") {
+  auto losses = [](const std::string& mode) {
+    auto r = run("train --data synthetic --model mlp --stages 2 --microbatches 4 --batch 8 "
+                 "--steps 2 --recompute " +
+                 mode);
+    REQUIRE(r.exit_code == 0);
+    std::vector<std::string> found;
+    std::size_t at = 0;
+    while ((at = r.output.find("  loss ", at)) != std::string::npos) {
+      at += 7;
+      found.push_back(r.output.substr(at, r.output.find(' ', at) - at));
+    }
+    return found;
+  };
+  auto kept = losses("never");
+  REQUIRE(kept.size() == 2);
+  CHECK(losses("always") == kept);
+  CHECK(losses("except_last") == kept);
 }

@@ -136,6 +136,33 @@ TEST_CASE("bundles with float, bool and integer tensors train like plain libtorc
   }
 }
 
+TEST_CASE("with recomputation, bundles keep which tensors need a gradient, and training still "
+          "equals plain libtorch") {
+  engine sys;
+  torch::manual_seed(22);
+  auto x = torch::randn({9, 6});
+  auto t = torch::randn({9, 3});
+  for (auto mode : {recompute_mode::except_last, recompute_mode::always}) {
+    for (auto kind : {schedule_kind::one_f_one_b, schedule_kind::zb_h1}) {
+      CAPTURE(to_string(mode));
+      CAPTURE(to_string(kind));
+      auto layers = bundle_model(true);
+      pipeline_options o;
+      o.microbatches = 3;
+      o.schedule = kind;
+      o.recompute = mode;
+      o.loss = mse;
+      o.optimizer = sgd(0.1, 0.9);
+      pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), o);
+      plain_model plain(bundle_model(true), sgd(0.1, 0.9));
+      for (int step = 0; step < 2; ++step) {
+        CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+      }
+      check_close(pipe.named_parameters(), named(plain.layers, false), 1e-5, 1e-6);
+    }
+  }
+}
+
 TEST_CASE("only the tensors that need a gradient get one back, and the bytes sent say so") {
   engine sys;
   auto layers = bundle_model(false);

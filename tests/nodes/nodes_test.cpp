@@ -141,6 +141,34 @@ TEST_CASE("stages on two nodes train like the in-process pipeline and plain libt
   CHECK(parts.size() == 4);
 }
 
+TEST_CASE("recomputation reaches the stages on nodes and trains as in process") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  auto options = remote_options({n1.address(), n2.address()});
+  options.recompute = recompute_mode::always;
+  pipeline remote(sys, tiny_remote(), cut, options);
+  pipeline local(sys, tiny_mlp(1), cut, local_options());
+  for (int step = 0; step < 2; ++step) {
+    auto [x, y] = batch(step);
+    auto r = remote.train_step(x, y);
+    CHECK(r.loss == doctest::Approx(local.train_step(x, y).loss).epsilon(1e-6));
+    // Every forward on both nodes kept only its input.
+    REQUIRE(r.stages.size() == 2);
+    CHECK(r.stages[0].recomputed == 4);
+    CHECK(r.stages[1].recomputed == 4);
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+  // The spec a node builds from says so (a node of an older build would refuse the field's
+  // absence, not ignore it).
+  nodes::stage_spec spec;
+  spec.model = tiny_remote();
+  spec.bounds = cut.bounds;
+  spec.count = 2;
+  spec.recompute = recompute_mode::except_last;
+  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).recompute == recompute_mode::except_last);
+}
+
 TEST_CASE("a node can host several stages, and three stages span two nodes") {
   node n1(node_config()), n2(node_config());
   engine sys;
