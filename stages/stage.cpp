@@ -79,6 +79,23 @@ void set_generator_state(const torch::Tensor& state) {
   generator.set_state(state);
 }
 
+// Runs `forward` holding the generator lock as the stage needs it: exclusively for a forward
+// that will be recomputed (its generator state kept in `state`), shared for the other forwards
+// of a stage that draws, not at all for a stage that never draws.
+template <class Forward>
+auto drawing(bool draws, bool recompute, torch::Tensor& state, Forward&& forward) {
+  if (!draws) {
+    return forward();
+  }
+  if (recompute) {
+    std::unique_lock<std::shared_mutex> exclusive(generator_lock());
+    state = generator_state();
+    return forward();
+  }
+  std::shared_lock<std::shared_mutex> shared(generator_lock());
+  return forward();
+}
+
 } // namespace
 
 stage::stage(stage_config config, layer_list layers) : config_(config), layers_(std::move(layers)) {
@@ -248,17 +265,8 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   // With recomputation the graph is built (it says which outputs need a gradient) and dropped
   // at once: only the input, and where the stage draws random numbers the generator's state,
   // stay until backward.
-  bundle y;
-  if (recompute && draws_random_) {
-    std::unique_lock<std::shared_mutex> exclusive(generator_lock());
-    entry.generator_state = generator_state();
-    y = run(microbatch, entry.input);
-  } else if (draws_random_) {
-    std::shared_lock<std::shared_mutex> shared(generator_lock());
-    y = run(microbatch, entry.input);
-  } else {
-    y = run(microbatch, entry.input);
-  }
+  auto y = drawing(draws_random_, recompute, entry.generator_state,
+                   [&] { return run(microbatch, entry.input); });
   auto sent = detach_keeping_flags(y);
   entry.recompute = recompute;
   if (!recompute) {
@@ -307,16 +315,9 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
     // Recomputed, the forward runs without a graph (the last stage sends no activation whose
     // flags would need one); the loss function and target wait for backward.
     torch::AutoGradMode grad_mode{!recompute};
-    if (recompute && draws_random_) {
-      std::unique_lock<std::shared_mutex> exclusive(generator_lock());
-      entry.generator_state = generator_state();
-      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
-    } else if (draws_random_) {
-      std::shared_lock<std::shared_mutex> shared(generator_lock());
-      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
-    } else {
-      value = loss_of(microbatch, run(microbatch, entry.input), target, loss);
-    }
+    value = drawing(draws_random_, recompute, entry.generator_state, [&] {
+      return loss_of(microbatch, run(microbatch, entry.input), target, loss);
+    });
   }
   entry.recompute = recompute;
   if (recompute) {
