@@ -36,7 +36,9 @@ std::shared_ptr<torch::nn::Module> layer::module() const {
 
 torch::Tensor layer::forward(const torch::Tensor& x) const {
   if (bundles_) {
-    return forward(bundle(x)).single(detail::concat("the output of layer '", name_, "'"));
+    auto y = forward(bundle(x));
+    // The name is only spelt out when it is needed: this runs per layer and micro-batch.
+    return y.size() == 1 ? y[0] : y.single(detail::concat("the output of layer '", name_, "'"));
   }
   if (fn_) {
     return fn_(x);
@@ -46,7 +48,7 @@ torch::Tensor layer::forward(const torch::Tensor& x) const {
 
 bundle layer::forward(const bundle& x) const {
   if (!bundles_) {
-    return forward(x.single(detail::concat("layer '", name_, "'")));
+    return forward(x.size() == 1 ? x[0] : x.single(detail::concat("layer '", name_, "'")));
   }
   if (bundle_fn_) {
     return bundle_fn_(x);

@@ -124,7 +124,7 @@ TEST_CASE("a wrong secret is refused before any frame is read") {
   CHECK(b.frames_rejected() >= 1);
 }
 
-TEST_CASE("a malformed frame closes only its connection; the hub keeps serving") {
+TEST_CASE("a malformed frame closes only its connection, and the hub keeps serving") {
   inbox received;
   tensor_hub b(options("k"), received.sink());
   int fd = raw_connect(b.port());

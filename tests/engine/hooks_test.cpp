@@ -45,7 +45,7 @@ TEST_CASE("hooks see every activation and input gradient sent, and observing cha
   }
 }
 
-TEST_CASE("a hook may replace a tensor; one that throws or changes the shape fails the step") {
+TEST_CASE("a hook may replace a tensor, and one that throws or changes the shape fails the step") {
   engine sys;
   pipeline_options o;
   o.microbatches = 2;
@@ -72,11 +72,11 @@ TEST_CASE("a hook may replace a tensor; one that throws or changes the shape fai
   mode = 2;
   CHECK_THROWS_WITH_AS(
     pipe.train_step(x, torch::randn({4, 3})),
-    doctest::Contains("stage 0, microbatch 0: the after_forward hook failed: boom"),
+    doctest::Contains("stage 0, microbatch 0: the after_forward hook failed on tensor 0: boom"),
     pipeline_error);
   mode = 3;
   CHECK_THROWS_WITH_AS(pipe.train_step(x, torch::randn({4, 3})),
-                       doctest::Contains("the after_forward hook replaced a tensor of shape"),
+                       doctest::Contains("the after_forward hook replaced tensor 0 of shape"),
                        pipeline_error);
   check_close(pipe.named_parameters(), before, 0, 0);
 }

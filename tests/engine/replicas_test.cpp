@@ -189,7 +189,7 @@ TEST_CASE("a rank that never arrives fails the others at the rendezvous, naming 
                        pipeline_error);
 }
 
-TEST_CASE("a replica that fails its step fails the other within the deadline; no parameter "
+TEST_CASE("a replica that fails its step fails the other within the deadline, and no parameter "
           "changes") {
   engine sys;
   auto o = mlp_options(2);

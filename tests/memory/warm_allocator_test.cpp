@@ -27,7 +27,7 @@ void on_thread(bool warm, F f) {
 
 } // namespace
 
-TEST_CASE("a warm thread gets its freed buffers back; other threads and small tensors do not") {
+TEST_CASE("a warm thread gets its freed buffers back, other threads and small tensors do not") {
   memory::release_cached();
   auto before = memory::stats();
   on_thread(true, [] {
@@ -63,7 +63,7 @@ TEST_CASE("a warm thread gets its freed buffers back; other threads and small te
   CHECK(after.misses == after_warm.misses);
 }
 
-TEST_CASE("a buffer freed by another thread returns to the cache; the limit holds") {
+TEST_CASE("a buffer freed by another thread returns to the cache, and the limit holds") {
   memory::release_cached();
   torch::Tensor escaped;
   on_thread(true, [&] { escaped = torch::ones({1 << 18}); });

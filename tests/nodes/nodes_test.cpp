@@ -254,7 +254,7 @@ TEST_CASE("a node refuses a non-loopback address without a secret") {
   CHECK_THROWS_WITH_AS(node{o}, doctest::Contains("without a secret"), invalid_argument);
 }
 
-TEST_CASE("unauthenticated and unknown control messages are refused; the node keeps serving") {
+TEST_CASE("unauthenticated and unknown control messages are refused, and the node keeps serving") {
   node n(node_config("pw"));
   control_client intruder(n.address());
   CHECK(intruder.ask(nodes::build_atom::value, std::string("{}")).find("authenticate first") !=
