@@ -171,10 +171,7 @@ void stage::begin_step(bool train) {
     bn->discard();
   }
   if (train) {
-    torch::NoGradGuard no_grad;
-    for (auto& b : buffers()) {
-      buffer_snapshot_.push_back(b.clone());
-    }
+    buffer_snapshot_ = copy_buffers();
   }
 }
 
@@ -338,24 +335,12 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
   }
   torch::AutoGradMode grad_mode{true};
   // The recomputed forward must not count the micro-batch again in batch-norm statistics.
-  std::vector<torch::Tensor> saved;
-  {
-    torch::NoGradGuard no_grad;
-    for (const auto& b : buffers()) {
-      saved.push_back(b.clone());
-    }
-  }
+  auto saved = copy_buffers();
   for (auto& bn : batch_norms_) {
     bn->recomputing = true;
   }
   auto restore = [&] {
-    torch::NoGradGuard no_grad;
-    auto current = buffers();
-    for (std::size_t i = 0; i < current.size(); ++i) {
-      // Through .data(): the recomputed graph saved the buffers it read, and their version
-      // counter must not change (backward in training mode uses the batch's own statistics).
-      current[i].data().copy_(saved[i]);
-    }
+    restore_buffers(saved);
     for (auto& bn : batch_norms_) {
       bn->recomputing = false;
     }
@@ -564,12 +549,27 @@ void stage::abort_step() {
     bn->discard();
   }
   if (!buffer_snapshot_.empty()) {
-    torch::NoGradGuard no_grad;
-    auto current = buffers();
-    ACTORPIPE_ASSERT(current.size() == buffer_snapshot_.size());
-    for (std::size_t i = 0; i < current.size(); ++i) {
-      current[i].copy_(buffer_snapshot_[i]);
-    }
+    restore_buffers(buffer_snapshot_);
+  }
+}
+
+std::vector<torch::Tensor> stage::copy_buffers() const {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> copies;
+  for (const auto& b : buffers()) {
+    copies.push_back(b.clone());
+  }
+  return copies;
+}
+
+void stage::restore_buffers(const std::vector<torch::Tensor>& copies) {
+  torch::NoGradGuard no_grad;
+  auto current = buffers();
+  ACTORPIPE_ASSERT(current.size() == copies.size());
+  for (std::size_t i = 0; i < current.size(); ++i) {
+    // Through .data(): a recomputed graph saved the buffers it read, and their version counter
+    // must not change (backward in training mode uses the batch's own statistics).
+    current[i].data().copy_(copies[i]);
   }
 }
 

@@ -178,6 +178,9 @@ private:
   // The fields of a pipeline_error about `microbatch` of this stage.
   error_details details(int32_t microbatch, error_kind kind) const;
   std::vector<torch::Tensor> buffers() const;
+  // Copies of the buffers, and putting such copies back (begin/abort a step, recomputation).
+  std::vector<torch::Tensor> copy_buffers() const;
+  void restore_buffers(const std::vector<torch::Tensor>& copies);
   std::vector<torch::Tensor> parameters() const;
 
   mutable std::mutex mutex_;
