@@ -17,6 +17,7 @@ packages=(
   libboost-dev            # Boost.Asio
   libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libssl-dev libbenchmark-dev
   dataset-fashion-mnist   # the real data of the main job
+  fortunes                # the real text of --data text (/usr/share/games/fortunes)
 )
 
 install_missing() {

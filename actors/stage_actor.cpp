@@ -14,6 +14,7 @@
 
 #include "actors/messages.hpp"
 #include "comm/replica_group.hpp"
+#include "comm/tie_group.hpp"
 #include "logging/log.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
@@ -93,6 +94,11 @@ void fail(stage_actor_type self, failure why) {
   drop_step(s.activations, s.plan.step);
   drop_step(s.gradients, s.plan.step);
   self->send(s.scheduler, failed_atom::value, s.plan.step, std::move(why));
+  // Wake the holders of tied parameters waiting for this stage: their failures, which follow
+  // from this one, reach the scheduler after it.
+  if (s.options.ties) {
+    s.options.ties->cancel(s.plan.step, s.options.index);
+  }
 }
 
 // Fails the step with what `e` says, from this stage (and micro-batch, when one was running).
@@ -279,6 +285,34 @@ void sync_replicas(stage_actor_type self, clock_type::time_point origin) {
                     s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
 }
 
+// After the replica sync: the gradients of parameters tied to other stages become the sum over
+// their holders (this actor's chunks first, then the tie group).
+void sum_tied_gradients(stage_state& s) {
+  if (s.options.ties->members().count(s.options.index) == 0) {
+    return;
+  }
+  std::map<std::string, torch::Tensor> local;
+  std::vector<std::map<std::string, torch::Tensor>> per_chunk;
+  torch::NoGradGuard no_grad;
+  for (auto& chunk : s.chunks) {
+    per_chunk.push_back(chunk->shared_parameters());
+    for (const auto& [name, p] : per_chunk.back()) {
+      auto it = local.find(name);
+      if (it == local.end()) {
+        local.emplace(name, p.grad().clone());
+      } else {
+        it->second.add_(p.grad());
+      }
+    }
+  }
+  s.options.ties->sum(s.plan.step, s.options.index, local, s.options.wait_timeout);
+  for (auto& chunk : per_chunk) {
+    for (auto& [name, p] : chunk) {
+      p.mutable_grad().copy_(local.at(name));
+    }
+  }
+}
+
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type self) {
   auto& s = self->state;
@@ -331,6 +365,9 @@ void advance(stage_actor_type self) {
         }
         if (s.options.sync) {
           sync_replicas(self, origin);
+        }
+        if (s.options.ties) {
+          sum_tied_gradients(s);
         }
         if (s.options.report_gradient_norm) {
           for (auto& chunk : s.chunks) {

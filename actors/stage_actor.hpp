@@ -22,6 +22,8 @@
 /// - After the program of a training step, with replicas: gradients are all-reduced with the
 ///       same stage of the other replicas (stage_sync), then buffers are synced; the report
 ///       carries the loss over all replicas.
+/// - Then, with parameters tied to other stages: their gradients are summed with the other
+///       holders' (comm::tie_group).
 /// - in  (update_atom, step, learning_rate, gradient_scale) -> (double optimizer_ms, std::string
 ///       error): set the learning rate (when >= 0), scale gradients, step the optimizers.
 /// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
@@ -52,7 +54,8 @@ class stage;
 
 namespace actorpipe::comm {
 class stage_sync;
-}
+class tie_group;
+} // namespace actorpipe::comm
 
 namespace actorpipe::actors {
 
@@ -75,6 +78,10 @@ struct stage_actor_options {
   bool report_gradient_norm = false;
   stage_hooks hooks;
   recompute_mode recompute = recompute_mode::never;
+  /// Parameters tied between stages (a GPT's embedding and head): the group of stage actors
+  /// that sum their gradients after the replica sync (null: no ties across actors, or none).
+  /// Every actor of the pipeline holds it, so that any failure wakes the holders.
+  std::shared_ptr<comm::tie_group> ties;
 };
 
 /// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -39,6 +40,11 @@ torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
   return torch::mse_loss(y, t);
 }
 
+// MSE against one-hot targets (the RPC tutorial's), cross-entropy per token for a language model.
+loss_function loss_for(const training::model_setup& setup) {
+  return setup.language_model() ? builtin_loss("cross_entropy") : loss_function(mse);
+}
+
 // One configuration under test: a pipeline, or plain libtorch with a thread count.
 struct contender {
   sweep_row row;
@@ -53,6 +59,7 @@ struct contender {
   std::vector<double> fill_drain;
   std::vector<double> predicted;
   std::vector<double> per_sample;
+  loss_function loss_fn = mse;
 
   void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
     if (pipe) {
@@ -91,13 +98,13 @@ struct contender {
         auto xs = torch::tensor_split(x, parts, 0);
         auto ys = torch::tensor_split(y, parts, 0);
         for (std::size_t i = 0; i < xs.size(); ++i) {
-          auto part = mse(run_layers(layers, xs[i]), ys[i]) *
+          auto part = loss_fn(run_layers(layers, xs[i]), ys[i]) *
                       (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
           part.backward();
           loss += part.item<double>();
         }
       } else {
-        auto whole = mse(run_layers(layers, x), y);
+        auto whole = loss_fn(run_layers(layers, x), y);
         whole.backward();
         loss = whole.item<double>();
       }
@@ -235,6 +242,12 @@ make_batches(const training::model_setup& setup, uint64_t seed, std::size_t coun
   torch::manual_seed(seed);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
   for (std::size_t i = 0; i < count; ++i) {
+    if (setup.language_model()) {
+      auto tokens = torch::randint(mo.vocabulary, {setup.batch, mo.context + 1}, torch::kLong);
+      batches.emplace_back(tokens.slice(1, 0, mo.context).contiguous(),
+                           tokens.slice(1, 1, mo.context + 1).contiguous());
+      continue;
+    }
     auto x = torch::randn({setup.batch, mo.in_channels, mo.image_size, mo.image_size});
     auto labels = torch::randint(mo.num_classes, {setup.batch}, torch::kLong);
     batches.emplace_back(x,
@@ -269,11 +282,15 @@ std::vector<contender> plain_contenders(const sweep_options& o, const training::
                                   : detail::concat("plain libtorch ", threads, "t");
       c.row.accumulated = accumulate;
       c.layers = fresh_layers(setup, o.model.seed);
+      c.loss_fn = loss_for(setup);
       std::vector<torch::Tensor> params;
+      std::set<const c10::TensorImpl*> seen; // a tied parameter is stepped once
       for (const auto& l : c.layers) {
         if (auto m = l.module()) {
           for (auto& p : m->parameters()) {
-            params.push_back(p);
+            if (seen.insert(p.unsafeGetTensorImpl()).second) {
+              params.push_back(p);
+            }
           }
         }
       }
@@ -310,9 +327,10 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
         plan_args.cold_memory = memory_mode == "cold";
         auto choice = training::choose_plan(setup.layers, setup.sample(), plan_args);
         auto po = training::pipeline_options_for(choice, plan_args);
-        po.loss = mse;
+        po.loss = loss_for(setup);
         po.optimizer = sgd(o.lr);
         contender c;
+        c.loss_fn = po.loss;
         c.row.name = detail::concat(choice.schedule_name, " ", spec, " ", choice.cut.stages(), "p",
                                     memory_modes.size() > 1 ? " " + memory_mode : "");
         c.row.partition = spec;

@@ -5,21 +5,34 @@
 namespace actorpipe::cli {
 
 void add_model_flags(CLI::App* cmd, model_args& m) {
-  cmd->add_option("--data", m.data, "Data: fashion-mnist (real, 1x28x28, 10 classes) or synthetic")
+  cmd
+    ->add_option("--data", m.data,
+                 "Data: fashion-mnist (real, 1x28x28, 10 classes), text (real: character tokens "
+                 "of Debian's fortunes, or --text-file) or synthetic")
     ->capture_default_str()
-    ->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
+    ->check(CLI::IsMember({"fashion-mnist", "text", "synthetic"}));
   cmd->add_option("--model", m.model,
-                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn (default: cnn for "
-                  "fashion-mnist, resnet50 for synthetic)");
+                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt (default: cnn for "
+                  "fashion-mnist, gpt for text, resnet50 for synthetic)");
   cmd
     ->add_option("--batch", m.batch,
-                 "Samples per batch (0: 64 for fashion-mnist, 120 for synthetic)")
+                 "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "
+                 "synthetic)")
     ->capture_default_str();
+  cmd->add_option("--layers", m.layers, "gpt: transformer blocks (0: 4)")->capture_default_str();
+  cmd->add_option("--heads", m.heads, "gpt: attention heads (0: 4)")->capture_default_str();
+  cmd->add_option("--width", m.width, "gpt: embedding width, a multiple of --heads (0: 128)")
+    ->capture_default_str();
+  cmd->add_option("--context", m.context, "gpt: tokens per sequence (0: 64)")
+    ->capture_default_str();
+  cmd->add_option("--dropout", m.dropout, "gpt: dropout probability")->capture_default_str();
   cmd->add_option("--image", m.image, "Synthetic data: image side length for the ResNets")
     ->capture_default_str();
   cmd
-    ->add_option("--classes", m.classes,
-                 "Synthetic data: output classes (0: 1000 for ResNets, else 10)")
+    ->add_option(
+      "--classes", m.classes,
+      "Synthetic data: output classes (0: 1000 for ResNets, else 10; gpt: its vocabulary, "
+      "0: 64)")
     ->capture_default_str();
   cmd->add_option("--seed", m.seed, "Seed for parameters and data")->capture_default_str();
   cmd->add_flag("--deferred-bn", m.deferred_batch_norm,

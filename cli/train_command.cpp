@@ -4,6 +4,7 @@
 #include <future>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -30,13 +31,20 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   };
   opt("--data-dir", a.data_dir,
       "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
+  opt("--text-file", a.text_file,
+      "--data text: a UTF-8 text file (or a folder of them) instead of Debian's fortunes "
+      "(/usr/share/games/fortunes); the last tenth of each file is held out for validation");
+  opt("--sample", a.sample,
+      "--data text: characters of text the trained model writes at the end (0: none)");
   opt("--steps", a.steps,
       "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
       "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs, "Fashion-MNIST: epochs");
-  opt("--lr", a.lr, "Learning rate (fashion-mnist: peak of the cosine schedule)");
+  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs");
+  opt("--lr", a.lr,
+      "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
+      "at 3e-3 unless given)");
   opt("--momentum", a.momentum, "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic)");
-  opt("--warmup", a.warmup, "Fashion-MNIST: linear warm-up steps of the cosine schedule");
+  opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
   opt("--recompute", a.recompute,
       "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
       "always: keep only each stage's input between forward and backward and recompute the "
@@ -175,6 +183,22 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
   auto refuse = [&](const char* flag, const char* why) {
     ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
   };
+  if (a.model.data != "text") {
+    refuse("--text-file", "applies to --data text (the text to train on)");
+    refuse("--sample", "applies to --data text (text written by the trained model)");
+  } else {
+    refuse("--data-dir", "is Fashion-MNIST's folder: give --data text its text with --text-file");
+    refuse("--train-samples", "applies to Fashion-MNIST (text: give a shorter --text-file)");
+    refuse("--test-samples", "applies to Fashion-MNIST (text holds out a tenth of every file)");
+  }
+  if (a.model.model.empty() ? a.model.data != "text" : a.model.model != "gpt") {
+    for (const char* flag : {"--layers", "--heads", "--width", "--context", "--dropout"}) {
+      refuse(flag, "sets a size of --model gpt, which this run does not train");
+    }
+  } else {
+    refuse("--momentum", "is SGD's: gpt trains with Adam");
+    refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");
+  }
   if (a.model.data == "synthetic") {
     const char* stream = "does not apply to --data synthetic, an endless stream of generated "
                          "batches: say how long to train with --steps";
@@ -184,8 +208,8 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
     refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
     refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
   } else {
-    refuse("--image", "sets the synthetic images' side; Fashion-MNIST's images are 28x28");
-    refuse("--classes", "sets the synthetic data's classes; Fashion-MNIST has 10");
+    refuse("--image", "sets the synthetic images' side; real data comes in its own shape");
+    refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
   }
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
                   "--steps and --max-steps both give the steps of the run in all: give one");
@@ -196,23 +220,37 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
 
 // One loop for every kind of data (training/: train), then the reports.
 int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                 pipeline_options po) {
+                 pipeline_options po, const text_corpus* corpus) {
   const bool synthetic = a.model.data == "synthetic";
+  const bool text = corpus != nullptr;
+  const bool lm = setup.language_model();
   const auto& mo = setup.options;
   const auto& dp = po.data_parallel;
   const bool lead = dp.rank == 0;
   auto momentum = a.momentum < 0 ? (synthetic ? 0.0 : 0.9) : a.momentum;
-  const char* loss = synthetic ? "mse" : "cross_entropy";
+  const char* loss = synthetic && !lm ? "mse" : "cross_entropy";
+  const double lr = lm && !(a.given && a.given("--lr")) ? 3e-3 : a.lr;
   // One description of the optimizer: built here, or by the nodes from the same spec.
-  auto optimizer = sgd_spec(a.lr, momentum);
+  auto optimizer = sgd_spec(lr, momentum);
+  if (lm) {
+    optimizer.name = "adam";
+    optimizer.momentum = 0;
+  }
   po.loss = builtin_loss(loss);
   po.optimizer = make_optimizer(optimizer);
   auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
 
   std::unique_ptr<batch_source> data;
-  if (synthetic) {
+  if (synthetic && lm) {
+    data = std::make_unique<synthetic_tokens_source>(mo.vocabulary, mo.context);
+    steps = steps > 0 ? steps : 3;
+  } else if (synthetic) {
     data = std::make_unique<synthetic_source>(mo.in_channels, mo.image_size, mo.num_classes);
     steps = steps > 0 ? steps : 3;
+  } else if (text) {
+    data = std::make_unique<dataset_source>("text:" + corpus->source,
+                                            text_windows(corpus->train, mo.context),
+                                            text_windows(corpus->validation, mo.context));
   } else {
     auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
     auto train_set = load_fashion_mnist(dir, true).head(a.train_samples);
@@ -225,7 +263,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.epochs = a.epochs;
   to.batch = setup.batch;
   to.seed = a.model.seed;
-  to.lr = a.lr;
+  to.lr = lr;
   to.warmup_steps = a.warmup;
   to.checkpoint_dir = a.checkpoint_dir;
   to.checkpoint_every = a.checkpoint_every;
@@ -245,9 +283,19 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
 
   if (lead) {
     std::cout << "actorpipe train: " << setup.name << " on ";
-    if (synthetic) {
+    if (synthetic && lm) {
+      std::cout << "synthetic token sequences (vocabulary " << mo.vocabulary << ", context "
+                << mo.context << "), " << steps << " steps";
+    } else if (synthetic) {
       std::cout << "synthetic data, input " << mo.in_channels << 'x' << mo.image_size << 'x'
                 << mo.image_size << ", " << steps << " steps";
+    } else if (text) {
+      std::cout << "text from " << corpus->source << " (" << corpus->train.numel()
+                << " characters to train on, " << corpus->validation.numel()
+                << " held out, vocabulary " << mo.vocabulary << "), sequences of " << mo.context
+                << ", " << a.epochs << " epochs"
+                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
+                << lr << " (cosine, " << a.warmup << " warm-up steps)";
     } else {
       std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << a.epochs
                 << " epochs" << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "")
@@ -267,9 +315,19 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   if (!lead) {
     return 0;
   }
-  if (!synthetic && !report.epochs.empty()) {
+  if (text && !report.epochs.empty()) {
+    std::cout << "validation: " << report.epochs.back().test.bits << " bits per character\n";
+  } else if (!synthetic && !report.epochs.empty()) {
     std::cout << "test accuracy: top-1 " << report.epochs.back().test.top1 << ", top-5 "
               << report.epochs.back().test.top5 << '\n';
+  }
+  if (text && a.sample > 0) {
+    // The forward-only path, a character at a time, from the start of a held-out line.
+    auto prompt = corpus->decode(corpus->validation.slice(0, 0, 1));
+    std::cout << "sample:\n"
+              << prompt
+              << generate_text(pipe, *corpus, prompt, a.sample, mo.context, 0.8, a.model.seed)
+              << "\n";
   }
   if (!a.json.empty()) {
     nlohmann::json j;
@@ -301,6 +359,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                              {"test_loss", e.test.loss},
                              {"top1", e.test.top1},
                              {"top5", e.test.top5},
+                             {"bits", e.test.bits},
                              {"seconds", e.seconds}});
     }
     write_json(a.json, j);
@@ -318,8 +377,16 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
 
 } // namespace
 
-int run_train(const train_args& a) {
+int run_train(const train_args& given) {
+  auto a = given;
   ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
+  ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
+  training::check_model_fits_data(a.model);
+  std::optional<text_corpus> corpus;
+  if (a.model.data == "text") {
+    corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
+    a.model.vocabulary = corpus->vocabulary();
+  }
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, choice);
@@ -363,7 +430,7 @@ int run_train(const train_args& a) {
                   "--batch (", setup.batch, ") must be a multiple of the ",
                   std::max(a.replicas, dp.replicas), " replicas");
   auto run_rank = [&](const model_setup& model, pipeline_options o) {
-    return run_training(a, model, choice, std::move(o));
+    return run_training(a, model, choice, std::move(o), corpus ? &*corpus : nullptr);
   };
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));

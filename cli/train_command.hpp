@@ -1,5 +1,5 @@
 /// \file
-/// `actorpipe train`: trains a built-in model, pipelined, on Fashion-MNIST or synthetic data.
+/// `actorpipe train`: trains a built-in model, pipelined, on Fashion-MNIST, text or synthetic data.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,10 @@ struct train_args {
   model_args model;
   planning_args plan;
   std::string data_dir;
+  /// --data text: a UTF-8 file (or folder) instead of Debian's fortunes.
+  std::string text_file;
+  /// --data text: characters of sample text generated at the end (0: none).
+  int64_t sample = 200;
   /// 0: 3 for synthetic data, all epochs for Fashion-MNIST.
   std::size_t steps = 0;
   int64_t epochs = 1;

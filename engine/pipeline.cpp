@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -13,6 +14,7 @@
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tensor_hub.hpp"
+#include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
@@ -177,7 +179,9 @@ struct pipeline::impl {
     std::vector<std::pair<std::string, torch::Tensor>> result;
     for (const auto& st : stages) {
       for (auto& [name, initial] : st->named_tensors(false)) {
-        auto it = all->find(name);
+        // A tied parameter's state is kept once, under its tie's name.
+        auto tie = st->config().tied.find(name);
+        auto it = all->find(tie == st->config().tied.end() ? name : tie->second);
         if (it == all->end()) {
           throw pipeline_error(detail::concat("named_parameters: stage ", st->config().index,
                                               " did not return '", name, "'"));
@@ -273,6 +277,14 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
       options.devices.empty() ? c10::Device(c10::kCPU) : options.devices[k % stage_count];
     self.stages.push_back(stages::make_stage(layers, cut, k, device, options.optimizer));
   }
+  // Parameters tied across stages: the actors holding them sum their gradients every step.
+  std::set<std::size_t> holders;
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
+    if (!self.stages[k]->config().shared_ties.empty()) {
+      holders.insert(k % stage_count);
+    }
+  }
+  auto ties = holders.empty() ? nullptr : std::make_shared<comm::tie_group>(holders);
   std::vector<actors::local_stage_actor> local;
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
@@ -290,6 +302,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.report_gradient_norm = options.max_grad_norm > 0;
     actor_options.hooks = options.hooks;
     actor_options.recompute = options.recompute;
+    actor_options.ties = ties;
     if (self.replicas) {
       // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);

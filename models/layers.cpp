@@ -4,7 +4,11 @@
 
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+
+#include <algorithm>
+#include <map>
 
 #include <actorpipe/errors.hpp>
 
@@ -123,6 +127,82 @@ bundle run_layers(const layer_list& layers, const bundle& x) {
     y = l.forward(y);
   }
   return y;
+}
+
+namespace {
+
+// A module's registered parameters, which libtorch keeps protected: registering a name twice
+// throws, and tying replaces a registration.
+struct registrations : torch::nn::Module {
+  static torch::OrderedDict<std::string, torch::Tensor>& of(torch::nn::Module& m) {
+    return m.*(&registrations::parameters_);
+  }
+};
+
+} // namespace
+
+std::vector<tied_parameter> tied_parameters(const layer_list& layers) {
+  std::vector<tied_parameter> result;
+  std::map<const c10::TensorImpl*, std::size_t> seen;
+  for (const auto& l : layers) {
+    auto m = l.module();
+    if (!m) {
+      continue;
+    }
+    for (const auto& item : m->named_parameters()) {
+      auto name = l.name() + "." + item.key();
+      auto [it, first] = seen.emplace(item.value().unsafeGetTensorImpl(), result.size());
+      if (first) {
+        result.push_back({name, {}});
+      } else {
+        result[it->second].aliases.push_back(name);
+      }
+    }
+  }
+  result.erase(std::remove_if(result.begin(), result.end(),
+                              [](const tied_parameter& t) { return t.aliases.empty(); }),
+               result.end());
+  return result;
+}
+
+void tie_parameter(const layer& holder, const std::string& parameter, const torch::Tensor& tensor) {
+  auto root = holder.module();
+  ACTORPIPE_CHECK(root != nullptr, "tie_parameter: layer '", holder.name(),
+                  "' is a function and holds no parameter '", parameter, "'");
+  auto dot = parameter.rfind('.');
+  auto path = dot == std::string::npos ? std::string{} : parameter.substr(0, dot);
+  auto leaf = dot == std::string::npos ? parameter : parameter.substr(dot + 1);
+  std::shared_ptr<torch::nn::Module> owner = root;
+  if (!path.empty()) {
+    owner.reset();
+    for (const auto& item : root->named_modules()) {
+      if (item.key() == path) {
+        owner = item.value();
+      }
+    }
+  }
+  ACTORPIPE_CHECK(owner && owner->named_parameters(/*recurse=*/false).contains(leaf),
+                  "tie_parameter: layer '", holder.name(), "' has no parameter '", parameter, "'");
+  auto& slot = registrations::of(*owner)[leaf];
+  ACTORPIPE_CHECK(slot.sizes() == tensor.sizes(), "tie_parameter: layer '", holder.name(),
+                  "' parameter '", parameter, "' has shape ", slot.sizes(), " but the tensor has ",
+                  tensor.sizes());
+  auto* linear = dynamic_cast<torch::nn::LinearImpl*>(owner.get());
+  auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(owner.get());
+  auto* custom = dynamic_cast<tied_module*>(owner.get());
+  ACTORPIPE_CHECK(((linear || embedding) && leaf == "weight") || custom != nullptr,
+                  "tie_parameter: layer '", holder.name(), "' parameter '", parameter,
+                  "' belongs to a ", owner->name(),
+                  ", which keeps its own reference to it: only Linear and Embedding weights and "
+                  "modules derived from actorpipe::tied_module can be tied");
+  slot = tensor;
+  if (linear) {
+    linear->weight = tensor;
+  } else if (embedding) {
+    embedding->weight = tensor;
+  } else {
+    custom->parameter_replaced(leaf, tensor);
+  }
 }
 
 } // namespace actorpipe

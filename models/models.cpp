@@ -1,4 +1,5 @@
-// Built-in models: torchvision's ResNets, an MLP and a small CNN, each as a named layer list.
+// Built-in models: torchvision's ResNets, an MLP, a small CNN and a GPT, each as a named layer
+// list.
 #include <actorpipe/models.hpp>
 
 #include <actorpipe/batch_norm.hpp>
@@ -7,8 +8,14 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/pooling.h>
+
+#include <cmath>
+#include <limits>
 
 #include <actorpipe/errors.hpp>
 
@@ -200,11 +207,138 @@ layer_list make_cnn(const model_options& o) {
   return layers;
 }
 
+// GPT-2's token and learned position embeddings: token ids [N, T] -> [N, T, width].
+struct GptEmbeddingImpl : nn::Module {
+  explicit GptEmbeddingImpl(const model_options& o)
+    : token(register_module("token", nn::Embedding(o.vocabulary, o.width))),
+      position(register_module("position", nn::Embedding(o.context, o.width))) {
+    if (o.dropout > 0) {
+      dropout = register_module("dropout", nn::Dropout(o.dropout));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto vocabulary = token->options.num_embeddings();
+    auto context = position->options.num_embeddings();
+    ACTORPIPE_CHECK(ids.dim() == 2 && !ids.is_floating_point() && ids.scalar_type() != torch::kBool,
+                    "layer 'embed' takes token ids [N, T] as integers, not a ", ids.dtype(),
+                    " tensor of shape ", ids.sizes());
+    ACTORPIPE_CHECK(ids.size(1) >= 1 && ids.size(1) <= context, "layer 'embed': sequences of ",
+                    ids.size(1), " tokens, but the context is 1 to ", context,
+                    " (model option context)");
+    if (ids.numel() > 0) {
+      auto range = torch::stack({ids.min(), ids.max()});
+      auto low = range[0].item<int64_t>();
+      auto high = range[1].item<int64_t>();
+      ACTORPIPE_CHECK(low >= 0 && high < vocabulary, "layer 'embed': token ids from ", low, " to ",
+                      high, ", but the vocabulary is 0 to ", vocabulary - 1);
+    }
+    auto x = token(ids.to(torch::kLong)) +
+             position(torch::arange(ids.size(1), ids.options().dtype(torch::kLong)));
+    return dropout.is_empty() ? x : dropout(x);
+  }
+
+  nn::Embedding token;
+  nn::Embedding position;
+  nn::Dropout dropout{nullptr};
+};
+TORCH_MODULE(GptEmbedding);
+
+// A pre-LayerNorm transformer block: x + attention(ln1(x)), then + mlp(ln2(x)), with causal
+// multi-head self-attention and a GELU MLP four times as wide.
+struct GptBlockImpl : nn::Module {
+  explicit GptBlockImpl(const model_options& o)
+    : ln1(register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({o.width})))),
+      qkv(register_module("qkv", nn::Linear(o.width, 3 * o.width))),
+      proj(register_module("proj", nn::Linear(o.width, o.width))),
+      ln2(register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({o.width})))),
+      fc(register_module("fc", nn::Linear(o.width, 4 * o.width))),
+      out(register_module("out", nn::Linear(4 * o.width, o.width))), heads(o.heads) {
+    if (o.dropout > 0) {
+      attention_dropout = register_module("attention_dropout", nn::Dropout(o.dropout));
+      residual_dropout = register_module("residual_dropout", nn::Dropout(o.dropout));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto n = x.size(0);
+    auto t = x.size(1);
+    auto c = x.size(2);
+    auto d = c / heads;
+    // [N, T, 3C] -> three [N, heads, T, d]
+    auto parts = qkv(ln1(x)).view({n, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
+    auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(double(d)));
+    auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity()).softmax(-1);
+    if (!attention_dropout.is_empty()) {
+      scores = attention_dropout(scores);
+    }
+    auto y = proj(scores.matmul(parts[2]).transpose(1, 2).reshape({n, t, c}));
+    auto h = x + (residual_dropout.is_empty() ? y : residual_dropout(y));
+    auto m = out(torch::gelu(fc(ln2(h))));
+    return h + (residual_dropout.is_empty() ? m : residual_dropout(m));
+  }
+
+  nn::LayerNorm ln1;
+  nn::Linear qkv;
+  nn::Linear proj;
+  nn::LayerNorm ln2;
+  nn::Linear fc;
+  nn::Linear out;
+  nn::Dropout attention_dropout{nullptr};
+  nn::Dropout residual_dropout{nullptr};
+  int64_t heads;
+};
+TORCH_MODULE(GptBlock);
+
+// GPT-2's initialisation: N(0, 0.02) for linear and embedding weights, zero biases, the
+// projections into the residual stream scaled by 1 / sqrt(2 * layers); LayerNorm 1 and 0.
+void init_gpt(nn::Module& m, int64_t layers) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : m.named_modules()) {
+    if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get())) {
+      auto residual = item.key() == "proj" || item.key() == "out";
+      linear->weight.normal_(0.0, residual ? 0.02 / std::sqrt(2.0 * double(layers)) : 0.02);
+      if (linear->bias.defined()) {
+        linear->bias.zero_();
+      }
+    } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(item.value().get())) {
+      embedding->weight.normal_(0.0, 0.02);
+    }
+  }
+}
+
+layer_list make_gpt(const model_options& o) {
+  ACTORPIPE_CHECK(
+    o.vocabulary >= 2 && o.layers >= 1 && o.heads >= 1 && o.context >= 1 && o.width >= 1,
+    "model 'gpt': vocabulary (", o.vocabulary, ") must be >= 2 and layers (", o.layers,
+    "), heads (", o.heads, "), width (", o.width, ") and context (", o.context, ") >= 1");
+  ACTORPIPE_CHECK(o.width % o.heads == 0, "model 'gpt': width (", o.width,
+                  ") must be a multiple of heads (", o.heads, ")");
+  ACTORPIPE_CHECK(o.dropout >= 0 && o.dropout < 1, "model 'gpt': dropout (", o.dropout,
+                  ") must be in [0, 1)");
+  layer_list layers;
+  auto embed = GptEmbedding(o);
+  init_gpt(*embed, o.layers);
+  layers.emplace_back("embed", nn::AnyModule(embed));
+  for (int64_t i = 0; i < o.layers; ++i) {
+    auto block = GptBlock(o);
+    init_gpt(*block, o.layers);
+    layers.emplace_back("block" + std::to_string(i), nn::AnyModule(block));
+  }
+  layers.emplace_back("ln_f", nn::AnyModule(nn::LayerNorm(nn::LayerNormOptions({o.width}))));
+  layers.emplace_back(
+    "head", nn::AnyModule(nn::Linear(nn::LinearOptions(o.width, o.vocabulary).bias(false))));
+  // The LM head is the token embedding, transposed (GPT-2's weight tying).
+  tie_parameter(layers.back(), "weight", embed->token->weight);
+  return layers;
+}
+
 } // namespace
 
 const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> names{"resnet18",  "resnet34", "resnet50",
-                                              "resnet101", "mlp",      "cnn"};
+  static const std::vector<std::string> names{"resnet18", "resnet34", "resnet50", "resnet101",
+                                              "mlp",      "cnn",      "gpt"};
   return names;
 }
 
@@ -230,6 +364,9 @@ layer_list make_model(const std::string& name, const model_options& o) {
   }
   if (name == "cnn") {
     return make_cnn(o);
+  }
+  if (name == "gpt") {
+    return make_gpt(o);
   }
   std::string known;
   for (const auto& n : model_names()) {

@@ -216,6 +216,12 @@ std::string build(node_actor* self, const std::string& text) {
   ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
   auto st =
     stages::make_stage(layers, cut, spec.index, c10::kCPU, make_optimizer(spec.model.optimizer));
+  ACTORPIPE_CHECK(st->config().shared_ties.empty(), "stage ", spec.index, ": parameter '",
+                  st->config().shared_ties.empty() ? "" : st->config().shared_ties.begin()->first,
+                  "' of model '", spec.model.name,
+                  "' is tied to a layer on another stage, and tied parameters are summed "
+                  "between stages in one process only: run this cut in process, or cut the model "
+                  "so that their holders share a stage");
   stage_actor_options options;
   options.index = spec.index;
   options.count = spec.count;

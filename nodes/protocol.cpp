@@ -80,6 +80,12 @@ std::string to_json(const stage_spec& s) {
               {"in_channels", m.options.in_channels},
               {"image_size", m.options.image_size},
               {"deferred_batch_norm", m.options.deferred_batch_norm},
+              {"vocabulary", m.options.vocabulary},
+              {"layers", m.options.layers},
+              {"heads", m.options.heads},
+              {"width", m.options.width},
+              {"context", m.options.context},
+              {"dropout", m.options.dropout},
               {"seed", m.seed},
               {"loss", m.loss},
               {"optimizer",
@@ -108,6 +114,12 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.options.in_channels = field<int64_t>(m, "in_channels", what);
   s.model.options.image_size = field<int64_t>(m, "image_size", what);
   s.model.options.deferred_batch_norm = field<bool>(m, "deferred_batch_norm", what);
+  s.model.options.vocabulary = field<int64_t>(m, "vocabulary", what);
+  s.model.options.layers = field<int64_t>(m, "layers", what);
+  s.model.options.heads = field<int64_t>(m, "heads", what);
+  s.model.options.width = field<int64_t>(m, "width", what);
+  s.model.options.context = field<int64_t>(m, "context", what);
+  s.model.options.dropout = field<double>(m, "dropout", what);
   s.model.seed = field<uint64_t>(m, "seed", what);
   s.model.loss = field<std::string>(m, "loss", what);
   auto o = field<json>(m, "optimizer", what);

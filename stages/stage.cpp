@@ -2,6 +2,7 @@
 
 #include <actorpipe/batch_norm.hpp>
 
+#include <set>
 #include <shared_mutex>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -38,12 +39,23 @@ std::string optimizer_key(const torch::Tensor& p) {
   return c10::guts::to_string(p.unsafeGetTensorImpl());
 }
 
+// Parameters (or buffers) of `layers` by model-wide name; a tied parameter under its tie's
+// name (stage_config::tied), once.
 template <class F>
-void for_each_named(const layer_list& layers, bool buffers, F&& f) {
+void for_each_named(const layer_list& layers, bool buffers,
+                    const std::map<std::string, std::string>& tied, F&& f) {
+  std::set<std::string> seen;
   for (const auto& l : layers) {
     if (auto m = l.module()) {
       for (const auto& item : buffers ? m->named_buffers() : m->named_parameters()) {
-        f(l.name() + "." + item.key(), item.value());
+        auto name = l.name() + "." + item.key();
+        if (auto it = tied.find(name); !buffers && it != tied.end()) {
+          name = it->second;
+          if (!seen.insert(name).second) {
+            continue;
+          }
+        }
+        f(name, item.value());
       }
     }
   }
@@ -123,10 +135,49 @@ void stage::attach_optimizer(const optimizer_factory& make) {
 
 std::vector<torch::Tensor> stage::parameters() const {
   std::vector<torch::Tensor> result;
+  std::set<const c10::TensorImpl*> seen; // a parameter tied between two layers here is one
   for (const auto& l : layers_) {
     if (auto m = l.module()) {
       for (auto& p : m->parameters()) {
-        result.push_back(p);
+        if (seen.insert(p.unsafeGetTensorImpl()).second) {
+          result.push_back(p);
+        }
+      }
+    }
+  }
+  return result;
+}
+
+std::vector<torch::Tensor> stage::copies() const {
+  std::vector<torch::Tensor> result;
+  for (const auto& l : layers_) {
+    if (auto m = l.module()) {
+      for (const auto& item : m->named_parameters()) {
+        auto tie = config_.tied.find(l.name() + "." + item.key());
+        if (tie != config_.tied.end() && config_.shared_ties.count(tie->second) == 1 &&
+            config_.shared_ties.at(tie->second)) {
+          result.push_back(item.value());
+        }
+      }
+    }
+  }
+  return result;
+}
+
+std::map<std::string, torch::Tensor> stage::shared_parameters() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  std::map<std::string, torch::Tensor> result;
+  for (const auto& l : layers_) {
+    if (auto m = l.module()) {
+      for (const auto& item : m->named_parameters()) {
+        auto tie = config_.tied.find(l.name() + "." + item.key());
+        if (tie != config_.tied.end() && config_.shared_ties.count(tie->second) == 1) {
+          auto p = item.value();
+          if (!p.grad().defined()) {
+            p.mutable_grad() = torch::zeros_like(p);
+          }
+          result.emplace(tie->second, p);
+        }
       }
     }
   }
@@ -591,8 +642,12 @@ void stage::optimizer_step(double gradient_scale) {
 double stage::gradient_square_sum() const {
   std::lock_guard<std::mutex> guard{mutex_};
   double sum = 0;
+  std::set<const c10::TensorImpl*> skip;
+  for (const auto& c : copies()) {
+    skip.insert(c.unsafeGetTensorImpl());
+  }
   for (const auto& p : parameters()) {
-    if (p.grad().defined()) {
+    if (p.grad().defined() && skip.count(p.unsafeGetTensorImpl()) == 0) {
       sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
     }
   }
@@ -680,11 +735,16 @@ stage::tensor_map stage::state() const {
       throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
     }
   };
-  for_each_named(layers_, false, [&](const std::string& name, const torch::Tensor& p) {
-    result[name] = p.detach().clone();
-    save_optimizer(name, p);
-  });
-  for_each_named(layers_, true, [&](const std::string& name, const torch::Tensor& b) {
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   auto shared = config_.shared_ties.find(name);
+                   if (shared != config_.shared_ties.end() && shared->second) {
+                     return; // a copy: the stage of the tie's first holder stores it, once
+                   }
+                   result[name] = p.detach().clone();
+                   save_optimizer(name, p);
+                 });
+  for_each_named(layers_, true, config_.tied, [&](const std::string& name, const torch::Tensor& b) {
     result[name] = b.detach().clone();
   });
   return result;
@@ -694,9 +754,9 @@ std::map<std::string, std::vector<int64_t>> stage::required_keys() const {
   std::lock_guard<std::mutex> guard{mutex_};
   std::map<std::string, std::vector<int64_t>> keys;
   for (bool buffers : {false, true}) {
-    for_each_named(layers_, buffers, [&](const std::string& name, const torch::Tensor& t) {
-      keys[name] = t.sizes().vec();
-    });
+    for_each_named(
+      layers_, buffers, config_.tied,
+      [&](const std::string& name, const torch::Tensor& t) { keys[name] = t.sizes().vec(); });
   }
   return keys;
 }
@@ -720,9 +780,10 @@ void stage::load_state(const tensor_map& all) {
   std::lock_guard<std::mutex> guard{mutex_};
   torch::NoGradGuard no_grad;
   for (bool buffers : {false, true}) {
-    for_each_named(layers_, buffers, [&](const std::string& name, const torch::Tensor& t) {
-      const_cast<torch::Tensor&>(t).copy_(all.at(name));
-    });
+    for_each_named(layers_, buffers, config_.tied,
+                   [&](const std::string& name, const torch::Tensor& t) {
+                     const_cast<torch::Tensor&>(t).copy_(all.at(name));
+                   });
   }
   if (!optimizer_) {
     return;
@@ -730,32 +791,96 @@ void stage::load_state(const tensor_map& all) {
   auto is_adam = dynamic_cast<torch::optim::AdamOptions*>(
                    &optimizer_->param_groups().front().options()) != nullptr;
   auto& states = optimizer_->state();
-  for_each_named(layers_, false, [&](const std::string& name, const torch::Tensor& p) {
-    auto prefix = "optimizer/" + name + "/";
-    auto key = optimizer_key(p);
-    states.erase(key);
-    auto field = [&](const char* f) {
-      auto it = all.find(prefix + f);
-      return it == all.end() ? torch::Tensor{} : it->second.to(p.device()).clone();
-    };
-    if (is_adam) {
-      auto step = field("step");
-      if (!step.defined()) {
-        return;
-      }
-      auto st = std::make_unique<torch::optim::AdamParamState>();
-      st->step(step.item<int64_t>());
-      st->exp_avg(field("exp_avg"));
-      st->exp_avg_sq(field("exp_avg_sq"));
-      st->max_exp_avg_sq(field("max_exp_avg_sq"));
-      states[key] = std::move(st);
-    } else if (auto momentum = field("momentum_buffer"); momentum.defined()) {
-      auto st = std::make_unique<torch::optim::SGDParamState>();
-      st->momentum_buffer(momentum);
-      states[key] = std::move(st);
-    }
-  });
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   auto prefix = "optimizer/" + name + "/";
+                   auto key = optimizer_key(p);
+                   states.erase(key);
+                   auto field = [&](const char* f) {
+                     auto it = all.find(prefix + f);
+                     return it == all.end() ? torch::Tensor{} : it->second.to(p.device()).clone();
+                   };
+                   if (is_adam) {
+                     auto step = field("step");
+                     if (!step.defined()) {
+                       return;
+                     }
+                     auto st = std::make_unique<torch::optim::AdamParamState>();
+                     st->step(step.item<int64_t>());
+                     st->exp_avg(field("exp_avg"));
+                     st->exp_avg_sq(field("exp_avg_sq"));
+                     st->max_exp_avg_sq(field("max_exp_avg_sq"));
+                     states[key] = std::move(st);
+                   } else if (auto momentum = field("momentum_buffer"); momentum.defined()) {
+                     auto st = std::make_unique<torch::optim::SGDParamState>();
+                     st->momentum_buffer(momentum);
+                     states[key] = std::move(st);
+                   }
+                 });
 }
+
+namespace {
+
+// Fills config.tied and config.shared_ties for stage k, and gives this stage's holders of a tie
+// whose first holder is on an earlier stage a copy of it (one copy per stage).
+void tie_stage(const layer_list& layers, const partition& cut, std::size_t k,
+               stage_config& config) {
+  struct holder {
+    std::size_t layer;
+    std::size_t stage;
+    std::string parameter;
+  };
+  // The holders of each parameter tensor, in model order (tied_parameters' walk, with indices).
+  std::map<const c10::TensorImpl*, std::vector<holder>> holders;
+  std::vector<const c10::TensorImpl*> order;
+  std::size_t stage = 0;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    while (i >= cut.end(stage)) {
+      ++stage;
+    }
+    if (auto m = layers[i].module()) {
+      for (const auto& item : m->named_parameters()) {
+        auto& list = holders[item.value().unsafeGetTensorImpl()];
+        if (list.empty()) {
+          order.push_back(item.value().unsafeGetTensorImpl());
+        }
+        list.push_back({i, stage, item.key()});
+      }
+    }
+  }
+  for (const auto* impl : order) {
+    const auto& list = holders[impl];
+    if (list.size() < 2) {
+      continue;
+    }
+    auto name_of = [&](const holder& h) { return layers[h.layer].name() + "." + h.parameter; };
+    auto tie = name_of(list.front());
+    bool shared = false;
+    std::vector<holder> here;
+    for (const auto& h : list) {
+      shared = shared || h.stage != list.front().stage;
+      if (h.stage == k) {
+        config.tied[name_of(h)] = tie;
+        here.push_back(h);
+      }
+    }
+    if (here.empty() || !shared) {
+      continue;
+    }
+    bool copy = list.front().stage != k;
+    config.shared_ties[tie] = copy;
+    if (copy) {
+      torch::NoGradGuard no_grad;
+      auto tensor = layers[here.front().layer].module()->named_parameters()[here.front().parameter];
+      tensor = tensor.detach().clone().set_requires_grad(true);
+      for (const auto& h : here) {
+        tie_parameter(layers[h.layer], h.parameter, tensor);
+      }
+    }
+  }
+}
+
+} // namespace
 
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
                                   c10::Device device, const optimizer_factory& optimizer) {
@@ -766,6 +891,7 @@ std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut
   config.device = device;
   layer_list slice(layers.begin() + static_cast<std::ptrdiff_t>(cut.begin(k)),
                    layers.begin() + static_cast<std::ptrdiff_t>(cut.end(k)));
+  tie_stage(layers, cut, k, config);
   auto st = std::make_shared<stage>(config, std::move(slice));
   if (optimizer) {
     st->attach_optimizer(optimizer);

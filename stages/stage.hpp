@@ -33,6 +33,13 @@ struct stage_config {
   /// Model index of the stage's first layer (for error messages).
   std::size_t first_layer = 0;
   c10::Device device = c10::Device(c10::kCPU);
+  /// Tied parameters (<actorpipe/layers.hpp>) this stage holds: each holder's name here ->
+  /// the tie's name (its first holder's). A tie held twice here is one parameter.
+  std::map<std::string, std::string> tied;
+  /// The ties also held by other stages -> whether this stage's tensor is a copy (it is not on
+  /// the stage of the tie's first holder, which alone checkpoints it and counts it in the
+  /// gradient norm).
+  std::map<std::string, bool> shared_ties;
 };
 
 /// Runs a slice of layers. Every public member takes the stage's lock, so the owning actor's
@@ -101,8 +108,13 @@ public:
   /// gradient by `gradient_scale` (global norm clipping) when that is not 1.
   void optimizer_step(double gradient_scale = 1.0);
 
-  /// Sum of the squares of all gradients (for the global gradient norm).
+  /// Sum of the squares of all gradients (for the global gradient norm); a tied parameter's
+  /// copy does not count (its original does, once).
   double gradient_square_sum() const;
+
+  /// The parameters this stage shares with other stages (config().shared_ties), by tie name,
+  /// with their gradients defined: the holders sum these gradients before the optimizer steps.
+  std::map<std::string, torch::Tensor> shared_parameters() const;
 
   /// Runs `fn(parameters, buffers)` under the stage's lock: the replica sync reads and writes
   /// gradients and buffers in place, in model order.
@@ -182,6 +194,8 @@ private:
   std::vector<torch::Tensor> copy_buffers() const;
   void restore_buffers(const std::vector<torch::Tensor>& copies);
   std::vector<torch::Tensor> parameters() const;
+  // The parameters that are copies of a tie held first on another stage.
+  std::vector<torch::Tensor> copies() const;
 
   mutable std::mutex mutex_;
   stage_config config_;
@@ -197,7 +211,10 @@ private:
 };
 
 /// Stage k of `cut` over its slice of `layers`, on `device`, with an optimizer when `optimizer`
-/// is set (the in-process pipeline and a node build their stages alike).
+/// is set (the in-process pipeline and a node build their stages alike). A parameter tied
+/// between layers of this stage and of another (tied_parameters) becomes a copy here unless
+/// this stage holds its first holder: the layer's module is given the copy (tie_parameter), so
+/// build stages of one layer list once, in order of k.
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
                                   c10::Device device, const optimizer_factory& optimizer);
 

@@ -34,21 +34,45 @@ std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Ten
 
 } // namespace
 
+void check_model_fits_data(const model_args& m) {
+  if (m.model.empty()) {
+    return; // the data's own model
+  }
+  bool resnet = m.model.rfind("resnet", 0) == 0;
+  bool gpt = m.model == "gpt";
+  ACTORPIPE_CHECK(m.data != "fashion-mnist" || (!resnet && !gpt),
+                  "--data fashion-mnist takes 1x28x28 images: use --model cnn or mlp (ResNets "
+                  "train on --data synthetic, gpt on --data text or synthetic)");
+  ACTORPIPE_CHECK(m.data != "text" || gpt,
+                  "--data text trains a language model: use --model gpt (not ", m.model, ")");
+}
+
 model_setup build_model(const model_args& m) {
   model_setup setup;
-  setup.name = m.model.empty() ? (m.data == "synthetic" ? "resnet50" : "cnn") : m.model;
+  setup.name = !m.model.empty()        ? m.model
+               : m.data == "synthetic" ? "resnet50"
+               : m.data == "text"      ? "gpt"
+                                       : "cnn";
+  check_model_fits_data(m);
   bool resnet = setup.name.rfind("resnet", 0) == 0;
-  ACTORPIPE_CHECK(m.data == "synthetic" || !resnet,
-                  "--data fashion-mnist takes 1x28x28 images: "
-                  "use --model cnn or mlp (ResNets train on --data synthetic)");
+  bool gpt = setup.name == "gpt";
   ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
   ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
   setup.options.in_channels = resnet ? 3 : 1;
   setup.options.image_size = resnet ? m.image : 28;
   setup.options.num_classes =
     m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet ? 1000 : 10);
-  setup.batch = m.batch > 0 ? m.batch : (m.data == "synthetic" ? 120 : 64);
+  setup.batch = m.batch > 0 ? m.batch : gpt ? 32 : (m.data == "synthetic" ? 120 : 64);
   setup.options.deferred_batch_norm = m.deferred_batch_norm;
+  if (gpt) {
+    auto pick = [](int64_t flag, int64_t fallback) { return flag > 0 ? flag : fallback; };
+    setup.options.vocabulary = pick(m.vocabulary, pick(m.classes, 64));
+    setup.options.layers = pick(m.layers, default_gpt_layers);
+    setup.options.heads = pick(m.heads, default_gpt_heads);
+    setup.options.width = pick(m.width, default_gpt_width);
+    setup.options.context = pick(m.context, default_gpt_context);
+    setup.options.dropout = m.dropout;
+  }
   torch::manual_seed(m.seed);
   setup.layers = make_model(setup.name, setup.options);
   return setup;
@@ -57,6 +81,9 @@ model_setup build_model(const model_args& m) {
 torch::Tensor model_setup::sample() const {
   // A generator of its own: profiling must not shift the data drawn from the global one.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(12345);
+  if (language_model()) {
+    return torch::randint(options.vocabulary, {batch, options.context}, generator, torch::kLong);
+  }
   return torch::randn({batch, options.in_channels, options.image_size, options.image_size},
                       generator);
 }

@@ -28,7 +28,22 @@ struct model_args {
   int64_t classes = 0;
   uint64_t seed = 0;
   bool deferred_batch_norm = false;
+  /// gpt: sizes (0: the defaults below) and dropout; the vocabulary comes from the text (or
+  /// --classes, else 64, for synthetic tokens).
+  int64_t layers = 0;
+  int64_t heads = 0;
+  int64_t width = 0;
+  int64_t context = 0;
+  double dropout = 0;
+  int64_t vocabulary = 0;
 };
+
+/// The gpt sizes `actorpipe train --model gpt` takes when no flag says otherwise: 4 blocks of 4
+/// heads, width 128, context 64 (a character model of about 0.8 M parameters).
+inline constexpr int64_t default_gpt_layers = 4;
+inline constexpr int64_t default_gpt_heads = 4;
+inline constexpr int64_t default_gpt_width = 128;
+inline constexpr int64_t default_gpt_context = 64;
 
 /// A built model with its input shape.
 struct model_setup {
@@ -37,9 +52,14 @@ struct model_setup {
   layer_list layers;
   int64_t batch = 0;
 
-  /// A random batch shaped like the real one.
+  /// A random batch shaped like the real one (token ids for a language model).
   torch::Tensor sample() const;
+  /// A language model (inputs are token ids [N, context], outputs logits per token).
+  bool language_model() const { return name == "gpt"; }
 };
+
+/// Throws invalid_argument when --model cannot train on --data (before any data is read).
+void check_model_fits_data(const model_args& args);
 
 /// Builds the model (parameters drawn after torch::manual_seed(seed)).
 model_setup build_model(const model_args& args);

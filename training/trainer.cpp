@@ -27,7 +27,7 @@ public:
     out_.open(path_, std::ios::app);
     ACTORPIPE_CHECK(out_.good(), "--metrics: cannot write '", path_, "'");
     if (csv_ && fresh) {
-      out_ << "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second\n";
+      out_ << "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second,bits\n";
     }
   }
 
@@ -38,7 +38,7 @@ public:
     if (csv_) {
       out_ << e.epoch << ',' << e.step << ',' << e.lr << ',' << e.train_loss << ',' << e.test.loss
            << ',' << e.test.top1 << ',' << e.test.top5 << ',' << e.seconds << ','
-           << e.samples_per_second << '\n';
+           << e.samples_per_second << ',' << e.test.bits << '\n';
     } else {
       out_ << nlohmann::json{{"epoch", e.epoch},
                              {"step", e.step},
@@ -48,7 +48,8 @@ public:
                              {"top1", e.test.top1},
                              {"top5", e.test.top5},
                              {"seconds", e.seconds},
-                             {"samples_per_second", e.samples_per_second}}
+                             {"samples_per_second", e.samples_per_second},
+                             {"bits", e.test.bits}}
                 .dump()
            << '\n';
     }
@@ -83,11 +84,19 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
   double loss_sum = 0;
   int64_t top1 = 0;
   int64_t top5 = 0;
+  int64_t count = 0;
   for (int64_t begin = 0; begin < n; begin += batch) {
     auto end = std::min(n, begin + batch);
     auto x = data.images.slice(0, begin, end);
     auto y = data.labels.slice(0, begin, end);
     auto logits = pipe.forward(x);
+    if (logits.dim() == 3) {
+      // A language model: every position predicts its next token.
+      r.tokens = true;
+      logits = logits.flatten(0, 1);
+      y = y.flatten();
+    }
+    count += y.size(0);
     loss_sum +=
       torch::nn::functional::cross_entropy(
         logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -98,9 +107,10 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
     top1 += hits.select(1, 0).sum().item<int64_t>();
     top5 += hits.any(1).sum().item<int64_t>();
   }
-  r.loss = loss_sum / static_cast<double>(n);
-  r.top1 = static_cast<double>(top1) / static_cast<double>(n);
-  r.top5 = static_cast<double>(top5) / static_cast<double>(n);
+  r.loss = loss_sum / static_cast<double>(count);
+  r.top1 = static_cast<double>(top1) / static_cast<double>(count);
+  r.top5 = static_cast<double>(top5) / static_cast<double>(count);
+  r.bits = r.loss / std::log(2.0);
   return r;
 }
 
@@ -126,6 +136,26 @@ std::optional<eval_result> dataset_source::evaluate(pipeline& pipe, int64_t batc
   return actorpipe::evaluate(pipe, test_, batch);
 }
 
+namespace {
+
+// A stream's batch `index` is drawn from a generator of its own, seeded by (seed, index) alone.
+at::Generator step_generator(uint64_t seed, int64_t index) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(index) +
+                                                  1);
+}
+
+// Every rank draws the whole batch and takes its part.
+std::pair<torch::Tensor, torch::Tensor> rank_part(torch::Tensor x, torch::Tensor y, int64_t rank,
+                                                  int64_t replicas) {
+  if (replicas > 1) {
+    x = torch::tensor_split(x, replicas, 0).at(static_cast<std::size_t>(rank));
+    y = torch::tensor_split(y, replicas, 0).at(static_cast<std::size_t>(rank));
+  }
+  return {x, y};
+}
+
+} // namespace
+
 synthetic_source::synthetic_source(int64_t channels, int64_t side, int64_t classes)
   : channels_(channels), side_(side), classes_(classes) {
   ACTORPIPE_CHECK(channels >= 1 && side >= 1 && classes >= 1, "synthetic data: channels (",
@@ -136,17 +166,59 @@ std::pair<torch::Tensor, torch::Tensor> synthetic_source::batch(int64_t, int64_t
                                                                 int64_t batch, uint64_t seed,
                                                                 int64_t rank,
                                                                 int64_t replicas) const {
-  // Every rank draws the whole batch from the step's own generator and takes its part.
-  auto gen =
-    at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(index) + 1);
+  auto gen = step_generator(seed, index);
   auto x = torch::randn({batch, channels_, side_, side_}, gen, torch::TensorOptions());
   auto labels = torch::randint(classes_, {batch}, gen, torch::kLong);
   auto y = torch::nn::functional::one_hot(labels, classes_).to(torch::kFloat);
-  if (replicas > 1) {
-    x = torch::tensor_split(x, replicas, 0).at(static_cast<std::size_t>(rank));
-    y = torch::tensor_split(y, replicas, 0).at(static_cast<std::size_t>(rank));
+  return rank_part(x, y, rank, replicas);
+}
+
+synthetic_tokens_source::synthetic_tokens_source(int64_t vocabulary, int64_t context)
+  : vocabulary_(vocabulary), context_(context) {
+  ACTORPIPE_CHECK(vocabulary >= 2 && context >= 1, "synthetic tokens: vocabulary (", vocabulary,
+                  ") must be >= 2 and context (", context, ") >= 1");
+}
+
+std::pair<torch::Tensor, torch::Tensor> synthetic_tokens_source::batch(int64_t, int64_t index,
+                                                                       int64_t batch, uint64_t seed,
+                                                                       int64_t rank,
+                                                                       int64_t replicas) const {
+  auto gen = step_generator(seed, index);
+  auto start = torch::randint(vocabulary_, {batch, 1}, gen, torch::kLong);
+  auto stride = torch::randint(1, vocabulary_, {batch, 1}, gen, torch::kLong);
+  auto positions = torch::arange(context_ + 1, torch::kLong).unsqueeze(0);
+  auto sequence = (start + stride * positions).remainder(vocabulary_);
+  return rank_part(sequence.slice(1, 0, context_).contiguous(),
+                   sequence.slice(1, 1, context_ + 1).contiguous(), rank, replicas);
+}
+
+std::string generate_text(pipeline& pipe, const text_corpus& corpus, const std::string& prompt,
+                          int64_t length, int64_t context, double temperature, uint64_t seed) {
+  ACTORPIPE_CHECK(!prompt.empty(), "generate_text: the prompt is empty");
+  ACTORPIPE_CHECK(length >= 0 && context >= 1 && temperature >= 0, "generate_text: length (",
+                  length, ") and temperature (", temperature, ") must be >= 0, context (", context,
+                  ") >= 1");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto ids = corpus.encode(prompt);
+  std::vector<int64_t> tokens(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < length; ++i) {
+    auto first = static_cast<int64_t>(tokens.size()) - std::min<int64_t>(context, tokens.size());
+    auto window =
+      torch::tensor(std::vector<int64_t>(tokens.begin() + first, tokens.end()), torch::kLong)
+        .unsqueeze(0);
+    auto logits = pipe.forward(window).select(0, 0).select(0, -1).to(torch::kFloat);
+    int64_t next = 0;
+    if (temperature == 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      auto p = (logits / temperature).softmax(0);
+      next = torch::multinomial(p, 1, false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
   }
-  return {x, y};
+  auto all = torch::tensor(tokens, torch::kLong);
+  return corpus.decode(all.slice(0, static_cast<int64_t>(ids.numel())));
 }
 
 namespace {
@@ -285,10 +357,15 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     }
     if (auto test = data.evaluate(pipe, o.eval_batch)) {
       e.test = *test;
-      std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss
-                << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
-                << e.test.top5 << "  " << static_cast<int64_t>(e.samples_per_second)
-                << " samples/s\n"
+      std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss;
+      if (e.test.tokens) {
+        std::cout << "  validation loss " << e.test.loss << "  bits/char " << e.test.bits
+                  << "  top-1 " << e.test.top1;
+      } else {
+        std::cout << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
+                  << e.test.top5;
+      }
+      std::cout << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n"
                 << std::flush;
     }
     metrics.write(e);

@@ -1,5 +1,6 @@
 /// \file
-/// Datasets: Fashion-MNIST from its IDX files, and the epoch-seeded sample order.
+/// Datasets: Fashion-MNIST from its IDX files, text as character tokens, and the epoch-seeded
+/// sample order.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,8 @@
 
 namespace actorpipe {
 
-/// Samples held in memory: images [N, C, H, W] float32, labels [N] int64.
+/// Samples held in memory: images [N, C, H, W] float32, labels [N] int64 (for text: token
+/// ids [N, T] and their next tokens [N, T], both int64).
 struct dataset {
   torch::Tensor images;
   torch::Tensor labels;
@@ -44,5 +46,41 @@ torch::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch);
 /// replicas == 0, rank >= replicas or n < 1.
 torch::Tensor distributed_order(int64_t n, uint64_t seed, int64_t epoch, int64_t rank,
                                 int64_t replicas);
+
+/// Where Debian's fortunes package puts its files (the text corpus of `--data text`).
+inline const char* default_fortunes_dir() {
+  return "/usr/share/games/fortunes";
+}
+
+/// A text as character-level tokens: each distinct byte of the text is a token, numbered in
+/// byte order (an ASCII text's tokens are its characters).
+struct text_corpus {
+  /// Where it came from (a file or a folder), for messages and checkpoints.
+  std::string source;
+  /// Token i stands for byte alphabet[i].
+  std::string alphabet;
+  /// The training and validation parts, token ids (int64): the last tenth of every file is
+  /// held out for validation.
+  torch::Tensor train;
+  torch::Tensor validation;
+
+  int64_t vocabulary() const { return static_cast<int64_t>(alphabet.size()); }
+  /// Token ids [L] of `text`; invalid_argument names a byte the alphabet lacks.
+  torch::Tensor encode(const std::string& text) const;
+  /// The text of token ids (any shape, read in order).
+  std::string decode(const torch::Tensor& ids) const;
+};
+
+/// Reads a UTF-8 text file, or every text file of a folder in name order (fortune's `.dat`
+/// indexes and links skipped). Throws invalid_argument naming the path (and the package to
+/// install for the fortunes folder) when there is nothing to read, and pipeline_error (io)
+/// naming the file and byte offset of text that is not UTF-8, or a text too short to hold out a
+/// validation part.
+text_corpus load_text(const std::string& path);
+
+/// Next-token samples of `tokens`: consecutive windows of context + 1 tokens, the first
+/// `context` the input [N, context] ("images") and the last `context` the target ("labels").
+/// Throws invalid_argument when the tokens hold no window.
+dataset text_windows(const torch::Tensor& tokens, int64_t context);
 
 } // namespace actorpipe

@@ -75,6 +75,33 @@ private:
 /// An ordered model: layer i feeds layer i + 1.
 using layer_list = std::vector<layer>;
 
+/// A parameter that several layers hold: the same tensor registered in two modules, as a GPT's
+/// token embedding and its LM head (see tie_parameter). Named "<layer>.<parameter>" by its
+/// first holder in model order; `aliases` are the names the later holders give it.
+struct tied_parameter {
+  std::string name;
+  std::vector<std::string> aliases;
+};
+
+/// The tied parameters of `layers`, in model order (none for most models).
+std::vector<tied_parameter> tied_parameters(const layer_list& layers);
+
+/// Makes `holder`'s parameter `parameter` (a path inside its module, e.g. "weight" or
+/// "proj.weight") the tensor `tensor`: to tie it to another layer's parameter, pass that
+/// parameter; actorpipe passes a copy when the two holders land on different stages (each
+/// stage then keeps a copy and their gradients are summed before the optimizer steps). The
+/// module that registers the parameter must be a torch::nn::Linear, a torch::nn::Embedding or
+/// a tied_module; invalid_argument names the layer and parameter otherwise.
+void tie_parameter(const layer& holder, const std::string& parameter, const torch::Tensor& tensor);
+
+/// A module of your own that can hold a tied parameter: it registers `name` and keeps any
+/// member that refers to it pointing at `tensor` (tie_parameter has replaced the registration).
+class tied_module {
+public:
+  virtual ~tied_module() = default;
+  virtual void parameter_replaced(const std::string& name, const torch::Tensor& tensor) = 0;
+};
+
 /// The layers of a Sequential, named as its children are ("0", "1", ... unless named).
 layer_list to_layer_list(const torch::nn::Sequential& model);
 

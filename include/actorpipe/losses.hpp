@@ -10,7 +10,8 @@
 namespace actorpipe {
 
 /// A built-in loss, mean over the micro-batch: "mse" (targets shaped like the outputs) or
-/// "cross_entropy" (class-index targets). Throws invalid_argument for an unknown name.
+/// "cross_entropy" (class-index targets; logits [N, T, classes] against tokens [N, T] take the
+/// mean over all tokens, as a language model's loss). Throws invalid_argument for an unknown name.
 loss_function builtin_loss(const std::string& name);
 
 } // namespace actorpipe

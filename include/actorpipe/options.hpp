@@ -53,6 +53,17 @@ struct model_options {
   /// ResNets: batch norm updates its running statistics once per step from the whole batch's
   /// statistics instead of once per micro-batch (see batch_norm.hpp).
   bool deferred_batch_norm = false;
+
+  /// gpt (a GPT-2 style language model, docs/transformers.md): tokens it knows (its inputs are
+  /// token ids below this, its outputs one logit per token), transformer blocks, attention heads,
+  /// width (embedding size, a multiple of heads), context (the longest sequence it takes) and
+  /// dropout probability (0: none; dropout masks are reproduced under recomputation).
+  int64_t vocabulary = 256;
+  int64_t layers = 2;
+  int64_t heads = 2;
+  int64_t width = 32;
+  int64_t context = 32;
+  double dropout = 0.0;
 };
 
 /// PEM files of one process's TLS identity. Both ends of every connection present their

@@ -60,13 +60,18 @@ checkpoint_manifest read_manifest(const std::string& dir);
 
 /// Accuracy of a forward-only pass.
 struct eval_result {
-  /// Mean cross-entropy.
+  /// Mean cross-entropy (per sample; per token for a language model).
   double loss = 0;
   double top1 = 0;
   double top5 = 0;
+  /// A language model's (outputs [N, T, vocabulary]): the loss in bits per token, which for
+  /// character tokens is bits per character.
+  bool tokens = false;
+  double bits = 0;
 };
 
-/// Runs `data` through `pipe` forward-only in batches of `batch` samples.
+/// Runs `data` through `pipe` forward-only in batches of `batch` samples. Outputs [N, classes]
+/// are scored per sample; [N, T, vocabulary] (a language model) per token.
 eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch);
 
 /// Where a training run's batches come from: a data set visited in a seeded order every epoch,
@@ -133,6 +138,31 @@ private:
   int64_t side_;
   int64_t classes_;
 };
+
+/// Token sequences for a language model, as an endless stream: each sequence of `context`
+/// tokens counts from a random start by a random stride modulo `vocabulary` (predictable from
+/// its second token on), and its targets are the next tokens; drawn from (seed, step) alone, as
+/// synthetic_source's.
+class synthetic_tokens_source : public batch_source {
+public:
+  synthetic_tokens_source(int64_t vocabulary, int64_t context);
+  std::string name() const override { return "synthetic"; }
+  int64_t epoch_samples() const override { return 0; }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override;
+
+private:
+  int64_t vocabulary_;
+  int64_t context_;
+};
+
+/// Continues `prompt` (text of `corpus`'s alphabet) by `length` tokens with the forward-only
+/// path: each next token is drawn from the model's distribution at `temperature` (0: the
+/// likeliest) with a generator seeded by `seed`, the model seeing the last `context` tokens.
+/// Returns the continuation, without the prompt.
+std::string generate_text(pipeline& pipe, const text_corpus& corpus, const std::string& prompt,
+                          int64_t length, int64_t context, double temperature, uint64_t seed);
 
 struct train_options {
   /// Epochs of a data set (a stream has none: max_steps says how long it runs).

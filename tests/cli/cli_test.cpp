@@ -192,7 +192,7 @@ TEST_CASE("Fashion-MNIST training prints progress and test accuracy, and pipelin
   std::ifstream m(metrics);
   std::string header;
   std::getline(m, header);
-  CHECK(header == "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second");
+  CHECK(header == "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second,bits");
   int rows = 0;
   for (std::string line; std::getline(m, line);) {
     ++rows;
@@ -583,4 +583,75 @@ TEST_CASE("--recompute trains to the same losses as keeping every activation") {
   REQUIRE(kept.size() == 2);
   CHECK(losses("always") == kept);
   CHECK(losses("except_last") == kept);
+}
+
+TEST_CASE("gpt trains on a text file with validation bits per character, checkpoints, resumes and "
+          "writes a sample, and on synthetic tokens its loss falls") {
+  auto text = temp_file("corpus.txt");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 60; ++i) {
+      out << "the quick brown fox jumps over the lazy dog " << i % 7 << "\n";
+    }
+  }
+  const std::string gpt = "train --data text --text-file " + text.string() +
+                          " --layers 2 --heads 2 --width 16 --context 16 --batch 8 --stages 2 "
+                          "--microbatches 2 --warmup 2 --no-progress --seed 3";
+  auto dir = temp_file("gpt_ckpt");
+  std::filesystem::remove_all(dir);
+  auto first = run(gpt + " --epochs 2 --checkpoint-dir " + dir.string() + " --sample 40");
+  CAPTURE(first.output);
+  REQUIRE(first.exit_code == 0);
+  CHECK(first.output.find("text from " + text.string()) != std::string::npos);
+  CHECK(first.output.find("epoch 2/2") != std::string::npos);
+  CHECK(first.output.find("bits/char ") != std::string::npos);
+  CHECK(first.output.find("bits per character") != std::string::npos);
+  auto sample = first.output.find("sample:\n");
+  REQUIRE(sample != std::string::npos);
+  CHECK(first.output.size() >= sample + 8 + 41); // the prompt and 40 characters
+  auto resumed = run(gpt + " --epochs 3 --resume " + dir.string() + " --sample 0");
+  CAPTURE(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(resumed.output.find("epoch 3/3") != std::string::npos);
+  CHECK(resumed.output.find("epoch 1/3") == std::string::npos);
+  CHECK(resumed.output.find("sample:") == std::string::npos);
+
+  auto json = temp_file("gpt_synthetic.json");
+  auto synthetic = run("train --data synthetic --model gpt --layers 1 --width 32 --heads 2 "
+                       "--context 8 --classes 9 --batch 16 --steps 150 --stages 2 --lr 0.01 "
+                       "--no-progress --json " +
+                       json.string());
+  CAPTURE(synthetic.output);
+  REQUIRE(synthetic.exit_code == 0);
+  auto l = losses(json);
+  REQUIRE(l.size() == 150);
+  // Counting by a stride is learnable: ln 9 = 2.2 at first, 1.2-1.4 after 150 steps (seeds 0-2).
+  CHECK(l.back() < 0.75 * l.front());
+  for (const auto& f : {text, json}) {
+    std::filesystem::remove(f);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("flags of gpt and of text are refused where they do not apply") {
+  auto layers = run("train --data synthetic --model mlp --layers 3 --steps 1");
+  CHECK(layers.exit_code == 2);
+  CHECK(layers.output.find("--layers sets a size of --model gpt") != std::string::npos);
+  auto text_file = run("train --data synthetic --model gpt --text-file x --steps 1");
+  CHECK(text_file.exit_code == 2);
+  CHECK(text_file.output.find("--text-file applies to --data text") != std::string::npos);
+  auto momentum = run("train --data synthetic --model gpt --momentum 0.9 --steps 1");
+  CHECK(momentum.exit_code == 2);
+  CHECK(momentum.output.find("--momentum is SGD's: gpt trains with Adam") != std::string::npos);
+  auto cnn = run("train --data text --model cnn --text-file /etc/hostname");
+  CHECK(cnn.exit_code == 2);
+  CHECK(cnn.output.find("--data text trains a language model: use --model gpt") !=
+        std::string::npos);
+  auto fashion = run("train --model gpt");
+  CHECK(fashion.exit_code == 2);
+  CHECK(fashion.output.find("gpt on --data text or synthetic") != std::string::npos);
+  auto missing = run("train --data text --text-file /nonexistent/corpus");
+  CHECK(missing.exit_code == 2);
+  CHECK(missing.output.find("'/nonexistent/corpus' is neither a file nor a folder") !=
+        std::string::npos);
 }

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <set>
+
 #include <torch/torch.h>
 
 #include <actorpipe/errors.hpp>
@@ -131,4 +133,127 @@ TEST_CASE("a 1x1 convolution of a small one-thread batch stays on oneDNN and equ
   at::set_num_threads(2);
   CHECK_FALSE(models::pointwise_fast_path(*fast, torch::randn({4, 24, 6, 6})));
   at::set_num_threads(previous);
+}
+
+namespace {
+
+int64_t distinct_parameter_count(const layer_list& layers) {
+  std::set<const c10::TensorImpl*> seen;
+  int64_t total = 0;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (const auto& p : m->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) {
+          total += p.numel();
+        }
+      }
+    }
+  }
+  return total;
+}
+
+model_options tiny_gpt_options() {
+  model_options o;
+  o.vocabulary = 13;
+  o.layers = 2;
+  o.heads = 2;
+  o.width = 8;
+  o.context = 6;
+  return o;
+}
+
+} // namespace
+
+TEST_CASE("gpt has GPT-2's parameter count, its layer names, and its head tied to the token "
+          "embedding") {
+  model_options o; // GPT-2 small: sum(p.numel() for p in GPT2LMHeadModel.parameters())
+  o.vocabulary = 50257;
+  o.layers = 12;
+  o.heads = 12;
+  o.width = 768;
+  o.context = 1024;
+  auto layers = make_model("gpt", o);
+  CHECK(distinct_parameter_count(layers) == 124439808);
+  auto names = names_of(layers);
+  REQUIRE(names.size() == 15);
+  CHECK(names.front() == "embed");
+  CHECK(names[1] == "block0");
+  CHECK(names[12] == "block11");
+  CHECK(names[13] == "ln_f");
+  CHECK(names.back() == "head");
+  auto ties = tied_parameters(layers);
+  REQUIRE(ties.size() == 1);
+  CHECK(ties[0].name == "embed.token.weight");
+  CHECK(ties[0].aliases == std::vector<std::string>{"head.weight"});
+}
+
+TEST_CASE("gpt maps token ids to next-token logits and never looks ahead") {
+  torch::manual_seed(1);
+  auto layers = make_model("gpt", tiny_gpt_options());
+  auto x = torch::randint(13, {2, 5});
+  auto y = run_layers(layers, x);
+  REQUIRE(y.sizes() == torch::IntArrayRef({2, 5, 13}));
+  auto changed = x.clone();
+  changed.index_put_({0, 3}, (x.index({0, 3}) + 1) % 13);
+  auto z = run_layers(layers, changed);
+  using torch::indexing::Slice;
+  CHECK(torch::allclose(y.index({0, Slice(0, 3)}), z.index({0, Slice(0, 3)})));
+  CHECK_FALSE(torch::allclose(y.index({0, Slice(3, 5)}), z.index({0, Slice(3, 5)})));
+  CHECK(torch::allclose(y[1], z[1]));
+  // A shorter sequence gives the first positions' logits of a longer one.
+  CHECK(torch::allclose(run_layers(layers, x.slice(1, 0, 2)), y.slice(1, 0, 2), 1e-5, 1e-6));
+}
+
+TEST_CASE("gpt refuses floats, too-long sequences, unknown tokens and sizes that do not fit") {
+  torch::manual_seed(1);
+  auto layers = make_model("gpt", tiny_gpt_options());
+  CHECK_THROWS_WITH(run_layers(layers, torch::randn({2, 5})),
+                    doctest::Contains("layer 'embed' takes token ids [N, T] as integers"));
+  CHECK_THROWS_WITH(run_layers(layers, torch::zeros({2, 7}, torch::kLong)),
+                    doctest::Contains("sequences of 7 tokens, but the context is 1 to 6"));
+  CHECK_THROWS_WITH(run_layers(layers, torch::full({1, 3}, 13, torch::kLong)),
+                    doctest::Contains("token ids from 13 to 13, but the vocabulary is 0 to 12"));
+  auto o = tiny_gpt_options();
+  o.heads = 3;
+  CHECK_THROWS_WITH(make_model("gpt", o),
+                    doctest::Contains("width (8) must be a multiple of heads (3)"));
+}
+
+namespace {
+
+// A module of one's own that holds a tied parameter.
+struct ScaledHeadImpl : torch::nn::Module, tied_module {
+  ScaledHeadImpl() : weight(register_parameter("weight", torch::randn({3, 4}))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return 2 * torch::nn::functional::linear(x, weight);
+  }
+  void parameter_replaced(const std::string&, const torch::Tensor& t) override { weight = t; }
+  torch::Tensor weight;
+};
+TORCH_MODULE(ScaledHead);
+
+} // namespace
+
+TEST_CASE("tie_parameter ties Linear, Embedding and tied_module parameters, and refuses others") {
+  auto embedding = torch::nn::Embedding(3, 4);
+  layer source("embed", torch::nn::AnyModule(embedding));
+  layer linear("head",
+               torch::nn::AnyModule(torch::nn::Linear(torch::nn::LinearOptions(4, 3).bias(false))));
+  layer custom("scaled", torch::nn::AnyModule(ScaledHead()));
+  tie_parameter(linear, "weight", embedding->weight);
+  tie_parameter(custom, "weight", embedding->weight);
+  auto x = torch::randn({2, 4});
+  CHECK(torch::allclose(linear.forward(x), x.matmul(embedding->weight.t())));
+  CHECK(torch::allclose(custom.forward(x), 2 * x.matmul(embedding->weight.t())));
+  auto ties = tied_parameters({source, linear, custom});
+  REQUIRE(ties.size() == 1);
+  CHECK(ties[0].aliases == std::vector<std::string>{"head.weight", "scaled.weight"});
+  layer conv("conv", torch::nn::AnyModule(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 1))));
+  CHECK_THROWS_WITH(tie_parameter(conv, "weight", torch::zeros({4, 3, 1, 1})),
+                    doctest::Contains("only Linear and Embedding weights and modules derived from "
+                                      "actorpipe::tied_module can be tied"));
+  CHECK_THROWS_WITH(tie_parameter(linear, "bias", embedding->weight),
+                    doctest::Contains("layer 'head' has no parameter 'bias'"));
+  CHECK_THROWS_WITH(tie_parameter(linear, "weight", torch::zeros({5, 4})),
+                    doctest::Contains("has shape [3, 4] but the tensor has [5, 4]"));
 }

@@ -448,3 +448,48 @@ TEST_CASE("a TLS node refuses plain schedulers and other CAs' certificates, and 
   CHECK_THROWS_WITH_AS(pipeline(fresh, tiny_remote(), cut, broken),
                        doctest::Contains("does not belong to the certificate"), invalid_argument);
 }
+
+TEST_CASE(
+  "a gpt on one node trains as in process, and cut across nodes its tied embedding and head "
+  "are refused by name") {
+  remote_model gpt;
+  gpt.name = "gpt";
+  gpt.options.vocabulary = 11;
+  gpt.options.layers = 2;
+  gpt.options.width = 8;
+  gpt.options.context = 8;
+  gpt.seed = 5;
+  gpt.loss = "cross_entropy";
+  gpt.optimizer.name = "adam";
+  gpt.optimizer.lr = 1e-2;
+  auto options = [] {
+    auto o = local_options();
+    o.loss = builtin_loss("cross_entropy");
+    o.optimizer = adam(1e-2);
+    return o;
+  };
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto remote_o = options();
+  remote_o.placement.nodes = {n1.address()};
+  remote_o.placement.connect_timeout = 5000ms;
+  pipeline remote(sys, gpt, partition_uniform(5, 1), remote_o);
+  torch::manual_seed(5);
+  pipeline local(sys, make_model("gpt", gpt.options), partition_uniform(5, 1), options());
+  for (int64_t length : {8, 6}) {
+    torch::manual_seed(60 + length);
+    // Token ids and targets cross to the node as int64 tensors.
+    auto x = torch::randint(11, {4, length});
+    auto t = torch::randint(11, {4, length});
+    CHECK(remote.train_step(x, t).loss ==
+          doctest::Approx(local.train_step(x, t).loss).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+
+  auto split_o = options();
+  split_o.placement.nodes = {n1.address(), n2.address()};
+  split_o.placement.connect_timeout = 5000ms;
+  CHECK_THROWS_WITH(pipeline(sys, gpt, partition_uniform(5, 2), split_o),
+                    doctest::Contains("parameter 'embed.token.weight' of model 'gpt' is tied to a "
+                                      "layer on another stage"));
+}

@@ -176,3 +176,74 @@ TEST_CASE("evaluation counts top-1 and top-5 hits") {
   CHECK(r.top1 == doctest::Approx(0.5));
   CHECK(r.top5 == doctest::Approx(0.75));
 }
+
+TEST_CASE("text loads as character tokens, holds out the last tenth of every file, and cuts into "
+          "next-token windows") {
+  auto dir = fresh_dir("text");
+  std::ofstream(dir / "a") << "abcdefghij";           // 10 bytes: 9 to train, 1 held out
+  std::ofstream(dir / "b") << "0123456789abcdefghij"; // 20 bytes: 18 and 2
+  std::ofstream(dir / "b.dat") << "index";            // fortune's index files are skipped
+  auto corpus = load_text(dir.string());
+  CHECK(corpus.alphabet == "0123456789abcdefghij");
+  CHECK(corpus.vocabulary() == 20);
+  CHECK(corpus.decode(corpus.train) == "abcdefghi0123456789abcdefgh");
+  CHECK(corpus.decode(corpus.validation) == "jij");
+  CHECK(corpus.decode(corpus.encode("j0a")) == "j0a");
+  CHECK_THROWS_WITH(corpus.encode("a!"), doctest::Contains("byte 33 at offset 1 is not in the "
+                                                           "alphabet"));
+  auto windows = text_windows(corpus.train, 4);
+  REQUIRE(windows.images.sizes() == torch::IntArrayRef({6, 4}));
+  CHECK(corpus.decode(windows.images[1]) == "efgh");
+  CHECK(corpus.decode(windows.labels[1]) == "fghi");
+  CHECK_THROWS_WITH(text_windows(corpus.validation, 3), doctest::Contains("3 tokens hold no "
+                                                                          "window of 4"));
+  // Not UTF-8: named with the byte.
+  std::ofstream(dir / "c", std::ios::binary) << "valid text\xff more";
+  CHECK_THROWS_WITH(load_text((dir / "c").string()),
+                    doctest::Contains("is not UTF-8 text (byte 10)"));
+  CHECK_THROWS_WITH(load_text((dir / "none").string()),
+                    doctest::Contains("is neither a file nor a folder"));
+  std::ofstream(dir / "d") << "x";
+  CHECK_THROWS_WITH(load_text((dir / "d").string()), doctest::Contains("too few to hold out"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a language model's evaluation is per token, in bits, and generation continues a "
+          "prompt through the forward-only path") {
+  // A fixed "model" over 4 tokens that always predicts the token after the current one.
+  layer_list layers;
+  layers.emplace_back("next", [](const torch::Tensor& ids) {
+    return torch::one_hot((ids + 1) % 4, 4).to(torch::kFloat) * 100;
+  });
+  engine sys;
+  pipeline_options o;
+  o.microbatches = 2;
+  pipeline pipe(sys, layers, partition_uniform(1, 1), o);
+  text_corpus corpus;
+  corpus.alphabet = "abcd";
+  dataset d;
+  d.images = corpus.encode("abcdbcda").view({2, 4});
+  d.labels = corpus.encode("bcdacdab").view({2, 4});
+  auto r = evaluate(pipe, d, 1);
+  CHECK(r.tokens);
+  CHECK(r.top1 == 1.0);
+  CHECK(r.bits < 1e-6);
+  d.labels = corpus.encode("bcdacdaa").view({2, 4}); // one token in 8 wrong by 100 nats
+  r = evaluate(pipe, d, 2);
+  CHECK(r.top1 == doctest::Approx(7.0 / 8));
+  CHECK(r.bits == doctest::Approx(100.0 / 8 / std::log(2.0)).epsilon(1e-4));
+  CHECK(generate_text(pipe, corpus, "ab", 6, 3, 0, 1) == "cdabcd");
+  CHECK(generate_text(pipe, corpus, "d", 3, 3, 0.5, 1) == "abc"); // sharp: sampling agrees
+}
+
+TEST_CASE("synthetic token sequences count by a stride and are the same for every rank") {
+  synthetic_tokens_source source(7, 5);
+  auto [x, y] = source.batch(0, 3, 4, 1, 0, 1);
+  REQUIRE(x.sizes() == torch::IntArrayRef({4, 5}));
+  CHECK(torch::equal(x.slice(1, 1, 5), y.slice(1, 0, 4)));
+  auto stride = (x.select(1, 1) - x.select(1, 0)).remainder(7);
+  CHECK(torch::equal((x.select(1, 4) - x.select(1, 3)).remainder(7), stride));
+  CHECK(torch::equal(y.select(1, 4), (x.select(1, 4) + stride).remainder(7)));
+  auto [x1, y1] = source.batch(0, 3, 4, 1, 1, 2);
+  CHECK(torch::equal(x1, x.slice(0, 2, 4)));
+}

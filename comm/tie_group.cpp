@@ -1,0 +1,98 @@
+#include "comm/tie_group.hpp"
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe::comm {
+
+tie_group::tie_group(std::set<std::size_t> members) : members_(std::move(members)) {
+  ACTORPIPE_CHECK(!members_.empty(), "a tie group needs members");
+}
+
+// Begins the round of `step` when it is newer than the current one (a failed step's round may
+// be left behind; its tensors are dropped).
+void tie_group::start(uint64_t step) {
+  if (started_ && step <= step_) {
+    return;
+  }
+  step_ = step;
+  started_ = true;
+  parts_.clear();
+  sums_.clear();
+  collected_ = 0;
+  cancelled_by_.reset();
+}
+
+void tie_group::cancel(uint64_t step, std::size_t member) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (started_ && step < step_) {
+    return;
+  }
+  start(step);
+  if (!cancelled_by_) {
+    cancelled_by_ = member;
+  }
+  changed_.notify_all();
+}
+
+void tie_group::sum(uint64_t step, std::size_t member,
+                    std::map<std::string, torch::Tensor>& gradients,
+                    std::chrono::milliseconds timeout) {
+  ACTORPIPE_CHECK(members_.count(member) == 1, "stage ", member, " is not in the tie group");
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::unique_lock<std::mutex> lock{mutex_};
+  start(step);
+  auto failed = [&] {
+    auto why = cancelled_by_ && step_ == step
+                 ? detail::concat("stage ", *cancelled_by_, " failed the step")
+                 : std::string("the step was abandoned");
+    return pipeline_error(
+      detail::concat("stage ", member, ": summing tied gradients of step ", step, ": ", why),
+      error_details{error_kind::stage_failure, member});
+  };
+  if (step < step_ || cancelled_by_) {
+    throw failed();
+  }
+  parts_[member] = gradients;
+  if (parts_.size() == members_.size()) {
+    // In member order: every holder adds the same tensors in the same order.
+    for (const auto& [index, part] : parts_) {
+      for (const auto& [name, g] : part) {
+        auto it = sums_.find(name);
+        if (it == sums_.end()) {
+          sums_.emplace(name, g.clone());
+        } else {
+          it->second.add_(g);
+        }
+      }
+    }
+    changed_.notify_all();
+  }
+  auto ready = [&] { return step_ != step || cancelled_by_ || parts_.size() == members_.size(); };
+  if (!changed_.wait_until(lock, deadline, ready)) {
+    std::string missing;
+    for (auto m : members_) {
+      if (parts_.count(m) == 0) {
+        missing += detail::concat(missing.empty() ? "" : ", ", "stage ", m);
+      }
+    }
+    auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count();
+    // Leave the round: the others may still come and must not wait for this member forever.
+    cancelled_by_ = member;
+    changed_.notify_all();
+    throw pipeline_error(detail::concat("stage ", member, ": summing tied gradients of step ", step,
+                                        ": ", missing, " did not arrive within ", waited, " ms"),
+                         error_details{error_kind::timeout, member});
+  }
+  if (step_ != step || cancelled_by_) {
+    throw failed();
+  }
+  for (auto& [name, g] : gradients) {
+    g.copy_(sums_.at(name));
+  }
+  if (++collected_ == members_.size()) {
+    parts_.clear();
+    sums_.clear();
+  }
+}
+
+} // namespace actorpipe::comm

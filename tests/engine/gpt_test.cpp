@@ -1,0 +1,297 @@
+// The built-in GPT through the pipeline: tied embedding and head on different stages, every
+// schedule and stage count, replicas, clipping, checkpoints and failures, against plain libtorch
+// training the same model in one process.
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+
+#include <actorpipe/losses.hpp>
+#include <actorpipe/models.hpp>
+
+#include "oracle.hpp"
+
+using namespace actorpipe;
+using namespace actorpipe::test;
+
+namespace {
+
+constexpr int64_t vocabulary = 11;
+
+// embed, block0 .. block<blocks-1>, ln_f, head.
+layer_list tiny_gpt(int64_t blocks = 2, uint64_t seed = 5) {
+  torch::manual_seed(seed);
+  model_options o;
+  o.vocabulary = vocabulary;
+  o.layers = blocks;
+  o.heads = 2;
+  o.width = 8;
+  o.context = 8;
+  return make_model("gpt", o);
+}
+
+// Token ids [n, t] and their targets.
+std::pair<torch::Tensor, torch::Tensor> tokens(int64_t n, int64_t t, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randint(vocabulary, {n, t}), torch::randint(vocabulary, {n, t})};
+}
+
+// Plain libtorch: one process, the tied tensor held by both layers (and stepped once).
+struct plain_lm {
+  layer_list layers;
+  std::vector<torch::Tensor> parameters;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  loss_function loss = builtin_loss("cross_entropy");
+
+  plain_lm(layer_list l, const optimizer_factory& make) : layers(std::move(l)) {
+    std::set<const c10::TensorImpl*> seen;
+    for (const auto& lay : layers) {
+      if (auto m = lay.module()) {
+        for (auto& p : m->parameters()) {
+          if (seen.insert(p.unsafeGetTensorImpl()).second) {
+            parameters.push_back(p);
+          }
+        }
+      }
+    }
+    optimizer = make(parameters);
+  }
+
+  double step(const torch::Tensor& x, const torch::Tensor& t, double max_norm = 0) {
+    optimizer->zero_grad();
+    auto l = loss(run_layers(layers, x), t);
+    l.backward();
+    if (max_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(parameters, max_norm, 2.0);
+    }
+    optimizer->step();
+    return l.item<double>();
+  }
+};
+
+// SGD with momentum where parameters are compared with plain libtorch's: Adam divides every
+// gradient by its own running size, so a gradient that is rounding noise (the attention's key
+// bias: softmax does not change when a row of scores shifts) moves its parameter by the learning
+// rate in the noise's direction. Losses agree under Adam too (the key bias does not change them).
+const optimizer_factory& gpt_optimizer() {
+  static const optimizer_factory make = sgd(0.1, 0.9);
+  return make;
+}
+
+pipeline_options gpt_options(std::size_t microbatches) {
+  pipeline_options o;
+  o.microbatches = microbatches;
+  o.loss = builtin_loss("cross_entropy");
+  o.optimizer = gpt_optimizer();
+  o.wait_timeout = std::chrono::milliseconds(20000);
+  o.data_parallel.timeout = std::chrono::milliseconds(20000);
+  return o;
+}
+
+const torch::Tensor& find(const std::vector<std::pair<std::string, torch::Tensor>>& all,
+                          const std::string& name) {
+  for (const auto& [n, t] : all) {
+    if (n == name) {
+      return t;
+    }
+  }
+  FAIL("no tensor " << name);
+  static torch::Tensor none;
+  return none;
+}
+
+std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("actorpipe-gpt-test-" + std::to_string(::getpid()) + "-" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+} // namespace
+
+TEST_CASE("a pipelined gpt trains exactly like plain libtorch: every schedule, 1-4 stages, head "
+          "and embedding on different stages, uneven micro-batches, sequence length changing") {
+  engine sys;
+  struct setting {
+    schedule_kind kind;
+    std::size_t chunks;
+  };
+  for (auto [kind, chunks] :
+       {setting{schedule_kind::gpipe, 1}, setting{schedule_kind::one_f_one_b, 1},
+        setting{schedule_kind::zb_h1, 1}, setting{schedule_kind::interleaved, 2}}) {
+    for (std::size_t stages = 1; stages <= 4; ++stages) {
+      CAPTURE(to_string(kind));
+      CAPTURE(stages);
+      auto o = gpt_options(kind == schedule_kind::interleaved ? 2 * stages : 3);
+      o.schedule = kind;
+      o.chunks = chunks;
+      auto layers = tiny_gpt(6);
+      pipeline pipe(sys, layers, partition_uniform(layers.size(), stages * chunks), o);
+      plain_lm plain(tiny_gpt(6), gpt_optimizer());
+      int step = 0;
+      for (int64_t length : {8, 5, 8}) {
+        auto [x, t] = tokens(o.microbatches + 1, length, 10 + step++);
+        auto r = pipe.train_step(x, t);
+        CHECK(r.loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+      }
+      auto trained = pipe.named_parameters();
+      check_close(trained, named(plain.layers, false), 1e-4, 1e-6);
+      // The copies on the head's stage stayed bit for bit the embedding.
+      CHECK(torch::equal(find(trained, "head.weight"), find(trained, "embed.token.weight")));
+      auto [x, t] = tokens(3, 7, 99);
+      CHECK(torch::allclose(pipe.forward(x), run_layers(plain.layers, x), 1e-4, 1e-5));
+    }
+  }
+}
+
+TEST_CASE("under Adam the losses of a 3-stage gpt are plain libtorch's") {
+  engine sys;
+  auto o = gpt_options(3);
+  o.optimizer = adam(1e-2);
+  auto layers = tiny_gpt();
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), o);
+  plain_lm plain(tiny_gpt(), adam(1e-2));
+  for (int step = 0; step < 4; ++step) {
+    auto [x, t] = tokens(5, 8, 70 + step);
+    CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+  }
+  auto trained = pipe.named_parameters();
+  CHECK(torch::equal(find(trained, "head.weight"), find(trained, "embed.token.weight")));
+  check_close({{"embed.token.weight", find(trained, "embed.token.weight")}},
+              {{"embed.token.weight", find(named(plain.layers, false), "embed.token.weight")}},
+              1e-4, 1e-6);
+}
+
+TEST_CASE("recomputation gives a gpt with dropout the gradients of keeping every activation") {
+  engine sys;
+  auto make = [] {
+    torch::manual_seed(5);
+    model_options o;
+    o.vocabulary = vocabulary;
+    o.layers = 2;
+    o.width = 8;
+    o.context = 8;
+    o.dropout = 0.2;
+    return make_model("gpt", o);
+  };
+  auto [x, t] = tokens(6, 8, 3);
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> results;
+  std::vector<double> losses;
+  for (auto mode : {recompute_mode::never, recompute_mode::always}) {
+    auto o = gpt_options(3);
+    o.recompute = mode;
+    auto layers = make();
+    // One stage actor: stages share the CPU generator, so with several the order in which
+    // they draw depends on timing, and two runs draw different masks either way.
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 1), o);
+    torch::manual_seed(42);
+    losses.push_back(pipe.train_step(x, t).loss);
+    results.push_back(pipe.named_gradients());
+  }
+  CHECK(losses[0] == doctest::Approx(losses[1]).epsilon(1e-6));
+  check_close(results[0], results[1], 1e-6, 1e-7);
+}
+
+TEST_CASE("tied copies count once in the global gradient norm") {
+  engine sys;
+  auto o = gpt_options(2);
+  o.max_grad_norm = 0.05;
+  auto layers = tiny_gpt();
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), o);
+  plain_lm plain(tiny_gpt(), gpt_optimizer());
+  for (int step = 0; step < 2; ++step) {
+    auto [x, t] = tokens(4, 6, 20 + step);
+    auto r = pipe.train_step(x, t);
+    CHECK(r.loss == doctest::Approx(plain.step(x, t, 0.05)).epsilon(1e-5));
+    CHECK(r.grad_norm > 0.05); // it clipped
+  }
+  check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+}
+
+TEST_CASE("2 replicas of a 3-stage gpt step like plain libtorch on the whole batch") {
+  engine sys;
+  auto o = gpt_options(2);
+  replicated_pipeline replicas(
+    sys, [] { return tiny_gpt(); }, partition_uniform(5, 3), o, 2);
+  plain_lm plain(tiny_gpt(), gpt_optimizer());
+  for (int step = 0; step < 3; ++step) {
+    auto [x, t] = tokens(8, 6, 30 + step);
+    CHECK(replicas.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+  }
+  check_close(replicas.replica(0).named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+  check_close(replicas.replica(1).named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+}
+
+TEST_CASE("a checkpoint stores a tied parameter once and resumes with another stage count") {
+  engine sys;
+  auto dir = temp_dir("resume");
+  auto o = gpt_options(2);
+  o.optimizer = adam(1e-2); // its state is checkpointed with the tied parameter
+  std::vector<std::pair<std::string, torch::Tensor>> saved;
+  {
+    auto layers = tiny_gpt();
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), o);
+    for (int step = 0; step < 2; ++step) {
+      auto [x, t] = tokens(4, 6, 40 + step);
+      pipe.train_step(x, t);
+    }
+    pipe.save_state(dir);
+    saved = pipe.named_parameters();
+  }
+  // Once: under its first holder's name, by the embedding's stage.
+  std::set<std::string> keys;
+  for (const auto& file : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(file.path(), std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (const auto& item : torch::pickle_load(bytes).toGenericDict()) {
+      CHECK(keys.insert(item.key().toStringRef()).second);
+    }
+  }
+  CHECK(keys.count("embed.token.weight") == 1);
+  CHECK(keys.count("optimizer/embed.token.weight/exp_avg") == 1);
+  CHECK(keys.count("head.weight") == 0);
+  // Resumed with 2 stages and with 1 (the tie then inside one stage): the same parameters and
+  // the same next step.
+  std::vector<double> next;
+  for (std::size_t stages : {2, 1}) {
+    CAPTURE(stages);
+    auto layers = tiny_gpt(2, 77); // other initial values, overwritten by the checkpoint
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
+    pipe.load_state(dir);
+    check_close(pipe.named_parameters(), saved, 0, 0);
+    auto [x, t] = tokens(4, 6, 42);
+    next.push_back(pipe.train_step(x, t).loss);
+    CHECK(torch::equal(find(pipe.named_parameters(), "head.weight"),
+                       find(pipe.named_parameters(), "embed.token.weight")));
+  }
+  CHECK(next[0] == doctest::Approx(next[1]).epsilon(1e-6));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a step that fails while a tied holder waits for the others fails at once, changes "
+          "nothing, and the next step trains") {
+  engine sys;
+  auto o = gpt_options(3);
+  o.wait_timeout = std::chrono::milliseconds(30000);
+  bool fail = true;
+  // Stage 1's last backward: stage 2 (the head) has finished and waits in the tie sum.
+  o.hooks.after_backward = [&](const hook_context& c, torch::Tensor&) {
+    if (fail && c.stage == 1 && c.microbatch == 2) {
+      throw std::runtime_error("injected failure");
+    }
+  };
+  auto layers = tiny_gpt();
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), o);
+  plain_lm plain(tiny_gpt(), gpt_optimizer());
+  auto before = pipe.named_parameters();
+  auto [x, t] = tokens(6, 6, 50);
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(pipe.train_step(x, t), doctest::Contains("injected failure"),
+                       pipeline_error);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  check_close(pipe.named_parameters(), before, 0, 0);
+  fail = false;
+  CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+  check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+}
