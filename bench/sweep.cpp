@@ -520,12 +520,15 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     contenders.push_back(std::move(c));
   }
 
-  std::printf("actorpipe bench: %s, batch %lld, input %lldx%lldx%lld, %zu stages, schedule %s, "
+  auto input = setup.language_model()
+                 ? detail::concat(mo.context, " tokens of ", mo.vocabulary, " (",
+                                  setup.batch * mo.context, " tokens per step)")
+                 : detail::concat(mo.in_channels, "x", mo.image_size, "x", mo.image_size);
+  std::printf("actorpipe bench: %s, batch %lld, input %s, %zu stages, schedule %s, "
               "%zu timed steps after 1 warm-up, %d cores, seed %llu\n",
-              setup.name.c_str(), static_cast<long long>(setup.batch),
-              static_cast<long long>(mo.in_channels), static_cast<long long>(mo.image_size),
-              static_cast<long long>(mo.image_size), o.plan.stages, o.plan.schedule.c_str(),
-              o.steps, cores, static_cast<unsigned long long>(o.model.seed));
+              setup.name.c_str(), static_cast<long long>(setup.batch), input.c_str(), o.plan.stages,
+              o.plan.schedule.c_str(), o.steps, cores,
+              static_cast<unsigned long long>(o.model.seed));
   std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
               "thread, %.1f on %d\n",
               flops / 1e9, peak_1, peak_all, cores);

@@ -39,7 +39,7 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--steps", a.steps,
       "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
       "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs");
+  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
   opt("--lr", a.lr,
       "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
       "at 3e-3 unless given)");
@@ -260,7 +260,9 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   }
 
   train_options to;
-  to.epochs = a.epochs;
+  // Text's default reaches 2.3 bits per character in about 11 minutes on 2 cores.
+  const int64_t epochs = a.epochs != 0 ? a.epochs : (text ? 4 : 1);
+  to.epochs = epochs;
   to.batch = setup.batch;
   to.seed = a.model.seed;
   to.lr = lr;
@@ -293,13 +295,13 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
       std::cout << "text from " << corpus->source << " (" << corpus->train.numel()
                 << " characters to train on, " << corpus->validation.numel()
                 << " held out, vocabulary " << mo.vocabulary << "), sequences of " << mo.context
-                << ", " << a.epochs << " epochs"
+                << ", " << epochs << " epochs"
                 << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
                 << lr << " (cosine, " << a.warmup << " warm-up steps)";
     } else {
-      std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << a.epochs
-                << " epochs" << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "")
-                << ", lr " << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
+      std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
+                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
+                << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
     }
     std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
               << ", schedule " << choice.schedule_name << ", " << choice.microbatches
