@@ -96,14 +96,8 @@ TEST_CASE("bundles with float, bool and integer tensors train like plain libtorc
   torch::manual_seed(21);
   auto x = torch::randn({10, 6});
   auto t = torch::randn({10, 3});
-  struct setting {
-    schedule_kind kind;
-    std::size_t chunks;
-  };
   for (bool with_names : {false, true}) {
-    for (auto [kind, chunks] :
-         {setting{schedule_kind::gpipe, 1}, setting{schedule_kind::one_f_one_b, 1},
-          setting{schedule_kind::zb_h1, 1}, setting{schedule_kind::interleaved, 2}}) {
+    for (auto [kind, chunks] : every_schedule()) {
       for (std::size_t stages = 1; stages <= 4; ++stages) {
         if (stages * chunks > 5) {
           continue;

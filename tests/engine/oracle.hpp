@@ -68,6 +68,20 @@ struct plain_model {
   }
 };
 
+/// A built-in schedule with the model chunks per stage it takes.
+struct schedule_setting {
+  schedule_kind kind;
+  std::size_t chunks;
+};
+
+/// Every built-in schedule: GPipe, 1F1B, ZB-H1 (one chunk) and interleaved 1F1B (two chunks).
+inline std::vector<schedule_setting> every_schedule() {
+  return {{schedule_kind::gpipe, 1},
+          {schedule_kind::one_f_one_b, 1},
+          {schedule_kind::zb_h1, 1},
+          {schedule_kind::interleaved, 2}};
+}
+
 /// Every tensor of `a` allclose to its namesake in `b`.
 inline void check_close(const std::vector<std::pair<std::string, torch::Tensor>>& a,
                         const std::vector<std::pair<std::string, torch::Tensor>>& b,

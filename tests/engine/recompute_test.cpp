@@ -66,13 +66,7 @@ TEST_CASE("recomputation gives the gradients of keeping every activation, for ev
   torch::manual_seed(3);
   auto x = torch::randn({10, 1, 4, 4});
   auto t = torch::randn({10, 3});
-  struct setting {
-    schedule_kind kind;
-    std::size_t chunks;
-  };
-  for (auto [kind, chunks] :
-       {setting{schedule_kind::gpipe, 1}, setting{schedule_kind::one_f_one_b, 1},
-        setting{schedule_kind::zb_h1, 1}, setting{schedule_kind::interleaved, 2}}) {
+  for (auto [kind, chunks] : every_schedule()) {
     for (std::size_t stages = 1; stages <= 3; ++stages) {
       CAPTURE(to_string(kind));
       CAPTURE(stages);
