@@ -191,7 +191,7 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
     refuse("--train-samples", "applies to Fashion-MNIST (text: give a shorter --text-file)");
     refuse("--test-samples", "applies to Fashion-MNIST (text holds out a tenth of every file)");
   }
-  if (a.model.model.empty() ? a.model.data != "text" : a.model.model != "gpt") {
+  if (training::model_name(a.model) != "gpt") {
     for (const char* flag : {"--layers", "--heads", "--width", "--context", "--dropout"}) {
       refuse(flag, "sets a size of --model gpt, which this run does not train");
     }

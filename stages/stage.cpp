@@ -148,39 +148,22 @@ std::vector<torch::Tensor> stage::parameters() const {
   return result;
 }
 
-std::vector<torch::Tensor> stage::copies() const {
-  std::vector<torch::Tensor> result;
-  for (const auto& l : layers_) {
-    if (auto m = l.module()) {
-      for (const auto& item : m->named_parameters()) {
-        auto tie = config_.tied.find(l.name() + "." + item.key());
-        if (tie != config_.tied.end() && config_.shared_ties.count(tie->second) == 1 &&
-            config_.shared_ties.at(tie->second)) {
-          result.push_back(item.value());
-        }
-      }
-    }
-  }
-  return result;
+bool stage::is_copy(const std::string& name) const {
+  auto shared = config_.shared_ties.find(name);
+  return shared != config_.shared_ties.end() && shared->second;
 }
 
 std::map<std::string, torch::Tensor> stage::shared_parameters() const {
   std::lock_guard<std::mutex> guard{mutex_};
   std::map<std::string, torch::Tensor> result;
-  for (const auto& l : layers_) {
-    if (auto m = l.module()) {
-      for (const auto& item : m->named_parameters()) {
-        auto tie = config_.tied.find(l.name() + "." + item.key());
-        if (tie != config_.tied.end() && config_.shared_ties.count(tie->second) == 1) {
-          auto p = item.value();
-          if (!p.grad().defined()) {
-            p.mutable_grad() = torch::zeros_like(p);
-          }
-          result.emplace(tie->second, p);
-        }
+  for_each_named(layers_, false, config_.tied, [&](const std::string& name, torch::Tensor p) {
+    if (config_.shared_ties.count(name) == 1) {
+      if (!p.grad().defined()) {
+        p.mutable_grad() = torch::zeros_like(p);
       }
+      result.emplace(name, p);
     }
-  }
+  });
   return result;
 }
 
@@ -642,15 +625,12 @@ void stage::optimizer_step(double gradient_scale) {
 double stage::gradient_square_sum() const {
   std::lock_guard<std::mutex> guard{mutex_};
   double sum = 0;
-  std::set<const c10::TensorImpl*> skip;
-  for (const auto& c : copies()) {
-    skip.insert(c.unsafeGetTensorImpl());
-  }
-  for (const auto& p : parameters()) {
-    if (p.grad().defined() && skip.count(p.unsafeGetTensorImpl()) == 0) {
-      sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
-    }
-  }
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (p.grad().defined() && !is_copy(name)) {
+                     sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+                   }
+                 });
   return sum;
 }
 
@@ -737,9 +717,8 @@ stage::tensor_map stage::state() const {
   };
   for_each_named(layers_, false, config_.tied,
                  [&](const std::string& name, const torch::Tensor& p) {
-                   auto shared = config_.shared_ties.find(name);
-                   if (shared != config_.shared_ties.end() && shared->second) {
-                     return; // a copy: the stage of the tie's first holder stores it, once
+                   if (is_copy(name)) {
+                     return; // the stage of the tie's first holder stores it, once
                    }
                    result[name] = p.detach().clone();
                    save_optimizer(name, p);

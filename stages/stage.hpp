@@ -194,8 +194,8 @@ private:
   std::vector<torch::Tensor> copy_buffers() const;
   void restore_buffers(const std::vector<torch::Tensor>& copies);
   std::vector<torch::Tensor> parameters() const;
-  // The parameters that are copies of a tie held first on another stage.
-  std::vector<torch::Tensor> copies() const;
+  // Whether this stage holds parameter `name` (a tie's name) as a copy of another stage's.
+  bool is_copy(const std::string& name) const;
 
   mutable std::mutex mutex_;
   stage_config config_;

@@ -34,6 +34,13 @@ std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Ten
 
 } // namespace
 
+std::string model_name(const model_args& m) {
+  return !m.model.empty()        ? m.model
+         : m.data == "synthetic" ? "resnet50"
+         : m.data == "text"      ? "gpt"
+                                 : "cnn";
+}
+
 void check_model_fits_data(const model_args& m) {
   if (m.model.empty()) {
     return; // the data's own model
@@ -49,10 +56,7 @@ void check_model_fits_data(const model_args& m) {
 
 model_setup build_model(const model_args& m) {
   model_setup setup;
-  setup.name = !m.model.empty()        ? m.model
-               : m.data == "synthetic" ? "resnet50"
-               : m.data == "text"      ? "gpt"
-                                       : "cnn";
+  setup.name = model_name(m);
   check_model_fits_data(m);
   bool resnet = setup.name.rfind("resnet", 0) == 0;
   bool gpt = setup.name == "gpt";

@@ -58,6 +58,10 @@ struct model_setup {
   bool language_model() const { return name == "gpt"; }
 };
 
+/// The model a run trains: --model, else the data's own (cnn for Fashion-MNIST, gpt for text,
+/// resnet50 for synthetic data).
+std::string model_name(const model_args& args);
+
 /// Throws invalid_argument when --model cannot train on --data (before any data is read).
 void check_model_fits_data(const model_args& args);
 
