@@ -382,6 +382,10 @@ void advance(stage_actor_type self) {
     s.active = false;
     s.report.stats.peak_stash =
       static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
+    s.report.stats.peak_stash_bytes = 0;
+    for (const auto& chunk : s.chunks) {
+      s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
+    }
     self->send(s.scheduler, done_atom::value, std::move(s.report));
   }
 }

@@ -78,12 +78,11 @@ double training_flops(const layer_list& layers, const torch::Tensor& batch) {
   return 3 * counted.load();
 }
 
-double gemm_gflops(int threads) {
+double gemm_gflops(int threads, c10::ScalarType dtype, int64_t n) {
   auto previous = at::get_num_threads();
   at::set_num_threads(threads);
-  const int64_t n = 2048;
-  auto a = torch::randn({n, n});
-  auto b = torch::randn({n, n});
+  auto a = torch::randn({n, n}).to(dtype);
+  auto b = torch::randn({n, n}).to(dtype);
   auto c = torch::mm(a, b);
   double best = 1e300;
   for (int r = 0; r < 3; ++r) {

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -18,6 +19,7 @@
 #include <actorpipe/memory.hpp>
 #include <actorpipe/trace.hpp>
 
+#include "stages/precision.hpp"
 #include "training/progress.hpp"
 
 namespace actorpipe::bench {
@@ -59,7 +61,19 @@ struct contender {
   std::vector<double> fill_drain;
   std::vector<double> predicted;
   std::vector<double> per_sample;
+  std::vector<double> stash_mb;
   loss_function loss_fn = mse;
+  precision_mode precision = precision_mode::fp32;
+
+  // Plain libtorch's forward and loss, under the pipeline's autocast for bf16.
+  torch::Tensor plain_loss(const torch::Tensor& x, const torch::Tensor& y) const {
+    torch::Tensor out;
+    {
+      stages::autocast_scope autocast(precision);
+      out = run_layers(layers, x);
+    }
+    return loss_fn(stages::boundary_cast(out, precision, /*last=*/true), y);
+  }
 
   void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
     if (pipe) {
@@ -86,6 +100,11 @@ struct contender {
       fill_drain.push_back((m + static_cast<double>(p) - 1) * slowest / m + optimizer_ms);
       predicted.push_back(report.planned_ms + optimizer_ms);
       per_sample.push_back(sum / static_cast<double>(x.size(0)));
+      int64_t stash = 0;
+      for (const auto& s : r.stages) {
+        stash = std::max(stash, s.peak_stash_bytes);
+      }
+      stash_mb.push_back(static_cast<double>(stash) / 1e6);
     } else {
       auto previous = at::get_num_threads();
       at::set_num_threads(threads);
@@ -98,13 +117,13 @@ struct contender {
         auto xs = torch::tensor_split(x, parts, 0);
         auto ys = torch::tensor_split(y, parts, 0);
         for (std::size_t i = 0; i < xs.size(); ++i) {
-          auto part = loss_fn(run_layers(layers, xs[i]), ys[i]) *
+          auto part = plain_loss(xs[i], ys[i]) *
                       (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
           part.backward();
           loss += part.item<double>();
         }
       } else {
-        auto whole = loss_fn(run_layers(layers, x), y);
+        auto whole = plain_loss(x, y);
         whole.backward();
         loss = whole.item<double>();
       }
@@ -123,13 +142,13 @@ struct contender {
 std::string format_row(const sweep_row& r) {
   char line[400];
   std::snprintf(line, sizeof line,
-                "%-22s %6zu %8.2f %8.2f %8.2f %8.2f %8.2f %6.2f %8.2f %7.2fx %7.2fx %7.2fx %7.1f "
-                "%5.0f%% %8.2f %7lld",
+                "%-32s %6zu %8.2f %8.2f %8.2f %8.2f %8.2f %6.2f %8.2f %7.2fx %7.2fx %7.2fx %7.1f "
+                "%5.0f%% %8.2f %7lld %8.2f %9.0f",
                 r.name.c_str(), r.accumulated > 0 ? r.accumulated : r.splits, r.median_ms / 1000,
                 r.min_ms / 1000, r.max_ms / 1000, r.lower_bound_ms / 1000, r.fill_drain_ms / 1000,
                 r.efficiency, r.predicted_ms / 1000, r.speedup_1t, r.speedup_all,
                 r.speedup_accumulated, r.gflops, 100 * r.peak_share, r.compute_ms_per_sample,
-                static_cast<long long>(r.rss_mb));
+                static_cast<long long>(r.rss_mb), r.stash_mb, r.per_second);
   return line;
 }
 
@@ -264,6 +283,23 @@ layer_list fresh_layers(const training::model_setup& setup, uint64_t seed) {
   return make_model(setup.name, setup.options);
 }
 
+// The precisions measured: "fp32", "bf16".
+std::vector<std::string> precisions_of(const sweep_options& o) {
+  return o.precisions.empty() ? std::vector<std::string>{"fp32"} : o.precisions;
+}
+
+// The recomputation modes measured.
+std::vector<std::string> recompute_modes_of(const sweep_options& o) {
+  return o.recompute.empty() ? std::vector<std::string>{"never"} : o.recompute;
+}
+
+// " <value>" in a configuration's name when the bench measures several values, or another than
+// the usual.
+std::string suffix(const std::vector<std::string>& values, const std::string& value,
+                   const char* usual = "fp32", const char* prefix = "") {
+  return values.size() > 1 || value != usual ? detail::concat(" ", prefix, value) : std::string{};
+}
+
 // Plain libtorch on one thread and on all cores, whole batch, and on all cores accumulating over
 // each swept split's micro-batches (the pipeline's math without the pipeline).
 std::vector<contender> plain_contenders(const sweep_options& o, const training::model_setup& setup,
@@ -276,27 +312,33 @@ std::vector<contender> plain_contenders(const sweep_options& o, const training::
         plain.emplace_back(cores, m);
       }
     }
-    for (auto [threads, accumulate] : plain) {
-      contender c;
-      c.row.name = accumulate > 0 ? detail::concat("plain ", threads, "t accum ", accumulate)
-                                  : detail::concat("plain libtorch ", threads, "t");
-      c.row.accumulated = accumulate;
-      c.layers = fresh_layers(setup, o.model.seed);
-      c.loss_fn = loss_for(setup);
-      std::vector<torch::Tensor> params;
-      std::set<const c10::TensorImpl*> seen; // a tied parameter is stepped once
-      for (const auto& l : c.layers) {
-        if (auto m = l.module()) {
-          for (auto& p : m->parameters()) {
-            if (seen.insert(p.unsafeGetTensorImpl()).second) {
-              params.push_back(p);
+    auto precisions = precisions_of(o);
+    for (const auto& precision : precisions) {
+      for (auto [threads, accumulate] : plain) {
+        contender c;
+        c.row.name = accumulate > 0 ? detail::concat("plain ", threads, "t accum ", accumulate)
+                                    : detail::concat("plain libtorch ", threads, "t");
+        c.row.name += suffix(precisions, precision);
+        c.row.precision = precision;
+        c.precision = parse_precision(precision);
+        c.row.accumulated = accumulate;
+        c.layers = fresh_layers(setup, o.model.seed);
+        c.loss_fn = loss_for(setup);
+        std::vector<torch::Tensor> params;
+        std::set<const c10::TensorImpl*> seen; // a tied parameter is stepped once
+        for (const auto& l : c.layers) {
+          if (auto m = l.module()) {
+            for (auto& p : m->parameters()) {
+              if (seen.insert(p.unsafeGetTensorImpl()).second) {
+                params.push_back(p);
+              }
             }
           }
         }
+        c.optimizer = sgd(o.lr)(params);
+        c.threads = threads;
+        contenders.push_back(std::move(c));
       }
-      c.optimizer = sgd(o.lr)(params);
-      c.threads = threads;
-      contenders.push_back(std::move(c));
     }
   }
   return contenders;
@@ -311,37 +353,74 @@ std::vector<std::string> memory_modes_of(const sweep_options& o) {
   return modes;
 }
 
-// A pipeline per partition x split x memory mode.
-std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
-                                           const training::model_setup& setup) {
-  std::vector<contender> contenders;
-  auto partitions =
-    o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions;
-  auto memory_modes = memory_modes_of(o);
-  for (const auto& spec : partitions) {
-    for (auto m : o.splits) {
-      for (const auto& memory_mode : memory_modes) {
-        auto plan_args = o.plan;
-        plan_args.partition = spec;
-        plan_args.microbatches = m;
-        plan_args.cold_memory = memory_mode == "cold";
-        auto choice = training::choose_plan(setup.layers, setup.sample(), plan_args);
-        auto po = training::pipeline_options_for(choice, plan_args);
-        po.loss = loss_for(setup);
-        po.optimizer = sgd(o.lr);
-        contender c;
-        c.loss_fn = po.loss;
-        c.row.name = detail::concat(choice.schedule_name, " ", spec, " ", choice.cut.stages(), "p",
-                                    memory_modes.size() > 1 ? " " + memory_mode : "");
-        c.row.partition = spec;
-        c.row.splits = choice.microbatches;
-        c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
-        c.plan = c.pipe->training_schedule();
-        contenders.push_back(std::move(c));
-      }
+// One pipeline configuration of the sweep.
+struct pipeline_setting {
+  training::planning_args plan;
+  std::string precision = "fp32";
+  std::string recompute = "never";
+  std::string memory;
+};
+
+// Every setting of `all` with each of `values` (set by `set`): the sweep's product, one
+// dimension at a time.
+template <class T, class Set>
+void expand(std::vector<pipeline_setting>& all, const std::vector<T>& values, Set set) {
+  std::vector<pipeline_setting> out;
+  for (const auto& setting : all) {
+    for (const auto& v : values) {
+      out.push_back(setting);
+      set(out.back(), v);
     }
   }
+  all = std::move(out);
+}
 
+// A pipeline per stage count x partition x split x memory mode x precision x recomputation.
+std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
+                                           const training::model_setup& setup) {
+  auto memory_modes = memory_modes_of(o);
+  auto precisions = precisions_of(o);
+  auto recompute_modes = recompute_modes_of(o);
+  std::vector<pipeline_setting> settings{pipeline_setting{o.plan}};
+  expand(settings,
+         o.stage_counts.empty() ? std::vector<std::size_t>{o.plan.stages} : o.stage_counts,
+         [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });
+  expand(settings, o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions,
+         [](pipeline_setting& s, const std::string& spec) { s.plan.partition = spec; });
+  expand(settings, o.splits, [](pipeline_setting& s, std::size_t m) { s.plan.microbatches = m; });
+  expand(settings, memory_modes, [](pipeline_setting& s, const std::string& memory) {
+    s.memory = memory;
+    s.plan.cold_memory = memory == "cold";
+  });
+  expand(settings, precisions,
+         [](pipeline_setting& s, const std::string& precision) { s.precision = precision; });
+  expand(settings, recompute_modes,
+         [](pipeline_setting& s, const std::string& recompute) { s.recompute = recompute; });
+
+  std::vector<contender> contenders;
+  for (const auto& s : settings) {
+    auto choice = training::choose_plan(setup.layers, setup.sample(), s.plan);
+    auto po = training::pipeline_options_for(choice, s.plan);
+    po.loss = loss_for(setup);
+    po.optimizer = sgd(o.lr);
+    po.precision = parse_precision(s.precision);
+    po.recompute = parse_recompute_mode(s.recompute);
+    contender c;
+    c.loss_fn = po.loss;
+    c.precision = po.precision;
+    c.row.precision = s.precision;
+    c.row.recompute = s.recompute;
+    c.row.name =
+      detail::concat(choice.schedule_name, " ", s.plan.partition, " ", choice.cut.stages(), "p",
+                     memory_modes.size() > 1 ? " " + s.memory : "", suffix(precisions, s.precision),
+                     suffix(recompute_modes, s.recompute, "never", "rc "));
+    c.row.partition = s.plan.partition;
+    c.row.splits = choice.microbatches;
+    c.row.stages = choice.cut.stages();
+    c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
+    c.plan = c.pipe->training_schedule();
+    contenders.push_back(std::move(c));
+  }
   return contenders;
 }
 
@@ -365,8 +444,9 @@ struct loss_agreement {
 std::vector<sweep_row> rows_of(const std::vector<contender>& contenders, double flops,
                                double peak_all, loss_agreement& agreement) {
   std::vector<sweep_row> rows;
-  double plain_1 = 0;
-  double plain_all = 0;
+  // The whole-batch baselines of each precision.
+  std::map<std::string, double> plain_1;
+  std::map<std::string, double> plain_all;
   for (const auto& c : contenders) {
     auto r = c.row;
     r.min_ms = *std::min_element(c.times.begin(), c.times.end());
@@ -380,19 +460,20 @@ std::vector<sweep_row> rows_of(const std::vector<contender>& contenders, double 
       r.efficiency = r.lower_bound_ms / r.median_ms;
       r.predicted_ms = median(c.predicted);
       r.compute_ms_per_sample = median(c.per_sample);
+      r.stash_mb = median(c.stash_mb);
     } else if (r.accumulated == 0) {
       // The whole-batch baselines; accumulated ones are matched with the pipelines below.
-      (c.threads == 1 ? plain_1 : plain_all) = r.median_ms;
+      (c.threads == 1 ? plain_1 : plain_all)[r.precision] = r.median_ms;
     }
     rows.push_back(r);
   }
   auto& loss_difference = agreement.loss_difference;
   auto& accumulated_difference = agreement.accumulated_difference;
   for (auto& r : rows) {
-    r.speedup_1t = plain_1 > 0 ? plain_1 / r.median_ms : 0;
-    r.speedup_all = plain_all > 0 ? plain_all / r.median_ms : 0;
+    r.speedup_1t = plain_1.count(r.precision) > 0 ? plain_1[r.precision] / r.median_ms : 0;
+    r.speedup_all = plain_all.count(r.precision) > 0 ? plain_all[r.precision] / r.median_ms : 0;
     for (const auto& a : rows) {
-      if (r.splits > 1 && a.accumulated == r.splits) {
+      if (r.splits > 1 && a.accumulated == r.splits && a.precision == r.precision) {
         r.speedup_accumulated = a.median_ms / r.median_ms;
         r.loss_difference_accumulated = relative_difference(r.losses, a.losses);
         accumulated_difference = std::max(accumulated_difference, r.loss_difference_accumulated);
@@ -406,20 +487,23 @@ std::vector<sweep_row> rows_of(const std::vector<contender>& contenders, double 
 }
 
 void print_table(const std::vector<sweep_row>& rows, const loss_agreement& agreement,
-                 const std::vector<std::string>& memory_modes) {
+                 const std::vector<std::string>& memory_modes, const char* unit) {
   const auto loss_difference = agreement.loss_difference;
   const auto accumulated_difference = agreement.accumulated_difference;
-  std::printf("\n%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s\n", "config",
-              "splits", "median", "min", "max", "ideal", "fill", "eff", "predict", "vs 1t",
-              "vs all", "vs acc", "GFLOP/s", "peak", "ms/smpl", "RSS MB");
-  std::printf("%-22s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s\n", "", "",
-              "s/step", "s", "s", "s", "drain s", "", "s", "", "", "", "", "", "compute", "");
+  std::printf("\n%-32s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s %8s %9s\n",
+              "config", "splits", "median", "min", "max", "ideal", "fill", "eff", "predict",
+              "vs 1t", "vs all", "vs acc", "GFLOP/s", "peak", "ms/smpl", "RSS MB", "stash", "rate");
+  std::printf("%-32s %6s %8s %8s %8s %8s %8s %6s %8s %8s %8s %8s %7s %6s %8s %7s %8s %9s\n", "", "",
+              "s/step", "s", "s", "s", "drain s", "", "s", "", "", "", "", "", "compute", "", "MB",
+              unit);
   for (const auto& r : rows) {
     std::printf("%s\n", format_row(r).c_str());
   }
   std::printf("ideal: lower bound max(sum/p, slowest stage) of the stages' own measured compute "
               "plus the optimizer step; eff = ideal / median; predict: the simulator with the "
-              "step's mean action costs\n");
+              "step's mean action costs; stash: the most a stage kept for backward at once "
+              "(inputs and saved activations); vs 1t/all/acc: against plain libtorch in the "
+              "same precision\n");
   std::ostringstream reference_losses;
   for (std::size_t i = 0; i < rows.front().losses.size(); ++i) {
     reference_losses << (i > 0 ? ", " : "") << std::setprecision(9) << rows.front().losses[i];
@@ -451,7 +535,7 @@ void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
       csv.open(o.csv);
       csv << "config,partition,splits,median_ms,min_ms,max_ms,lower_bound_ms,fill_drain_ms,"
              "efficiency,predicted_ms,speedup_1t,speedup_all,speedup_accumulated,gflops,peak_share,"
-             "compute_ms_per_sample,rss_mb\n";
+             "compute_ms_per_sample,rss_mb,precision,recompute,stash_mb\n";
     }
     for (const auto& r : rows) {
       j.push_back({{"config", r.name},
@@ -472,6 +556,11 @@ void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
                    {"peak_share", r.peak_share},
                    {"compute_ms_per_sample", r.compute_ms_per_sample},
                    {"rss_mb", r.rss_mb},
+                   {"precision", r.precision},
+                   {"recompute", r.recompute},
+                   {"stash_mb", r.stash_mb},
+                   {"per_second", r.per_second},
+                   {"stages", r.stages},
                    {"losses", r.losses},
                    {"loss_difference", r.loss_difference},
                    {"loss_difference_accumulated", r.loss_difference_accumulated}});
@@ -480,7 +569,8 @@ void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
             << r.min_ms << ',' << r.max_ms << ',' << r.lower_bound_ms << ',' << r.fill_drain_ms
             << ',' << r.efficiency << ',' << r.predicted_ms << ',' << r.speedup_1t << ','
             << r.speedup_all << ',' << r.speedup_accumulated << ',' << r.gflops << ','
-            << r.peak_share << ',' << r.compute_ms_per_sample << ',' << r.rss_mb << '\n';
+            << r.peak_share << ',' << r.compute_ms_per_sample << ',' << r.rss_mb << ','
+            << r.precision << ',' << r.recompute << ',' << r.stash_mb << '\n';
       }
     }
     if (!o.json.empty()) {
@@ -532,6 +622,15 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
               "thread, %.1f on %d\n",
               flops / 1e9, peak_1, peak_all, cores);
+  auto precisions = precisions_of(o);
+  if (std::find(precisions.begin(), precisions.end(), "bf16") != precisions.end()) {
+    // What bf16 can gain here: a matrix product of each type, side by side.
+    auto fp32 = gemm_gflops(cores, torch::kFloat, 1024);
+    auto bf16 = gemm_gflops(cores, torch::kBFloat16, 1024);
+    std::printf("GEMM 1024^2 on %d threads: fp32 %.1f GFLOP/s, bf16 %.1f (%.2fx); this CPU %s "
+                "bf16 instructions (avx512_bf16 or amx_bf16)\n",
+                cores, fp32, bf16, bf16 / fp32, stages::cpu_has_native_bf16() ? "has" : "has no");
+  }
   std::fflush(stdout);
 
   training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * contenders.size()));
@@ -547,7 +646,14 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
 
   loss_agreement agreement;
   auto rows = rows_of(contenders, flops, peak_all, agreement);
-  print_table(rows, agreement, memory_modes_of(o));
+  // Throughput: samples, or a language model's tokens, per second.
+  auto per_step =
+    static_cast<double>(setup.batch) * static_cast<double>(setup.language_model() ? mo.context : 1);
+  for (auto& r : rows) {
+    r.per_second = per_step / (r.median_ms / 1000);
+  }
+  print_table(rows, agreement, memory_modes_of(o),
+              setup.language_model() ? "tokens/s" : "samples/s");
   write_reports(o, rows, setup, flops, peak_1, peak_all);
   if (!o.plot.empty()) {
     write_plot(o.plot, rows,

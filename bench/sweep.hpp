@@ -23,6 +23,11 @@ struct sweep_options {
   std::vector<std::string> partitions;
   /// Stage threads' memory per configuration: "warm", "cold" (empty: as plan.cold_memory says).
   std::vector<std::string> memory;
+  /// Precisions to measure side by side, "fp32", "bf16" (empty: fp32); plain libtorch runs
+  /// in each too (bf16: under the same autocast).
+  std::vector<std::string> precisions;
+  /// Recomputation modes of the pipelines side by side (empty: "never").
+  std::vector<std::string> recompute;
   std::size_t steps = 3;
   double lr = 0.05;
   bool baselines = true;
@@ -36,6 +41,8 @@ struct sweep_options {
   /// Data parallelism grid: when not empty, the bench measures every replicas x stages pair
   /// (each replica on batch / replicas samples) instead of the split sweep.
   std::vector<std::size_t> replicas;
+  /// Stage counts: of the replica grid, or (without replicas) of the pipelines swept side by
+  /// side (empty: plan.stages).
   std::vector<std::size_t> stage_counts;
   /// Replica grid: Chrome trace of the last step of the largest configuration.
   std::string trace;
@@ -95,6 +102,15 @@ struct sweep_row {
   /// Plain libtorch: the micro-batches it accumulates gradients over (0: the whole batch).
   std::size_t accumulated = 0;
   int64_t rss_mb = 0;
+  std::string precision = "fp32";
+  /// Pipelines: the recomputation mode, and the most bytes a stage stashed at once (the
+  /// largest stage's peak_stash_bytes, median over steps), in MB.
+  std::string recompute = "never";
+  double stash_mb = 0;
+  /// Samples (a language model: tokens) trained per second, at the median step time.
+  double per_second = 0;
+  /// Pipelines: stage actors x chunks (the partition's parts).
+  std::size_t stages = 0;
   /// The loss of every step (warm-up first), and the largest relative difference from the
   /// first configuration's (plain libtorch 1 thread when baselines run): same math, same data.
   std::vector<double> losses;
@@ -121,7 +137,7 @@ std::vector<sweep_row> run_sweep(const sweep_options& options);
 /// multiply FLOPs, counted from libtorch's operator calls).
 double training_flops(const layer_list& layers, const torch::Tensor& batch);
 
-/// GFLOP/s of a 2048 x 2048 float GEMM with `threads` intra-op threads (best of 3).
-double gemm_gflops(int threads);
+/// GFLOP/s of an n x n GEMM of `dtype` with `threads` intra-op threads (best of 3).
+double gemm_gflops(int threads, c10::ScalarType dtype = c10::ScalarType::Float, int64_t n = 2048);
 
 } // namespace actorpipe::bench

@@ -29,6 +29,18 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
                  "allocator), or warm,cold; --cold-memory means cold")
     ->delimiter(',')
     ->check(CLI::IsMember({"warm", "cold"}));
+  cmd
+    ->add_option("--precision", o.precisions,
+                 "Precisions side by side: fp32, bf16 or fp32,bf16 (pipelines and plain "
+                 "libtorch; bf16 under CPU autocast)")
+    ->delimiter(',')
+    ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd
+    ->add_option("--recompute", o.recompute,
+                 "Pipelines' activation recomputation side by side: never, except_last, always, "
+                 "e.g. never,always (the stash MB column shows what it saves)")
+    ->delimiter(',')
+    ->check(CLI::IsMember({"never", "except_last", "always"}));
   cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
     ->capture_default_str();
   cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();
@@ -45,8 +57,10 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
                  "1,2 (each replica on batch/replicas samples, gradients all-reduced per stage)")
     ->delimiter(',');
   cmd
-    ->add_option("--stage-counts", o.stage_counts,
-                 "With --replicas: stage counts of the grid, e.g. 1,2 (default: --stages)")
+    ->add_option(
+      "--stage-counts", o.stage_counts,
+      "Stage counts side by side, e.g. 1,2,4: of the pipelines swept, or with --replicas "
+      "of the grid (default: --stages)")
     ->delimiter(',');
   cmd->add_option("--trace", o.trace,
                   "With --replicas: Chrome trace of the largest configuration's last step");

@@ -49,6 +49,10 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
       "always: keep only each stage's input between forward and backward and recompute the "
       "forward during backward (less memory, more time; docs/transformers.md)");
+  opt("--precision", a.precision,
+      "fp32, or bf16 mixed precision: each stage computes under CPU autocast to bfloat16, "
+      "activations and their gradients cross stages in bf16, parameters and the optimizer stay "
+      "fp32 (fast only on CPUs with avx512_bf16 or amx_bf16; docs/transformers.md)");
   opt("--wait-timeout", a.wait_timeout_ms,
       "Milliseconds a stage waits for an input before failing the step");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
@@ -347,7 +351,8 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                             {"wait_ms", st.wait_ms},
                             {"optimizer_ms", st.optimizer_ms},
                             {"sync_ms", st.sync_end_ms - st.sync_start_ms},
-                            {"peak_stash", st.peak_stash}});
+                            {"peak_stash", st.peak_stash},
+                            {"peak_stash_bytes", st.peak_stash_bytes}});
         }
         row["wall_ms"] = r.wall_ms;
         row["stages"] = stages;
@@ -397,6 +402,7 @@ int run_train(const train_args& given) {
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
   po.max_grad_norm = a.max_grad_norm;
   po.recompute = parse_recompute_mode(a.recompute);
+  po.precision = parse_precision(a.precision);
 
   auto& dp = po.data_parallel;
   dp = data_parallel_from_env();

@@ -57,6 +57,8 @@ struct train_args {
   double max_grad_norm = 0;
   /// --recompute: never, except_last or always.
   std::string recompute = "never";
+  /// --precision: fp32 or bf16.
+  std::string precision = "fp32";
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
   std::vector<std::string> nodes;
   std::string secret_file;

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/checkpoint.hpp"
+#include "stages/precision.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe {
@@ -235,6 +237,11 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   }
   ACTORPIPE_CHECK(options.max_grad_norm >= 0, "max_grad_norm (", options.max_grad_norm,
                   ") must be >= 0");
+  if (auto warning = stages::precision_warning(options.precision); !warning.empty()) {
+    // Once per process: every pipeline of a sweep would say it again.
+    static std::once_flag once;
+    std::call_once(once, [&] { log::get()->warn("pipeline: {}", warning); });
+  }
   return stage_count;
 }
 
@@ -275,7 +282,8 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   for (std::size_t k = 0; k < cut.stages(); ++k) {
     auto device =
       options.devices.empty() ? c10::Device(c10::kCPU) : options.devices[k % stage_count];
-    self.stages.push_back(stages::make_stage(layers, cut, k, device, options.optimizer));
+    self.stages.push_back(
+      stages::make_stage(layers, cut, k, device, options.optimizer, options.precision));
   }
   // Parameters tied across stages: the actors holding them sum their gradients every step.
   std::set<std::size_t> holders;
@@ -363,7 +371,8 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    self.stages.push_back(stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer));
+    self.stages.push_back(
+      stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer, options.precision));
   }
   if (options.placement.tls.enabled()) {
     sys.internals().use_tls(options.placement.tls);

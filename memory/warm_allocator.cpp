@@ -1,6 +1,8 @@
 #include <actorpipe/memory.hpp>
 
+#include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -18,6 +20,8 @@ constexpr std::size_t smallest = 64 * 1024; // smaller buffers: glibc keeps thos
 constexpr std::size_t granule = 64 * 1024;  // cached sizes are rounded up to this
 
 thread_local bool warm_thread = false;
+// The allocation_tally counting this thread's allocations, if any.
+thread_local std::shared_ptr<std::atomic<int64_t>> tally = nullptr;
 
 std::size_t default_limit() {
   auto pages = ::sysconf(_SC_PHYS_PAGES);
@@ -32,6 +36,25 @@ public:
   explicit warm_allocator(c10::Allocator* fallback) : fallback_(fallback) {}
 
   c10::DataPtr allocate(std::size_t n) const override {
+    if (!tally || n == 0) {
+      return allocate_untallied(n);
+    }
+    // Tallied: the buffer comes back through release, which subtracts it (and hands a
+    // libtorch buffer to libtorch's deleter). The context stays the data pointer, as
+    // raw_allocate requires.
+    auto ptr = allocate_untallied(n);
+    void* p = ptr.get();
+    auto deleter = ptr.get_deleter();
+    ptr.release_context();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tallied_.emplace(p, tallied{n, tally, deleter == &release ? nullptr : deleter});
+    }
+    *tally += static_cast<int64_t>(n);
+    return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DataPtr allocate_untallied(std::size_t n) const {
     if (!warm_thread || n < smallest) {
       return fallback_->allocate(n);
     }
@@ -69,6 +92,19 @@ public:
 
   void give_back(void* p) {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (!tallied_.empty()) {
+      auto t = tallied_.find(p);
+      if (t != tallied_.end()) {
+        *t->second.counter -= static_cast<int64_t>(t->second.bytes);
+        auto deleter = t->second.deleter;
+        tallied_.erase(t);
+        if (deleter != nullptr) {
+          lock.unlock();
+          deleter(p);
+          return;
+        }
+      }
+    }
     auto it = live_.find(p);
     if (it == live_.end()) {
       // Allocated by libtorch's default allocator for a cold thread.
@@ -123,8 +159,16 @@ private:
     }
   }
 
+  struct tallied {
+    std::size_t bytes;
+    std::shared_ptr<std::atomic<int64_t>> counter;
+    // libtorch's deleter for a buffer of the fallback; null for a warm one.
+    c10::DeleterFnPtr deleter;
+  };
+
   c10::Allocator* fallback_;
   mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, tallied> tallied_;
   mutable std::unordered_map<std::size_t, std::vector<void*>> free_;
   mutable std::unordered_map<void*, std::size_t> live_;
   mutable std::size_t cached_ = 0;
@@ -163,6 +207,16 @@ warm_memory_scope::warm_memory_scope(bool warm) : previous_(warm_thread) {
 
 warm_memory_scope::~warm_memory_scope() {
   warm_thread = previous_;
+}
+
+allocation_tally::allocation_tally()
+  : live_(std::make_shared<std::atomic<int64_t>>(0)), previous_(tally) {
+  instance();
+  tally = live_;
+}
+
+allocation_tally::~allocation_tally() {
+  tally = previous_;
 }
 
 void set_cache_limit(std::size_t bytes) {

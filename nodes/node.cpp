@@ -214,8 +214,8 @@ std::string build(node_actor* self, const std::string& text) {
   auto begin = cut.begin(spec.index);
   auto end = cut.end(spec.index);
   ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
-  auto st =
-    stages::make_stage(layers, cut, spec.index, c10::kCPU, make_optimizer(spec.model.optimizer));
+  auto st = stages::make_stage(layers, cut, spec.index, c10::kCPU,
+                               make_optimizer(spec.model.optimizer), spec.precision);
   ACTORPIPE_CHECK(st->config().shared_ties.empty(), "stage ", spec.index, ": parameter '",
                   st->config().shared_ties.empty() ? "" : st->config().shared_ties.begin()->first,
                   "' of model '", spec.model.name,

@@ -100,7 +100,8 @@ std::string to_json(const stage_spec& s) {
             {"wait_timeout_ms", s.wait_timeout_ms},
             {"report_gradient_norm", s.report_gradient_norm},
             {"reduction", s.reduction == loss_reduction::mean ? "mean" : "sum"},
-            {"recompute", to_string(s.recompute)}};
+            {"recompute", to_string(s.recompute)},
+            {"precision", to_string(s.precision)}};
   return j.dump();
 }
 
@@ -138,6 +139,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
                   reduction, "'");
   s.reduction = reduction == "mean" ? loss_reduction::mean : loss_reduction::sum;
   s.recompute = parse_recompute_mode(field<std::string>(j, "recompute", what));
+  s.precision = parse_precision(field<std::string>(j, "precision", what));
   ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count && s.bounds.size() == s.count + 1, what,
                   ": stage ", s.index, " of ", s.count, " with ", s.bounds.size(), " bounds");
   ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
@@ -212,6 +214,7 @@ std::string to_json(const actors::stage_report& r) {
               {"backward_ms", s.backward_ms},
               {"wait_ms", s.wait_ms},
               {"peak_stash", s.peak_stash},
+              {"peak_stash_bytes", s.peak_stash_bytes},
               {"recomputed", s.recomputed},
               {"actions", actions}}
     .dump();
@@ -231,6 +234,7 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   s.backward_ms = field<double>(j, "backward_ms", what);
   s.wait_ms = field<double>(j, "wait_ms", what);
   s.peak_stash = field<double>(j, "peak_stash", what);
+  s.peak_stash_bytes = field<int64_t>(j, "peak_stash_bytes", what);
   s.recomputed = field<std::size_t>(j, "recomputed", what);
   for (const auto& a : field<json>(j, "actions", what)) {
     action_record rec;

@@ -67,6 +67,7 @@ struct stage_spec {
   bool report_gradient_norm = false;
   loss_reduction reduction = loss_reduction::mean;
   recompute_mode recompute = recompute_mode::never;
+  precision_mode precision = precision_mode::fp32;
 };
 
 /// Where a stage receives frames, and the node that hosts it ("host:port" of its control).

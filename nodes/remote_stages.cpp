@@ -486,6 +486,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       spec.report_gradient_norm = options.max_grad_norm > 0;
       spec.reduction = options.reduction;
       spec.recompute = options.recompute;
+      spec.precision = options.precision;
       auto reply = nlohmann::json::parse(
         ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
       if (reply.contains("error")) {

@@ -1,7 +1,10 @@
 #include "stages/stage.hpp"
 
+#include "stages/precision.hpp"
+
 #include <actorpipe/batch_norm.hpp>
 
+#include <optional>
 #include <set>
 #include <shared_mutex>
 
@@ -14,6 +17,7 @@
 #include <torch/optim/sgd.h>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/memory.hpp>
 
 namespace actorpipe::stages {
 namespace {
@@ -191,7 +195,9 @@ void stage::begin_step(bool train) {
   std::lock_guard<std::mutex> guard{mutex_};
   train_ = train;
   stash_.clear();
+  stash_bytes_ = 0;
   peak_stash_ = 0;
+  peak_stash_bytes_ = 0;
   for (auto& l : layers_) {
     if (auto m = l.module()) {
       m->train(train);
@@ -211,6 +217,10 @@ void stage::begin_step(bool train) {
 
 bundle stage::run(int32_t microbatch, const bundle& input) const {
   auto x = input;
+  // Autocast is thread-local: set here, on the thread that runs the stage, for the layers only
+  // (the loss and the boundary casts below run outside it).
+  std::optional<autocast_scope> autocast;
+  autocast.emplace(config_.precision);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const auto& l = layers_[i];
     auto source = [&] {
@@ -245,6 +255,10 @@ bundle stage::run(int32_t microbatch, const bundle& input) const {
                                                  ? error_kind::shape_mismatch
                                                  : error_kind::stage_failure));
     }
+  }
+  autocast.reset();
+  for (auto& t : x.tensors()) {
+    t = boundary_cast(t, config_.precision, is_last());
   }
   return x;
 }
@@ -283,6 +297,30 @@ bundle detach_keeping_flags(const bundle& y) {
 
 } // namespace
 
+void stage::stash(int32_t microbatch, stash_entry entry, int64_t retained) {
+  // What the entry keeps: its input (which the previous stage, or the batch, allocated) and
+  // what this forward allocated that is still alive: the graph's saved activations and the
+  // output (nothing of the forward's, recomputed).
+  entry.bytes = retained;
+  for (const auto& t : entry.input.tensors()) {
+    if (t.defined()) {
+      entry.bytes += static_cast<int64_t>(t.numel() * t.element_size());
+    }
+  }
+  if (entry.generator_state.defined()) {
+    entry.bytes += static_cast<int64_t>(entry.generator_state.numel());
+  }
+  stash_bytes_ += entry.bytes;
+  stash_[microbatch] = std::move(entry);
+  peak_stash_ = std::max(peak_stash_, stash_.size());
+  peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
+}
+
+void stage::unstash(std::map<int32_t, stash_entry>::iterator it) {
+  stash_bytes_ -= it->second.bytes;
+  stash_.erase(it);
+}
+
 bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
   if (!train_) {
@@ -296,6 +334,7 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   // With recomputation the graph is built (it says which outputs need a gradient) and dropped
   // at once: only the input, and where the stage draws random numbers the generator's state,
   // stay until backward.
+  memory::allocation_tally tally;
   auto y = drawing(draws_random_, recompute, entry.generator_state,
                    [&] { return run(microbatch, entry.input); });
   auto sent = detach_keeping_flags(y);
@@ -303,8 +342,7 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   if (!recompute) {
     entry.output = std::move(y);
   }
-  stash_[microbatch] = std::move(entry);
-  peak_stash_ = std::max(peak_stash_, stash_.size());
+  stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return sent;
 }
 
@@ -342,6 +380,7 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
   stash_entry entry;
   entry.input = receive(input, true);
   torch::Tensor value;
+  memory::allocation_tally tally;
   {
     // Recomputed, the forward runs without a graph (the last stage sends no activation whose
     // flags would need one); the loss function and target wait for backward.
@@ -358,8 +397,7 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
   } else {
     entry.output = bundle(value * scale);
   }
-  stash_[microbatch] = std::move(entry);
-  peak_stash_ = std::max(peak_stash_, stash_.size());
+  stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return value.item<double>();
 }
 
@@ -506,7 +544,7 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
   recompute(microbatch, it->second);
   pair_gradients(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
-  stash_.erase(it);
+  unstash(it);
   torch::AutoGradMode grad_mode{true};
   if (!entry.roots.empty()) {
     torch::autograd::backward(entry.roots, entry.root_gradients);
@@ -551,7 +589,7 @@ void stage::backward_weight(int32_t microbatch) {
                          details(microbatch, error_kind::stage_failure));
   }
   auto entry = std::move(it->second);
-  stash_.erase(it);
+  unstash(it);
   std::vector<torch::Tensor> params;
   for (auto& p : parameters()) {
     if (p.requires_grad()) {
@@ -576,6 +614,7 @@ void stage::end_step() {
 void stage::abort_step() {
   std::lock_guard<std::mutex> guard{mutex_};
   stash_.clear();
+  stash_bytes_ = 0;
   for (auto& p : parameters()) {
     p.mutable_grad().reset();
   }
@@ -649,6 +688,11 @@ std::size_t stage::stash_size() const {
 std::size_t stage::peak_stash() const {
   std::lock_guard<std::mutex> guard{mutex_};
   return peak_stash_;
+}
+
+int64_t stage::peak_stash_bytes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return peak_stash_bytes_;
 }
 
 int64_t stage::parameter_count() const {
@@ -862,8 +906,10 @@ void tie_stage(const layer_list& layers, const partition& cut, std::size_t k,
 } // namespace
 
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
-                                  c10::Device device, const optimizer_factory& optimizer) {
+                                  c10::Device device, const optimizer_factory& optimizer,
+                                  precision_mode precision) {
   stage_config config;
+  config.precision = precision;
   config.index = k;
   config.count = cut.stages();
   config.first_layer = cut.begin(k);

@@ -40,6 +40,9 @@ struct stage_config {
   /// the stage of the tie's first holder, which alone checkpoints it and counts it in the
   /// gradient norm).
   std::map<std::string, bool> shared_ties;
+  /// bf16: the forward runs under CPU autocast on the calling (the stage's) thread and float
+  /// activations leave the stage in bf16 (the last stage's in float32); see autocast_scope.
+  precision_mode precision = precision_mode::fp32;
 };
 
 /// Runs a slice of layers. Every public member takes the stage's lock, so the owning actor's
@@ -124,6 +127,10 @@ public:
   std::size_t stash_size() const;
   /// Most micro-batches stashed at once since begin_step.
   std::size_t peak_stash() const;
+  /// Most bytes stashed at once since begin_step: the inputs of the micro-batches between
+  /// forward and backward, and what their forwards allocated that the graph keeps alive (saved
+  /// activations, outputs); for a recomputed micro-batch, its input only.
+  int64_t peak_stash_bytes() const;
 
   int64_t parameter_count() const;
 
@@ -166,7 +173,13 @@ private:
     torch::Tensor target;
     loss_function loss;
     double scale = 1.0;
+    /// What it holds (peak_stash_bytes).
+    int64_t bytes = 0;
   };
+
+  // Keeps `entry` until backward; `retained`: what its forward allocated that is still alive.
+  void stash(int32_t microbatch, stash_entry entry, int64_t retained);
+  void unstash(std::map<int32_t, stash_entry>::iterator it);
 
   // Rebuilds a recomputed entry's output (and graph); nothing for the others.
   void recompute(int32_t microbatch, stash_entry& entry);
@@ -203,6 +216,8 @@ private:
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::map<int32_t, stash_entry> stash_;
   std::size_t peak_stash_ = 0;
+  int64_t stash_bytes_ = 0;
+  int64_t peak_stash_bytes_ = 0;
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;
@@ -214,8 +229,9 @@ private:
 /// is set (the in-process pipeline and a node build their stages alike). A parameter tied
 /// between layers of this stage and of another (tied_parameters) becomes a copy here unless
 /// this stage holds its first holder: the layer's module is given the copy (tie_parameter), so
-/// build stages of one layer list once, in order of k.
+/// build stages of one layer list once, in order of k. `precision`: stage_config::precision.
 std::shared_ptr<stage> make_stage(const layer_list& layers, const partition& cut, std::size_t k,
-                                  c10::Device device, const optimizer_factory& optimizer);
+                                  c10::Device device, const optimizer_factory& optimizer,
+                                  precision_mode precision = precision_mode::fp32);
 
 } // namespace actorpipe::stages

@@ -11,7 +11,10 @@
 /// Every other thread, and buffers under 64 KB, go to libtorch's default allocator as before.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 
 namespace actorpipe::memory {
 
@@ -31,6 +34,26 @@ public:
 
 private:
   bool previous_;
+};
+
+/// Counts the CPU tensor memory the calling thread allocates during the tally's lifetime, until
+/// it is freed (by any thread): a stage measures what a micro-batch's forward leaves behind for
+/// its backward (stage_stats::peak_stash_bytes). Tallies nest; the innermost counts. Works with
+/// warm and cold memory alike (it installs the allocator, which then forwards cold threads'
+/// buffers to libtorch's).
+class allocation_tally {
+public:
+  allocation_tally();
+  ~allocation_tally();
+  allocation_tally(const allocation_tally&) = delete;
+  allocation_tally& operator=(const allocation_tally&) = delete;
+
+  /// Bytes allocated on this thread under the tally and not freed yet.
+  int64_t live_bytes() const { return live_->load(); }
+
+private:
+  std::shared_ptr<std::atomic<int64_t>> live_;
+  std::shared_ptr<std::atomic<int64_t>> previous_;
 };
 
 /// Bytes of free buffers kept at most; a buffer freed beyond it evicts buffers of other sizes

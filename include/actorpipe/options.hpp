@@ -226,6 +226,33 @@ inline recompute_mode parse_recompute_mode(const std::string& text) {
                          "' (choose never, except_last or always)");
 }
 
+/// The arithmetic of the stages' forward and backward (docs/transformers.md#precision).
+enum class precision_mode {
+  /// Everything in float32.
+  fp32,
+  /// bf16 mixed precision: each stage's forward runs under libtorch's CPU autocast to
+  /// bfloat16 (matrix products and convolutions in bf16, reductions and losses in fp32),
+  /// set on the stage's own thread; float activations and their gradients cross stages in
+  /// bf16; parameters, their gradients (accumulated over micro-batches), the optimizer and
+  /// checkpoints stay float32; the last stage's output and loss are float32.
+  bf16,
+};
+
+/// "fp32", "bf16".
+inline const char* to_string(precision_mode p) {
+  return p == precision_mode::bf16 ? "bf16" : "fp32";
+}
+
+/// The precision named by to_string; invalid_argument naming the choices otherwise.
+inline precision_mode parse_precision(const std::string& text) {
+  for (auto p : {precision_mode::fp32, precision_mode::bf16}) {
+    if (text == to_string(p)) {
+      return p;
+    }
+  }
+  throw invalid_argument("unknown precision '" + text + "' (choose fp32 or bf16)");
+}
+
 /// Everything a pipeline needs besides its layers and partition.
 struct pipeline_options {
   /// Micro-batches per step (m >= 1). The batch is split into m parts whose sizes differ by at
@@ -270,6 +297,8 @@ struct pipeline_options {
   /// equal those without; dropout draws the same masks in forward and recomputation; batch-norm
   /// statistics are updated once.
   recompute_mode recompute = recompute_mode::never;
+  /// Mixed precision on every stage (fp32: none).
+  precision_mode precision = precision_mode::fp32;
   /// Stage actors on `actorpipe node` processes (see the remote_model constructor).
   node_placement placement;
 };

@@ -655,3 +655,79 @@ TEST_CASE("flags of gpt and of text are refused where they do not apply") {
   CHECK(missing.output.find("'/nonexistent/corpus' is neither a file nor a folder") !=
         std::string::npos);
 }
+
+TEST_CASE("--precision bf16 trains a gpt close to fp32, bench measures precisions and "
+          "recomputation side by side, and an unknown precision is refused") {
+  auto json = [](const std::string& precision) {
+    auto file = temp_file("precision_" + precision + ".json");
+    auto r = run("train --data synthetic --model gpt --layers 2 --width 16 --heads 2 --context 8 "
+                 "--classes 9 --batch 8 --steps 4 --stages 2 --microbatches 2 --no-progress "
+                 "--precision " +
+                 precision + " --json " + file.string());
+    CAPTURE(r.output);
+    REQUIRE(r.exit_code == 0);
+    auto l = step_losses(file);
+    std::filesystem::remove(file);
+    return l;
+  };
+  auto fp32 = json("fp32");
+  auto bf16 = json("bf16");
+  REQUIRE(fp32.size() == 4);
+  REQUIRE(bf16.size() == 4);
+  CHECK(bf16[0].second != fp32[0].second);
+  for (std::size_t i = 0; i < 4; ++i) {
+    CHECK(bf16[i].second == doctest::Approx(fp32[i].second).epsilon(0.02));
+  }
+
+  auto bench_json = temp_file("bench_precision.json");
+  auto b = run("bench --model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
+               "--splits 4 --steps 1 --no-progress --no-accumulated --precision fp32,bf16 "
+               "--recompute never,always --json " +
+               bench_json.string());
+  CAPTURE(b.output);
+  REQUIRE(b.exit_code == 0);
+  std::ifstream in(bench_json);
+  auto rows = nlohmann::json::parse(in)["rows"];
+  // Plain libtorch on 1 and all cores in each precision, then the pipeline in each precision
+  // and recomputation mode.
+  REQUIRE(rows.size() == 8);
+  std::map<std::string, double> stash;
+  for (const auto& row : rows) {
+    CAPTURE(row.dump());
+    if (row["splits"].get<int>() > 0) {
+      stash[row["precision"].get<std::string>() + " " + row["recompute"].get<std::string>()] =
+        row["stash_mb"].get<double>();
+    }
+  }
+  REQUIRE(stash.size() == 4);
+  CHECK(stash["fp32 always"] < stash["fp32 never"]);
+  CHECK(stash["bf16 always"] < stash["bf16 never"]);
+  CHECK(b.output.find("1f1b uniform 2p bf16 rc always") != std::string::npos);
+  std::filesystem::remove(bench_json);
+
+  auto wrong = run("train --data synthetic --model mlp --steps 1 --precision fp16");
+  CHECK(wrong.exit_code == 2);
+  CHECK(wrong.output.find("unknown precision 'fp16' (choose fp32 or bf16)") != std::string::npos);
+}
+
+TEST_CASE("bench sweeps stage counts side by side and reports a language model's tokens per "
+          "second") {
+  auto json = temp_file("bench_stages.json");
+  auto r = run("bench --model gpt --layers 3 --width 16 --heads 2 --context 8 --batch 8 "
+               "--splits 2 --stage-counts 1,2,3 --steps 1 --no-progress --no-baselines --json " +
+               json.string());
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("tokens/s") != std::string::npos);
+  std::ifstream in(json);
+  auto rows = nlohmann::json::parse(in)["rows"];
+  REQUIRE(rows.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(rows[i].dump());
+    CHECK(rows[i]["stages"].get<std::size_t>() == i + 1);
+    // 8 sequences of 8 tokens per step.
+    CHECK(rows[i]["per_second"].get<double>() ==
+          doctest::Approx(64 / (rows[i]["median_ms"].get<double>() / 1000)));
+  }
+  std::filesystem::remove(json);
+}

@@ -21,20 +21,12 @@ constexpr int64_t vocabulary = 11;
 
 // embed, block0 .. block<blocks-1>, ln_f, head.
 layer_list tiny_gpt(int64_t blocks = 2, uint64_t seed = 5) {
-  torch::manual_seed(seed);
-  model_options o;
-  o.vocabulary = vocabulary;
-  o.layers = blocks;
-  o.heads = 2;
-  o.width = 8;
-  o.context = 8;
-  return make_model("gpt", o);
+  return test_gpt(vocabulary, blocks, 8, 8, seed);
 }
 
 // Token ids [n, t] and their targets.
 std::pair<torch::Tensor, torch::Tensor> tokens(int64_t n, int64_t t, uint64_t seed) {
-  torch::manual_seed(seed);
-  return {torch::randint(vocabulary, {n, t}), torch::randint(vocabulary, {n, t})};
+  return random_tokens(vocabulary, n, t, seed);
 }
 
 // Plain libtorch: one process, the tied tensor held by both layers (and stepped once).
@@ -44,17 +36,8 @@ struct plain_lm {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   loss_function loss = builtin_loss("cross_entropy");
 
-  plain_lm(layer_list l, const optimizer_factory& make) : layers(std::move(l)) {
-    std::set<const c10::TensorImpl*> seen;
-    for (const auto& lay : layers) {
-      if (auto m = lay.module()) {
-        for (auto& p : m->parameters()) {
-          if (seen.insert(p.unsafeGetTensorImpl()).second) {
-            parameters.push_back(p);
-          }
-        }
-      }
-    }
+  plain_lm(layer_list l, const optimizer_factory& make)
+    : layers(std::move(l)), parameters(unique_parameters(layers)) {
     optimizer = make(parameters);
   }
 

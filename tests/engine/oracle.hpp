@@ -1,6 +1,7 @@
 // Shared helpers for pipeline tests: the plain-libtorch oracle.
 #pragma once
 
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,44 @@ inline layer_list tiny_mlp(uint64_t seed = 1) {
   o.image_size = 4;
   o.num_classes = 3;
   return make_model("mlp", o);
+}
+
+/// The built-in gpt with test sizes (2 heads), drawn after torch::manual_seed(seed).
+inline layer_list test_gpt(int64_t vocabulary, int64_t blocks, int64_t width, int64_t context,
+                           uint64_t seed) {
+  torch::manual_seed(seed);
+  model_options o;
+  o.vocabulary = vocabulary;
+  o.layers = blocks;
+  o.heads = 2;
+  o.width = width;
+  o.context = context;
+  return make_model("gpt", o);
+}
+
+/// Token ids [n, t] below `vocabulary` and as many targets, drawn after torch::manual_seed(seed).
+inline std::pair<torch::Tensor, torch::Tensor> random_tokens(int64_t vocabulary, int64_t n,
+                                                             int64_t t, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto x = torch::randint(vocabulary, {n, t});
+  auto y = torch::randint(vocabulary, {n, t});
+  return {x, y};
+}
+
+/// The parameters of a plain layer list, each once (a tied tensor is one parameter).
+inline std::vector<torch::Tensor> unique_parameters(const layer_list& layers) {
+  std::vector<torch::Tensor> parameters;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (auto& p : m->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) {
+          parameters.push_back(p);
+        }
+      }
+    }
+  }
+  return parameters;
 }
 
 inline torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {

@@ -143,3 +143,36 @@ TEST_CASE("a warm memory scope warms a thread for its lifetime only") {
   });
   memory::release_cached();
 }
+
+TEST_CASE("an allocation tally counts what its thread allocates until freed, by any thread, warm "
+          "or cold, raw allocations included") {
+  for (bool warm : {true, false}) {
+    CAPTURE(warm);
+    torch::Tensor kept;
+    on_thread(warm, [&] {
+      memory::allocation_tally outer;
+      auto small = torch::ones({10}); // 40 bytes: libtorch's allocator, still counted
+      CHECK(outer.live_bytes() == 40);
+      {
+        memory::allocation_tally inner;
+        kept = torch::ones({1 << 16}); // 256 KB: warm memory on a warm thread
+        CHECK(inner.live_bytes() == (1 << 18));
+        CHECK(outer.live_bytes() == 40); // the innermost tally counts
+        auto* raw = c10::GetCPUAllocator()->raw_allocate(1 << 17);
+        CHECK(inner.live_bytes() == (1 << 18) + (1 << 17));
+        c10::GetCPUAllocator()->raw_deallocate(raw);
+        CHECK(inner.live_bytes() == (1 << 18));
+        auto scratch = torch::ones({1 << 15}) * 2; // two temporaries, one freed at once
+        CHECK(inner.live_bytes() == (1 << 18) + (1 << 17));
+      }
+      small = torch::Tensor();
+      CHECK(outer.live_bytes() == 0);
+      // The inner tally gone, the outer counts again.
+      auto later = torch::ones({1 << 16});
+      CHECK(outer.live_bytes() == (1 << 18));
+    });
+    // Freed on this thread: still subtracted from the tally it was counted in (no crash, and
+    // the buffer goes where it came from).
+    kept = torch::Tensor();
+  }
+}

@@ -169,6 +169,43 @@ TEST_CASE("recomputation reaches the stages on nodes and trains as in process") 
   CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).recompute == recompute_mode::except_last);
 }
 
+TEST_CASE("bf16 reaches the stages on nodes and trains as in process, recomputing") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  auto options = remote_options({n1.address(), n2.address()});
+  options.precision = precision_mode::bf16;
+  options.recompute = recompute_mode::always;
+  pipeline remote(sys, tiny_remote(), cut, options);
+  auto local_o = local_options();
+  local_o.precision = precision_mode::bf16;
+  local_o.recompute = recompute_mode::always;
+  pipeline local(sys, tiny_mlp(1), cut, local_o);
+  pipeline fp32(sys, tiny_mlp(1), cut, local_options());
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(step);
+    auto r = remote.train_step(x, y);
+    auto l = local.train_step(x, y);
+    auto f = fp32.train_step(x, y);
+    CAPTURE(step);
+    // The same bf16 arithmetic on the nodes as in process (bit for bit: same kernels, threads).
+    CHECK(r.loss == doctest::Approx(l.loss).epsilon(1e-6));
+    CHECK(r.loss != f.loss);
+    CHECK(r.loss == doctest::Approx(f.loss).epsilon(0.02));
+    // Stash sizes come back from the nodes: the first stage keeps 4 inputs of 1x4x4 floats.
+    REQUIRE(r.stages.size() == 2);
+    CHECK(r.stages[0].peak_stash_bytes == l.stages[0].peak_stash_bytes);
+    CHECK(r.stages[0].peak_stash_bytes > 0);
+  }
+  check_close(remote.named_parameters(), local.named_parameters(), 1e-5, 1e-6);
+  nodes::stage_spec spec;
+  spec.model = tiny_remote();
+  spec.bounds = cut.bounds;
+  spec.count = 2;
+  spec.precision = precision_mode::bf16;
+  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).precision == precision_mode::bf16);
+}
+
 TEST_CASE("a node can host several stages, and three stages span two nodes") {
   node n1(node_config()), n2(node_config());
   engine sys;

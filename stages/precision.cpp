@@ -1,0 +1,123 @@
+#include "stages/precision.hpp"
+
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/group_norm.h>
+#include <ATen/ops/layer_norm.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+namespace actorpipe::stages {
+namespace {
+
+// layer_norm and group_norm under CPU autocast: inputs and affine parameters in float32, the
+// output float32 (the next matrix product casts it back to bf16).
+at::Tensor layer_norm_fp32(const at::Tensor& input, at::IntArrayRef shape,
+                           const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  using at::autocast::cached_cast;
+  return at::layer_norm(cached_cast(at::kFloat, input, c10::DeviceType::CPU), shape,
+                        cached_cast(at::kFloat, weight, c10::DeviceType::CPU),
+                        cached_cast(at::kFloat, bias, c10::DeviceType::CPU), eps, cudnn);
+}
+
+at::Tensor group_norm_fp32(const at::Tensor& input, int64_t groups,
+                           const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  using at::autocast::cached_cast;
+  return at::group_norm(cached_cast(at::kFloat, input, c10::DeviceType::CPU), groups,
+                        cached_cast(at::kFloat, weight, c10::DeviceType::CPU),
+                        cached_cast(at::kFloat, bias, c10::DeviceType::CPU), eps, cudnn);
+}
+
+// Registered on first use rather than at static initialisation, so that linking actorpipe
+// changes nothing for a program that never asks for bf16.
+void register_fp32_norms() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static auto* library = new torch::Library(torch::Library::IMPL, "aten",
+                                              c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
+    library->impl("layer_norm", TORCH_FN(layer_norm_fp32));
+    library->impl("group_norm", TORCH_FN(group_norm_fp32));
+  });
+}
+
+} // namespace
+
+autocast_scope::autocast_scope(precision_mode mode)
+  : was_enabled_(at::autocast::is_cpu_enabled()),
+    was_dtype_(at::autocast::get_autocast_cpu_dtype()), enabled_(mode == precision_mode::bf16) {
+  if (enabled_) {
+    register_fp32_norms();
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  at::autocast::set_cpu_enabled(enabled_);
+}
+
+autocast_scope::~autocast_scope() {
+  if (enabled_ && at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  at::autocast::set_cpu_enabled(was_enabled_);
+  at::autocast::set_autocast_cpu_dtype(was_dtype_);
+}
+
+at::Tensor boundary_cast(const at::Tensor& t, precision_mode mode, bool last) {
+  if (mode != precision_mode::bf16 || !t.defined()) {
+    return t;
+  }
+  if (last) {
+    return t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+  }
+  return t.scalar_type() == at::kFloat ? t.to(at::kBFloat16) : t;
+}
+
+bool cpu_has_native_bf16() {
+  static const bool native = [] {
+    std::ifstream in("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("flags", 0) == 0) {
+        std::istringstream words(line);
+        std::string w;
+        while (words >> w) {
+          if (w == "avx512_bf16" || w == "amx_bf16") {
+            return true;
+          }
+        }
+        return false;
+      }
+    }
+    return false;
+  }();
+  return native;
+}
+
+std::string precision_warning(precision_mode mode) {
+  if (mode != precision_mode::bf16 || cpu_has_native_bf16()) {
+    return {};
+  }
+  std::string model = "this CPU";
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos && colon + 2 <= line.size()) {
+        model = line.substr(colon + 2);
+      }
+      break;
+    }
+  }
+  return "bf16 requested, but " + model +
+         " has no bf16 instructions (avx512_bf16 or amx_bf16): libtorch emulates them, and "
+         "bf16 matrix products run several times slower than fp32 here (BENCHMARKS.md)";
+}
+
+} // namespace actorpipe::stages
