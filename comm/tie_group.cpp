@@ -4,7 +4,8 @@
 
 namespace actorpipe::comm {
 
-tie_group::tie_group(std::set<std::size_t> members) : members_(std::move(members)) {
+tie_group::tie_group(std::set<std::size_t> members, sender send)
+  : members_(std::move(members)), send_(std::move(send)) {
   ACTORPIPE_CHECK(!members_.empty(), "a tie group needs members");
 }
 
@@ -20,6 +21,44 @@ void tie_group::start(uint64_t step) {
   sums_.clear();
   collected_ = 0;
   cancelled_by_.reset();
+  auto early = early_.find(step);
+  if (early != early_.end()) {
+    parts_ = std::move(early->second);
+  }
+  early_.erase(early_.begin(), early_.upper_bound(step));
+  add_up_when_complete();
+}
+
+void tie_group::add_up_when_complete() {
+  if (parts_.size() != members_.size() || !sums_.empty()) {
+    return;
+  }
+  // In member order: every holder adds the same tensors in the same order.
+  for (const auto& [index, part] : parts_) {
+    for (const auto& [name, g] : part) {
+      auto it = sums_.find(name);
+      if (it == sums_.end()) {
+        sums_.emplace(name, g.clone());
+      } else {
+        it->second.add_(g);
+      }
+    }
+  }
+  changed_.notify_all();
+}
+
+void tie_group::deliver(uint64_t step, std::size_t from,
+                        std::map<std::string, torch::Tensor> part) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (members_.count(from) == 0 || (started_ && step < step_)) {
+    return;
+  }
+  if (!started_ || step > step_) {
+    early_[step][from] = std::move(part);
+    return;
+  }
+  parts_[from] = std::move(part);
+  add_up_when_complete();
 }
 
 void tie_group::cancel(uint64_t step, std::size_t member) {
@@ -53,19 +92,28 @@ void tie_group::sum(uint64_t step, std::size_t member,
     throw failed();
   }
   parts_[member] = gradients;
-  if (parts_.size() == members_.size()) {
-    // In member order: every holder adds the same tensors in the same order.
-    for (const auto& [index, part] : parts_) {
-      for (const auto& [name, g] : part) {
-        auto it = sums_.find(name);
-        if (it == sums_.end()) {
-          sums_.emplace(name, g.clone());
-        } else {
-          it->second.add_(g);
-        }
+  add_up_when_complete();
+  if (send_) {
+    // The other members are elsewhere: each gets this member's part (outside the lock, which
+    // deliver() takes on a transport's thread).
+    lock.unlock();
+    for (auto to : members_) {
+      if (to == member) {
+        continue;
+      }
+      try {
+        send_(to, step, member, gradients);
+      } catch (const std::exception& e) {
+        cancel(step, member);
+        throw pipeline_error(detail::concat("stage ", member, ": sending tied gradients of step ",
+                                            step, " to stage ", to, ": ", e.what()),
+                             error_details{error_kind::stage_failure, member});
       }
     }
-    changed_.notify_all();
+    lock.lock();
+    if (step_ != step) {
+      throw failed();
+    }
   }
   auto ready = [&] { return step_ != step || cancelled_by_ || parts_.size() == members_.size(); };
   if (!changed_.wait_until(lock, deadline, ready)) {
@@ -89,7 +137,8 @@ void tie_group::sum(uint64_t step, std::size_t member,
   for (auto& [name, g] : gradients) {
     g.copy_(sums_.at(name));
   }
-  if (++collected_ == members_.size()) {
+  // Every member here has its sum (with a sender, this group's one member).
+  if (++collected_ == (send_ ? 1 : members_.size())) {
     parts_.clear();
     sums_.clear();
   }

@@ -65,6 +65,8 @@ const char* to_string(frame_kind kind) {
     return "output";
   case frame_kind::state:
     return "state";
+  case frame_kind::tied_gradient:
+    return "tied gradient";
   }
   return "unknown";
 }
@@ -125,7 +127,7 @@ std::size_t shape_bytes(const uint8_t* fixed) {
     throw frame_error(
       detail::concat("frame has version ", int{fixed[4]}, ", this build reads ", int{version}));
   }
-  if (fixed[5] < 1 || fixed[5] > 5) {
+  if (fixed[5] < 1 || fixed[5] > static_cast<uint8_t>(frame_kind::tied_gradient)) {
     throw frame_error(detail::concat("frame has unknown kind ", int{fixed[5]}));
   }
   dtype_of(fixed[6]);

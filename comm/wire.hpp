@@ -55,6 +55,10 @@ enum class frame_kind : uint8_t {
   output = 4,
   /// A stage's serialised state (bytes, dtype uint8): a checkpoint going to or from a node.
   state = 5,
+  /// A stage's gradients of parameters tied to stage `stage`'s, for the sum of `step`
+  /// (comm::tie_group): a bundle of the ties' indices (int64, in tied_parameters order) and
+  /// their gradients; `microbatch` is the sending stage.
+  tied_gradient = 6,
 };
 
 const char* to_string(frame_kind kind);

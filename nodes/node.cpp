@@ -1,5 +1,6 @@
 #include <actorpipe/node.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -24,6 +25,7 @@
 #include "actors/stage_actor.hpp"
 #include "comm/bundle_frames.hpp"
 #include "comm/tensor_hub.hpp"
+#include "comm/tie_group.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
 #include "stages/checkpoint.hpp"
@@ -44,6 +46,23 @@ struct routes {
   std::atomic<uint64_t> rejected{0};
   // Activation and gradient bundles, put together from their frames.
   comm::bundle_assembler bundles;
+  // The tie groups of stages holding parameters tied to other stages, and the ties' names in
+  // tied_parameters order (a tied-gradient frame names a tie by its index there).
+  struct tie_route {
+    std::weak_ptr<comm::tie_group> group;
+    std::vector<std::string> names;
+  };
+  std::map<uint32_t, tie_route> ties;
+
+  tie_route tie(uint32_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = ties.find(index);
+    if (it == ties.end()) {
+      throw comm::frame_error(
+        detail::concat("stage ", index, " on this node holds no tied parameter"));
+    }
+    return it->second;
+  }
 
   stage_peer_actor stage(uint32_t index) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -108,6 +127,10 @@ struct hosted {
   std::shared_ptr<stages::stage> stage;
   caf::actor proxy;
   peer_table peers;
+  // Parameters tied to other stages: the group summing their gradients, and where the other
+  // holders are (filled when the stage is wired).
+  std::shared_ptr<comm::tie_group> ties;
+  std::shared_ptr<std::vector<endpoint>> tie_peers;
   std::vector<stage_peer_actor> links;
   // A plan waiting for its targets.
   bool pending = false;
@@ -161,6 +184,7 @@ void release(node_actor* self, uint32_t index) {
   {
     std::lock_guard<std::mutex> lock(s.route->mutex);
     s.route->stages.erase(index);
+    s.route->ties.erase(index);
   }
   caf::anon_send_exit(it->second.actor, caf::exit_reason::user_shutdown);
   for (auto& link : it->second.links) {
@@ -200,6 +224,63 @@ hosted* find_by_actor(node_state& s, const caf::strong_actor_ptr& sender) {
   return nullptr;
 }
 
+// The stages holding the ties in `shared` (tie name -> copy or not), this one included.
+std::set<std::size_t> tie_members(const layer_list& layers, const partition& cut,
+                                  const std::vector<tied_parameter>& ties,
+                                  const std::map<std::string, bool>& shared) {
+  auto stage_of = [&](const std::string& holder) {
+    auto layer = holder.substr(0, holder.find('.'));
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i].name() == layer) {
+        for (std::size_t k = 0; k < cut.stages(); ++k) {
+          if (i >= cut.begin(k) && i < cut.end(k)) {
+            return k;
+          }
+        }
+      }
+    }
+    throw pipeline_error(detail::concat("tied parameter '", holder, "' is in no layer"));
+  };
+  std::set<std::size_t> members;
+  for (const auto& t : ties) {
+    if (shared.count(t.name) == 0) {
+      continue;
+    }
+    members.insert(stage_of(t.name));
+    for (const auto& alias : t.aliases) {
+      members.insert(stage_of(alias));
+    }
+  }
+  return members;
+}
+
+// Sends a member's tied gradients to the node of stage `to`: one bundle of the ties' indices in
+// `names` and the gradients, as a tied_gradient frame from stage `from`.
+comm::tie_group::sender tie_sender(std::shared_ptr<comm::tensor_hub> hub,
+                                   std::shared_ptr<std::vector<endpoint>> peers,
+                                   std::vector<std::string> names) {
+  return [hub, peers, names](std::size_t to, uint64_t step, std::size_t from,
+                             const std::map<std::string, torch::Tensor>& part) {
+    ACTORPIPE_CHECK(to < peers->size(), "stage ", to, " has no address (the stage is not wired)");
+    std::vector<int64_t> indices;
+    std::vector<torch::Tensor> tensors{torch::Tensor()};
+    for (const auto& [name, g] : part) {
+      auto it = std::find(names.begin(), names.end(), name);
+      ACTORPIPE_CHECK(it != names.end(), "'", name, "' is no tied parameter of the model");
+      indices.push_back(it - names.begin());
+      tensors.push_back(g);
+    }
+    tensors.front() = torch::tensor(indices, torch::kLong);
+    comm::frame_header address;
+    address.kind = comm::frame_kind::tied_gradient;
+    address.stage = static_cast<uint32_t>(to);
+    address.step = step;
+    address.microbatch = static_cast<int32_t>(from);
+    const auto& where = (*peers)[to];
+    comm::send_bundle(*hub, where.host, where.port, address, bundle(std::move(tensors)));
+  };
+}
+
 std::string build(node_actor* self, const std::string& text) {
   auto& s = self->state;
   auto spec = stage_spec_from_json(text);
@@ -214,14 +295,10 @@ std::string build(node_actor* self, const std::string& text) {
   auto begin = cut.begin(spec.index);
   auto end = cut.end(spec.index);
   ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
+  // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
+  auto ties = tied_parameters(layers);
   auto st = stages::make_stage(layers, cut, spec.index, c10::kCPU,
                                make_optimizer(spec.model.optimizer), spec.precision);
-  ACTORPIPE_CHECK(st->config().shared_ties.empty(), "stage ", spec.index, ": parameter '",
-                  st->config().shared_ties.empty() ? "" : st->config().shared_ties.begin()->first,
-                  "' of model '", spec.model.name,
-                  "' is tied to a layer on another stage, and tied parameters are summed "
-                  "between stages in one process only: run this cut in process, or cut the model "
-                  "so that their holders share a stage");
   stage_actor_options options;
   options.index = spec.index;
   options.count = spec.count;
@@ -233,6 +310,16 @@ std::string build(node_actor* self, const std::string& text) {
   options.report_gradient_norm = spec.report_gradient_norm;
   hosted h;
   h.stage = st;
+  std::vector<std::string> tie_names;
+  if (!st->config().shared_ties.empty()) {
+    h.tie_peers = std::make_shared<std::vector<endpoint>>();
+    auto members = tie_members(layers, cut, ties, st->config().shared_ties);
+    for (const auto& t : ties) {
+      tie_names.push_back(t.name);
+    }
+    h.ties = std::make_shared<comm::tie_group>(members, tie_sender(s.hub, h.tie_peers, tie_names));
+    options.ties = h.ties;
+  }
   h.deadline = options.wait_timeout;
   // The node is its stage's listener: node_behavior handles done_atom and failed_atom (the node
   // protocol itself is dynamically typed, being a protocol between processes).
@@ -240,6 +327,9 @@ std::string build(node_actor* self, const std::string& text) {
   {
     std::lock_guard<std::mutex> lock(s.route->mutex);
     s.route->stages[index] = caf::actor_cast<caf::weak_actor_ptr>(h.actor);
+    if (h.ties) {
+      s.route->ties[index] = routes::tie_route{h.ties, tie_names};
+    }
   }
   s.stages.emplace(index, std::move(h));
   log::get()->info("node {}: built stage {} of {} ({} layers {}..{} of {}, seed {})", s.label,
@@ -343,6 +433,10 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
     auto count = h->peers.stages.size();
     ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
                     " stages, the stage was built for ", h->stage->config().count);
+    if (h->tie_peers) {
+      // Before the stage's first step (the connect message below orders it before the plans).
+      *h->tie_peers = h->peers.stages;
+    }
     std::vector<stage_peer_actor> neighbours(count);
     for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
       if (j < 0 || j >= static_cast<int64_t>(count)) {
@@ -459,6 +553,10 @@ caf::result<bool> relay_abort(node_actor* self, uint32_t index, uint64_t step) {
     return caf::make_error(caf::sec::runtime_error, missing_stage(self, index));
   }
   h->pending = false;
+  if (h->ties) {
+    // A stage waiting in the tied-gradient sum for a holder that failed stops waiting.
+    h->ties->cancel(step, index);
+  }
   auto rp = self->make_response_promise<bool>();
   auto deadline = h->deadline;
   self->request(h->actor, deadline, abort_atom::value, step)
@@ -618,6 +716,38 @@ struct node::impl {
   uint16_t port = 0;
 };
 
+namespace nodes {
+namespace {
+
+// A tied_gradient bundle (the ties' indices, then their gradients) into the stage's tie group.
+void receive_tied_gradients(const routes::tie_route& tie, uint64_t step, int32_t from,
+                            const bundle& b) {
+  auto group = tie.group.lock();
+  if (!group) {
+    return;
+  }
+  if (b.size() < 1 || b[0].scalar_type() != torch::kLong || b[0].dim() != 1 ||
+      b[0].numel() + 1 != static_cast<int64_t>(b.size()) || from < 0) {
+    throw comm::frame_error(detail::concat("a tied-gradient bundle from stage ", from,
+                                           " must be the ties' indices (int64) and as many "
+                                           "gradients, not ",
+                                           b.describe()));
+  }
+  std::map<std::string, torch::Tensor> part;
+  for (int64_t i = 0; i < b[0].numel(); ++i) {
+    auto index = b[0][i].item<int64_t>();
+    if (index < 0 || index >= static_cast<int64_t>(tie.names.size())) {
+      throw comm::frame_error(detail::concat("a tied-gradient bundle from stage ", from,
+                                             " names tie ", index, " of ", tie.names.size()));
+    }
+    part[tie.names[static_cast<std::size_t>(index)]] = b[static_cast<std::size_t>(i + 1)];
+  }
+  group->deliver(step, static_cast<std::size_t>(from), std::move(part));
+}
+
+} // namespace
+} // namespace nodes
+
 node::node(node_options options) : impl_(std::make_unique<impl>()) {
   auto& self = *impl_;
   ACTORPIPE_CHECK(!options.secret.empty() || options.tls.enabled() ||
@@ -667,6 +797,17 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
         caf::anon_send(route->host(), nodes::state_atom::value, h.stage, h.step,
                        std::move(f.tensor));
         return;
+      case comm::frame_kind::tied_gradient: {
+        auto tie = route->tie(h.stage);
+        auto step = h.step;
+        auto from = h.microbatch;
+        auto b = route->bundles.add(std::move(f));
+        if (!b) {
+          return;
+        }
+        nodes::receive_tied_gradients(tie, step, from, *b);
+        return;
+      }
       case comm::frame_kind::output:
         break;
       }

@@ -486,9 +486,8 @@ TEST_CASE("a TLS node refuses plain schedulers and other CAs' certificates, and 
                        doctest::Contains("does not belong to the certificate"), invalid_argument);
 }
 
-TEST_CASE(
-  "a gpt on one node trains as in process, and cut across nodes its tied embedding and head "
-  "are refused by name") {
+TEST_CASE("a gpt on one node trains as in process, and so does a gpt cut across nodes, its tied "
+          "embedding and head summing their gradients node to node") {
   remote_model gpt;
   gpt.name = "gpt";
   gpt.options.vocabulary = 11;
@@ -523,10 +522,30 @@ TEST_CASE(
   }
   check_close(remote.named_parameters(), local.named_parameters());
 
-  auto split_o = options();
-  split_o.placement.nodes = {n1.address(), n2.address()};
-  split_o.placement.connect_timeout = 5000ms;
-  CHECK_THROWS_WITH(pipeline(sys, gpt, partition_uniform(5, 2), split_o),
-                    doctest::Contains("parameter 'embed.token.weight' of model 'gpt' is tied to a "
-                                      "layer on another stage"));
+  // Embedding and head on different nodes (2 stages), and on one node with a stage between
+  // them on the other (3 stages: the node sends its tied gradients to itself).
+  for (const auto& placement : std::vector<std::vector<std::string>>{
+         {n1.address(), n2.address()}, {n1.address(), n2.address(), n1.address()}}) {
+    CAPTURE(placement.size());
+    auto split_o = options();
+    split_o.placement.nodes = placement;
+    split_o.placement.connect_timeout = 5000ms;
+    auto cut = partition_uniform(5, placement.size());
+    pipeline split(sys, gpt, cut, split_o);
+    torch::manual_seed(5);
+    pipeline in_process(sys, make_model("gpt", gpt.options), cut, options());
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(70 + step);
+      auto x = torch::randint(11, {4, 8});
+      auto t = torch::randint(11, {4, 8});
+      CHECK(split.train_step(x, t).loss ==
+            doctest::Approx(in_process.train_step(x, t).loss).epsilon(1e-6));
+    }
+    auto trained = split.named_parameters();
+    check_close(trained, in_process.named_parameters());
+    // The head's copy on the last node stayed the embedding, bit for bit.
+    std::map<std::string, torch::Tensor> by_name(trained.begin(), trained.end());
+    REQUIRE(by_name.count("head.weight") == 1);
+    CHECK(torch::equal(by_name.at("head.weight"), by_name.at("embed.token.weight")));
+  }
 }
