@@ -1,5 +1,6 @@
 #include "comm/bundle_frames.hpp"
 
+#include <cstring>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -24,11 +25,11 @@ std::vector<std::pair<frame_header, at::Tensor>> bundle_frames(const frame_heade
     throw std::invalid_argument(
       detail::concat("a bundle of ", b.size(), " tensors cannot cross the wire (at most 255)"));
   }
-  if (b.is_named()) {
-    throw std::invalid_argument(
-      detail::concat("the named bundle ", b.describe(),
-                     " cannot cross the wire: names do not travel between nodes yet; give the "
-                     "stage boundary a positional bundle"));
+  // A named bundle's names follow its tensors as one more part.
+  auto parts = b.size() + (b.is_named() ? 1 : 0);
+  if (parts > 255) {
+    throw std::invalid_argument(detail::concat("the named bundle ", b.describe(), " of ", b.size(),
+                                               " tensors cannot cross the wire (at most 254)"));
   }
   for (std::size_t i = 0; i < b.size(); ++i) {
     const auto& t = b[i];
@@ -38,9 +39,30 @@ std::vector<std::pair<frame_header, at::Tensor>> bundle_frames(const frame_heade
     }
     auto h = describe(to.kind, to.stage, to.step, to.microbatch, to.chunk, t);
     h.part = static_cast<uint8_t>(i);
-    h.parts = static_cast<uint8_t>(b.size());
+    h.parts = static_cast<uint8_t>(parts);
     h.needs_gradient = bundle::needs_gradient(t);
     frames.emplace_back(h, t.detach());
+  }
+  if (b.is_named()) {
+    std::string names;
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      const auto& name = b.names()[i];
+      if (name.find('\0') != std::string::npos) {
+        // (Not the name itself: a message stops at its 0 byte.)
+        throw std::invalid_argument(detail::concat("a named bundle cannot cross the wire: the name "
+                                                   "of its tensor ",
+                                                   i, " holds a 0 byte"));
+      }
+      names += name;
+      names.push_back('\0');
+    }
+    auto bytes = at::empty({static_cast<int64_t>(names.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), names.data(), names.size());
+    auto h = describe(to.kind, to.stage, to.step, to.microbatch, to.chunk, bytes);
+    h.part = static_cast<uint8_t>(b.size());
+    h.parts = static_cast<uint8_t>(parts);
+    h.names = true;
+    frames.emplace_back(h, bytes);
   }
   return frames;
 }
@@ -64,6 +86,12 @@ std::optional<bundle> bundle_assembler::add(frame&& f) {
     }
     tensor.requires_grad_(true);
   }
+  if (h.names && (h.part + 1 != h.parts || h.parts < 2 || tensor.scalar_type() != at::kByte ||
+                  tensor.dim() != 1)) {
+    throw frame_error(detail::concat("a names frame must be the last part (of 2 or more) and hold "
+                                     "bytes, not part ",
+                                     int{h.part}, " of ", int{h.parts}, " of ", h.dtype));
+  }
   if (h.parts == 1) {
     return bundle(std::move(tensor));
   }
@@ -81,12 +109,43 @@ std::optional<bundle> bundle_assembler::add(frame&& f) {
                                      ", microbatch ", h.microbatch, ")"));
   }
   p.tensors[h.part] = std::move(tensor);
+  p.named = p.named || h.names;
   if (++p.received < h.parts) {
     return std::nullopt;
   }
-  bundle result(std::move(p.tensors));
+  auto done = std::move(p);
   partial_.erase(k);
-  return result;
+  if (!done.named) {
+    return bundle(std::move(done.tensors));
+  }
+  return named_bundle(std::move(done.tensors));
+}
+
+bundle bundle_assembler::named_bundle(std::vector<at::Tensor> parts) {
+  auto bytes = parts.back().contiguous();
+  parts.pop_back();
+  std::string text(static_cast<const char*>(bytes.data_ptr()),
+                   static_cast<std::size_t>(bytes.numel()));
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::size_t at = 0;
+  for (auto& t : parts) {
+    auto end = text.find('\0', at);
+    if (end == std::string::npos) {
+      throw frame_error(detail::concat("a names frame names ", named.size(), " of the bundle's ",
+                                       parts.size(), " tensors"));
+    }
+    named.emplace_back(text.substr(at, end - at), std::move(t));
+    at = end + 1;
+  }
+  if (at != text.size()) {
+    throw frame_error(
+      detail::concat("a names frame names more than the bundle's ", parts.size(), " tensors"));
+  }
+  try {
+    return bundle::named(std::move(named));
+  } catch (const std::exception& e) {
+    throw frame_error(detail::concat("a names frame: ", e.what()));
+  }
 }
 
 void bundle_assembler::drop_before(uint64_t step) {

@@ -1,7 +1,8 @@
 /// \file
 /// Bundles over the wire: a bundle (<actorpipe/bundle.hpp>) crosses as its frames in a row,
 /// each saying its part, the bundle's size and whether the tensor needs a gradient back
-/// (comm/wire.hpp); the receiver puts them together again.
+/// (comm/wire.hpp), a named bundle's names in one more frame after them; the receiver puts
+/// them together again.
 #pragma once
 
 #include <cstdint>
@@ -23,8 +24,8 @@ class tensor_hub;
 /// The frames (headers and tensors) that carry `b` to where `to` says (its kind, stage, step,
 /// microbatch and chunk; the rest is filled in per tensor); an empty bundle is one frame of no
 /// parts.
-/// Throws invalid_argument for a bundle the wire cannot carry (more than 255 tensors, a named
-/// bundle, an undefined tensor), naming it.
+/// Throws invalid_argument for a bundle the wire cannot carry (more than 255 parts, a name with
+/// a 0 byte, an undefined tensor), naming it.
 std::vector<std::pair<frame_header, at::Tensor>> bundle_frames(const frame_header& to,
                                                                const bundle& b);
 
@@ -51,7 +52,11 @@ private:
   struct partial {
     std::vector<at::Tensor> tensors;
     std::size_t received = 0;
+    // The last part is the bundle's names.
+    bool named = false;
   };
+  // The named bundle of `parts` (the tensors, then the names frame's bytes).
+  static bundle named_bundle(std::vector<at::Tensor> parts);
   mutable std::mutex mutex_;
   std::map<key, partial> partial_;
 };

@@ -109,7 +109,7 @@ std::vector<uint8_t> encode_header(const frame_header& h) {
   put(out, 16, h.chunk);
   out[20] = h.part;
   out[21] = h.parts;
-  out[22] = h.needs_gradient ? uint8_t{1} : uint8_t{0};
+  out[22] = static_cast<uint8_t>((h.needs_gradient ? 1 : 0) | (h.names ? 2 : 0));
   put(out, 24, h.step);
   put(out, 32, h.payload_bytes);
   for (std::size_t d = 0; d < h.shape.size(); ++d) {
@@ -135,7 +135,7 @@ std::size_t shape_bytes(const uint8_t* fixed) {
     throw frame_error(
       detail::concat("frame has ", int{fixed[7]}, " dimensions (at most ", max_frame_dims, ")"));
   }
-  if (fixed[22] > 1 || fixed[23] != 0) {
+  if (fixed[22] > 2 || fixed[23] != 0) {
     throw frame_error("frame has unknown flags or non-zero reserved bytes");
   }
   if (fixed[21] == 0 ? fixed[20] != 0 : fixed[20] >= fixed[21]) {
@@ -164,6 +164,7 @@ frame_header decode_header(const uint8_t* data, std::size_t size, const frame_li
   h.part = data[20];
   h.parts = data[21];
   h.needs_gradient = data[22] == 1;
+  h.names = data[22] == 2;
   h.step = get<uint64_t>(data, 24);
   h.payload_bytes = get<uint64_t>(data, 32);
   uint64_t elements = 1;

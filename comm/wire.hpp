@@ -17,7 +17,9 @@
 ///         21     1  parts: the bundle's tensor count (0: an empty bundle, sent as one frame
 ///                   with an empty payload)
 ///         22     1  flags: bit 0 = the tensor needs a gradient back (an activation whose
-///                   sender's graph reaches it); other bits 0
+///                   sender's graph reaches it); bit 1 = this part is not a tensor of the
+///                   bundle but its names (uint8 bytes, each name ended by a 0 byte; the
+///                   bundle's last part); not both; other bits 0
 ///         23     1  reserved, 0
 ///         24     8  step (uint64)
 ///         32     8  payload bytes (uint64) = product(shape) * element size
@@ -92,6 +94,8 @@ struct frame_header {
   uint8_t part = 0;
   uint8_t parts = 1;
   bool needs_gradient = false;
+  /// The part is the names of a named bundle (flags bit 1).
+  bool names = false;
 };
 
 /// A decoded frame: its header and a tensor that owns the payload (CPU, contiguous).

@@ -106,7 +106,7 @@ TEST_CASE("malformed headers are rejected with what is wrong") {
   b[23] = 1;
   check(b, "reserved");
   b = base;
-  b[22] = 2;
+  b[22] = 4;
   check(b, "unknown flags");
   b = base;
   b[20] = 1; // part 1 of a bundle of 1
@@ -267,11 +267,73 @@ TEST_CASE("bundles interleaved on the wire are put together by their addresses")
   CHECK(assembler.pending() == 0);
 }
 
+TEST_CASE("a named bundle crosses with its names, in their order, as one more frame") {
+  bundle_assembler assembler;
+  auto h = torch::randn({2, 3}).requires_grad_(true);
+  auto mask = torch::rand({2, 3}) > 0.5;
+  auto named = actorpipe::bundle::named({{"hidden", h}, {"mask", mask}});
+  auto frames = bundle_frames(address(frame_kind::activation, 2, 5, 1), named);
+  REQUIRE(frames.size() == 3);
+  CHECK(frames[2].first.names);
+  CHECK(frames[2].first.part == 2);
+  auto back = through_the_wire(named, assembler);
+  REQUIRE(back.has_value());
+  REQUIRE(back->is_named());
+  CHECK(back->names() == std::vector<std::string>{"hidden", "mask"});
+  CHECK(torch::equal((*back)[0], h.detach()));
+  CHECK((*back)[0].requires_grad());
+  CHECK(torch::equal((*back)[1], mask));
+  // One named tensor is two frames.
+  auto one = through_the_wire(actorpipe::bundle::named({{"x", torch::ones({4})}}), assembler);
+  REQUIRE(one.has_value());
+  CHECK(one->names() == std::vector<std::string>{"x"});
+  CHECK(assembler.pending() == 0);
+}
+
+TEST_CASE("a names frame that is not the last part, holds no bytes or names too few or too many "
+          "tensors is refused") {
+  auto named = actorpipe::bundle::named({{"a", torch::ones({2})}, {"b", torch::zeros({2})}});
+  auto frames = bundle_frames(address(frame_kind::activation, 0, 1, 0), named);
+  SUBCASE("not last") {
+    bundle_assembler assembler;
+    auto h = frames[2].first;
+    h.part = 0;
+    CHECK_THROWS_WITH_AS(assembler.add({h, frames[2].second}),
+                         doctest::Contains("a names frame must be the last part"), frame_error);
+  }
+  SUBCASE("not bytes") {
+    bundle_assembler assembler;
+    auto h = frames[0].first;
+    h.names = true;
+    h.part = 2;
+    CHECK_THROWS_WITH_AS(assembler.add({h, frames[0].second}),
+                         doctest::Contains("a names frame must be the last part"), frame_error);
+  }
+  for (const std::string& text : {std::string("a", 2), std::string("a\0b\0c\0", 6)}) {
+    CAPTURE(text.size());
+    bundle_assembler assembler;
+    auto bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kByte);
+    std::memcpy(bytes.data_ptr(), text.data(), text.size());
+    auto h = describe(frame_kind::activation, 0, 1, 0, 0, bytes);
+    h.part = 2;
+    h.parts = 3;
+    h.names = true;
+    CHECK_FALSE(assembler.add({frames[0].first, frames[0].second}).has_value());
+    CHECK_FALSE(assembler.add({frames[1].first, frames[1].second}).has_value());
+    CHECK_THROWS_WITH_AS(assembler.add({h, bytes}), doctest::Contains("a names frame names"),
+                         frame_error);
+  }
+  // On the wire, a frame cannot both need a gradient and hold names.
+  auto bytes = encode_frame(frames[0].first, frames[0].second);
+  bytes[22] = 3;
+  CHECK_THROWS_WITH_AS(decode_frame(bytes.data(), bytes.size()), doctest::Contains("unknown flags"),
+                       frame_error);
+}
+
 TEST_CASE("what the wire cannot carry is refused by the sender, naming it") {
   CHECK_THROWS_WITH_AS(
-    bundle_frames({}, actorpipe::bundle::named({{"hidden", torch::ones({2})}})),
-    doctest::Contains("the named bundle (hidden: Float[2]) cannot cross the wire"),
-    std::invalid_argument);
+    bundle_frames({}, actorpipe::bundle::named({{std::string("a\0b", 3), torch::ones({2})}})),
+    doctest::Contains("the name of its tensor 0 holds a 0 byte"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bundle_frames({}, actorpipe::bundle({torch::ones({2}), torch::Tensor{}})),
                        doctest::Contains("has an undefined tensor 1"), std::invalid_argument);
   std::vector<torch::Tensor> many(256, torch::ones({1}));
