@@ -105,7 +105,10 @@ TEST_CASE("a ResNet-18 with batch norm equals plain libtorch with one micro-batc
   auto x = torch::randn({4, 3, 32, 32});
   auto t = torch::randn({4, 5});
   CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
-  check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+  // The two sides sum convolutions over 4x3x32x32 inputs with their own thread counts (each
+  // stage its own, plain libtorch the caller's, which earlier tests in the same process
+  // change): up to 2.2e-6 apart on conv1's weights (of size 0.2) after one step.
+  check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-5);
   // Running statistics (buffers) went through the same forward.
   torch::NoGradGuard no_grad;
   for (auto& l : plain.layers) {
