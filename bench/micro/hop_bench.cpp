@@ -2,6 +2,8 @@
 // small tensor), so that what is measured is messaging, scheduling and bookkeeping, not compute.
 //
 //   build/bench/actorpipe_micro_bench --benchmark_counters_tabular=true
+#include <optional>
+
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
@@ -58,6 +60,23 @@ void BM_scheduler_step(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_scheduler_step)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// What counting a stage's allocations costs (memory::allocation_tally, open around every training
+// forward): one tensor allocated and freed on a warm thread, small (16 floats: libtorch's
+// allocator) and large (64K floats: warm memory), without and with a tally.
+void BM_allocation(benchmark::State& state) {
+  auto elements = state.range(0);
+  auto tallied = state.range(1) != 0;
+  actorpipe::memory::warm_memory_scope warm;
+  std::optional<actorpipe::memory::allocation_tally> tally;
+  if (tallied) {
+    tally.emplace();
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(torch::empty({elements}));
+  }
+}
+BENCHMARK(BM_allocation)->ArgsProduct({{16, 65536}, {0, 1}})->Unit(benchmark::kNanosecond);
 
 } // namespace
 
