@@ -224,36 +224,6 @@ hosted* find_by_actor(node_state& s, const caf::strong_actor_ptr& sender) {
   return nullptr;
 }
 
-// The stages holding the ties in `shared` (tie name -> copy or not), this one included.
-std::set<std::size_t> tie_members(const layer_list& layers, const partition& cut,
-                                  const std::vector<tied_parameter>& ties,
-                                  const std::map<std::string, bool>& shared) {
-  auto stage_of = [&](const std::string& holder) {
-    auto layer = holder.substr(0, holder.find('.'));
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      if (layers[i].name() == layer) {
-        for (std::size_t k = 0; k < cut.stages(); ++k) {
-          if (i >= cut.begin(k) && i < cut.end(k)) {
-            return k;
-          }
-        }
-      }
-    }
-    throw pipeline_error(detail::concat("tied parameter '", holder, "' is in no layer"));
-  };
-  std::set<std::size_t> members;
-  for (const auto& t : ties) {
-    if (shared.count(t.name) == 0) {
-      continue;
-    }
-    members.insert(stage_of(t.name));
-    for (const auto& alias : t.aliases) {
-      members.insert(stage_of(alias));
-    }
-  }
-  return members;
-}
-
 // Sends a member's tied gradients to the node of stage `to`: one bundle of the ties' indices in
 // `names` and the gradients, as a tied_gradient frame from stage `from`.
 comm::tie_group::sender tie_sender(std::shared_ptr<comm::tensor_hub> hub,
@@ -313,11 +283,11 @@ std::string build(node_actor* self, const std::string& text) {
   std::vector<std::string> tie_names;
   if (!st->config().shared_ties.empty()) {
     h.tie_peers = std::make_shared<std::vector<endpoint>>();
-    auto members = tie_members(layers, cut, ties, st->config().shared_ties);
     for (const auto& t : ties) {
       tie_names.push_back(t.name);
     }
-    h.ties = std::make_shared<comm::tie_group>(members, tie_sender(s.hub, h.tie_peers, tie_names));
+    h.ties = std::make_shared<comm::tie_group>(st->config().tie_holders,
+                                               tie_sender(s.hub, h.tie_peers, tie_names));
     options.ties = h.ties;
   }
   h.deadline = options.wait_timeout;

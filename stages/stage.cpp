@@ -892,6 +892,9 @@ void tie_stage(const layer_list& layers, const partition& cut, std::size_t k,
     }
     bool copy = list.front().stage != k;
     config.shared_ties[tie] = copy;
+    for (const auto& h : list) {
+      config.tie_holders.insert(h.stage);
+    }
     if (copy) {
       torch::NoGradGuard no_grad;
       auto tensor = layers[here.front().layer].module()->named_parameters()[here.front().parameter];

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,6 +41,9 @@ struct stage_config {
   /// the stage of the tie's first holder, which alone checkpoints it and counts it in the
   /// gradient norm).
   std::map<std::string, bool> shared_ties;
+  /// The stages holding the ties of shared_ties, this one included: the members of its
+  /// tied-gradient sum.
+  std::set<std::size_t> tie_holders;
   /// bf16: the forward runs under CPU autocast on the calling (the stage's) thread and float
   /// activations leave the stage in bf16 (the last stage's in float32); see autocast_scope.
   precision_mode precision = precision_mode::fp32;
