@@ -78,20 +78,31 @@ at::Tensor boundary_cast(const at::Tensor& t, precision_mode mode, bool last) {
   return t.scalar_type() == at::kFloat ? t.to(at::kBFloat16) : t;
 }
 
+namespace {
+
+// The value of the first /proc/cpuinfo line whose key is `key` ("" when there is none).
+std::string cpuinfo(const std::string& key) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto colon = line.find(':');
+    if (colon != std::string::npos && line.rfind(key, 0) == 0) {
+      auto value = line.find_first_not_of(" \t", colon + 1);
+      return value == std::string::npos ? std::string{} : line.substr(value);
+    }
+  }
+  return {};
+}
+
+} // namespace
+
 bool cpu_has_native_bf16() {
   static const bool native = [] {
-    std::ifstream in("/proc/cpuinfo");
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind("flags", 0) == 0) {
-        std::istringstream words(line);
-        std::string w;
-        while (words >> w) {
-          if (w == "avx512_bf16" || w == "amx_bf16") {
-            return true;
-          }
-        }
-        return false;
+    std::istringstream flags(cpuinfo("flags"));
+    std::string flag;
+    while (flags >> flag) {
+      if (flag == "avx512_bf16" || flag == "amx_bf16") {
+        return true;
       }
     }
     return false;
@@ -103,19 +114,8 @@ std::string precision_warning(precision_mode mode) {
   if (mode != precision_mode::bf16 || cpu_has_native_bf16()) {
     return {};
   }
-  std::string model = "this CPU";
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto colon = line.find(':');
-      if (colon != std::string::npos && colon + 2 <= line.size()) {
-        model = line.substr(colon + 2);
-      }
-      break;
-    }
-  }
-  return "bf16 requested, but " + model +
+  auto model = cpuinfo("model name");
+  return "bf16 requested, but " + (model.empty() ? std::string("this CPU") : model) +
          " has no bf16 instructions (avx512_bf16 or amx_bf16): libtorch emulates them, and "
          "bf16 matrix products run several times slower than fp32 here (BENCHMARKS.md)";
 }

@@ -4,7 +4,6 @@
 
 #include <actorpipe/batch_norm.hpp>
 
-#include <optional>
 #include <set>
 #include <shared_mutex>
 
@@ -217,46 +216,46 @@ void stage::begin_step(bool train) {
 
 bundle stage::run(int32_t microbatch, const bundle& input) const {
   auto x = input;
-  // Autocast is thread-local: set here, on the thread that runs the stage, for the layers only
-  // (the loss and the boundary casts below run outside it).
-  std::optional<autocast_scope> autocast;
-  autocast.emplace(config_.precision);
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const auto& l = layers_[i];
-    auto source = [&] {
-      if (i > 0) {
-        return detail::concat("the output of layer '", layers_[i - 1].name(), "'");
+  {
+    // Autocast is thread-local: set here, on the thread that runs the stage, for the layers
+    // only (the loss and the boundary casts below run outside it).
+    autocast_scope autocast(config_.precision);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      const auto& l = layers_[i];
+      auto source = [&] {
+        if (i > 0) {
+          return detail::concat("the output of layer '", layers_[i - 1].name(), "'");
+        }
+        return is_first() ? std::string("the input")
+                          : detail::concat("the activation from stage ", config_.index - 1);
+      };
+      if (!l.takes_bundles() && x.size() != 1) {
+        throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
+                                            "' (model layer ", config_.first_layer + i,
+                                            ") takes one tensor, but ", source(),
+                                            " is a bundle of ", x.size(), ": ", x.describe()),
+                             details(microbatch, error_kind::shape_mismatch));
       }
-      return is_first() ? std::string("the input")
-                        : detail::concat("the activation from stage ", config_.index - 1);
-    };
-    if (!l.takes_bundles() && x.size() != 1) {
-      throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
-                                          "' (model layer ", config_.first_layer + i,
-                                          ") takes one tensor, but ", source(), " is a bundle of ",
-                                          x.size(), ": ", x.describe()),
-                           details(microbatch, error_kind::shape_mismatch));
-    }
-    try {
-      x = l.forward(x);
-    } catch (const std::exception& e) {
-      std::string what = dynamic_cast<const c10::Error*>(&e) != nullptr
-                           ? static_cast<const c10::Error&>(e).what_without_backtrace()
-                           : e.what();
-      auto expected = l.expected_input();
-      throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
-                                          "' (model layer ", config_.first_layer + i,
-                                          ") cannot take ", source(), " of shape ", shape_of(x),
-                                          expected.empty() ? "" : "; it expects ", expected,
-                                          ". libtorch: ", first_line(what)),
-                           // libtorch refusing the tensor is (almost always) its shape; anything
-                           // else the layer threw is the layer's own failure.
-                           details(microbatch, dynamic_cast<const c10::Error*>(&e) != nullptr
-                                                 ? error_kind::shape_mismatch
-                                                 : error_kind::stage_failure));
+      try {
+        x = l.forward(x);
+      } catch (const std::exception& e) {
+        std::string what = dynamic_cast<const c10::Error*>(&e) != nullptr
+                             ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                             : e.what();
+        auto expected = l.expected_input();
+        throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
+                                            "' (model layer ", config_.first_layer + i,
+                                            ") cannot take ", source(), " of shape ", shape_of(x),
+                                            expected.empty() ? "" : "; it expects ", expected,
+                                            ". libtorch: ", first_line(what)),
+                             // libtorch refusing the tensor is (almost always) its shape; anything
+                             // else the layer threw is the layer's own failure.
+                             details(microbatch, dynamic_cast<const c10::Error*>(&e) != nullptr
+                                                   ? error_kind::shape_mismatch
+                                                   : error_kind::stage_failure));
+      }
     }
   }
-  autocast.reset();
   for (auto& t : x.tensors()) {
     t = boundary_cast(t, config_.precision, is_last());
   }
