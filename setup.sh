@@ -45,7 +45,7 @@ build() {
 
 # Unit tests under sanitizers: a build of the library and the test binaries that need no
 # external process (the CLI tests run the program, the install test a whole install).
-sanitized_tests="models_test stages_test actors_test scheduler_test trace_test pipeline_test replicas_test training_test comm_test nodes_test memory_test"
+sanitized_tests="models_test stages_test actors_test scheduler_test trace_test pipeline_test torchscript_test replicas_test training_test comm_test nodes_test memory_test"
 sanitize() {
   local kind=$1 dir=$2 tests=$3
   # -O1: the sanitizers' usual level, and quicker to compile than Release's -O3

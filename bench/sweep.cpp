@@ -44,6 +44,11 @@ torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
 
 // MSE against one-hot targets (the RPC tutorial's), cross-entropy per token for a language model.
 loss_function loss_for(const training::model_setup& setup) {
+  if (setup.file.size() > 0) {
+    // A tensor file: class indices (int64 targets) or values.
+    return setup.file.labels.scalar_type() == torch::kLong ? builtin_loss("cross_entropy")
+                                                           : loss_function(mse);
+  }
   return setup.language_model() ? builtin_loss("cross_entropy") : loss_function(mse);
 }
 
@@ -261,6 +266,14 @@ make_batches(const training::model_setup& setup, uint64_t seed, std::size_t coun
   torch::manual_seed(seed);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
   for (std::size_t i = 0; i < count; ++i) {
+    if (setup.file.size() > 0) {
+      // A tensor file, in order as training reads it.
+      auto k = static_cast<int64_t>(i);
+      auto rows = torch::arange(k * setup.batch, (k + 1) * setup.batch, torch::kLong)
+                    .remainder(setup.file.size());
+      batches.emplace_back(setup.file.images.index({rows}), setup.file.labels.index({rows}));
+      continue;
+    }
     if (setup.language_model()) {
       auto tokens = torch::randint(mo.vocabulary, {setup.batch, mo.context + 1}, torch::kLong);
       batches.emplace_back(tokens.slice(1, 0, mo.context).contiguous(),
@@ -610,7 +623,10 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
     contenders.push_back(std::move(c));
   }
 
-  auto input = setup.language_model()
+  auto input = setup.file.size() > 0
+                 ? detail::concat(o.model.data, " ", setup.example.sizes().slice(1), " ",
+                                  setup.example.scalar_type())
+               : setup.language_model()
                  ? detail::concat(mo.context, " tokens of ", mo.vocabulary, " (",
                                   setup.batch * mo.context, " tokens per step)")
                  : detail::concat(mo.in_channels, "x", mo.image_size, "x", mo.image_size);

@@ -8,12 +8,24 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd
     ->add_option("--data", m.data,
                  "Data: fashion-mnist (real, 1x28x28, 10 classes), text (real: character tokens "
-                 "of Debian's fortunes, or --text-file) or synthetic")
+                 "of Debian's fortunes, or --text-file), synthetic, or tensors:PATH (a file "
+                 "written by Python's torch.save({\"inputs\": X, \"targets\": Y}, PATH), read "
+                 "in order)")
     ->capture_default_str()
-    ->check(CLI::IsMember({"fashion-mnist", "text", "synthetic"}));
+    ->check(CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (value == "fashion-mnist" || value == "text" || value == "synthetic" ||
+            value.rfind("tensors:", 0) == 0) {
+          return {};
+        }
+        return "'" + value + "' is not fashion-mnist, text, synthetic or tensors:PATH";
+      },
+      "DATA"));
   cmd->add_option("--model", m.model,
-                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt (default: cnn for "
-                  "fashion-mnist, gpt for text, resnet50 for synthetic)");
+                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt, or a TorchScript "
+                  "file (PATH.pt, written by torch.jit.save(torch.jit.script(nn.Sequential(...))); "
+                  "docs/from-pytorch.md) (default: cnn for fashion-mnist, gpt for text, resnet50 "
+                  "for synthetic)");
   cmd
     ->add_option("--batch", m.batch,
                  "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "

@@ -26,6 +26,11 @@ CLI::App* add_node_command(CLI::App& app, node_args& a) {
   cmd->add_option("--secret-file", a.secret_file,
                   "File holding the shared secret schedulers must prove they know (mode 600); "
                   "required to listen on a non-loopback address unless TLS is on");
+  cmd
+    ->add_option("--max-model-bytes", a.max_model_bytes,
+                 "Largest TorchScript model (bytes) a scheduler may send this node")
+    ->capture_default_str()
+    ->check(CLI::PositiveNumber);
   add_tls_flags(cmd, a.tls);
   return cmd;
 }
@@ -60,6 +65,7 @@ int run_node(const node_args& a) {
     options.secret = comm::read_secret_file(a.secret_file);
   }
   options.tls = a.tls;
+  options.max_model_bytes = a.max_model_bytes;
   // Block the signals first so that every thread the node starts inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);

@@ -18,6 +18,7 @@ struct node_args {
   int64_t data_port = 0;
   std::string secret_file;
   tls_options tls;
+  std::size_t max_model_bytes = std::size_t{256} << 20;
 };
 
 CLI::App* add_node_command(CLI::App& app, node_args& args);

@@ -43,7 +43,23 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--lr", a.lr,
       "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
       "at 3e-3 unless given)");
-  opt("--momentum", a.momentum, "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic)");
+  opt("--momentum", a.momentum,
+      "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic and tensor files)");
+  cmd
+    ->add_option("--loss", a.loss,
+                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
+                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
+                 "mse")
+    ->check(CLI::IsMember({"mse", "cross_entropy"}));
+  cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
+    ->check(CLI::IsMember({"sgd", "adam"}));
+  opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
+  cmd->add_flag("--shuffle", a.shuffle,
+                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
+                "every pass instead of in order");
+  opt("--export", a.export_path,
+      "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
+      "Python's torch.jit.load runs");
   opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
   opt("--recompute", a.recompute,
       "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
@@ -155,7 +171,7 @@ nlohmann::json config_json(const train_args& a, const model_setup& setup, const 
 // In this process, or on nodes when --nodes is given.
 std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
                                         const plan_choice& choice, pipeline_options po,
-                                        const char* loss, optimizer_spec optimizer) {
+                                        const std::string& loss, optimizer_spec optimizer) {
   if (a.nodes.empty()) {
     return std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po));
   }
@@ -163,6 +179,7 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   model.name = setup.name;
   model.options = setup.options;
   model.seed = a.model.seed;
+  model.torchscript = setup.torchscript;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
   po.placement.nodes = a.nodes;
@@ -183,10 +200,28 @@ optimizer_spec sgd_spec(double lr, double momentum) {
 }
 
 // Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
-void check_flags_apply(const train_args& a, const plan_choice& choice) {
+void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
   auto refuse = [&](const char* flag, const char* why) {
     ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
   };
+  const bool tensors = !training::tensor_file_of(a.model.data).empty();
+  if (tensors) {
+    const char* stream = "does not apply to --data tensors:PATH, read as a stream of batches in "
+                         "file order: say how long to train with --steps";
+    refuse("--epochs", stream);
+    refuse("--warmup", "does not apply to --data tensors:PATH, which trains at a constant --lr");
+    refuse("--data-dir", "is Fashion-MNIST's folder; --data tensors:PATH names its own file");
+    refuse("--train-samples", "applies to Fashion-MNIST (a tensor file is used whole)");
+    refuse("--test-samples", "applies to Fashion-MNIST (a tensor file has no test set)");
+  } else {
+    refuse("--shuffle", "applies to --data tensors:PATH (other data has its own order)");
+    refuse("--loss", "applies to --data tensors:PATH (the other data sets decide their loss)");
+  }
+  if (setup.torchscript.empty()) {
+    refuse("--export", "writes a TorchScript model back: it needs --model PATH.pt");
+  } else {
+    refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
+  }
   if (a.model.data != "text") {
     refuse("--text-file", "applies to --data text (the text to train on)");
     refuse("--sample", "applies to --data text (text written by the trained model)");
@@ -200,7 +235,9 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
       refuse(flag, "sets a size of --model gpt, which this run does not train");
     }
   } else {
-    refuse("--momentum", "is SGD's: gpt trains with Adam");
+    if (a.optimizer != "sgd") {
+      refuse("--momentum", "is SGD's: gpt trains with Adam (unless --optimizer sgd)");
+    }
     refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");
   }
   if (a.model.data == "synthetic") {
@@ -226,26 +263,46 @@ void check_flags_apply(const train_args& a, const plan_choice& choice) {
 int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
                  pipeline_options po, const text_corpus* corpus) {
   const bool synthetic = a.model.data == "synthetic";
+  const auto tensor_file = training::tensor_file_of(a.model.data);
+  const bool tensors = !tensor_file.empty();
+  // Streams (synthetic data, tensor files) train --steps batches at a constant rate.
+  const bool stream = synthetic || tensors;
+  dataset file_data;
+  if (tensors) {
+    file_data = load_tensor_file(tensor_file);
+  }
   const bool text = corpus != nullptr;
   const bool lm = setup.language_model();
   const auto& mo = setup.options;
   const auto& dp = po.data_parallel;
   const bool lead = dp.rank == 0;
-  auto momentum = a.momentum < 0 ? (synthetic ? 0.0 : 0.9) : a.momentum;
-  const char* loss = synthetic && !lm ? "mse" : "cross_entropy";
+  auto momentum = a.momentum < 0 ? (stream ? 0.0 : 0.9) : a.momentum;
+  std::string loss = synthetic && !lm ? "mse" : "cross_entropy";
+  if (tensors) {
+    loss = !a.loss.empty()                                  ? a.loss
+           : file_data.labels.scalar_type() == torch::kLong ? "cross_entropy"
+                                                            : "mse";
+  }
   const double lr = lm && !(a.given && a.given("--lr")) ? 3e-3 : a.lr;
   // One description of the optimizer: built here, or by the nodes from the same spec.
   auto optimizer = sgd_spec(lr, momentum);
-  if (lm) {
+  if ((lm && a.optimizer.empty()) || a.optimizer == "adam") {
     optimizer.name = "adam";
     optimizer.momentum = 0;
   }
+  ACTORPIPE_CHECK(a.weight_decay >= 0, "--weight-decay (", a.weight_decay, ") must be >= 0");
+  optimizer.weight_decay = a.weight_decay;
   po.loss = builtin_loss(loss);
   po.optimizer = make_optimizer(optimizer);
   auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
 
   std::unique_ptr<batch_source> data;
-  if (synthetic && lm) {
+  if (tensors) {
+    const auto samples = file_data.size();
+    data = std::make_unique<tensor_file_source>(tensor_file, std::move(file_data), a.shuffle);
+    // One pass over the file unless --steps says otherwise.
+    steps = steps > 0 ? steps : (samples + setup.batch - 1) / setup.batch;
+  } else if (synthetic && lm) {
     data = std::make_unique<synthetic_tokens_source>(mo.vocabulary, mo.context);
     steps = steps > 0 ? steps : 3;
   } else if (synthetic) {
@@ -282,14 +339,19 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.rank = static_cast<int64_t>(dp.rank);
   to.replicas = static_cast<int64_t>(dp.replicas);
   // Synthetic runs are few, slow steps at a constant rate: a line per step is their progress.
-  to.cosine = !synthetic;
-  to.log_steps = synthetic && !a.no_progress;
-  to.progress = !synthetic && !a.no_progress;
-  to.keep_results = !a.trace.empty() || (synthetic && !a.json.empty());
+  to.cosine = !stream;
+  to.log_steps = stream && !a.no_progress;
+  to.progress = !stream && !a.no_progress;
+  to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
 
   if (lead) {
     std::cout << "actorpipe train: " << setup.name << " on ";
-    if (synthetic && lm) {
+    if (tensors) {
+      std::cout << data->name() << " (" << static_cast<const tensor_file_source&>(*data).samples()
+                << " samples, inputs " << setup.example.sizes().slice(1) << ' '
+                << setup.example.scalar_type() << "), " << steps << " steps, loss " << loss << ", "
+                << optimizer.name << " lr " << lr;
+    } else if (synthetic && lm) {
       std::cout << "synthetic token sequences (vocabulary " << mo.vocabulary << ", context "
                 << mo.context << "), " << steps << " steps";
     } else if (synthetic) {
@@ -323,9 +385,13 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   }
   if (text && !report.epochs.empty()) {
     std::cout << "validation: " << report.epochs.back().test.bits << " bits per character\n";
-  } else if (!synthetic && !report.epochs.empty()) {
+  } else if (!stream && !report.epochs.empty()) {
     std::cout << "test accuracy: top-1 " << report.epochs.back().test.top1 << ", top-5 "
               << report.epochs.back().test.top5 << '\n';
+  }
+  if (!a.export_path.empty()) {
+    pipe.save_torchscript(a.export_path);
+    std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
   }
   if (text && a.sample > 0) {
     // The forward-only path, a character at a time, from the start of a held-out line.
@@ -396,7 +462,7 @@ int run_train(const train_args& given) {
   }
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
-  check_flags_apply(a, choice);
+  check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan);
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");

@@ -32,6 +32,15 @@ struct train_args {
   int64_t epochs = 0;
   double lr = 0.05;
   double momentum = -1;
+  /// --loss mse|cross_entropy (empty: the data's own).
+  std::string loss;
+  /// --optimizer sgd|adam (empty: SGD, Adam for gpt).
+  std::string optimizer;
+  double weight_decay = 0;
+  /// --data tensors:PATH: a new order for every pass over the file.
+  bool shuffle = false;
+  /// Write the trained TorchScript model here.
+  std::string export_path;
   int64_t warmup = 100;
   int64_t wait_timeout_ms = 60000;
   int64_t train_samples = 0;

@@ -1,15 +1,20 @@
 // The embedding facade: engine and pipeline over the stage and scheduler actors.
 #include <actorpipe/pipeline.hpp>
 
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 
+#include <unistd.h>
+
 #include <caf/all.hpp>
 #include <caf/io/middleman.hpp>
 #include <caf/openssl/manager.hpp>
+
+#include <actorpipe/torchscript.hpp>
 
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
@@ -78,6 +83,8 @@ struct pipeline::impl {
   // Stages on nodes: their proxies' transport (null in process). `stages` then holds local
   // copies of the initial stages, used to check checkpoints and count parameters only.
   std::shared_ptr<comm::tensor_hub> remote_hub;
+  // The model as given (layers share the stages' modules in process), for save_torchscript.
+  layer_list layers;
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
 
@@ -273,6 +280,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   }
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
+  self.layers = layers;
   if (dp.replicas > 1) {
     self.replicas = std::make_unique<comm::replica_group>(dp, stage_count);
   }
@@ -356,7 +364,10 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   options.optimizer = make_optimizer(model.optimizer);
   // A local copy of the initial model checks the partition and, later, checkpoints.
   torch::manual_seed(model.seed);
-  auto layers = make_model(model.name, model.options);
+  auto layers =
+    model.torchscript.empty()
+      ? make_model(model.name, model.options)
+      : load_torchscript_bytes(model.torchscript, "the TorchScript model " + model.name);
   auto stage_count = check_pipeline(layers.size(), cut, options);
   auto threads = options.threads_per_stage;
   if (threads == 0) {
@@ -370,6 +381,7 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   }
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
+  self.layers = layers;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
     self.stages.push_back(
       stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer, options.precision));
@@ -466,6 +478,30 @@ void pipeline::load_state(const std::string& dir) {
   auto future =
     self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
   self.wait(future, "load_state");
+}
+
+void pipeline::save_torchscript(const std::string& path) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(is_torchscript(self.layers),
+                  "save_torchscript: this pipeline's model was not loaded from TorchScript "
+                  "(load_torchscript); only such a model can be written back as TorchScript");
+  // The trained tensors as a checkpoint gives them (between steps, from every stage, on nodes
+  // too), then into a fresh copy of the file.
+  static std::atomic<uint64_t> exports{0};
+  auto dir = std::filesystem::temp_directory_path() /
+             detail::concat("actorpipe-export-", ::getpid(), "-", exports++);
+  stages::tensor_map state;
+  try {
+    save_state(dir.string());
+    state = stages::read_checkpoint(dir.string());
+  } catch (...) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+    throw;
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  actorpipe::save_torchscript(self.layers, state, path);
 }
 
 actorpipe::schedule pipeline::training_schedule() const {

@@ -2,6 +2,9 @@
 // list.
 #include <actorpipe/models.hpp>
 
+#include <algorithm>
+#include <mutex>
+
 #include <actorpipe/batch_norm.hpp>
 
 #include <torch/nn/init.h>
@@ -336,10 +339,61 @@ layer_list make_gpt(const model_options& o) {
 
 } // namespace
 
-const std::vector<std::string>& model_names() {
+namespace {
+
+struct model_registry {
+  std::mutex mutex;
+  std::vector<std::pair<std::string, model_factory>> factories;
+
+  static model_registry& get() {
+    static model_registry registry;
+    return registry;
+  }
+
+  model_factory find(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& [n, f] : factories) {
+      if (n == name) {
+        return f;
+      }
+    }
+    return {};
+  }
+};
+
+const std::vector<std::string>& builtin_names() {
   static const std::vector<std::string> names{"resnet18", "resnet34", "resnet50", "resnet101",
                                               "mlp",      "cnn",      "gpt"};
   return names;
+}
+
+} // namespace
+
+std::vector<std::string> model_names() {
+  auto names = builtin_names();
+  auto& r = model_registry::get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& entry : r.factories) {
+    names.push_back(entry.first);
+  }
+  return names;
+}
+
+void register_model(const std::string& name, model_factory factory) {
+  ACTORPIPE_CHECK(!name.empty() && static_cast<bool>(factory),
+                  "register_model: a model needs a name and a factory");
+  ACTORPIPE_CHECK(std::find(builtin_names().begin(), builtin_names().end(), name) ==
+                    builtin_names().end(),
+                  "register_model: '", name, "' is a built-in model's name");
+  auto& r = model_registry::get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (auto& entry : r.factories) {
+    if (entry.first == name) {
+      entry.second = std::move(factory);
+      return;
+    }
+  }
+  r.factories.emplace_back(name, std::move(factory));
 }
 
 layer_list make_model(const std::string& name, const model_options& o) {
@@ -347,6 +401,11 @@ layer_list make_model(const std::string& name, const model_options& o) {
                   ") must be >= 1");
   ACTORPIPE_CHECK(o.in_channels >= 1, "model '", name, "': in_channels (", o.in_channels,
                   ") must be >= 1");
+  if (auto factory = model_registry::get().find(name)) {
+    auto layers = factory(o);
+    ACTORPIPE_CHECK(!layers.empty(), "model '", name, "': its factory gave no layers");
+    return layers;
+  }
   if (name == "resnet18") {
     return make_resnet<BasicBlock>({2, 2, 2, 2}, o);
   }

@@ -20,6 +20,7 @@
 #include <actorpipe/losses.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/optimizers.hpp>
+#include <actorpipe/torchscript.hpp>
 
 #include "actors/request_error.hpp"
 #include "actors/stage_actor.hpp"
@@ -150,6 +151,9 @@ struct node_state {
   std::map<caf::node_id, std::string> challenges;
   std::set<caf::node_id> authorized;
   std::map<uint32_t, hosted> stages;
+  // TorchScript models received, by digest, newest last (a few are kept).
+  std::size_t max_model_bytes = 0;
+  std::vector<std::pair<std::string, std::string>> models;
 
   static inline const char* name = "actorpipe.node";
 };
@@ -256,8 +260,17 @@ std::string build(node_actor* self, const std::string& text) {
   auto spec = stage_spec_from_json(text);
   auto index = static_cast<uint32_t>(spec.index);
   release(self, index);
-  torch::manual_seed(spec.model.seed);
-  auto layers = make_model(spec.model.name, spec.model.options);
+  layer_list layers;
+  if (spec.model.torchscript.empty()) {
+    torch::manual_seed(spec.model.seed);
+    layers = make_model(spec.model.name, spec.model.options);
+  } else {
+    auto it = std::find_if(s.models.begin(), s.models.end(),
+                           [&](const auto& m) { return m.first == spec.model.torchscript; });
+    ACTORPIPE_CHECK(it != s.models.end(), "no TorchScript model ", spec.model.torchscript,
+                    " was sent to this node");
+    layers = load_torchscript_bytes(it->second, "the TorchScript model " + spec.model.name);
+  }
   ACTORPIPE_CHECK(spec.bounds.front() == 0 && spec.bounds.back() == layers.size(), "partition of ",
                   spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
                   layers.size(), " layers");
@@ -306,6 +319,36 @@ std::string build(node_actor* self, const std::string& text) {
                    spec.index, spec.count, end - begin, begin, end - 1, spec.model.name,
                    spec.model.seed);
   return nlohmann::json{{"data_host", s.hub->host()}, {"data_port", s.hub->port()}}.dump();
+}
+
+std::string receive_model(node_actor* self, const std::string& digest, const std::string& bytes) {
+  auto& s = self->state;
+  if (bytes.size() > s.max_model_bytes) {
+    ++s.route->rejected;
+    return detail::concat("node ", s.label, ": the TorchScript model is ", bytes.size(),
+                          " bytes, more than this node takes (", s.max_model_bytes,
+                          "; start it with a larger --max-model-bytes)");
+  }
+  if (model_digest(bytes) != digest) {
+    ++s.route->rejected;
+    return detail::concat("node ", s.label,
+                          ": the TorchScript model arrived damaged (its "
+                          "SHA-256 is not ",
+                          digest, ")");
+  }
+  auto it = std::find_if(s.models.begin(), s.models.end(),
+                         [&](const auto& m) { return m.first == digest; });
+  if (it != s.models.end()) {
+    s.models.erase(it);
+  }
+  s.models.emplace_back(digest, bytes);
+  constexpr std::size_t kept = 4;
+  if (s.models.size() > kept) {
+    s.models.erase(s.models.begin());
+  }
+  log::get()->info("node {}: received a TorchScript model of {} bytes ({})", s.label, bytes.size(),
+                   digest.substr(0, 12));
+  return {};
 }
 
 hosted* find_stage(node_actor* self, uint32_t index) {
@@ -596,8 +639,10 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
 }
 
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
-                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route) {
+                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
+                            std::size_t max_model_bytes) {
   auto& s = self->state;
+  s.max_model_bytes = max_model_bytes;
   s.label = std::move(label);
   s.secret = std::move(secret);
   s.hub = std::move(hub);
@@ -606,6 +651,12 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
   return {
     [=](hello_atom) -> std::string { return make_challenge(self); },
     [=](auth_atom, const std::string& answer) -> std::string { return authenticate(self, answer); },
+    [=](model_atom, const std::string& digest, const std::string& bytes) -> std::string {
+      if (!allowed(self, "model")) {
+        return refused(self);
+      }
+      return receive_model(self, digest, bytes);
+    },
     [=](build_atom, const std::string& spec) -> std::string {
       if (!allowed(self, "build")) {
         return nlohmann::json{{"error", refused(self)}}.dump();
@@ -800,8 +851,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
   // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
   // frames) occupies one of the two workers meanwhile.
-  self.host =
-    self.system->spawn(nodes::node_behavior, std::string{}, options.secret, self.hub, route);
+  self.host = self.system->spawn(nodes::node_behavior, std::string{}, options.secret, self.hub,
+                                 route, options.max_model_bytes);
   {
     std::lock_guard<std::mutex> lock(route->mutex);
     route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);

@@ -1,5 +1,7 @@
 #include "nodes/protocol.hpp"
 
+#include <openssl/evp.h>
+
 #include <caf/actor_system_config.hpp>
 #include <nlohmann/json.hpp>
 
@@ -55,6 +57,15 @@ std::string to_hex(const std::string& bytes) {
   return out;
 }
 
+std::string model_digest(const std::string& bytes) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  ACTORPIPE_CHECK(EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr) ==
+                    1,
+                  "SHA-256 failed");
+  return to_hex(std::string(reinterpret_cast<const char*>(digest), length));
+}
+
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what) {
   auto colon = text.rfind(':');
   ACTORPIPE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < text.size(), what, " '",
@@ -87,6 +98,7 @@ std::string to_json(const stage_spec& s) {
               {"context", m.options.context},
               {"dropout", m.options.dropout},
               {"seed", m.seed},
+              {"torchscript", m.torchscript},
               {"loss", m.loss},
               {"optimizer",
                {{"name", m.optimizer.name},
@@ -122,6 +134,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.options.context = field<int64_t>(m, "context", what);
   s.model.options.dropout = field<double>(m, "dropout", what);
   s.model.seed = field<uint64_t>(m, "seed", what);
+  s.model.torchscript = field<std::string>(m, "torchscript", what);
   s.model.loss = field<std::string>(m, "loss", what);
   auto o = field<json>(m, "optimizer", what);
   s.model.optimizer.name = field<std::string>(o, "name", what);

@@ -8,6 +8,9 @@
 /// - (hello_atom) -> std::string challenge
 /// - (auth_atom, std::string answer) -> std::string error (empty: accepted); the answer is
 ///   HMAC-SHA256(secret, challenge), hex.
+/// - (model_atom, std::string digest, std::string bytes) -> std::string error: a TorchScript
+///   model, kept by its SHA-256 (hex) for the build requests that name it; refused above the
+///   node's max_model_bytes or when the bytes do not hash to the digest.
 /// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port"} or {"error"}
 /// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
 ///   where the other stages and the scheduler receive frames; the proxy gets the reports and is
@@ -42,6 +45,7 @@ namespace actorpipe::nodes {
 using hello_atom = caf::atom_constant<caf::atom("hello")>;
 using auth_atom = caf::atom_constant<caf::atom("auth")>;
 using build_atom = caf::atom_constant<caf::atom("build")>;
+using model_atom = caf::atom_constant<caf::atom("model")>;
 using wire_atom = caf::atom_constant<caf::atom("wire")>;
 using rplan_atom = caf::atom_constant<caf::atom("rplan")>;
 using rabort_atom = caf::atom_constant<caf::atom("rabort")>;
@@ -56,7 +60,8 @@ using target_atom = caf::atom_constant<caf::atom("target")>;
 using output_atom = caf::atom_constant<caf::atom("output")>;
 using state_atom = caf::atom_constant<caf::atom("state")>;
 
-/// What a node needs to build stage `index` of `count`.
+/// What a node needs to build stage `index` of `count`. For a TorchScript model,
+/// `model.torchscript` holds the model's digest (model_digest), not its bytes.
 struct stage_spec {
   remote_model model;
   std::vector<std::size_t> bounds;
@@ -99,6 +104,9 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what);
 
 std::string to_hex(const std::string& bytes);
+
+/// SHA-256 of `bytes`, hex: how a TorchScript model is named between scheduler and node.
+std::string model_digest(const std::string& bytes);
 
 /// An error_kind as rfailed carries it, and back; an unknown number reads as error_kind::other.
 inline uint8_t error_kind_to_wire(error_kind kind) {

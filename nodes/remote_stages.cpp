@@ -463,6 +463,18 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     }
     nodes.push_back(it->second);
   }
+  // A TorchScript model goes once to every node, which keeps it by its digest for the builds.
+  auto described = model;
+  if (!model.torchscript.empty()) {
+    described.torchscript = model_digest(model.torchscript);
+    for (const auto& [address, handle] : handles) {
+      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
+                       described.torchscript, model.torchscript);
+      if (!error.empty()) {
+        throw pipeline_error(error);
+      }
+    }
+  }
   std::size_t built = 0;
   auto release_all = [&] {
     for (std::size_t i = 0; i < built; ++i) {
@@ -477,7 +489,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     peer_table peers;
     for (std::size_t i = 0; i < count; ++i) {
       stage_spec spec;
-      spec.model = model;
+      spec.model = described;
       spec.bounds = cut.bounds;
       spec.index = i;
       spec.count = count;

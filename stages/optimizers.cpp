@@ -16,10 +16,12 @@ optimizer_factory sgd(double lr, double momentum, double weight_decay) {
   };
 }
 
-optimizer_factory adam(double lr) {
+optimizer_factory adam(double lr, double weight_decay) {
   ACTORPIPE_CHECK(lr > 0, "adam: learning rate (", lr, ") must be > 0");
+  ACTORPIPE_CHECK(weight_decay >= 0, "adam: weight decay (", weight_decay, ") must be >= 0");
   return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+    return std::make_unique<torch::optim::Adam>(
+      std::move(params), torch::optim::AdamOptions(lr).weight_decay(weight_decay));
   };
 }
 
@@ -28,7 +30,7 @@ optimizer_factory make_optimizer(const optimizer_spec& spec) {
     return sgd(spec.lr, spec.momentum, spec.weight_decay);
   }
   if (spec.name == "adam") {
-    return adam(spec.lr);
+    return adam(spec.lr, spec.weight_decay);
   }
   throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));
 }

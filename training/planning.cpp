@@ -1,12 +1,16 @@
 #include "training/planning.hpp"
 
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <actorpipe/data.hpp>
 #include <actorpipe/memory.hpp>
+#include <actorpipe/torchscript.hpp>
 #include <torch/torch.h>
 
 namespace actorpipe::training {
@@ -34,6 +38,19 @@ std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Ten
 
 } // namespace
 
+bool is_torchscript_model(const std::string& model) {
+  auto ends_with = [&](const std::string& suffix) {
+    return model.size() > suffix.size() &&
+           model.compare(model.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends_with(".pt") || ends_with(".pth") || model.find('/') != std::string::npos;
+}
+
+std::string tensor_file_of(const std::string& data) {
+  const std::string prefix = "tensors:";
+  return data.rfind(prefix, 0) == 0 ? data.substr(prefix.size()) : std::string{};
+}
+
 std::string model_name(const model_args& m) {
   return !m.model.empty()        ? m.model
          : m.data == "synthetic" ? "resnet50"
@@ -42,8 +59,20 @@ std::string model_name(const model_args& m) {
 }
 
 void check_model_fits_data(const model_args& m) {
+  const bool tensors = !tensor_file_of(m.data).empty();
+  ACTORPIPE_CHECK(m.data != "tensors:", "--data tensors:PATH needs the file's path");
   if (m.model.empty()) {
+    ACTORPIPE_CHECK(!tensors, "--data ", m.data,
+                    " has no model of its own: give --model (a TorchScript file, e.g. "
+                    "model.pt, or a built-in model)");
     return; // the data's own model
+  }
+  if (is_torchscript_model(m.model)) {
+    ACTORPIPE_CHECK(tensors || m.data == "fashion-mnist", "--model ", m.model,
+                    " (a TorchScript file) trains on --data tensors:PATH (its inputs and targets, "
+                    "docs/from-pytorch.md) or fashion-mnist, not ",
+                    m.data);
+    return;
   }
   bool resnet = m.model.rfind("resnet", 0) == 0;
   bool gpt = m.model == "gpt";
@@ -54,10 +83,36 @@ void check_model_fits_data(const model_args& m) {
                   "--data text trains a language model: use --model gpt (not ", m.model, ")");
 }
 
+namespace {
+
+// A tensor file's first batch is what the model sees: profiles take it (any shape, any dtype).
+void take_example(model_setup& setup, const model_args& m) {
+  auto path = tensor_file_of(m.data);
+  if (path.empty()) {
+    return;
+  }
+  setup.file = load_tensor_file(path);
+  auto rows = torch::arange(setup.batch, torch::kLong).remainder(setup.file.size());
+  setup.example = setup.file.images.index({rows});
+}
+
+} // namespace
+
 model_setup build_model(const model_args& m) {
   model_setup setup;
   setup.name = model_name(m);
   check_model_fits_data(m);
+  if (is_torchscript_model(setup.name)) {
+    ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
+    std::ifstream in(setup.name, std::ios::binary);
+    ACTORPIPE_CHECK(in.good(), "--model ", setup.name,
+                    ": cannot read the file (a TorchScript model is a path ending in .pt)");
+    setup.torchscript.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    setup.layers = load_torchscript_bytes(setup.torchscript, "--model " + setup.name);
+    setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
+    take_example(setup, m);
+    return setup;
+  }
   bool resnet = setup.name.rfind("resnet", 0) == 0;
   bool gpt = setup.name == "gpt";
   ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
@@ -79,12 +134,16 @@ model_setup build_model(const model_args& m) {
   }
   torch::manual_seed(m.seed);
   setup.layers = make_model(setup.name, setup.options);
+  take_example(setup, m);
   return setup;
 }
 
 torch::Tensor model_setup::sample() const {
   // A generator of its own: profiling must not shift the data drawn from the global one.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(12345);
+  if (example.defined()) {
+    return example;
+  }
   if (language_model()) {
     return torch::randint(options.vocabulary, {batch, options.context}, generator, torch::kLong);
   }

@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <actorpipe/data.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
@@ -45,12 +46,25 @@ inline constexpr int64_t default_gpt_heads = 4;
 inline constexpr int64_t default_gpt_width = 128;
 inline constexpr int64_t default_gpt_context = 64;
 
+/// True when --model names a TorchScript file rather than a built-in model: a name ending in
+/// ".pt" or ".pth", or containing '/'.
+bool is_torchscript_model(const std::string& model);
+
+/// The path of `--data tensors:PATH`, or an empty string for other data.
+std::string tensor_file_of(const std::string& data);
+
 /// A built model with its input shape.
 struct model_setup {
   std::string name;
   model_options options;
   layer_list layers;
   int64_t batch = 0;
+  /// A TorchScript model's file (the bytes nodes receive); empty for a built-in model.
+  std::string torchscript;
+  /// Real inputs [batch, ...] to profile with, when the data gives them (tensor files).
+  torch::Tensor example;
+  /// --data tensors:PATH: the file's inputs and targets (empty otherwise).
+  dataset file;
 
   /// A random batch shaped like the real one (token ids for a language model).
   torch::Tensor sample() const;
@@ -65,7 +79,8 @@ std::string model_name(const model_args& args);
 /// Throws invalid_argument when --model cannot train on --data (before any data is read).
 void check_model_fits_data(const model_args& args);
 
-/// Builds the model (parameters drawn after torch::manual_seed(seed)).
+/// Builds the model (parameters drawn after torch::manual_seed(seed)), or loads a TorchScript
+/// file (load_torchscript).
 model_setup build_model(const model_args& args);
 
 struct planning_args {

@@ -173,6 +173,31 @@ std::pair<torch::Tensor, torch::Tensor> synthetic_source::batch(int64_t, int64_t
   return rank_part(x, y, rank, replicas);
 }
 
+tensor_file_source::tensor_file_source(std::string path, dataset data, bool shuffle)
+  : path_(std::move(path)), data_(std::move(data)), shuffle_(shuffle) {
+  ACTORPIPE_CHECK(data_.size() > 0, "tensors:", path_, " holds no samples");
+}
+
+std::pair<torch::Tensor, torch::Tensor> tensor_file_source::batch(int64_t, int64_t index,
+                                                                  int64_t batch, uint64_t seed,
+                                                                  int64_t rank,
+                                                                  int64_t replicas) const {
+  const auto n = data_.size();
+  auto positions = torch::arange(index * batch, (index + 1) * batch, torch::kLong);
+  auto rows = positions.remainder(n);
+  if (shuffle_) {
+    // Each pass over the file in its own order; a batch may straddle two passes.
+    auto passes = positions.div(n, "floor");
+    const int64_t first = index * batch / n;
+    const int64_t last = ((index + 1) * batch - 1) / n;
+    for (int64_t pass = first; pass <= last; ++pass) {
+      auto mask = passes.eq(pass);
+      rows.masked_scatter_(mask, epoch_order(n, seed, pass).index({rows.masked_select(mask)}));
+    }
+  }
+  return rank_part(data_.images.index({rows}), data_.labels.index({rows}), rank, replicas);
+}
+
 synthetic_tokens_source::synthetic_tokens_source(int64_t vocabulary, int64_t context)
   : vocabulary_(vocabulary), context_(context) {
   ACTORPIPE_CHECK(vocabulary >= 2 && context >= 1, "synthetic tokens: vocabulary (", vocabulary,

@@ -21,5 +21,6 @@
 #include <actorpipe/results.hpp>
 #include <actorpipe/schedule.hpp>
 #include <actorpipe/tls.hpp>
+#include <actorpipe/torchscript.hpp>
 #include <actorpipe/trace.hpp>
 #include <actorpipe/training.hpp>

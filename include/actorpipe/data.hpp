@@ -47,6 +47,17 @@ torch::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch);
 torch::Tensor distributed_order(int64_t n, uint64_t seed, int64_t epoch, int64_t rank,
                                 int64_t replicas);
 
+/// Inputs and targets from a file written by Python's `torch.save({"inputs": X, "targets": Y},
+/// path)` (or save_tensor_file): `images` holds X and `labels` Y, any shapes and dtypes whose
+/// first dimensions (the samples) agree. Throws invalid_argument naming the file when it cannot
+/// be read, is not a torch.save file, is not a dict, lacks a key (naming the keys it has), holds
+/// something other than a tensor, or its first dimensions differ or are 0.
+dataset load_tensor_file(const std::string& path);
+
+/// Writes what load_tensor_file reads (Python's `torch.load` reads it too).
+void save_tensor_file(const std::string& path, const torch::Tensor& inputs,
+                      const torch::Tensor& targets);
+
 /// Where Debian's fortunes package puts its files (the text corpus of `--data text`).
 inline const char* default_fortunes_dir() {
   return "/usr/share/games/fortunes";

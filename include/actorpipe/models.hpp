@@ -2,6 +2,7 @@
 /// Built-in models, each exposed as a layer list.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -11,8 +12,19 @@
 
 namespace actorpipe {
 
-/// Names accepted by make_model, in a stable order.
-const std::vector<std::string>& model_names();
+/// Names accepted by make_model: the built-in models, then those registered, in a stable order.
+std::vector<std::string> model_names();
+
+/// Builds a model of one's own from model_options (sizes, classes), drawing its parameters from
+/// libtorch's global generator.
+using model_factory = std::function<layer_list(const model_options&)>;
+
+/// Makes `name` a model make_model builds, in this process: an application that runs its own
+/// actorpipe::node registers its models before the node starts, and a pipeline whose
+/// remote_model names one has its nodes build their stages with it (the scheduler's process
+/// registers it too, to check the cut). Registering a name again replaces its factory;
+/// invalid_argument for a built-in model's name. Thread-safe.
+void register_model(const std::string& name, model_factory factory);
 
 /// Builds a model with fresh parameters drawn from libtorch's global generator (call
 /// torch::manual_seed first for a repeatable model). Throws invalid_argument for an unknown name.

@@ -2,8 +2,9 @@
 /// A node hosts stage actors for pipelines in other processes (pipeline_options::placement):
 /// `actorpipe node` is this class plus a signal handler, and an application can embed one.
 /// Control arrives through CAF's middleman, tensors in actorpipe's frames over TCP
-/// (docs/distributed.md). A node builds each stage it is asked for from a built-in model's
-/// name, cut and seed, so no model code ships.
+/// (docs/distributed.md). A node builds each stage it is asked for from a model's name, cut and
+/// seed (a built-in model or one this program registered with register_model), or from the
+/// TorchScript bytes the scheduler sent it (load_torchscript), so no program needs rebuilding.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,9 @@ struct node_options {
   uint16_t data_port = 0;
   /// Shared secret a scheduler must prove it knows (HMAC challenge on both listeners).
   std::string secret;
+  /// Largest TorchScript model a scheduler may send (bytes); larger ones are refused, naming
+  /// the limit (`actorpipe node --max-model-bytes`).
+  std::size_t max_model_bytes = std::size_t{256} << 20;
   /// Certificates: both listeners then speak only TLS and accept only peers whose certificate
   /// the CA signed (CAF's OpenSSL module for control, comm/tls for frames).
   tls_options tls;

@@ -11,8 +11,9 @@ namespace actorpipe {
 /// lr <= 0.
 optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
 
-/// Adam with the given learning rate. Throws invalid_argument for lr <= 0.
-optimizer_factory adam(double lr);
+/// Adam with the given learning rate and weight decay (added to the gradient, as torch.optim.Adam
+/// does). Throws invalid_argument for lr <= 0 or weight_decay < 0.
+optimizer_factory adam(double lr, double weight_decay = 0.0);
 
 /// The factory an optimizer_spec describes; throws invalid_argument for an unknown name.
 optimizer_factory make_optimizer(const optimizer_spec& spec);

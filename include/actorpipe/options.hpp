@@ -167,7 +167,8 @@ struct data_parallel_options {
 /// A built-in model described by value: what a node needs to build its own stage, so that no
 /// model code ships. Every node builds the model from the same seed and keeps its part.
 struct remote_model {
-  /// A make_model name ("resnet50", "mlp", "cnn", ...).
+  /// A make_model name ("resnet50", "mlp", "cnn", ...; or one register_model added), or, with
+  /// `torchscript`, what to call the model in messages.
   std::string name;
   model_options options;
   /// torch::manual_seed before the model is built (the same parameters in every process).
@@ -175,6 +176,10 @@ struct remote_model {
   /// builtin_loss name, used by the last stage.
   std::string loss = "mse";
   optimizer_spec optimizer;
+  /// The bytes of a TorchScript file (load_torchscript): when not empty, every node receives
+  /// them once and builds its stage from them (`options` and `seed` are then unused, `name`
+  /// only names the model in messages).
+  std::string torchscript;
 };
 
 /// Where stage actors live when they are not in this process: `actorpipe node` processes.

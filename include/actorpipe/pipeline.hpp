@@ -104,6 +104,12 @@ public:
   /// names the tensor otherwise.
   void load_state(const std::string& dir);
 
+  /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs
+  /// (its parameters and buffers as they are now, on nodes too), for a model loaded with
+  /// load_torchscript (<actorpipe/torchscript.hpp>); invalid_argument for any other model.
+  /// Runs between steps, like save_state.
+  void save_torchscript(const std::string& path);
+
   /// The training schedule for the configured micro-batch count (built in or custom).
   actorpipe::schedule training_schedule() const;
 

@@ -157,6 +157,27 @@ private:
   int64_t context_;
 };
 
+/// A tensor file (load_tensor_file) as a stream: batch k holds samples [k B, (k + 1) B) of the
+/// file, wrapping around at its end, so `--steps` batches read the file in order; with
+/// `shuffle`, pass p over the file visits it in epoch_order(N, seed, p) instead. A rank takes
+/// its part of each batch. The name ("tensors:PATH") is recorded in checkpoints.
+class tensor_file_source : public batch_source {
+public:
+  tensor_file_source(std::string path, dataset data, bool shuffle);
+  std::string name() const override { return "tensors:" + path_; }
+  int64_t epoch_samples() const override { return 0; }
+  /// Samples in the file.
+  int64_t samples() const { return data_.size(); }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override;
+
+private:
+  std::string path_;
+  dataset data_;
+  bool shuffle_;
+};
+
 /// Continues `prompt` (text of `corpus`'s alphabet) by `length` tokens with the forward-only
 /// path: each next token is drawn from the model's distribution at `temperature` (0: the
 /// likeliest) with a generator seeded by `seed`, the model seeing the last `context` tokens.

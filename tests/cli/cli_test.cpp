@@ -731,3 +731,103 @@ TEST_CASE("bench sweeps stage counts side by side and reports a language model's
   }
   std::filesystem::remove(json);
 }
+
+TEST_CASE(
+  "PyTorch is the oracle: train --model PATH.pt --data tensors:PATH reaches python3-torch's "
+  "losses over 2 stages and on 2 nodes, exports a model Python runs, and checkpoints") {
+  auto dir = temp_file("script");
+  std::filesystem::create_directories(dir);
+  auto oracle =
+    "/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) + "/tests/oracle/pytorch_script.py ";
+  auto made = run(oracle + "make --model residual --out " + dir.string(), false);
+  INFO(made.output);
+  REQUIRE(made.exit_code == 0);
+  auto model = (dir / "model.pt").string();
+  auto data = (dir / "data.pt").string();
+  auto python = run(oracle + "train --model " + model + " --data " + data +
+                      " --steps 5 --batch 8 --microbatches 4 --loss mse --optimizer adam --lr 0.01 "
+                      "--weight-decay 0.01",
+                    false);
+  INFO(python.output);
+  REQUIRE(python.exit_code == 0);
+  auto expected = nlohmann::json::parse(python.output.substr(python.output.rfind('{')))["losses"]
+                    .get<std::vector<double>>();
+  const std::string flags = "train --model " + model + " --data tensors:" + data +
+                            " --stages 2 --microbatches 4 --batch 8 --steps 5 --optimizer adam "
+                            "--lr 0.01 --weight-decay 0.01";
+  auto json = dir / "run.json";
+  auto exported = dir / "trained.pt";
+  auto r = run(flags + " --json " + json.string() + " --export " + exported.string() +
+               " --checkpoint-dir " + (dir / "ckpt").string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("tensors:" + data + " (24 samples, inputs [6] Float)") != std::string::npos);
+  CHECK(r.output.find("loss mse") != std::string::npos);
+  auto ours = losses(json);
+  REQUIRE(ours.size() == expected.size());
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    CHECK(ours[i] == doctest::Approx(expected[i]).epsilon(1e-5));
+  }
+  auto back = run(oracle + "run --model " + exported.string() + " --data " + data + " --out " +
+                    (dir / "outputs.pt").string(),
+                  false);
+  INFO(back.output);
+  CHECK(back.exit_code == 0);
+  CHECK(back.output.find("\"shape\": [24, 4]") != std::string::npos);
+
+  // The same run with its stages on two nodes, which are sent the model.
+  std::vector<std::unique_ptr<background>> nodes;
+  std::string addresses;
+  for (int i = 0; i < 2; ++i) {
+    auto port = free_port();
+    nodes.push_back(std::make_unique<background>("node --listen 127.0.0.1:" + std::to_string(port),
+                                                 dir / ("node" + std::to_string(i) + ".log")));
+    addresses += (i ? "," : "") + std::string("127.0.0.1:") + std::to_string(port);
+  }
+  auto json_nodes = dir / "nodes.json";
+  auto on_nodes =
+    run(flags + " --nodes " + addresses + " --connect-timeout 20000 --json " + json_nodes.string());
+  INFO(on_nodes.output);
+  REQUIRE(on_nodes.exit_code == 0);
+  auto remote = losses(json_nodes);
+  REQUIRE(remote.size() == ours.size());
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    CHECK(remote[i] == doctest::Approx(ours[i]).epsilon(1e-6));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("flags of TorchScript models and tensor files are refused where they do not apply, and "
+          "bad files are named") {
+  auto dir = temp_file("script-flags");
+  std::filesystem::create_directories(dir);
+  auto made = run("/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) +
+                    "/tests/oracle/pytorch_script.py make --model mlp --out " + dir.string(),
+                  false);
+  REQUIRE(made.exit_code == 0);
+  auto model = (dir / "model.pt").string();
+  auto data = "tensors:" + (dir / "data.pt").string();
+  auto refused = [](const std::string& args, const std::string& expected) {
+    auto r = run(args);
+    INFO(args);
+    INFO(r.output);
+    CHECK(r.exit_code != 0);
+    CHECK(r.output.find(expected) != std::string::npos);
+  };
+  // Profiled partitions and the simulator take a scripted model like a built-in one.
+  auto plan = run("plan --model " + model + " --data " + data + " --partition time --stages 3");
+  INFO(plan.output);
+  CHECK(plan.exit_code == 0);
+  CHECK(plan.output.find("stage 2") != std::string::npos);
+  refused("train --model " + model + " --data " + data + " --epochs 2",
+          "--epochs does not apply to --data tensors:PATH");
+  refused("train --model " + model + " --data synthetic", "trains on --data tensors:PATH");
+  refused("train --model mlp --data fashion-mnist --export x.pt", "--export writes a TorchScript");
+  refused("train --model mlp --data synthetic --shuffle", "--shuffle applies to --data tensors");
+  refused("train --model mlp --data synthetic --loss mse", "--loss applies to --data tensors");
+  refused("train --data " + data, "has no model of its own");
+  refused("train --model " + (dir / "data.pt").string() + " --data " + data,
+          "is not a TorchScript file");
+  refused("train --model " + model + " --data tensors:" + model, "is not a tensor file");
+  std::filesystem::remove_all(dir);
+}

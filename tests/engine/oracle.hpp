@@ -1,17 +1,44 @@
 // Shared helpers for pipeline tests: the plain-libtorch oracle.
 #pragma once
 
+#include <array>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <actorpipe/actorpipe.hpp>
 
 namespace actorpipe::test {
+
+#ifdef ACTORPIPE_SOURCE_DIR
+/// Runs `/usr/bin/python3 tests/oracle/<script> <arguments>` and parses the last JSON object it
+/// printed. Fails the test, with what Python printed, when Python or torch is missing or the
+/// script fails.
+inline nlohmann::json python_oracle(const std::string& script, const std::string& arguments) {
+  auto command = "/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) + "/tests/oracle/" +
+                 script + " " + arguments + " 2>&1";
+  std::string output;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE_MESSAGE(pipe != nullptr, "cannot run ", command);
+  std::array<char, 4096> chunk{};
+  while (auto n = std::fread(chunk.data(), 1, chunk.size(), pipe)) {
+    output.append(chunk.data(), n);
+  }
+  auto status = ::pclose(pipe);
+  INFO("the oracle needs Debian's python3-torch (./setup.sh test installs it): ", command);
+  INFO(output);
+  REQUIRE(status == 0);
+  auto start = output.rfind('{');
+  REQUIRE(start != std::string::npos);
+  return nlohmann::json::parse(output.substr(start));
+}
+#endif
 
 /// A tiny MLP (flatten, fc1, relu1, fc2, relu2, fc3) for 1x4x4 inputs and 3 classes, built from
 /// `seed` so that two calls give the same parameters.

@@ -26,24 +26,8 @@ constexpr int64_t batch = 8;
 constexpr int64_t context = 8;
 constexpr int steps = 6;
 
-// Runs the oracle with `arguments`; its JSON line. Fails the test, with what Python printed,
-// when Python or torch is missing or the script fails.
 nlohmann::json pytorch(const std::string& arguments) {
-  auto command = "/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) +
-                 "/tests/oracle/pytorch_gpt.py " + arguments + " 2>&1";
-  std::string output;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE_MESSAGE(pipe != nullptr, "cannot run ", command);
-  std::array<char, 4096> chunk{};
-  while (auto n = std::fread(chunk.data(), 1, chunk.size(), pipe)) {
-    output.append(chunk.data(), n);
-  }
-  auto status = ::pclose(pipe);
-  INFO("the oracle needs Debian's python3-torch (./setup.sh test installs it): ", command);
-  INFO(output);
-  REQUIRE(status == 0);
-  auto line = output.substr(output.rfind('{'));
-  return nlohmann::json::parse(line);
+  return python_oracle("pytorch_gpt.py", arguments);
 }
 
 // The gpt of the oracle, drawn as it draws it: the same seed, then make_model.

@@ -1,0 +1,335 @@
+#include <actorpipe/torchscript.hpp>
+
+#include <torch/csrc/jit/serialization/import.h>
+#include <torch/script.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe {
+
+namespace {
+
+// One loaded file: its bytes (export starts from a fresh copy of them) and where it came from.
+struct script_source {
+  std::string bytes;
+  std::string what;
+  bool training = true;
+  std::size_t layers = 0;
+};
+
+// The first line of a libtorch error (the rest is a C++ or TorchScript backtrace).
+std::string first_line(const std::exception& e) {
+  std::string text = e.what();
+  auto end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+// "__torch__.torch.nn.modules.linear.___torch_mangle_3.Linear" -> "Linear".
+std::string short_type(const torch::jit::Module& m) {
+  auto name = m.type()->name() ? m.type()->name()->name() : std::string("module");
+  return name;
+}
+
+bool is_sequential(const torch::jit::Module& m) {
+  auto qualified = m.type()->name() ? m.type()->name()->qualifiedName() : std::string{};
+  return short_type(m) == "Sequential" &&
+         qualified.find("torch.nn.modules.container.") != std::string::npos;
+}
+
+// A scripted module seen as a libtorch C++ module: the same parameter and buffer tensors
+// registered under the same names, its children mirrored likewise. Training, checkpoints, ties
+// and the optimizer work on the registrations; the scripted forward uses the same tensors.
+class script_mirror : public torch::nn::Module, public tied_module {
+public:
+  explicit script_mirror(torch::jit::Module m)
+    : torch::nn::Module(short_type(m)), jit_(std::move(m)) {
+    for (const auto& p : jit_.named_parameters(/*recurse=*/false)) {
+      if (p.value.defined()) {
+        register_parameter(p.name, p.value, p.value.requires_grad());
+      }
+    }
+    for (const auto& b : jit_.named_buffers(/*recurse=*/false)) {
+      if (b.value.defined()) {
+        register_buffer(b.name, b.value);
+      }
+    }
+    for (const auto& c : jit_.named_children()) {
+      register_module(c.name, std::make_shared<script_mirror>(c.value));
+    }
+  }
+
+  void parameter_replaced(const std::string& name, const torch::Tensor& tensor) override {
+    jit_.setattr(name, tensor);
+  }
+
+protected:
+  torch::jit::Module jit_;
+};
+
+// How a child's forward takes its inputs.
+enum class input_kind { tensor, tensors, tuple };
+
+// A top-level child: runs its scripted forward.
+class script_layer : public script_mirror {
+public:
+  script_layer(torch::jit::Module m, std::string name, std::shared_ptr<const script_source> source)
+    : script_mirror(m), name_(std::move(name)), source_(std::move(source)) {
+    auto method = jit_.find_method("forward");
+    ACTORPIPE_CHECK(method.has_value(), source_->what, ": child '", name_, "' (", short_type(jit_),
+                    ") has no forward method; actorpipe runs the children of the Sequential in "
+                    "order, so each must be callable");
+    forward_ = *method;
+    const auto& schema = forward_->function().getSchema();
+    auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
+    auto tensor_tuple = [&](const c10::TypePtr& t) -> std::size_t {
+      auto tuple = t->cast<c10::TupleType>();
+      if (!tuple) {
+        return 0;
+      }
+      for (const auto& e : tuple->elements()) {
+        if (!is_tensor(e)) {
+          return 0;
+        }
+      }
+      return tuple->elements().size();
+    };
+    auto refuse = [&](const std::string& what) {
+      throw invalid_argument(detail::concat(
+        source_->what, ": child '", name_, "' (", short_type(jit_), ") has ", schema, ", but ",
+        what,
+        ": a layer takes tensors (one, several, or a tuple of them) and returns a tensor or a "
+        "tuple of tensors"));
+    };
+    const auto& arguments = schema.arguments();
+    std::vector<c10::TypePtr> taken;
+    for (std::size_t i = 1; i < arguments.size(); ++i) {
+      if (!arguments[i].default_value()) {
+        taken.push_back(arguments[i].type());
+      }
+    }
+    if (taken.empty()) {
+      refuse("it takes no input");
+    }
+    if (taken.size() == 1 && tensor_tuple(taken[0]) > 0) {
+      inputs_ = input_kind::tuple;
+      arity_ = tensor_tuple(taken[0]);
+    } else {
+      for (const auto& t : taken) {
+        if (!is_tensor(t)) {
+          refuse(detail::concat("an input is a ", t->repr_str()));
+        }
+      }
+      inputs_ = taken.size() == 1 ? input_kind::tensor : input_kind::tensors;
+      arity_ = taken.size();
+    }
+    ACTORPIPE_CHECK(schema.returns().size() == 1, source_->what, ": child '", name_, "' returns ",
+                    schema.returns().size(), " values");
+    const auto& out = schema.returns()[0].type();
+    if (tensor_tuple(out) > 0) {
+      tuple_out_ = true;
+    } else if (!is_tensor(out)) {
+      refuse(detail::concat("it returns a ", out->repr_str()));
+    }
+  }
+
+  bool takes_one_tensor() const { return inputs_ == input_kind::tensor && !tuple_out_; }
+  const std::shared_ptr<const script_source>& source() const { return source_; }
+
+  void train(bool on) override {
+    torch::nn::Module::train(on);
+    jit_.train(on);
+  }
+
+protected:
+  torch::Tensor run_tensor(const torch::Tensor& x) { return (*forward_)({x}).toTensor(); }
+
+  bundle run_bundle(const bundle& x) {
+    ACTORPIPE_CHECK(x.size() == arity_, "layer '", name_, "' (", short_type(jit_), ") takes ",
+                    arity_, inputs_ == input_kind::tuple ? "-tensor tuple" : " tensors",
+                    " but was given ", x.size());
+    std::vector<c10::IValue> args;
+    if (inputs_ == input_kind::tuple) {
+      std::vector<c10::IValue> elements(x.tensors().begin(), x.tensors().end());
+      args.emplace_back(c10::ivalue::Tuple::create(std::move(elements)));
+    } else {
+      args.assign(x.tensors().begin(), x.tensors().end());
+    }
+    auto y = (*forward_)(std::move(args));
+    if (!y.isTuple()) {
+      return bundle(y.toTensor());
+    }
+    std::vector<torch::Tensor> tensors;
+    for (const auto& e : y.toTupleRef().elements()) {
+      tensors.push_back(e.toTensor());
+    }
+    return bundle(std::move(tensors));
+  }
+
+private:
+  std::string name_;
+  std::shared_ptr<const script_source> source_;
+  c10::optional<torch::jit::Method> forward_;
+  input_kind inputs_ = input_kind::tensor;
+  std::size_t arity_ = 1;
+  bool tuple_out_ = false;
+};
+
+class script_tensor_layer : public script_layer {
+public:
+  using script_layer::script_layer;
+  torch::Tensor forward(const torch::Tensor& x) { return run_tensor(x); }
+};
+
+class script_bundle_layer : public script_layer {
+public:
+  using script_layer::script_layer;
+  bundle forward(const bundle& x) { return run_bundle(x); }
+};
+
+torch::jit::Module load_module(const std::string& bytes, const std::string& what) {
+  std::istringstream in(bytes);
+  try {
+    return torch::jit::load(in, c10::Device(c10::kCPU));
+  } catch (const std::exception& e) {
+    throw invalid_argument(
+      detail::concat(what,
+                     " is not a TorchScript file (one written by Python's torch.jit.save(torch.jit."
+                     "script(model))), or it is truncated: ",
+                     first_line(e)));
+  }
+}
+
+// Children of `m` in order, nested Sequentials flattened, named by their path.
+void flatten(const torch::jit::Module& m, const std::string& prefix,
+             std::vector<std::pair<std::string, torch::jit::Module>>& out) {
+  for (const auto& c : m.named_children()) {
+    auto name = prefix.empty() ? c.name : prefix + "." + c.name;
+    if (is_sequential(c.value)) {
+      flatten(c.value, name, out);
+    } else {
+      out.emplace_back(name, c.value);
+    }
+  }
+}
+
+const script_layer* as_script(const layer& l) {
+  return dynamic_cast<const script_layer*>(l.module().get());
+}
+
+} // namespace
+
+layer_list load_torchscript_bytes(const std::string& bytes, const std::string& what) {
+  auto root = load_module(bytes, what);
+  ACTORPIPE_CHECK(is_sequential(root), what, ": the model is a ", short_type(root),
+                  ", not an nn.Sequential; actorpipe cuts a model between the children of a "
+                  "Sequential (wrap the layers in nn.Sequential(...) before torch.jit.script)");
+  std::vector<std::pair<std::string, torch::jit::Module>> children;
+  flatten(root, "", children);
+  ACTORPIPE_CHECK(!children.empty(), what, ": the Sequential has no children to cut");
+  auto source = std::make_shared<script_source>();
+  source->bytes = bytes;
+  source->what = what;
+  source->training = root.is_training();
+  source->layers = children.size();
+  layer_list layers;
+  for (auto& [name, child] : children) {
+    auto probe = std::make_shared<script_tensor_layer>(child, name, source);
+    if (probe->takes_one_tensor()) {
+      layers.emplace_back(name, torch::nn::AnyModule(probe));
+    } else {
+      layers.push_back(layer::over_bundles(
+        name, torch::nn::AnyModule(std::make_shared<script_bundle_layer>(child, name, source))));
+    }
+  }
+  return layers;
+}
+
+layer_list load_torchscript(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  ACTORPIPE_CHECK(in.good(), "cannot read the TorchScript file '", path, "'");
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return load_torchscript_bytes(bytes, "'" + path + "'");
+}
+
+bool is_torchscript(const layer_list& layers) {
+  if (layers.empty()) {
+    return false;
+  }
+  const auto* first = as_script(layers.front());
+  if (first == nullptr || first->source()->layers != layers.size()) {
+    return false;
+  }
+  for (const auto& l : layers) {
+    const auto* s = as_script(l);
+    if (s == nullptr || s->source() != first->source()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void save_torchscript(const layer_list& layers, const std::map<std::string, torch::Tensor>& state,
+                      const std::string& path) {
+  ACTORPIPE_CHECK(is_torchscript(layers), "save_torchscript: the model was not loaded by "
+                                          "load_torchscript (only a TorchScript model can be "
+                                          "written back as TorchScript)");
+  const auto& source = *as_script(layers.front())->source();
+  // A fresh copy of the file (its ties as Python made them), then every tensor from `state`.
+  auto model = load_module(source.bytes, source.what);
+  std::map<const c10::TensorImpl*, bool> written;
+  auto take = [&](const std::string& name, const torch::Tensor& tensor) {
+    auto& done = written[tensor.unsafeGetTensorImpl()];
+    auto it = state.find(name);
+    if (it == state.end()) {
+      return;
+    }
+    ACTORPIPE_CHECK(it->second.sizes() == tensor.sizes(), "save_torchscript: '", name,
+                    "' has shape ", it->second.sizes(), " in the trained state but ",
+                    tensor.sizes(), " in ", source.what);
+    torch::NoGradGuard no_grad;
+    tensor.copy_(it->second);
+    done = true;
+  };
+  for (const auto& p : model.named_parameters()) {
+    take(p.name, p.value);
+  }
+  for (const auto& b : model.named_buffers()) {
+    take(b.name, b.value);
+  }
+  for (const auto& p : model.named_parameters()) {
+    ACTORPIPE_CHECK(written[p.value.unsafeGetTensorImpl()],
+                    "save_torchscript: the trained state has no '", p.name, "'");
+  }
+  for (const auto& b : model.named_buffers()) {
+    ACTORPIPE_CHECK(written[b.value.unsafeGetTensorImpl()],
+                    "save_torchscript: the trained state has no '", b.name, "'");
+  }
+  model.train(source.training);
+  auto temporary = path + ".tmp-" + std::to_string(::getpid());
+  try {
+    model.save(temporary);
+  } catch (const std::exception& e) {
+    std::filesystem::remove(temporary);
+    throw pipeline_error(
+      detail::concat("save_torchscript: cannot write '", path, "': ", first_line(e)),
+      error_details{error_kind::io});
+  }
+  std::error_code ec;
+  std::filesystem::rename(temporary, path, ec);
+  if (ec) {
+    std::filesystem::remove(temporary);
+    throw pipeline_error(
+      detail::concat("save_torchscript: cannot write '", path, "': ", ec.message()),
+      error_details{error_kind::io});
+  }
+}
+
+} // namespace actorpipe
