@@ -24,14 +24,20 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// This process's folder for the Python-made files, removed when the process ends.
+struct scratch {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                              ("actorpipe-torchscript-test-" + std::to_string(::getpid()));
+  scratch() { std::filesystem::create_directories(dir); }
+  ~scratch() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+};
+
 std::filesystem::path work_dir() {
-  static const auto dir = [] {
-    auto d = std::filesystem::temp_directory_path() /
-             ("actorpipe-torchscript-test-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(d);
-    return d;
-  }();
-  return dir;
+  static const scratch s;
+  return s.dir;
 }
 
 // DIR/model.pt and DIR/data.pt of tests/oracle/pytorch_script.py's model `name`, made once.
