@@ -60,12 +60,7 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
       c.row.stages = p;
       c.row.splits = choice.microbatches;
       c.replicas = std::make_unique<replicated_pipeline>(
-        sys,
-        [&] {
-          torch::manual_seed(o.model.seed);
-          return make_model(setup.name, mo);
-        },
-        choice.cut, po, r);
+        sys, [&] { return setup.fresh(o.model.seed); }, choice.cut, po, r);
       grid.push_back(std::move(c));
     }
   }

@@ -292,8 +292,7 @@ namespace {
 
 // Parameters drawn as every contender's: the same seed, the same model.
 layer_list fresh_layers(const training::model_setup& setup, uint64_t seed) {
-  torch::manual_seed(seed);
-  return make_model(setup.name, setup.options);
+  return setup.fresh(seed);
 }
 
 // The precisions measured: "fp32", "bf16".

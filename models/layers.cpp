@@ -74,6 +74,9 @@ std::string layer::expected_input() const {
   if (is_function()) {
     return {};
   }
+  if (const auto* own = dynamic_cast<const described_input*>(module_.ptr().get())) {
+    return own->expected_input();
+  }
   // The first parameterised submodule in definition order takes the layer's input (true for
   // the built-in models and for most sequential blocks).
   for (const auto& m : module_.ptr()->modules(/*include_self=*/true)) {

@@ -77,71 +77,130 @@ protected:
 // How a child's forward takes its inputs.
 enum class input_kind { tensor, tensors, tuple };
 
-// A top-level child: runs its scripted forward.
-class script_layer : public script_mirror {
-public:
-  script_layer(torch::jit::Module m, std::string name, std::shared_ptr<const script_source> source)
-    : script_mirror(m), name_(std::move(name)), source_(std::move(source)) {
-    auto method = jit_.find_method("forward");
-    ACTORPIPE_CHECK(method.has_value(), source_->what, ": child '", name_, "' (", short_type(jit_),
-                    ") has no forward method; actorpipe runs the children of the Sequential in "
-                    "order, so each must be callable");
-    forward_ = *method;
-    const auto& schema = forward_->function().getSchema();
-    auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
-    auto tensor_tuple = [&](const c10::TypePtr& t) -> std::size_t {
-      auto tuple = t->cast<c10::TupleType>();
-      if (!tuple) {
+// A libtorch error from the TorchScript interpreter reads "The following operation failed in
+// the TorchScript interpreter", a TorchScript traceback, then what failed ("RuntimeError: mat1
+// and mat2 shapes cannot be multiplied ..."): the last is what a person needs, first.
+std::string interpreter_failure(const std::string& text, const std::string& layer) {
+  std::string reason;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    auto end = text.find('\n', start);
+    auto line = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    auto colon = line.find("Error: ");
+    if (colon != std::string::npos && line.find(' ') > colon) {
+      reason = line.substr(colon + 7);
+    }
+    start = end == std::string::npos ? text.size() : end + 1;
+  }
+  if (reason.empty()) {
+    return text;
+  }
+  return detail::concat(reason, " (in the scripted forward of '", layer, "')\n", text);
+}
+
+// What a child's forward takes and returns; invalid_argument naming the child when it is not
+// tensors in and tensors out.
+struct forward_signature {
+  c10::optional<torch::jit::Method> method;
+  input_kind inputs = input_kind::tensor;
+  std::size_t arity = 1;
+  bool tuple_out = false;
+
+  bool one_tensor() const { return inputs == input_kind::tensor && !tuple_out; }
+};
+
+forward_signature signature_of(const torch::jit::Module& child, const std::string& name,
+                               const std::string& what) {
+  forward_signature sig;
+  auto method = child.find_method("forward");
+  ACTORPIPE_CHECK(method.has_value(), what, ": child '", name, "' (", short_type(child),
+                  ") has no forward method; actorpipe runs the children of the Sequential in "
+                  "order, so each must be callable");
+  sig.method = *method;
+  const auto& schema = sig.method->function().getSchema();
+  auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
+  auto tensor_tuple = [&](const c10::TypePtr& t) -> std::size_t {
+    auto tuple = t->cast<c10::TupleType>();
+    if (!tuple) {
+      return 0;
+    }
+    for (const auto& e : tuple->elements()) {
+      if (!is_tensor(e)) {
         return 0;
       }
-      for (const auto& e : tuple->elements()) {
-        if (!is_tensor(e)) {
-          return 0;
-        }
-      }
-      return tuple->elements().size();
-    };
-    auto refuse = [&](const std::string& what) {
-      throw invalid_argument(detail::concat(
-        source_->what, ": child '", name_, "' (", short_type(jit_), ") has ", schema, ", but ",
-        what,
-        ": a layer takes tensors (one, several, or a tuple of them) and returns a tensor or a "
-        "tuple of tensors"));
-    };
-    const auto& arguments = schema.arguments();
-    std::vector<c10::TypePtr> taken;
-    for (std::size_t i = 1; i < arguments.size(); ++i) {
-      if (!arguments[i].default_value()) {
-        taken.push_back(arguments[i].type());
-      }
     }
-    if (taken.empty()) {
-      refuse("it takes no input");
-    }
-    if (taken.size() == 1 && tensor_tuple(taken[0]) > 0) {
-      inputs_ = input_kind::tuple;
-      arity_ = tensor_tuple(taken[0]);
-    } else {
-      for (const auto& t : taken) {
-        if (!is_tensor(t)) {
-          refuse(detail::concat("an input is a ", t->repr_str()));
-        }
-      }
-      inputs_ = taken.size() == 1 ? input_kind::tensor : input_kind::tensors;
-      arity_ = taken.size();
-    }
-    ACTORPIPE_CHECK(schema.returns().size() == 1, source_->what, ": child '", name_, "' returns ",
-                    schema.returns().size(), " values");
-    const auto& out = schema.returns()[0].type();
-    if (tensor_tuple(out) > 0) {
-      tuple_out_ = true;
-    } else if (!is_tensor(out)) {
-      refuse(detail::concat("it returns a ", out->repr_str()));
+    return tuple->elements().size();
+  };
+  auto refuse = [&](const std::string& problem) {
+    throw invalid_argument(detail::concat(
+      what, ": child '", name, "' (", short_type(child), ") has ", schema, ", but ", problem,
+      ": a layer takes tensors (one, several, or a tuple of them) and returns a tensor or a "
+      "tuple of tensors"));
+  };
+  const auto& arguments = schema.arguments();
+  std::vector<c10::TypePtr> taken;
+  for (std::size_t i = 1; i < arguments.size(); ++i) {
+    if (!arguments[i].default_value()) {
+      taken.push_back(arguments[i].type());
     }
   }
+  if (taken.empty()) {
+    refuse("it takes no input");
+  }
+  if (taken.size() == 1 && tensor_tuple(taken[0]) > 0) {
+    sig.inputs = input_kind::tuple;
+    sig.arity = tensor_tuple(taken[0]);
+  } else {
+    for (const auto& t : taken) {
+      if (!is_tensor(t)) {
+        refuse(detail::concat("an input is a ", t->repr_str()));
+      }
+    }
+    sig.inputs = taken.size() == 1 ? input_kind::tensor : input_kind::tensors;
+    sig.arity = taken.size();
+  }
+  ACTORPIPE_CHECK(schema.returns().size() == 1, what, ": child '", name, "' returns ",
+                  schema.returns().size(), " values");
+  const auto& out = schema.returns()[0].type();
+  if (tensor_tuple(out) > 0) {
+    sig.tuple_out = true;
+  } else if (!is_tensor(out)) {
+    refuse(detail::concat("it returns a ", out->repr_str()));
+  }
+  return sig;
+}
 
-  bool takes_one_tensor() const { return inputs_ == input_kind::tensor && !tuple_out_; }
+// A top-level child: runs its scripted forward.
+class script_layer : public script_mirror, public described_input {
+public:
+  script_layer(torch::jit::Module m, std::string name, std::shared_ptr<const script_source> source,
+               forward_signature sig)
+    : script_mirror(std::move(m)), name_(std::move(name)), source_(std::move(source)),
+      forward_(std::move(*sig.method)), inputs_(sig.inputs), arity_(sig.arity) {}
+
   const std::shared_ptr<const script_source>& source() const { return source_; }
+
+  // The first submodule (the child itself included) with a Linear's, a convolution's or an
+  // Embedding's attributes takes the input, as for C++ modules.
+  std::string expected_input() const override {
+    for (const auto& m : jit_.modules()) {
+      if (m.hasattr("in_features") && m.attr("in_features").isInt()) {
+        return detail::concat("[*, ", m.attr("in_features").toInt(), "]");
+      }
+      if (m.hasattr("in_channels") && m.attr("in_channels").isInt() && m.hasattr("weight") &&
+          m.attr("weight").isTensor()) {
+        auto dims = m.attr("weight").toTensor().dim();
+        return detail::concat("[N, ", m.attr("in_channels").toInt(),
+                              dims == 3   ? ", L]"
+                              : dims == 5 ? ", D, H, W]"
+                                          : ", H, W]");
+      }
+      if (m.hasattr("num_embeddings") && m.attr("num_embeddings").isInt()) {
+        return detail::concat("integer ids below ", m.attr("num_embeddings").toInt());
+      }
+    }
+    return {};
+  }
 
   void train(bool on) override {
     torch::nn::Module::train(on);
@@ -149,7 +208,7 @@ public:
   }
 
 protected:
-  torch::Tensor run_tensor(const torch::Tensor& x) { return (*forward_)({x}).toTensor(); }
+  torch::Tensor run_tensor(const torch::Tensor& x) { return call({x}).toTensor(); }
 
   bundle run_bundle(const bundle& x) {
     ACTORPIPE_CHECK(x.size() == arity_, "layer '", name_, "' (", short_type(jit_), ") takes ",
@@ -162,7 +221,7 @@ protected:
     } else {
       args.assign(x.tensors().begin(), x.tensors().end());
     }
-    auto y = (*forward_)(std::move(args));
+    auto y = call(std::move(args));
     if (!y.isTuple()) {
       return bundle(y.toTensor());
     }
@@ -174,12 +233,24 @@ protected:
   }
 
 private:
+  c10::IValue call(std::vector<c10::IValue> args) {
+    try {
+      return forward_(std::move(args));
+    } catch (const c10::Error& e) {
+      // Still a c10::Error: the stage reads libtorch refusing a tensor as a shape mismatch.
+      throw c10::Error(interpreter_failure(e.what_without_backtrace(), name_), "");
+    } catch (const std::exception& e) {
+      // The interpreter rethrows what an operation threw as a std::runtime_error with its
+      // TorchScript traceback; it is libtorch refusing the input all the same.
+      throw c10::Error(interpreter_failure(e.what(), name_), "");
+    }
+  }
+
   std::string name_;
   std::shared_ptr<const script_source> source_;
-  c10::optional<torch::jit::Method> forward_;
-  input_kind inputs_ = input_kind::tensor;
-  std::size_t arity_ = 1;
-  bool tuple_out_ = false;
+  torch::jit::Method forward_;
+  input_kind inputs_;
+  std::size_t arity_;
 };
 
 class script_tensor_layer : public script_layer {
@@ -241,12 +312,14 @@ layer_list load_torchscript_bytes(const std::string& bytes, const std::string& w
   source->layers = children.size();
   layer_list layers;
   for (auto& [name, child] : children) {
-    auto probe = std::make_shared<script_tensor_layer>(child, name, source);
-    if (probe->takes_one_tensor()) {
-      layers.emplace_back(name, torch::nn::AnyModule(probe));
+    auto sig = signature_of(child, name, what);
+    if (sig.one_tensor()) {
+      layers.emplace_back(name, torch::nn::AnyModule(std::make_shared<script_tensor_layer>(
+                                  child, name, source, std::move(sig))));
     } else {
-      layers.push_back(layer::over_bundles(
-        name, torch::nn::AnyModule(std::make_shared<script_bundle_layer>(child, name, source))));
+      layers.push_back(
+        layer::over_bundles(name, torch::nn::AnyModule(std::make_shared<script_bundle_layer>(
+                                    child, name, source, std::move(sig)))));
     }
   }
   return layers;

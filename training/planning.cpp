@@ -138,6 +138,14 @@ model_setup build_model(const model_args& m) {
   return setup;
 }
 
+layer_list model_setup::fresh(uint64_t seed) const {
+  if (!torchscript.empty()) {
+    return load_torchscript_bytes(torchscript, "--model " + name);
+  }
+  torch::manual_seed(seed);
+  return make_model(name, options);
+}
+
 torch::Tensor model_setup::sample() const {
   // A generator of its own: profiling must not shift the data drawn from the global one.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(12345);

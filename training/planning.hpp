@@ -66,8 +66,12 @@ struct model_setup {
   /// --data tensors:PATH: the file's inputs and targets (empty otherwise).
   dataset file;
 
-  /// A random batch shaped like the real one (token ids for a language model).
+  /// A random batch shaped like the real one (token ids for a language model), or the tensor
+  /// file's first batch.
   torch::Tensor sample() const;
+  /// The model again, with modules of its own: a built-in one drawn after
+  /// torch::manual_seed(seed), a TorchScript one from its file's bytes (`seed` unused).
+  layer_list fresh(uint64_t seed) const;
   /// A language model (inputs are token ids [N, context], outputs logits per token).
   bool language_model() const { return name == "gpt"; }
 };

@@ -94,6 +94,14 @@ std::vector<tied_parameter> tied_parameters(const layer_list& layers);
 /// a tied_module; invalid_argument names the layer and parameter otherwise.
 void tie_parameter(const layer& holder, const std::string& parameter, const torch::Tensor& tensor);
 
+/// A module of your own that can say what input it takes, as layer::expected_input reports it
+/// in shape-mismatch errors (e.g. "[*, 512]"); an empty string when it cannot tell.
+class described_input {
+public:
+  virtual ~described_input() = default;
+  virtual std::string expected_input() const = 0;
+};
+
 /// A module of your own that can hold a tied parameter: it registers `name` and keeps any
 /// member that refers to it pointing at `tensor` (tie_parameter has replaced the registration).
 class tied_module {

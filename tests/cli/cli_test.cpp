@@ -782,6 +782,8 @@ TEST_CASE(
     auto port = free_port();
     nodes.push_back(std::make_unique<background>("node --listen 127.0.0.1:" + std::to_string(port),
                                                  dir / ("node" + std::to_string(i) + ".log")));
+    REQUIRE_MESSAGE(nodes.back()->wait_for("listening on", std::chrono::seconds(20)),
+                    nodes.back()->output());
     addresses += (i ? "," : "") + std::string("127.0.0.1:") + std::to_string(port);
   }
   auto json_nodes = dir / "nodes.json";
@@ -819,6 +821,11 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
   INFO(plan.output);
   CHECK(plan.exit_code == 0);
   CHECK(plan.output.find("stage 2") != std::string::npos);
+  auto bench = run("bench --model " + model + " --data " + data +
+                   " --batch 8 --splits 1,2 --steps 1 --no-progress");
+  INFO(bench.output);
+  CHECK(bench.exit_code == 0);
+  CHECK(bench.output.find(data + " [4, 4] Float") != std::string::npos);
   refused("train --model " + model + " --data " + data + " --epochs 2",
           "--epochs does not apply to --data tensors:PATH");
   refused("train --model " + model + " --data synthetic", "trains on --data tensors:PATH");

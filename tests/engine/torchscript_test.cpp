@@ -486,3 +486,24 @@ TEST_CASE("A scripted model recomputes its activations to the same losses, and t
     CHECK(bf16.losses[step] != kept.losses[step]);
   }
 }
+
+TEST_CASE("A batch a scripted layer cannot take fails the step naming the layer, what it expects "
+          "and libtorch's reason, and changes no parameter") {
+  engine sys;
+  pipeline_options o;
+  o.microbatches = 2;
+  o.threads_per_stage = 1;
+  o.loss = builtin_loss("cross_entropy");
+  o.optimizer = sgd(0.1);
+  auto layers = load_torchscript(model_file("mlp"));
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  auto before = pipe.named_parameters();
+  auto e = error_of([&] {
+    pipe.train_step(torch::randn({6, 5, 5}), torch::zeros({6}, torch::kLong));
+  });
+  CHECK(e.find("layer '1'") != std::string::npos);
+  CHECK(e.find("it expects [*, 16]") != std::string::npos);
+  CHECK(e.find("mat1 and mat2 shapes cannot be multiplied") != std::string::npos);
+  CHECK(e.find("in the scripted forward of '1'") != std::string::npos);
+  check_close(pipe.named_parameters(), before, 0, 0);
+}
