@@ -267,10 +267,8 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   const bool tensors = !tensor_file.empty();
   // Streams (synthetic data, tensor files) train --steps batches at a constant rate.
   const bool stream = synthetic || tensors;
-  dataset file_data;
-  if (tensors) {
-    file_data = load_tensor_file(tensor_file);
-  }
+  // build_model read the tensor file (its first batch is the profiles' sample).
+  const dataset& file_data = setup.file;
   const bool text = corpus != nullptr;
   const bool lm = setup.language_model();
   const auto& mo = setup.options;
@@ -299,7 +297,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   std::unique_ptr<batch_source> data;
   if (tensors) {
     const auto samples = file_data.size();
-    data = std::make_unique<tensor_file_source>(tensor_file, std::move(file_data), a.shuffle);
+    data = std::make_unique<tensor_file_source>(tensor_file, file_data, a.shuffle);
     // One pass over the file unless --steps says otherwise.
     steps = steps > 0 ? steps : (samples + setup.batch - 1) / setup.batch;
   } else if (synthetic && lm) {
