@@ -15,12 +15,11 @@ dataset load_tensor_file(const std::string& path) {
   try {
     value = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    std::string what = e.what();
     throw invalid_argument(detail::concat(
       "'", path,
       "' is not a tensor file written by torch.save({\"inputs\": X, \"targets\": Y}, "
       "path) (or it is truncated): ",
-      what.substr(0, what.find('\n'))));
+      detail::first_line(e.what())));
   }
   ACTORPIPE_CHECK(value.isGenericDict(), "'", path, "' holds a ", value.tagKind(),
                   ", not a dict {\"inputs\": X, \"targets\": Y}");

@@ -25,13 +25,6 @@ struct script_source {
   std::size_t layers = 0;
 };
 
-// The first line of a libtorch error (the rest is a C++ or TorchScript backtrace).
-std::string first_line(const std::exception& e) {
-  std::string text = e.what();
-  auto end = text.find('\n');
-  return end == std::string::npos ? text : text.substr(0, end);
-}
-
 // "__torch__.torch.nn.modules.linear.___torch_mangle_3.Linear" -> "Linear".
 std::string short_type(const torch::jit::Module& m) {
   auto name = m.type()->name() ? m.type()->name()->name() : std::string("module");
@@ -274,7 +267,7 @@ torch::jit::Module load_module(const std::string& bytes, const std::string& what
       detail::concat(what,
                      " is not a TorchScript file (one written by Python's torch.jit.save(torch.jit."
                      "script(model))), or it is truncated: ",
-                     first_line(e)));
+                     detail::first_line(e.what())));
   }
 }
 
@@ -357,12 +350,20 @@ void save_torchscript(const layer_list& layers, const std::map<std::string, torc
   const auto& source = *as_script(layers.front())->source();
   // A fresh copy of the file (its ties as Python made them), then every tensor from `state`.
   auto model = load_module(source.bytes, source.what);
+  // Every parameter and buffer by name; a tensor shared by several names needs one of them.
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& p : model.named_parameters()) {
+    tensors.emplace_back(p.name, p.value);
+  }
+  for (const auto& b : model.named_buffers()) {
+    tensors.emplace_back(b.name, b.value);
+  }
   std::map<const c10::TensorImpl*, bool> written;
-  auto take = [&](const std::string& name, const torch::Tensor& tensor) {
+  for (auto& [name, tensor] : tensors) {
     auto& done = written[tensor.unsafeGetTensorImpl()];
     auto it = state.find(name);
     if (it == state.end()) {
-      return;
+      continue;
     }
     ACTORPIPE_CHECK(it->second.sizes() == tensor.sizes(), "save_torchscript: '", name,
                     "' has shape ", it->second.sizes(), " in the trained state but ",
@@ -370,20 +371,10 @@ void save_torchscript(const layer_list& layers, const std::map<std::string, torc
     torch::NoGradGuard no_grad;
     tensor.copy_(it->second);
     done = true;
-  };
-  for (const auto& p : model.named_parameters()) {
-    take(p.name, p.value);
   }
-  for (const auto& b : model.named_buffers()) {
-    take(b.name, b.value);
-  }
-  for (const auto& p : model.named_parameters()) {
-    ACTORPIPE_CHECK(written[p.value.unsafeGetTensorImpl()],
-                    "save_torchscript: the trained state has no '", p.name, "'");
-  }
-  for (const auto& b : model.named_buffers()) {
-    ACTORPIPE_CHECK(written[b.value.unsafeGetTensorImpl()],
-                    "save_torchscript: the trained state has no '", b.name, "'");
+  for (const auto& [name, tensor] : tensors) {
+    ACTORPIPE_CHECK(written[tensor.unsafeGetTensorImpl()],
+                    "save_torchscript: the trained state has no '", name, "'");
   }
   model.train(source.training);
   auto temporary = path + ".tmp-" + std::to_string(::getpid());
@@ -392,7 +383,7 @@ void save_torchscript(const layer_list& layers, const std::map<std::string, torc
   } catch (const std::exception& e) {
     std::filesystem::remove(temporary);
     throw pipeline_error(
-      detail::concat("save_torchscript: cannot write '", path, "': ", first_line(e)),
+      detail::concat("save_torchscript: cannot write '", path, "': ", detail::first_line(e.what())),
       error_details{error_kind::io});
   }
   std::error_code ec;

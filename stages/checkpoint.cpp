@@ -14,15 +14,6 @@
 #include "stages/stage.hpp"
 
 namespace actorpipe::stages {
-namespace {
-
-// First line of a libtorch message: the rest is a C++ backtrace users cannot act on.
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
-} // namespace
-
 std::string stage_file(const std::string& dir, std::size_t stage) {
   return detail::concat(dir, "/stage-", stage, ".pt");
 }
@@ -44,7 +35,7 @@ tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what) {
     }
   } catch (const c10::Error& e) {
     throw pipeline_error(detail::concat(what, " is not a tensor file written by actorpipe: ",
-                                        first_line(e.what_without_backtrace())),
+                                        detail::first_line(e.what_without_backtrace())),
                          error_details{error_kind::io});
   }
   return result;

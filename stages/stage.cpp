@@ -32,11 +32,6 @@ std::string shape_of(const bundle& b) {
   return b.size() == 1 && !b.is_named() ? shape_of(b[0]) : b.describe();
 }
 
-// First line of a libtorch message: the rest is a C++ backtrace users cannot act on.
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
 // The optimizer keeps per-parameter state keyed by the parameter's TensorImpl address.
 std::string optimizer_key(const torch::Tensor& p) {
   return c10::guts::to_string(p.unsafeGetTensorImpl());
@@ -247,7 +242,7 @@ bundle stage::run(int32_t microbatch, const bundle& input) const {
                                             "' (model layer ", config_.first_layer + i,
                                             ") cannot take ", source(), " of shape ", shape_of(x),
                                             expected.empty() ? "" : "; it expects ", expected,
-                                            ". libtorch: ", first_line(what)),
+                                            ". libtorch: ", detail::first_line(what)),
                              // libtorch refusing the tensor is (almost always) its shape; anything
                              // else the layer threw is the layer's own failure.
                              details(microbatch, dynamic_cast<const c10::Error*>(&e) != nullptr
@@ -357,10 +352,11 @@ torch::Tensor stage::loss_of(int32_t microbatch, const bundle& outputs, const to
   try {
     value = loss(y, target.to(config_.device));
   } catch (const c10::Error& e) {
-    throw pipeline_error(detail::concat(where(microbatch), ": the loss function failed on output ",
-                                        shape_of(y), " and target ", shape_of(target),
-                                        ". libtorch: ", first_line(e.what_without_backtrace())),
-                         details(microbatch, error_kind::stage_failure));
+    throw pipeline_error(
+      detail::concat(where(microbatch), ": the loss function failed on output ", shape_of(y),
+                     " and target ", shape_of(target),
+                     ". libtorch: ", detail::first_line(e.what_without_backtrace())),
+      details(microbatch, error_kind::stage_failure));
   }
   if (value.numel() != 1) {
     throw pipeline_error(detail::concat(where(microbatch),

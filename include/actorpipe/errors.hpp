@@ -119,6 +119,12 @@ std::string concat(Ts&&... xs) {
   return out.str();
 }
 
+/// The first line of a libtorch message: the rest is a C++ or TorchScript backtrace users
+/// cannot act on.
+inline std::string first_line(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
 [[noreturn]] inline void assertion_failed(const char* condition, const char* file, int line) {
   std::fprintf(stderr, "actorpipe: assertion failed: %s (%s:%d)\n", condition, file, line);
   std::abort();
