@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #include <ATen/Parallel.h>
+#include <actorpipe/batch_norm.hpp>
 #include <actorpipe/memory.hpp>
 #include <caf/all.hpp>
 
@@ -30,8 +31,25 @@ double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
+// Synchronised batch norm's side of the replica sync: the statistics' all-reduces run on the
+// stage's thread through its stage_sync, weighted like the replica's gradients this step.
+class replica_batch_norm_sync final : public batch_norm_sync {
+public:
+  explicit replica_batch_norm_sync(std::shared_ptr<comm::stage_sync> sync)
+    : sync_(std::move(sync)) {}
+  void all_reduce_sum(torch::Tensor& sums) override {
+    sync_->all_reduce_sum(sums, "batch-norm statistics all-reduce");
+  }
+  double gradient_weight() const override { return weight; }
+  double weight = 1;
+
+private:
+  std::shared_ptr<comm::stage_sync> sync_;
+};
+
 struct stage_state {
   std::vector<std::shared_ptr<stages::stage>> chunks;
+  c10::intrusive_ptr<replica_batch_norm_sync> batch_norm_sync;
   stage_actor_options options;
   stage_listener_actor scheduler;
   std::vector<stage_peer_actor> stages;
@@ -413,6 +431,13 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
   self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);
+  if (self->state.options.sync && self->state.options.sync_batch_norm) {
+    self->state.batch_norm_sync =
+      c10::make_intrusive<replica_batch_norm_sync>(self->state.options.sync);
+    for (auto& chunk : self->state.chunks) {
+      chunk->synchronise_batch_norm(self->state.batch_norm_sync);
+    }
+  }
   return {
     [=](connect_atom, std::vector<stage_peer_actor>& stages) {
       self->state.stages = std::move(stages);
@@ -438,6 +463,12 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
       plan.inputs.clear();
       s.plan = std::move(plan);
+      if (s.batch_norm_sync) {
+        // Mean-reduced losses weight a replica's gradients by its samples (sync_replicas).
+        s.batch_norm_sync->weight = s.options.reduction == loss_reduction::mean
+                                      ? static_cast<double>(std::max<int64_t>(1, s.plan.samples))
+                                      : 1.0;
+      }
       s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
                             [](const action& a) { return a.kind == action_kind::weight; });
       s.microbatches = 0;

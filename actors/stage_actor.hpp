@@ -74,6 +74,8 @@ struct stage_actor_options {
   /// Data parallelism: the collectives of this stage index across replicas (null: none).
   std::shared_ptr<comm::stage_sync> sync;
   buffer_sync buffers = buffer_sync::broadcast;
+  /// With `sync`: the chunks' batch norms normalise over all replicas (SyncBatchNorm).
+  bool sync_batch_norm = false;
   /// Report the sum of squared gradients (global norm clipping).
   bool report_gradient_norm = false;
   stage_hooks hooks;

@@ -393,7 +393,9 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   auto memory_modes = memory_modes_of(o);
   auto precisions = precisions_of(o);
   auto recompute_modes = recompute_modes_of(o);
-  std::vector<pipeline_setting> settings{pipeline_setting{o.plan}};
+  pipeline_setting first;
+  first.plan = o.plan;
+  std::vector<pipeline_setting> settings{first};
   expand(settings,
          o.stage_counts.empty() ? std::vector<std::size_t>{o.plan.stages} : o.stage_counts,
          [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });

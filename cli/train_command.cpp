@@ -54,6 +54,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
     ->check(CLI::IsMember({"sgd", "adam"}));
   opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
+  cmd->add_flag("--nesterov", a.nesterov,
+                "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
+  opt("--min-lr", a.min_lr,
+      "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
+      "e.g. a hundredth of --lr)");
   cmd->add_flag("--shuffle", a.shuffle,
                 "--data tensors:PATH: visit the file in a new random order (from --seed) on "
                 "every pass instead of in order");
@@ -71,6 +76,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "fp32 (fast only on CPUs with avx512_bf16 or amx_bf16; docs/transformers.md)");
   opt("--wait-timeout", a.wait_timeout_ms,
       "Milliseconds a stage waits for an input before failing the step");
+  cmd->add_flag("--augment", a.augment,
+                "Fashion-MNIST: augment every training batch as torchvision's RandomCrop(28, "
+                "padding=2) and RandomHorizontalFlip (docs/images.md)");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
   opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
   opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
@@ -108,6 +116,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
       "none")
     ->check(CLI::IsMember({"broadcast", "average", "none"}));
+  opt("--batch-norm", a.batch_norm,
+      "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
+      "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
+      "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
+    ->check(CLI::IsMember({"local", "sync"}));
   opt("--max-grad-norm", a.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
   opt("--trace", a.trace,
@@ -210,6 +223,7 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
                          "file order: say how long to train with --steps";
     refuse("--epochs", stream);
     refuse("--warmup", "does not apply to --data tensors:PATH, which trains at a constant --lr");
+    refuse("--min-lr", "does not apply to --data tensors:PATH, which trains at a constant --lr");
     refuse("--data-dir", "is Fashion-MNIST's folder; --data tensors:PATH names its own file");
     refuse("--train-samples", "applies to Fashion-MNIST (a tensor file is used whole)");
     refuse("--test-samples", "applies to Fashion-MNIST (a tensor file has no test set)");
@@ -221,6 +235,9 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--export", "writes a TorchScript model back: it needs --model PATH.pt");
   } else {
     refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
+  }
+  if (a.model.data != "fashion-mnist") {
+    refuse("--augment", "applies to Fashion-MNIST's images (random crops and flips)");
   }
   if (a.model.data != "text") {
     refuse("--text-file", "applies to --data text (the text to train on)");
@@ -248,6 +265,7 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
     refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
     refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
+    refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
   } else {
     refuse("--image", "sets the synthetic images' side; real data comes in its own shape");
     refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
@@ -287,9 +305,18 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   if ((lm && a.optimizer.empty()) || a.optimizer == "adam") {
     optimizer.name = "adam";
     optimizer.momentum = 0;
+    for (const char* flag : {"--momentum", "--nesterov"}) {
+      ACTORPIPE_CHECK(!a.given || !a.given(flag), flag,
+                      " is SGD's: this run trains with Adam (give --optimizer sgd)");
+    }
   }
   ACTORPIPE_CHECK(a.weight_decay >= 0, "--weight-decay (", a.weight_decay, ") must be >= 0");
   optimizer.weight_decay = a.weight_decay;
+  ACTORPIPE_CHECK(!a.nesterov || optimizer.momentum > 0,
+                  "--nesterov needs momentum: give --momentum (e.g. 0.9)");
+  optimizer.nesterov = a.nesterov;
+  ACTORPIPE_CHECK(a.min_lr >= 0 && a.min_lr <= lr, "--min-lr (", a.min_lr,
+                  ") must be between 0 and the peak learning rate (", lr, ")");
   po.loss = builtin_loss(loss);
   po.optimizer = make_optimizer(optimizer);
   auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
@@ -314,8 +341,12 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     auto dir = a.data_dir.empty() ? std::string(default_fashion_mnist_dir()) : a.data_dir;
     auto train_set = load_fashion_mnist(dir, true).head(a.train_samples);
     auto test_set = load_fashion_mnist(dir, false).head(a.test_samples);
-    data =
+    auto images =
       std::make_unique<dataset_source>("fashion-mnist", std::move(train_set), std::move(test_set));
+    if (a.augment) {
+      images->set_augmentation({2, true});
+    }
+    data = std::move(images);
   }
 
   train_options to;
@@ -326,6 +357,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.seed = a.model.seed;
   to.lr = lr;
   to.warmup_steps = a.warmup;
+  to.min_lr = a.min_lr;
   to.checkpoint_dir = a.checkpoint_dir;
   to.checkpoint_every = a.checkpoint_every;
   to.keep = a.keep;
@@ -498,6 +530,17 @@ int run_train(const train_args& given) {
                   a.nodes.size(), " nodes for ", choice.cut.stages(), " stages");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
+  dp.sync_batch_norm = a.batch_norm == "sync";
+  if (dp.sync_batch_norm) {
+    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
+                    "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
+    ACTORPIPE_CHECK(a.nodes.empty(), "--batch-norm sync needs replicas, which --nodes cannot have");
+    ACTORPIPE_CHECK(setup.torchscript.empty(),
+                    "--batch-norm sync applies to the built-in ResNets' batch norm (a TorchScript "
+                    "model's BatchNorm normalises each replica's micro-batch by itself)");
+    ACTORPIPE_CHECK(count_batch_norms(setup.layers) > 0, "--batch-norm sync: --model ", setup.name,
+                    " has no batch norm to synchronise (the ResNets have)");
+  }
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
                   "--batch (", setup.batch, ") must be a multiple of the ",
                   std::max(a.replicas, dp.replicas), " replicas");

@@ -37,6 +37,12 @@ struct train_args {
   /// --optimizer sgd|adam (empty: SGD, Adam for gpt).
   std::string optimizer;
   double weight_decay = 0;
+  /// SGD: Nesterov momentum.
+  bool nesterov = false;
+  /// The learning rate the cosine schedule ends at (torch's eta_min).
+  double min_lr = 0;
+  /// Fashion-MNIST: random crops (padding 2) and horizontal flips of the training images.
+  bool augment = false;
   /// --data tensors:PATH: a new order for every pass over the file.
   bool shuffle = false;
   /// Write the trained TorchScript model here.
@@ -63,6 +69,8 @@ struct train_args {
   int64_t master_port = 0;
   int64_t dp_timeout_ms = 60000;
   std::string buffers = "broadcast";
+  /// --batch-norm local|sync: each replica's own batch statistics, or statistics over all.
+  std::string batch_norm = "local";
   double max_grad_norm = 0;
   /// --recompute: never, except_last or always.
   std::string recompute = "never";

@@ -72,10 +72,12 @@ c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o) {
   }
 }
 
-// Every rank checks in; all wait until every rank has, or name those missing at the deadline.
-void barrier(c10d::Store& store, const data_parallel_options& o) {
-  auto key = [&](std::size_t r) { return detail::concat(o.group, "/arrived/", r); };
-  store.set(key(o.rank), std::vector<uint8_t>{1});
+// Every rank checks in under `prefix`; all wait until every rank has, or name those missing at
+// the deadline ("did not arrive at <where> within ...").
+void barrier(c10d::Store& store, const data_parallel_options& o, const std::string& prefix,
+             const std::vector<uint8_t>& value, const std::string& where) {
+  auto key = [&](std::size_t r) { return detail::concat(prefix, r); };
+  store.set(key(o.rank), value);
   auto deadline = clock_type::now() + o.timeout;
   for (;;) {
     std::vector<std::size_t> missing;
@@ -93,9 +95,8 @@ void barrier(c10d::Store& store, const data_parallel_options& o) {
         names += (names.empty() ? "" : ", ") + std::to_string(r);
       }
       throw pipeline_error(detail::concat(who(o), ": rank", missing.size() > 1 ? "s " : " ", names,
-                                          " of ", o.replicas, " did not arrive at the rendezvous (",
-                                          rendezvous_of(o), ", group '", o.group, "') within ",
-                                          o.timeout.count(), " ms"),
+                                          " of ", o.replicas, " did not arrive at ", where,
+                                          " within ", o.timeout.count(), " ms"),
                            error_details{error_kind::replica_failure});
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -115,6 +116,12 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_optio
 }
 
 } // namespace
+
+struct replica_group::rendezvous {
+  c10::intrusive_ptr<c10d::Store> store;
+  data_parallel_options options;
+  uint64_t calls = 0;
+};
 
 struct stage_sync::impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
@@ -234,6 +241,12 @@ stage_sync::totals stage_sync::sum(double weight, double weighted_loss) {
   return {meta[0][0].item<double>(), meta[0][1].item<double>()};
 }
 
+void stage_sync::all_reduce_sum(torch::Tensor& sums, const char* what) {
+  auto& s = *self_;
+  std::vector<torch::Tensor> flat{sums};
+  s.wait(s.all_reduce(flat), what);
+}
+
 int64_t stage_sync::all_reduce_gradients(const std::vector<torch::Tensor>& parameters,
                                          double scale) {
   auto& s = *self_;
@@ -287,7 +300,9 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
   ACTORPIPE_CHECK(o.bucket_bytes > 0, "data parallel: bucket_bytes must be > 0");
   auto start = clock_type::now();
   auto store = connect(o);
-  barrier(*store, o);
+  barrier(*store, o, detail::concat(o.group, "/arrived/"), {1},
+          detail::concat("the rendezvous (", rendezvous_of(o), ", group '", o.group, "')"));
+  rendezvous_ = std::make_unique<rendezvous>(rendezvous{store, o, 0});
   log::get()->info(
     "{}: all ranks arrived at the rendezvous ({}) after {} ms", who(o), rendezvous_of(o),
     std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
@@ -318,6 +333,31 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
 }
 
 replica_group::~replica_group() = default;
+
+void replica_group::agree(const std::string& what, int64_t value) {
+  const auto& o = rendezvous_->options;
+  auto& store = *rendezvous_->store;
+  // Keys by call number (every rank calls in the same order), so a repeated `what` is a new
+  // meeting; the value carries `what` so ranks at different meetings are told apart.
+  auto prefix = detail::concat(o.group, "/agree/", rendezvous_->calls++, "/");
+  auto mine = detail::concat(value, " at ", what);
+  barrier(store, o, prefix, std::vector<uint8_t>(mine.begin(), mine.end()), what);
+  std::string values;
+  bool same = true;
+  for (std::size_t r = 0; r < o.replicas; ++r) {
+    auto bytes = store.get(detail::concat(prefix, r));
+    std::string theirs(bytes.begin(), bytes.end());
+    same = same && theirs == mine;
+    auto at = theirs.find(" at ");
+    auto shown = theirs.substr(at + 4) == what ? theirs.substr(0, at) : theirs;
+    values += detail::concat(r == 0 ? "" : ", ", "rank ", r, ": ", shown);
+  }
+  if (!same) {
+    throw pipeline_error(
+      detail::concat(who(o), ": the ranks disagree on ", what, " (", values, ")"),
+      error_details{error_kind::replica_failure});
+  }
+}
 
 std::shared_ptr<detail::local_store> make_local_store() {
   return std::make_shared<detail::local_store>();

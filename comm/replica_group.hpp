@@ -39,6 +39,10 @@ public:
   /// The sums over replicas of each replica's `weight` (its samples) and `weighted_loss`.
   totals sum(double weight, double weighted_loss);
 
+  /// Replaces `sums` (contiguous, the same shape on every replica) with its sum over replicas
+  /// (synchronised batch norm's statistics). `what` names it in errors.
+  void all_reduce_sum(torch::Tensor& sums, const char* what);
+
   /// Gradient sync of one step: every gradient g (parameters in model order; undefined ones
   /// count as zero and become defined) becomes sum_r(scale_r * g_r). All-reduced in buckets of
   /// about bucket_bytes, last parameters first, all launched before the first is awaited.
@@ -65,10 +69,17 @@ public:
   replica_group(const replica_group&) = delete;
   replica_group& operator=(const replica_group&) = delete;
 
+  /// Every rank puts `value` under `what`, then waits until all have (deadline: the options'
+  /// timeout). Throws pipeline_error naming the ranks missing at the deadline, or every rank's
+  /// value when they differ. Every rank makes the same calls in the same order.
+  void agree(const std::string& what, int64_t value);
+
   /// The sync of stage index `stage` (shared with its stage actor).
   std::shared_ptr<stage_sync> stage(std::size_t stage) const { return stages_.at(stage); }
 
 private:
+  struct rendezvous;
+  std::unique_ptr<rendezvous> rendezvous_;
   std::vector<std::shared_ptr<stage_sync>> stages_;
 };
 

@@ -14,6 +14,7 @@
 #include <caf/io/middleman.hpp>
 #include <caf/openssl/manager.hpp>
 
+#include <actorpipe/batch_norm.hpp>
 #include <actorpipe/torchscript.hpp>
 
 #include "actors/messages.hpp"
@@ -271,6 +272,19 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                   "pipeline: stages on nodes need a "
                   "remote_model (nodes build their stages themselves)");
   const auto& dp = options.data_parallel;
+  if (dp.sync_batch_norm) {
+    auto local = local_batch_norms(layers);
+    std::string names;
+    for (const auto& n : local) {
+      names += (names.empty() ? "" : ", ") + n;
+    }
+    ACTORPIPE_CHECK(local.empty(), "pipeline: sync_batch_norm: the batch norm",
+                    local.size() > 1 ? "s " : " ", names,
+                    " cannot synchronise across replicas (use actorpipe::DeferredBatchNorm2d)");
+    ACTORPIPE_CHECK(count_batch_norms(layers) > 0,
+                    "pipeline: sync_batch_norm: the model has no batch norm "
+                    "(actorpipe::DeferredBatchNorm2d) to synchronise");
+  }
   auto threads = options.threads_per_stage;
   if (threads == 0) {
     // Replicas in this process share its cores.
@@ -323,6 +337,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
       // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);
       actor_options.buffers = dp.buffers;
+      actor_options.sync_batch_norm = dp.sync_batch_norm;
       for (auto& chunk : chunks) {
         chunk->with_tensors([&](const std::vector<torch::Tensor>& parameters,
                                 const std::vector<torch::Tensor>& buffers) {
@@ -502,6 +517,12 @@ void pipeline::save_torchscript(const std::string& path) {
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   actorpipe::save_torchscript(self.layers, state, path);
+}
+
+void pipeline::replicas_agree(const std::string& what, int64_t value) {
+  if (impl_->replicas) {
+    impl_->replicas->agree(what, value);
+  }
 }
 
 actorpipe::schedule pipeline::training_schedule() const {

@@ -149,7 +149,10 @@ void init_resnet(nn::Module& m) {
 template <class Block>
 layer_list make_resnet(const std::vector<int64_t>& blocks, const model_options& o) {
   int64_t inplanes = 64;
-  auto conv1 = nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 7).stride(2).padding(3).bias(false));
+  auto conv1 =
+    o.small_stem
+      ? conv3x3(o.in_channels, 64, 1)
+      : nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 7).stride(2).padding(3).bias(false));
   auto bn1 = DeferredBatchNorm2d(64);
   // Stages are built in order so that parameters draw from the generator in torchvision's order.
   auto layer1 = make_stage<Block>(inplanes, 64, blocks[0], 1);

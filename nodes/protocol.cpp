@@ -91,6 +91,7 @@ std::string to_json(const stage_spec& s) {
               {"in_channels", m.options.in_channels},
               {"image_size", m.options.image_size},
               {"deferred_batch_norm", m.options.deferred_batch_norm},
+              {"small_stem", m.options.small_stem},
               {"vocabulary", m.options.vocabulary},
               {"layers", m.options.layers},
               {"heads", m.options.heads},
@@ -104,7 +105,8 @@ std::string to_json(const stage_spec& s) {
                {{"name", m.optimizer.name},
                 {"lr", m.optimizer.lr},
                 {"momentum", m.optimizer.momentum},
-                {"weight_decay", m.optimizer.weight_decay}}}}},
+                {"weight_decay", m.optimizer.weight_decay},
+                {"nesterov", m.optimizer.nesterov}}}}},
             {"bounds", s.bounds},
             {"index", s.index},
             {"count", s.count},
@@ -127,6 +129,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.options.in_channels = field<int64_t>(m, "in_channels", what);
   s.model.options.image_size = field<int64_t>(m, "image_size", what);
   s.model.options.deferred_batch_norm = field<bool>(m, "deferred_batch_norm", what);
+  s.model.options.small_stem = field<bool>(m, "small_stem", what);
   s.model.options.vocabulary = field<int64_t>(m, "vocabulary", what);
   s.model.options.layers = field<int64_t>(m, "layers", what);
   s.model.options.heads = field<int64_t>(m, "heads", what);
@@ -141,6 +144,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.optimizer.lr = field<double>(o, "lr", what);
   s.model.optimizer.momentum = field<double>(o, "momentum", what);
   s.model.optimizer.weight_decay = field<double>(o, "weight_decay", what);
+  s.model.optimizer.nesterov = field<bool>(o, "nesterov", what);
   s.bounds = field<std::vector<std::size_t>>(j, "bounds", what);
   s.index = field<std::size_t>(j, "index", what);
   s.count = field<std::size_t>(j, "count", what);

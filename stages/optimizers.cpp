@@ -7,12 +7,16 @@
 
 namespace actorpipe {
 
-optimizer_factory sgd(double lr, double momentum, double weight_decay) {
+optimizer_factory sgd(double lr, double momentum, double weight_decay, bool nesterov) {
   ACTORPIPE_CHECK(lr > 0, "sgd: learning rate (", lr, ") must be > 0");
+  ACTORPIPE_CHECK(momentum >= 0, "sgd: momentum (", momentum, ") must be >= 0");
+  ACTORPIPE_CHECK(weight_decay >= 0, "sgd: weight decay (", weight_decay, ") must be >= 0");
+  ACTORPIPE_CHECK(!nesterov || momentum > 0, "sgd: Nesterov momentum needs a momentum > 0");
   return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::SGD>(
-      std::move(params),
-      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
+    return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr)
+                                                                    .momentum(momentum)
+                                                                    .weight_decay(weight_decay)
+                                                                    .nesterov(nesterov));
   };
 }
 
@@ -27,9 +31,11 @@ optimizer_factory adam(double lr, double weight_decay) {
 
 optimizer_factory make_optimizer(const optimizer_spec& spec) {
   if (spec.name == "sgd") {
-    return sgd(spec.lr, spec.momentum, spec.weight_decay);
+    return sgd(spec.lr, spec.momentum, spec.weight_decay, spec.nesterov);
   }
   if (spec.name == "adam") {
+    ACTORPIPE_CHECK(!spec.nesterov && spec.momentum == 0, "adam: momentum and Nesterov are SGD's "
+                                                          "(Adam has its own moment estimates)");
     return adam(spec.lr, spec.weight_decay);
   }
   throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));

@@ -606,6 +606,14 @@ void stage::end_step() {
   }
 }
 
+std::size_t stage::synchronise_batch_norm(const c10::intrusive_ptr<batch_norm_sync>& sync) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  for (auto& bn : batch_norms_) {
+    bn->sync = sync;
+  }
+  return batch_norms_.size();
+}
+
 void stage::abort_step() {
   std::lock_guard<std::mutex> guard{mutex_};
   stash_.clear();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <actorpipe/bundle.hpp>
 #include <actorpipe/layers.hpp>
@@ -23,7 +24,8 @@
 
 namespace actorpipe {
 class DeferredBatchNorm2dImpl;
-}
+class batch_norm_sync;
+} // namespace actorpipe
 
 namespace actorpipe::stages {
 
@@ -107,6 +109,10 @@ public:
   /// After the last micro-batch of a training step: deferred batch norms update their running
   /// statistics from the whole step's (DeferredBatchNorm2dImpl::commit).
   void end_step();
+
+  /// Synchronised batch norm: every DeferredBatchNorm2d of this stage normalises over all
+  /// replicas through `sync` (null: local again). Returns how many it found.
+  std::size_t synchronise_batch_norm(const c10::intrusive_ptr<batch_norm_sync>& sync);
 
   /// Drops the stash and gradients and restores the buffers snapshotted by begin_step.
   void abort_step();

@@ -114,8 +114,45 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
   return r;
 }
 
+torch::Tensor augment_images(const torch::Tensor& images, const image_augmentation& a,
+                             at::Generator& generator) {
+  ACTORPIPE_CHECK(images.dim() == 4, "augment_images: images must be [N, C, H, W], not ",
+                  images.sizes());
+  ACTORPIPE_CHECK(a.pad >= 0, "augment_images: pad (", a.pad, ") must be >= 0");
+  const auto n = images.size(0);
+  const auto h = images.size(2);
+  const auto w = images.size(3);
+  auto out = images;
+  if (a.pad > 0) {
+    const auto p = a.pad;
+    // Each image padded with its own darkest value (Fashion-MNIST's background), then cropped.
+    auto floor = images.amin({1, 2, 3}, true);
+    auto padded = floor.expand({n, images.size(1), h + 2 * p, w + 2 * p}).clone();
+    padded.slice(2, p, p + h).slice(3, p, p + w).copy_(images);
+    auto offsets = torch::randint(2 * p + 1, {n, 2}, generator, torch::kLong);
+    auto o = offsets.accessor<int64_t, 2>();
+    out = torch::empty_like(images);
+    for (int64_t i = 0; i < n; ++i) {
+      out[i].copy_(padded[i].slice(1, o[i][0], o[i][0] + h).slice(2, o[i][1], o[i][1] + w));
+    }
+  }
+  if (a.flip) {
+    auto mirror = torch::rand({n}, generator).lt(0.5).view({n, 1, 1, 1});
+    out = torch::where(mirror, out.flip({3}), out);
+  }
+  return out.is_same(images) ? images.clone() : out;
+}
+
 dataset_source::dataset_source(std::string name, dataset train, dataset test)
   : name_(std::move(name)), train_(std::move(train)), test_(std::move(test)) {}
+
+void dataset_source::set_augmentation(image_augmentation augmentation) {
+  ACTORPIPE_CHECK(augmentation.pad >= 0, name_, ": augmentation pad (", augmentation.pad,
+                  ") must be >= 0");
+  ACTORPIPE_CHECK(!augmentation.any() || train_.images.dim() == 4, name_,
+                  ": only images [N, C, H, W] can be augmented, not ", train_.images.sizes());
+  augmentation_ = augmentation;
+}
 
 std::pair<torch::Tensor, torch::Tensor> dataset_source::batch(int64_t epoch, int64_t index,
                                                               int64_t batch, uint64_t seed,
@@ -129,7 +166,16 @@ std::pair<torch::Tensor, torch::Tensor> dataset_source::batch(int64_t epoch, int
   }
   auto local = batch / replicas;
   auto index_range = order_.slice(0, index * local, (index + 1) * local);
-  return {train_.images.index_select(0, index_range), train_.labels.index_select(0, index_range)};
+  auto x = train_.images.index_select(0, index_range);
+  if (augmentation_.any()) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(
+      ((seed * 1000003ULL + static_cast<uint64_t>(epoch)) * 1000003ULL +
+       static_cast<uint64_t>(index)) *
+        1009ULL +
+      static_cast<uint64_t>(rank) + 7);
+    x = augment_images(x, augmentation_, gen);
+  }
+  return {x, train_.labels.index_select(0, index_range)};
 }
 
 std::optional<eval_result> dataset_source::evaluate(pipeline& pipe, int64_t batch) const {
@@ -281,6 +327,8 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
   ACTORPIPE_CHECK(o.epochs >= 1, "epochs (", o.epochs, ") must be >= 1");
   ACTORPIPE_CHECK(o.batch >= 1, "batch (", o.batch, ") must be >= 1");
   ACTORPIPE_CHECK(o.lr > 0, "learning rate (", o.lr, ") must be > 0");
+  ACTORPIPE_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr, "min_lr (", o.min_lr,
+                  ") must be between 0 and the learning rate (", o.lr, ")");
   ACTORPIPE_CHECK(o.max_steps >= 0, "max_steps (", o.max_steps, ") must be >= 0");
   ACTORPIPE_CHECK(o.replicas >= 1 && o.rank >= 0 && o.rank < o.replicas, "rank ", o.rank, " of ",
                   o.replicas, " replicas");
@@ -301,6 +349,8 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     o.max_steps > 0 ? std::min(o.max_steps, epochs * steps_per_epoch) : epochs * steps_per_epoch;
   cosine_schedule lr{o.lr, o.min_lr, o.warmup_steps, epochs * steps_per_epoch};
   auto start = resume(pipe, data, o, lead);
+  // Every rank resumed from the same step, or none goes on (a rank that read another folder).
+  pipe.replicas_agree("the step to resume from", static_cast<int64_t>(start.step));
   uint64_t step = start.step;
   metrics_writer metrics(lead ? o.metrics : std::string{});
   train_report report;
@@ -318,6 +368,10 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     m.batch_size = o.batch;
     m.dataset = data.name();
     write_checkpoint(pipe, o.checkpoint_dir, m, o.keep);
+  };
+  // The ranks meet at each epoch's end (rank 0 after its evaluation), as the DDP script's barrier.
+  auto end_of_epoch = [&](int64_t epoch) {
+    pipe.replicas_agree(detail::concat("the end of epoch ", epoch), epoch);
   };
   for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
     auto label = stream ? std::string("steps") : detail::concat("epoch ", epoch + 1, "/", epochs);
@@ -378,6 +432,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
     if (!lead) {
       report.epochs.push_back(e);
+      end_of_epoch(e.epoch);
       continue;
     }
     if (auto test = data.evaluate(pipe, o.eval_batch)) {
@@ -395,6 +450,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     }
     metrics.write(e);
     report.epochs.push_back(e);
+    end_of_epoch(e.epoch);
     if (epoch + 1 == epochs) {
       // The end of the run: a stream's position is its step.
       checkpoint(stream ? 0 : epoch + 1, stream ? static_cast<int64_t>(step) : 0);

@@ -7,9 +7,11 @@
 
 namespace actorpipe {
 
-/// SGD with the given learning rate, momentum and weight decay. Throws invalid_argument for
-/// lr <= 0.
-optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
+/// SGD with the given learning rate, momentum, weight decay and Nesterov momentum
+/// (torch.optim.SGD's update). Throws invalid_argument for lr <= 0, momentum or weight_decay < 0,
+/// or nesterov without momentum.
+optimizer_factory sgd(double lr, double momentum = 0.0, double weight_decay = 0.0,
+                      bool nesterov = false);
 
 /// Adam with the given learning rate and weight decay (added to the gradient, as torch.optim.Adam
 /// does). Throws invalid_argument for lr <= 0 or weight_decay < 0.

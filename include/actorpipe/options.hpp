@@ -40,6 +40,8 @@ struct optimizer_spec {
   /// SGD only.
   double momentum = 0;
   double weight_decay = 0;
+  /// SGD only: Nesterov momentum (needs momentum > 0, as torch.optim.SGD).
+  bool nesterov = false;
 };
 
 /// What a built-in model is built for (make_model in <actorpipe/models.hpp>).
@@ -53,6 +55,10 @@ struct model_options {
   /// ResNets: batch norm updates its running statistics once per step from the whole batch's
   /// statistics instead of once per micro-batch (see batch_norm.hpp).
   bool deferred_batch_norm = false;
+  /// ResNets: a stem for small images (Fashion-MNIST's 28 px, CIFAR's 32 px): conv1 is a 3x3
+  /// convolution with stride 1 instead of torchvision's 7x7 with stride 2, so layer1 sees half
+  /// the input side (after the max-pool) instead of a quarter. Layer names stay the same.
+  bool small_stem = false;
 
   /// gpt (a GPT-2 style language model, docs/transformers.md): tokens it knows (its inputs are
   /// token ids below this, its outputs one logit per token), transformer blocks, attention heads,
@@ -158,6 +164,11 @@ struct data_parallel_options {
   /// Gradients are all-reduced in buckets of about this many bytes, last layers first.
   std::size_t bucket_bytes = 25u << 20;
   buffer_sync buffers = buffer_sync::broadcast;
+  /// SyncBatchNorm: the model's batch norms (actorpipe::DeferredBatchNorm2d) normalise each
+  /// micro-batch by the statistics of that micro-batch on all replicas together, as one batch
+  /// norm over the replicas' micro-batches concatenated (see batch_norm.hpp). Off: each replica
+  /// normalises by its own micro-batch's statistics (DDP without SyncBatchNorm).
+  bool sync_batch_norm = false;
   /// Key prefix in the store, so several replicated pipelines can share one rendezvous.
   std::string group = "actorpipe";
   /// Set by replicated_pipeline for replicas that live in one process; empty for processes.

@@ -110,6 +110,14 @@ public:
   /// Runs between steps, like save_state.
   void save_torchscript(const std::string& path);
 
+  /// Data parallelism: a barrier with a deadline at which the replicas also agree on a value.
+  /// Every replica's pipeline makes the same calls in the same order, each with the same `what`
+  /// (which names it in messages, "the end of epoch 3") and its `value` (a step, an epoch); a
+  /// call returns when all have arrived with the same value. Throws pipeline_error
+  /// (replica_failure) naming the ranks that did not arrive within data_parallel_options::timeout,
+  /// or the ranks and values that differ. Does nothing without replicas. Call it between steps.
+  void replicas_agree(const std::string& what, int64_t value);
+
   /// The training schedule for the configured micro-batch count (built in or custom).
   actorpipe::schedule training_schedule() const;
 

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Generator.h>
+
 #include <actorpipe/data.hpp>
 #include <actorpipe/pipeline.hpp>
 
@@ -99,11 +101,31 @@ public:
   }
 };
 
+/// Training-time augmentation of a batch of images [N, C, H, W], as torchvision's RandomCrop
+/// (with padding) and RandomHorizontalFlip: each image is padded by `pad` pixels on every side
+/// with its own darkest value, cropped back to H x W at a random offset, and mirrored with
+/// probability 1/2 when `flip`.
+struct image_augmentation {
+  int64_t pad = 0;
+  bool flip = false;
+
+  bool any() const { return pad > 0 || flip; }
+};
+
+/// `images` augmented as `augmentation` says, with random draws from `generator` (a new tensor;
+/// `images` itself is unchanged).
+torch::Tensor augment_images(const torch::Tensor& images, const image_augmentation& augmentation,
+                             at::Generator& generator);
+
 /// A classification data set: epoch_order (distributed_order with replicas) over `train`, the
-/// last incomplete batch of an epoch dropped; evaluated on `test` after every epoch.
+/// last incomplete batch of an epoch dropped; evaluated on `test` after every epoch. Training
+/// batches may be augmented (set_augmentation): the draws depend on (seed, epoch, batch, rank)
+/// alone, so a resumed run sees the same images as an uninterrupted one.
 class dataset_source : public batch_source {
 public:
   dataset_source(std::string name, dataset train, dataset test);
+  /// Augments every training batch from now on (evaluation never is).
+  void set_augmentation(image_augmentation augmentation);
   std::string name() const override { return name_; }
   int64_t epoch_samples() const override { return train_.size(); }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
@@ -115,6 +137,7 @@ private:
   std::string name_;
   dataset train_;
   dataset test_;
+  image_augmentation augmentation_;
   // The order of the epoch last asked for, drawn once per epoch.
   mutable torch::Tensor order_;
   mutable int64_t order_epoch_ = -1;
@@ -191,6 +214,7 @@ struct train_options {
   /// Samples per step; the last incomplete batch of an epoch is dropped.
   int64_t batch = 64;
   uint64_t seed = 0;
+  /// The peak learning rate, and the one the cosine schedule ends at (torch's eta_min).
   double lr = 0.05;
   double min_lr = 0;
   int64_t warmup_steps = 100;
@@ -248,7 +272,10 @@ struct train_report {
 /// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or
 /// max_steps steps of a stream, with checkpoints, resume, metrics and progress alike. Throws
 /// invalid_argument for options that do not fit the source (a stream without max_steps, a
-/// checkpoint of another run), and what train_step throws.
+/// checkpoint of another run), and what train_step throws. With replicas, the ranks meet
+/// (pipeline::replicas_agree) after a resume, agreeing on the step every rank loaded, and at
+/// each epoch's end after rank 0's evaluation; a rank that disagrees or does not arrive within
+/// data_parallel_options::timeout is a pipeline_error (replica_failure) on every rank.
 train_report train(pipeline& pipe, const batch_source& data, const train_options& options);
 
 /// train() on dataset_source("fashion-mnist"-style `options.dataset`, train, test): a classifier

@@ -1,4 +1,5 @@
 // Runs the `actorpipe` program as a user would.
+#include <cmath>
 #include <map>
 
 #include "cli/program.hpp"
@@ -6,30 +7,45 @@
 
 using namespace actorpipe::test;
 
+namespace {
+
+// Each command of `commands` ("train --stages 2", "launch --nproc 2 -- train", ...) run with
+// `common` appended: every one must succeed with `steps` losses (from --json), equal to the first
+// one's within float tolerance, and training must move. Returns their outputs.
+std::vector<std::string> same_losses(const std::string& common,
+                                     const std::vector<std::string>& commands, std::size_t steps) {
+  std::vector<std::string> outputs;
+  std::vector<double> first;
+  for (const auto& command : commands) {
+    auto json = temp_file("same_losses.json");
+    auto r = run(command + " --json " + json.string() + " " + common);
+    CAPTURE(command);
+    CAPTURE(r.output);
+    REQUIRE(r.exit_code == 0);
+    auto l = losses(json);
+    std::filesystem::remove(json);
+    REQUIRE(l.size() == steps);
+    if (first.empty()) {
+      first = l;
+      // Training moves: the loss of the last step differs from the first.
+      CHECK(l.back() != l.front());
+    }
+    for (std::size_t i = 0; i < steps; ++i) {
+      CHECK(l[i] == doctest::Approx(first[i]).epsilon(1e-5));
+    }
+    outputs.push_back(r.output);
+  }
+  return outputs;
+}
+
+} // namespace
+
 TEST_CASE("train with 1 stage x 1 micro-batch and 3 stages x 5 micro-batches prints the same "
           "losses") {
-  auto one = temp_file("one.json");
-  auto three = temp_file("three.json");
-  const std::string common = " --data synthetic --model cnn --batch 10 --steps 3 --lr 0.1 --seed 4";
-  auto a = run("train --stages 1 --microbatches 1 --json " + one.string() + common);
-  auto b =
-    run("train --stages 3 --microbatches 5 --schedule gpipe --json " + three.string() + common);
-  CAPTURE(a.output);
-  CAPTURE(b.output);
-  REQUIRE(a.exit_code == 0);
-  REQUIRE(b.exit_code == 0);
-  CHECK(a.output.find("step 3/3") != std::string::npos);
-  auto la = losses(one);
-  auto lb = losses(three);
-  REQUIRE(la.size() == 3);
-  REQUIRE(lb.size() == 3);
-  for (std::size_t i = 0; i < 3; ++i) {
-    CHECK(lb[i] == doctest::Approx(la[i]).epsilon(1e-5));
-  }
-  // Training moves: the loss of the last step differs from the first.
-  CHECK(la[2] != la[0]);
-  std::filesystem::remove(one);
-  std::filesystem::remove(three);
+  auto out = same_losses(
+    "--data synthetic --model cnn --batch 10 --steps 3 --lr 0.1 --seed 4",
+    {"train --stages 1 --microbatches 1", "train --stages 3 --microbatches 5 --schedule gpipe"}, 3);
+  CHECK(out[0].find("step 3/3") != std::string::npos);
 }
 
 TEST_CASE("train explains bad flags and exits non-zero") {
@@ -399,32 +415,11 @@ TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a
 
 TEST_CASE("2 ranks started by launch, and 2 replicas in one process, print the losses of one "
           "process on the whole batch") {
-  auto one = temp_file("dp_one.json");
-  auto procs = temp_file("dp_procs.json");
-  auto threads = temp_file("dp_threads.json");
-  const std::string common =
-    " --data synthetic --model cnn --batch 8 --steps 3 --stages 2 --microbatches 2 --seed 4";
-  auto a = run("train --json " + one.string() + common);
-  auto b = run("launch --nproc 2 -- train --json " + procs.string() + common);
-  auto c = run("train --replicas 2 --json " + threads.string() + common);
-  CAPTURE(a.output);
-  CAPTURE(b.output);
-  CAPTURE(c.output);
-  REQUIRE(a.exit_code == 0);
-  REQUIRE(b.exit_code == 0);
-  REQUIRE(c.exit_code == 0);
-  CHECK(b.output.find("2 replicas (processes") != std::string::npos);
-  CHECK(c.output.find("2 replicas (in this process") != std::string::npos);
-  auto la = losses(one);
-  for (const auto& file : {procs, threads}) {
-    auto l = losses(file);
-    REQUIRE(l.size() == la.size());
-    for (std::size_t i = 0; i < la.size(); ++i) {
-      CHECK(l[i] == doctest::Approx(la[i]).epsilon(1e-5));
-    }
-    std::filesystem::remove(file);
-  }
-  std::filesystem::remove(one);
+  auto out = same_losses(
+    "--data synthetic --model cnn --batch 8 --steps 3 --stages 2 --microbatches 2 --seed 4",
+    {"train", "launch --nproc 2 -- train", "train --replicas 2"}, 3);
+  CHECK(out[1].find("2 replicas (processes") != std::string::npos);
+  CHECK(out[2].find("2 replicas (in this process") != std::string::npos);
 }
 
 TEST_CASE("a missing rank ends the run with an error naming it, and launch stops the others") {
@@ -736,22 +731,10 @@ TEST_CASE(
   "PyTorch is the oracle: train --model PATH.pt --data tensors:PATH reaches python3-torch's "
   "losses over 2 stages and on 2 nodes, exports a model Python runs, and checkpoints") {
   auto dir = temp_file("script");
-  std::filesystem::create_directories(dir);
-  auto oracle =
-    "/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) + "/tests/oracle/pytorch_script.py ";
-  auto made = run(oracle + "make --model residual --out " + dir.string(), false);
-  INFO(made.output);
-  REQUIRE(made.exit_code == 0);
-  auto model = (dir / "model.pt").string();
-  auto data = (dir / "data.pt").string();
-  auto python = run(oracle + "train --model " + model + " --data " + data +
-                      " --steps 5 --batch 8 --microbatches 4 --loss mse --optimizer adam --lr 0.01 "
-                      "--weight-decay 0.01",
-                    false);
-  INFO(python.output);
-  REQUIRE(python.exit_code == 0);
-  auto expected = nlohmann::json::parse(python.output.substr(python.output.rfind('{')))["losses"]
-                    .get<std::vector<double>>();
+  auto [model, data] = make_oracle_model("residual", dir);
+  auto expected = oracle_losses("--model " + model + " --data " + data +
+                                " --steps 5 --batch 8 --microbatches 4 --loss mse --optimizer adam "
+                                "--lr 0.01 --weight-decay 0.01");
   const std::string flags = "train --model " + model + " --data tensors:" + data +
                             " --stages 2 --microbatches 4 --batch 8 --steps 5 --optimizer adam "
                             "--lr 0.01 --weight-decay 0.01";
@@ -768,9 +751,8 @@ TEST_CASE(
   for (std::size_t i = 0; i < ours.size(); ++i) {
     CHECK(ours[i] == doctest::Approx(expected[i]).epsilon(1e-5));
   }
-  auto back = run(oracle + "run --model " + exported.string() + " --data " + data + " --out " +
-                    (dir / "outputs.pt").string(),
-                  false);
+  auto back = pytorch_oracle("run --model " + exported.string() + " --data " + data + " --out " +
+                             (dir / "outputs.pt").string());
   INFO(back.output);
   CHECK(back.exit_code == 0);
   CHECK(back.output.find("\"shape\": [24, 4]") != std::string::npos);
@@ -802,13 +784,9 @@ TEST_CASE(
 TEST_CASE("flags of TorchScript models and tensor files are refused where they do not apply, and "
           "bad files are named") {
   auto dir = temp_file("script-flags");
-  std::filesystem::create_directories(dir);
-  auto made = run("/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) +
-                    "/tests/oracle/pytorch_script.py make --model mlp --out " + dir.string(),
-                  false);
-  REQUIRE(made.exit_code == 0);
-  auto model = (dir / "model.pt").string();
-  auto data = "tensors:" + (dir / "data.pt").string();
+  auto files = make_oracle_model("mlp", dir);
+  auto model = files.model;
+  auto data = "tensors:" + files.data;
   auto refused = [](const std::string& args, const std::string& expected) {
     auto r = run(args);
     INFO(args);
@@ -837,4 +815,109 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
           "is not a TorchScript file");
   refused("train --model " + model + " --data tensors:" + model, "is not a tensor file");
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("PyTorch is the oracle: SGD with momentum, Nesterov and weight decay from the command "
+          "line reaches python3-torch's losses") {
+  auto dir = temp_file("nesterov");
+  auto [model, data] = make_oracle_model("residual", dir);
+  const std::string sgd = " --optimizer sgd --lr 0.05 --momentum 0.9 --weight-decay 0.01";
+  auto expected =
+    oracle_losses("--model " + model + " --data " + data +
+                  " --steps 5 --batch 8 --microbatches 2 --loss mse --nesterov" + sgd);
+  const std::string flags = "train --model " + model + " --data tensors:" + data +
+                            " --stages 2 --microbatches 2 --batch 8 --steps 5" + sgd;
+  auto json = dir / "nesterov.json";
+  auto r = run(flags + " --nesterov --json " + json.string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  auto ours = losses(json);
+  REQUIRE(ours.size() == expected.size());
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    CHECK(ours[i] == doctest::Approx(expected[i]).epsilon(1e-5));
+  }
+  // Without --nesterov the run differs from the second step on: the flag reached the optimizer.
+  auto plain_json = dir / "plain.json";
+  REQUIRE(run(flags + " --json " + plain_json.string()).exit_code == 0);
+  auto plain = losses(plain_json);
+  REQUIRE(plain.size() == ours.size());
+  CHECK(plain[0] == doctest::Approx(ours[0]).epsilon(1e-6));
+  CHECK(std::abs(plain[2] - ours[2]) > 1e-6);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("--min-lr is where the cosine schedule ends, and the optimizer flags are refused where "
+          "they do not apply") {
+  auto metrics = temp_file("min_lr.csv");
+  std::filesystem::remove(metrics);
+  // 256 samples in batches of 32: 8 steps, 1 of warm-up; the last step's rate is in the metrics.
+  auto r = run("train --train-samples 256 --test-samples 64 --batch 32 --epochs 1 --warmup 1 "
+               "--lr 0.05 --min-lr 0.01 --no-progress --metrics " +
+               metrics.string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  std::ifstream in(metrics);
+  std::string header, row;
+  std::getline(in, header);
+  std::getline(in, row);
+  REQUIRE(header.rfind("epoch,step,lr,", 0) == 0);
+  auto lr = std::stod(row.substr(row.find(',', row.find(',') + 1) + 1));
+  const double pi = 3.14159265358979323846;
+  CHECK(lr == doctest::Approx(0.01 + 0.5 * 0.04 * (1 + std::cos(pi * 6.0 / 7.0))).epsilon(1e-4));
+  std::filesystem::remove(metrics);
+
+  const std::string synthetic = "train --data synthetic --model mlp --steps 1";
+  struct refusal {
+    std::string flags;
+    std::string message;
+  };
+  for (const auto& [flags, message] : std::vector<refusal>{
+         {synthetic + " --min-lr 0.01", "--min-lr does not apply to --data synthetic"},
+         {"train --train-samples 64 --lr 0.05 --min-lr 0.1",
+          "--min-lr (0.1) must be between 0 and the peak learning rate (0.05)"},
+         {synthetic + " --nesterov", "--nesterov needs momentum: give --momentum"},
+         {synthetic + " --optimizer adam --nesterov", "--nesterov is SGD's"},
+         {synthetic + " --optimizer adam --momentum 0.9", "--momentum is SGD's"},
+         {synthetic + " --batch-norm sync", "--batch-norm sync synchronises replicas"},
+         {synthetic + " --replicas 2 --batch-norm sync",
+          "--model mlp has no batch norm to synchronise"}}) {
+    auto bad = run(flags);
+    CAPTURE(flags);
+    CAPTURE(bad.output);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.output.find(message) != std::string::npos);
+  }
+}
+
+TEST_CASE("a ResNet trains on Fashion-MNIST with a small stem and augmentation, pipelined like "
+          "one stage, and --augment is refused elsewhere") {
+  // The same augmented batches, in one stage and in two.
+  auto out =
+    same_losses("--model resnet18 --train-samples 64 --test-samples 32 --batch 16 "
+                "--epochs 1 --warmup 1 --no-progress --augment --microbatches 2 --threads 1",
+                {"train --stages 1", "train --stages 2"}, 4);
+  CHECK(out[1].find("test accuracy: top-1 ") != std::string::npos);
+  auto bad = run("train --data synthetic --model resnet18 --image 16 --steps 1 --augment");
+  CAPTURE(bad.output);
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.output.find("--augment") != std::string::npos);
+  CHECK(bad.output.find("applies to Fashion-MNIST's images") != std::string::npos);
+}
+
+TEST_CASE("--batch-norm sync: 2 ranks, as processes and in one process, train a ResNet like one "
+          "process on the whole batch, and local batch norm does not") {
+  // One micro-batch: each rank's half of the batch is normalised with the other half.
+  const std::string common = "--data synthetic --model resnet18 --image 16 --classes 4 --batch 8 "
+                             "--steps 2 --stages 2 --microbatches 1 --seed 4 --lr 0.02";
+  same_losses(common,
+              {"train", "launch --nproc 2 -- train --batch-norm sync",
+               "train --replicas 2 --batch-norm sync"},
+              2);
+  auto whole = temp_file("syncbn_whole.json");
+  auto local = temp_file("syncbn_local.json");
+  REQUIRE(run("train --json " + whole.string() + " " + common).exit_code == 0);
+  REQUIRE(run("train --replicas 2 --json " + local.string() + " " + common).exit_code == 0);
+  CHECK(std::abs(losses(local)[0] - losses(whole)[0]) > 1e-5);
+  std::filesystem::remove(whole);
+  std::filesystem::remove(local);
 }

@@ -53,6 +53,36 @@ inline std::vector<double> losses(const std::filesystem::path& json_file) {
   return result;
 }
 
+// tests/oracle/pytorch_script.py run by python3-torch with `args`.
+inline run_result pytorch_oracle(const std::string& args) {
+  return run("/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) +
+               "/tests/oracle/pytorch_script.py " + args,
+             false);
+}
+
+// The oracle's scripted model `name` and its tensor file, made in `dir` (created).
+struct oracle_model {
+  std::string model;
+  std::string data;
+};
+
+inline oracle_model make_oracle_model(const std::string& name, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  auto made = pytorch_oracle("make --model " + name + " --out " + dir.string());
+  INFO(made.output);
+  REQUIRE(made.exit_code == 0);
+  return {(dir / "model.pt").string(), (dir / "data.pt").string()};
+}
+
+// The losses of the oracle's `train` with `args` (python3-torch's own training).
+inline std::vector<double> oracle_losses(const std::string& args) {
+  auto python = pytorch_oracle("train " + args);
+  INFO(python.output);
+  REQUIRE(python.exit_code == 0);
+  return nlohmann::json::parse(python.output.substr(python.output.rfind('{')))["losses"]
+    .get<std::vector<double>>();
+}
+
 // A port nobody listens on now.
 inline int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

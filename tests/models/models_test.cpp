@@ -57,6 +57,34 @@ TEST_CASE("ResNet-18 runs on small images with any class count") {
   CHECK(y.sizes() == torch::IntArrayRef{2, 7});
 }
 
+TEST_CASE("a small stem takes 1x28x28 images through a ResNet at half the side, not a quarter") {
+  torch::NoGradGuard no_grad;
+  model_options o;
+  o.in_channels = 1;
+  o.num_classes = 10;
+  o.small_stem = true;
+  for (const std::string name : {"resnet18", "resnet50"}) {
+    CAPTURE(name);
+    auto layers = make_model(name, o);
+    CHECK(names_of(layers) == std::vector<std::string>{"conv1", "bn1", "relu", "maxpool", "layer1",
+                                                       "layer2", "layer3", "layer4", "avgpool",
+                                                       "flatten", "fc"});
+    CHECK(layers[0].module()->named_parameters()["weight"].sizes() ==
+          torch::IntArrayRef{64, 1, 3, 3});
+    auto x = torch::randn({2, 1, 28, 28});
+    CHECK(run_layers(layer_list(layers.begin(), layers.begin() + 4), x).sizes() ==
+          torch::IntArrayRef{2, 64, 14, 14});
+    CHECK(run_layers(layers, x).sizes() == torch::IntArrayRef{2, 10});
+  }
+  // torchvision's stem quarters the side.
+  o.small_stem = false;
+  auto big = make_model("resnet18", o);
+  CHECK(big[0].module()->named_parameters()["weight"].sizes() == torch::IntArrayRef{64, 1, 7, 7});
+  CHECK(
+    run_layers(layer_list(big.begin(), big.begin() + 4), torch::randn({2, 1, 28, 28})).sizes() ==
+    torch::IntArrayRef{2, 64, 7, 7});
+}
+
 TEST_CASE("MLP and CNN map 1x28x28 images to class scores") {
   model_options o;
   o.in_channels = 1;

@@ -179,7 +179,7 @@ def train(args):
     parameters = list(model.parameters())
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(parameters, lr=args.lr, momentum=args.momentum,
-                                    weight_decay=args.weight_decay)
+                                    weight_decay=args.weight_decay, nesterov=args.nesterov)
     else:
         optimizer = torch.optim.Adam(parameters, lr=args.lr, weight_decay=args.weight_decay)
     n = inputs.size(0)
@@ -230,6 +230,7 @@ parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--momentum", type=float, default=0.0)
 parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--nesterov", action="store_true")
 parser.add_argument("--parameters", default="")
 args = parser.parse_args()
 {"make": make, "train": train, "run": run}[args.command](args)

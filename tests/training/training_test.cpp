@@ -1,6 +1,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <set>
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
@@ -153,6 +155,77 @@ TEST_CASE("checkpoints keep the newest K and a bad state loads nothing") {
   fs::remove_all(root);
 }
 
+TEST_CASE("replicas that resumed from different steps stop with both steps named, and those that "
+          "agree train on and meet at the epoch's end") {
+  auto root = fresh_dir("resume_agree");
+  engine sys;
+  torch::manual_seed(3);
+  dataset train_set{torch::randn({32, 1, 4, 4}), torch::randint(3, {32})};
+  dataset test_set{torch::randn({8, 1, 4, 4}), torch::randint(3, {8})};
+  dataset_source data("toy", train_set, test_set);
+  // Checkpoints of one run at steps 1 and 2.
+  auto layers = test::tiny_mlp(5);
+  pipeline writer(sys, layers, partition_uniform(layers.size(), 2), sgd_options(1));
+  checkpoint_manifest m;
+  m.model = "mlp";
+  m.dataset = "toy";
+  m.batch_size = 8;
+  m.seed = 0;
+  std::vector<std::string> dirs;
+  for (uint64_t step : {1, 2}) {
+    m.step = step;
+    m.batch_in_epoch = static_cast<int64_t>(step);
+    dirs.push_back(write_checkpoint(writer, (root / std::to_string(step)).string(), m, 1));
+  }
+  replicated_pipeline replicas(
+    sys, [] { return test::tiny_mlp(1); }, partition_uniform(6, 2), sgd_options(1), 2);
+  auto run = [&](const std::string& dir0, const std::string& dir1) {
+    std::vector<std::future<train_report>> ranks;
+    for (int64_t r = 0; r < 2; ++r) {
+      train_options o;
+      o.batch = 8;
+      o.model = "mlp";
+      o.progress = false;
+      o.warmup_steps = 1;
+      o.eval_batch = 8;
+      o.rank = r;
+      o.replicas = 2;
+      o.resume = r == 0 ? dir0 : dir1;
+      ranks.push_back(
+        std::async(std::launch::async, [&, r, o] { return train(replicas.replica(r), data, o); }));
+    }
+    std::vector<std::string> errors;
+    std::vector<train_report> reports;
+    for (auto& f : ranks) {
+      try {
+        reports.push_back(f.get());
+      } catch (const pipeline_error& e) {
+        errors.emplace_back(e.what());
+      }
+    }
+    return std::make_pair(errors, reports);
+  };
+  auto [errors, none] = run(dirs[0], dirs[1]);
+  REQUIRE(errors.size() == 2);
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("the ranks disagree on the step to resume from (rank 0: 1, rank 1: 2)") !=
+          std::string::npos);
+  }
+  auto [ok, reports] = run(dirs[1], dirs[1]);
+  REQUIRE(ok.empty());
+  REQUIRE(reports.size() == 2);
+  for (const auto& report : reports) {
+    // 32 samples in batches of 8: steps 3 and 4 remain after step 2.
+    REQUIRE(report.steps.size() == 2);
+    CHECK(report.steps.front().first == 3);
+    CHECK(report.epochs.size() == 1);
+  }
+  test::check_close(replicas.replica(0).named_parameters(), replicas.replica(1).named_parameters(),
+                    0, 0);
+  fs::remove_all(root);
+}
+
 TEST_CASE("evaluation counts top-1 and top-5 hits") {
   // A fixed "model": logits that rank class (label + k) % 10 at position k.
   layer_list layers;
@@ -175,6 +248,94 @@ TEST_CASE("evaluation counts top-1 and top-5 hits") {
   auto r = evaluate(pipe, d, 3);
   CHECK(r.top1 == doctest::Approx(0.5));
   CHECK(r.top5 == doctest::Approx(0.75));
+}
+
+TEST_CASE("augmentation crops a padded image at a random offset and mirrors about half, "
+          "drawn from the seed alone") {
+  // 64 distinct 1x6x6 images whose darkest value is -1 (the padding).
+  auto images = torch::rand({64, 1, 6, 6}) + torch::arange(64).view({64, 1, 1, 1});
+  images.select(2, 0).select(2, 0).fill_(-1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+
+  SUBCASE("nothing asked, nothing changed (a copy)") {
+    auto out = augment_images(images, image_augmentation{}, gen);
+    CHECK(torch::equal(out, images));
+    CHECK_FALSE(out.is_same(images));
+  }
+  SUBCASE("flip alone gives each image or its mirror, both occurring") {
+    auto out = augment_images(images, image_augmentation{0, true}, gen);
+    int64_t mirrored = 0;
+    for (int64_t i = 0; i < 64; ++i) {
+      bool same = torch::equal(out[i], images[i]);
+      bool mirror = torch::equal(out[i], images[i].flip({2}));
+      CHECK((same || mirror));
+      mirrored += mirror ? 1 : 0;
+    }
+    CHECK(mirrored > 16);
+    CHECK(mirrored < 48);
+  }
+  SUBCASE("pad 2: every image is a 6x6 window of itself padded with -1, at varied offsets") {
+    auto out = augment_images(images, image_augmentation{2, false}, gen);
+    CHECK(out.sizes() == images.sizes());
+    auto padded = torch::constant_pad_nd(images, {2, 2, 2, 2}, -1);
+    std::set<std::pair<int64_t, int64_t>> offsets;
+    for (int64_t i = 0; i < 64; ++i) {
+      bool found = false;
+      for (int64_t dy = 0; dy <= 4 && !found; ++dy) {
+        for (int64_t dx = 0; dx <= 4 && !found; ++dx) {
+          if (torch::equal(out[i], padded[i].slice(1, dy, dy + 6).slice(2, dx, dx + 6))) {
+            offsets.insert({dy, dx});
+            found = true;
+          }
+        }
+      }
+      CHECK(found);
+    }
+    CHECK(offsets.size() > 10);
+  }
+  SUBCASE("the same generator seed gives the same batch, another seed another") {
+    image_augmentation a{2, true};
+    auto g1 = at::make_generator<at::CPUGeneratorImpl>(9);
+    auto g2 = at::make_generator<at::CPUGeneratorImpl>(9);
+    auto g3 = at::make_generator<at::CPUGeneratorImpl>(10);
+    auto x = augment_images(images, a, g1);
+    CHECK(torch::equal(x, augment_images(images, a, g2)));
+    CHECK_FALSE(torch::equal(x, augment_images(images, a, g3)));
+  }
+  SUBCASE("bad input is refused") {
+    CHECK_THROWS_WITH_AS(augment_images(images.flatten(1), image_augmentation{2, false}, gen),
+                         doctest::Contains("images must be [N, C, H, W], not [64, 36]"),
+                         actorpipe::invalid_argument);
+    CHECK_THROWS_WITH_AS(augment_images(images, image_augmentation{-1, false}, gen),
+                         doctest::Contains("pad (-1) must be >= 0"), actorpipe::invalid_argument);
+  }
+}
+
+TEST_CASE("an augmented data set gives the same batch for the same seed, epoch, index and rank") {
+  dataset train;
+  train.images = torch::rand({32, 1, 8, 8});
+  train.labels = torch::arange(32) % 10;
+  dataset_source plain("toy", train, train);
+  dataset_source augmented("toy", train, train);
+  augmented.set_augmentation(image_augmentation{2, true});
+  auto [x, y] = augmented.batch(1, 2, 8, 3, 0, 1);
+  auto [px, py] = plain.batch(1, 2, 8, 3, 0, 1);
+  CHECK(torch::equal(y, py)); // the same samples, in the same order
+  CHECK_FALSE(torch::equal(x, px));
+  dataset_source again("toy", train, train);
+  again.set_augmentation(image_augmentation{2, true});
+  again.batch(0, 0, 8, 3, 0, 1); // another epoch first: draws do not depend on history
+  CHECK(torch::equal(again.batch(1, 2, 8, 3, 0, 1).first, x));
+  CHECK_FALSE(torch::equal(again.batch(1, 3, 8, 3, 0, 1).first, x));
+  CHECK_FALSE(torch::equal(again.batch(1, 2, 8, 4, 0, 1).first, x));
+
+  dataset flat;
+  flat.images = torch::rand({4, 5});
+  flat.labels = torch::zeros({4}, torch::kLong);
+  dataset_source vectors("vectors", flat, flat);
+  CHECK_THROWS_WITH_AS(vectors.set_augmentation(image_augmentation{0, true}),
+                       doctest::Contains("vectors: only images [N, C, H, W] can be augmented"),
+                       actorpipe::invalid_argument);
 }
 
 TEST_CASE("text loads as character tokens, holds out the last tenth of every file, and cuts into "
