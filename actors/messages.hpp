@@ -57,6 +57,9 @@ using load_atom = caf::atom_constant<caf::atom("load")>;
 /// scheduler -> stage request: (fetch_atom) -> (error text or empty, shared_ptr<const
 /// tensor_map>): copies of the stage's state as save_atom would write it, in memory.
 using fetch_atom = caf::atom_constant<caf::atom("fetch")>;
+/// scheduler -> stage request: (block_atom) -> error text or empty: BMUF, end the warm-up or the
+/// running block now.
+using block_atom = caf::atom_constant<caf::atom("block")>;
 
 /// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.
 using tensor_map = std::map<std::string, torch::Tensor>;
@@ -137,7 +140,8 @@ using stage_actor = caf::typed_actor<
   caf::replies_to<update_atom, uint64_t, double, double>::with<double, std::string>,
   caf::replies_to<save_atom, std::string>::with<std::string>,
   caf::replies_to<load_atom, std::shared_ptr<const tensor_map>>::with<std::string>,
-  caf::replies_to<fetch_atom>::with<std::string, std::shared_ptr<const tensor_map>>>;
+  caf::replies_to<fetch_atom>::with<std::string, std::shared_ptr<const tensor_map>>,
+  caf::replies_to<block_atom>::with<std::string>>;
 
 /// A stage actor running in this process: the scheduler's protocol, its neighbours', and
 /// (connect_atom, peers) once, which tells it the actor holding each stage.

@@ -76,6 +76,12 @@ struct stage_state {
   bool waiting = false;
   clock_type::time_point wait_start;
 
+  // BMUF: optimizer steps since the running block (or the warm-up) began, and whether the
+  // warm-up is over.
+  int64_t block_position = 0;
+  bool warmed_up = false;
+  bool bmuf() const { return options.sync && options.bmuf.block_steps > 0; }
+
   std::size_t actor_count() const { return options.count; }
   std::size_t virtual_index(int32_t chunk) const {
     return static_cast<std::size_t>(chunk) * options.count + options.index;
@@ -303,6 +309,48 @@ void sync_replicas(stage_actor_type self, clock_type::time_point origin) {
                     s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
 }
 
+// BMUF: ends the warm-up (every replica takes rank 0's parameters and buffers) or the running
+// block (parameters averaged and filtered, buffers as options.buffers says), then clears the
+// optimizers' state if asked. The collectives come first and fail with pipeline_error past their
+// deadline, before any chunk's block state changes.
+void end_block(stage_state& s) {
+  auto& sync = *s.options.sync;
+  const auto& b = s.options.bmuf;
+  for (auto& chunk : s.chunks) {
+    chunk->with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>& buffers) {
+        if (!s.warmed_up) {
+          auto all = parameters;
+          all.insert(all.end(), buffers.begin(), buffers.end());
+          sync.broadcast(all);
+        } else {
+          sync.average(parameters, "BMUF parameter all-reduce");
+          sync.sync_buffers(buffers, s.options.buffers);
+        }
+      });
+  }
+  for (auto& chunk : s.chunks) {
+    if (!s.warmed_up) {
+      chunk->start_blocks();
+    } else {
+      chunk->end_block(b.block_lr, b.block_momentum);
+    }
+    if (b.reset_momentum) {
+      chunk->reset_optimizer_state();
+    }
+  }
+  log::get()->debug("stage {}: BMUF {} after {} local steps", s.options.index,
+                    s.warmed_up ? "block" : "warm-up", s.block_position);
+  s.warmed_up = true;
+  s.block_position = 0;
+}
+
+// BMUF after an optimizer step: whether this step ends the warm-up or a block.
+bool ends_block(const stage_state& s) {
+  const auto& b = s.options.bmuf;
+  return s.block_position + 1 >= (s.warmed_up ? b.block_steps : b.warmup_steps);
+}
+
 // After the replica sync: the gradients of parameters tied to other stages become the sum over
 // their holders (this actor's chunks first, then the tie group).
 void sum_tied_gradients(stage_state& s) {
@@ -381,7 +429,7 @@ void advance(stage_actor_type self) {
         for (auto& chunk : s.chunks) {
           chunk->end_step();
         }
-        if (s.options.sync) {
+        if (s.options.sync && !s.bmuf()) {
           sync_replicas(self, origin);
         }
         if (s.options.ties) {
@@ -431,6 +479,12 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
   self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);
+  if (self->state.bmuf()) {
+    for (auto& chunk : self->state.chunks) {
+      chunk->enable_blocks(self->state.options.bmuf.nesterov);
+    }
+    self->state.warmed_up = self->state.options.bmuf.warmup_steps == 0;
+  }
   if (self->state.options.sync && self->state.options.sync_batch_norm) {
     self->state.batch_norm_sync =
       c10::make_intrusive<replica_batch_norm_sync>(self->state.options.sync);
@@ -535,18 +589,58 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     [=](update_atom, uint64_t step, double learning_rate,
         double gradient_scale) -> caf::result<double, std::string> {
       auto start = clock_type::now();
+      auto& s = self->state;
+      // A block's last step: the state before it, restored if the block sync fails.
+      bool block_end = s.bmuf() && ends_block(s);
+      std::vector<stages::stage::tensor_map> before;
       try {
-        for (auto& chunk : self->state.chunks) {
+        for (auto& chunk : s.chunks) {
+          if (block_end) {
+            before.push_back(chunk->state());
+          }
           if (learning_rate >= 0) {
             chunk->set_learning_rate(learning_rate);
           }
           chunk->optimizer_step(gradient_scale);
         }
       } catch (const std::exception& e) {
-        return {ms_since(start), detail::concat("stage ", self->state.options.index, ", step ",
-                                                step, ": optimizer step failed: ", e.what())};
+        return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                                ": optimizer step failed: ", e.what())};
+      }
+      if (!s.bmuf()) {
+        return {ms_since(start), std::string{}};
+      }
+      if (!block_end) {
+        ++s.block_position;
+        return {ms_since(start), std::string{}};
+      }
+      try {
+        ++s.block_position;
+        end_block(s);
+      } catch (const std::exception& e) {
+        --s.block_position;
+        for (std::size_t c = 0; c < before.size(); ++c) {
+          s.chunks[c]->load_state(before[c]);
+        }
+        return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                                ": BMUF block sync failed: ", e.what())};
       }
       return {ms_since(start), std::string{}};
+    },
+    [=](block_atom) -> caf::result<std::string> {
+      auto& s = self->state;
+      if (!s.bmuf()) {
+        return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
+      }
+      if (s.warmed_up && s.block_position == 0) {
+        return std::string{};
+      }
+      try {
+        end_block(s);
+      } catch (const std::exception& e) {
+        return detail::concat("stage ", s.options.index, ": BMUF block sync failed: ", e.what());
+      }
+      return std::string{};
     },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
       try {
@@ -573,12 +667,21 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
+      auto& s = self->state;
       try {
-        for (auto& chunk : self->state.chunks) {
+        for (auto& chunk : s.chunks) {
           chunk->load_state(*all);
         }
       } catch (const std::exception& e) {
         return std::string(e.what());
+      }
+      if (s.bmuf()) {
+        // A block starts from the loaded parameters (and block momenta), with no warm-up.
+        for (auto& chunk : s.chunks) {
+          chunk->load_blocks(*all);
+        }
+        s.warmed_up = true;
+        s.block_position = 0;
       }
       return std::string{};
     },

@@ -26,6 +26,12 @@
 ///       holders' (comm::tie_group).
 /// - in  (update_atom, step, learning_rate, gradient_scale) -> (double optimizer_ms, std::string
 ///       error): set the learning rate (when >= 0), scale gradients, step the optimizers.
+///       With BMUF (options.bmuf.block_steps > 0) gradients are not averaged (nor the loss):
+///       after the optimizer step that ends a warm-up or a block, the parameters are broadcast
+///       from rank 0 or averaged and filtered (bmuf_options); a failed block sync restores the
+///       chunks' state from before the optimizer step.
+/// - in  (block_atom) -> std::string error: BMUF: end the warm-up or the running block now (no
+///       effect at a block's start); an error without BMUF.
 /// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.
@@ -76,6 +82,9 @@ struct stage_actor_options {
   buffer_sync buffers = buffer_sync::broadcast;
   /// With `sync`: the chunks' batch norms normalise over all replicas (SyncBatchNorm).
   bool sync_batch_norm = false;
+  /// With `sync`: BMUF instead of per-step gradient averaging when bmuf.block_steps > 0
+  /// (block_momentum already resolved, >= 0).
+  bmuf_options bmuf;
   /// Report the sum of squared gradients (global norm clipping).
   bool report_gradient_norm = false;
   stage_hooks hooks;

@@ -121,6 +121,20 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
       "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
     ->check(CLI::IsMember({"local", "sync"}));
+  opt("--sync", a.sync,
+      "How replicas stay together: gradients (averaged every step) or bmuf (blockwise model-update "
+      "filtering: --block-steps local steps, then parameters averaged with block momentum; "
+      "docs/data-parallel.md)")
+    ->check(CLI::IsMember({"gradients", "bmuf"}));
+  opt("--block-steps", a.bmuf.block_steps, "--sync bmuf: local steps per block");
+  opt("--block-lr", a.bmuf.block_lr, "--sync bmuf: the block learning rate");
+  opt("--block-momentum", a.bmuf.block_momentum,
+      "--sync bmuf: the block momentum, in [0, 1) (-1: 1 - 1/replicas)");
+  cmd->add_flag("--block-nesterov", a.bmuf.nesterov, "--sync bmuf: Nesterov block momentum");
+  cmd->add_flag("--reset-momentum", a.bmuf.reset_momentum,
+                "--sync bmuf: clear the optimizer's momentum after every block");
+  opt("--bmuf-warmup", a.bmuf.warmup_steps,
+      "--sync bmuf: steps each replica trains alone before all take rank 0's parameters");
   opt("--max-grad-norm", a.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
   opt("--trace", a.trace,
@@ -151,9 +165,16 @@ std::string replicas_note(const data_parallel_options& dp) {
   if (dp.replicas <= 1) {
     return {};
   }
-  return detail::concat(", ", dp.replicas, " replicas (",
-                        dp.local ? "in this process" : "processes", ", ", dp.master_addr, ":",
-                        dp.master_port, ")");
+  const auto& b = dp.bmuf;
+  auto momentum =
+    b.block_momentum < 0 ? 1.0 - 1.0 / static_cast<double>(dp.replicas) : b.block_momentum;
+  return detail::concat(
+    ", ", dp.replicas, " replicas (", dp.local ? "in this process" : "processes", ", ",
+    dp.master_addr, ":", dp.master_port, ")",
+    b.block_steps > 0
+      ? detail::concat(", BMUF: blocks of ", b.block_steps, " steps, block lr ", b.block_lr,
+                       ", block momentum ", momentum, b.nesterov ? " (Nesterov)" : "")
+      : std::string{});
 }
 
 void write_json(const std::string& path, const nlohmann::json& report) {
@@ -540,6 +561,25 @@ int run_train(const train_args& given) {
                     "model's BatchNorm normalises each replica's micro-batch by itself)");
     ACTORPIPE_CHECK(count_batch_norms(setup.layers) > 0, "--batch-norm sync: --model ", setup.name,
                     " has no batch norm to synchronise (the ResNets have)");
+  }
+  if (a.sync == "bmuf") {
+    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
+                    "--sync bmuf keeps replicas together: give --replicas or --world-size > 1");
+    ACTORPIPE_CHECK(!dp.sync_batch_norm, "--sync bmuf cannot be combined with --batch-norm sync "
+                                         "(BMUF replicas do not communicate within a block)");
+    ACTORPIPE_CHECK(a.bmuf.block_steps >= 1, "--block-steps (", a.bmuf.block_steps,
+                    ") must be >= 1");
+    ACTORPIPE_CHECK(a.bmuf.block_lr > 0, "--block-lr (", a.bmuf.block_lr, ") must be > 0");
+    ACTORPIPE_CHECK(a.bmuf.block_momentum < 1, "--block-momentum (", a.bmuf.block_momentum,
+                    ") must be below 1");
+    ACTORPIPE_CHECK(a.bmuf.warmup_steps >= 0, "--bmuf-warmup (", a.bmuf.warmup_steps,
+                    ") must be >= 0");
+    dp.bmuf = a.bmuf;
+  } else {
+    for (const char* flag : {"--block-steps", "--block-lr", "--block-momentum", "--block-nesterov",
+                             "--reset-momentum", "--bmuf-warmup"}) {
+      ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " applies to --sync bmuf");
+    }
   }
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
                   "--batch (", setup.batch, ") must be a multiple of the ",

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <actorpipe/options.hpp>
 #include <actorpipe/tls.hpp>
 
 #include "cli/flags.hpp"
@@ -71,6 +72,9 @@ struct train_args {
   std::string buffers = "broadcast";
   /// --batch-norm local|sync: each replica's own batch statistics, or statistics over all.
   std::string batch_norm = "local";
+  /// --sync gradients|bmuf, and BMUF's block flags (used with bmuf only).
+  std::string sync = "gradients";
+  bmuf_options bmuf{/*block_steps=*/8};
   double max_grad_norm = 0;
   /// --recompute: never, except_last or always.
   std::string recompute = "never";

@@ -285,10 +285,14 @@ void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mo
       floating.push_back(b);
     }
   }
+  average(std::move(floating), "buffer all-reduce");
+}
+
+int64_t stage_sync::average(std::vector<torch::Tensor> tensors, const char* what) {
+  auto& s = *self_;
   auto n = static_cast<double>(s.size);
-  s.coalesced(
-    floating, "buffer all-reduce",
-    [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
+  return s.coalesced(
+    tensors, what, [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
     [n](torch::Tensor& flat) { flat.div_(n); });
 }
 

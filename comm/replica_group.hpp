@@ -50,6 +50,10 @@ public:
   /// fails or passes the deadline.
   int64_t all_reduce_gradients(const std::vector<torch::Tensor>& parameters, double scale);
 
+  /// Replaces floating-point `tensors` (the same shapes on every replica) by their mean over the
+  /// replicas (BMUF's parameter average). `what` names it in errors. Returns the bytes reduced.
+  int64_t average(std::vector<torch::Tensor> tensors, const char* what);
+
   /// Buffers after a step: rank 0's, or the average of floating-point buffers.
   void sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mode);
 

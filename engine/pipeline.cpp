@@ -272,6 +272,22 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                   "pipeline: stages on nodes need a "
                   "remote_model (nodes build their stages themselves)");
   const auto& dp = options.data_parallel;
+  auto bmuf = dp.bmuf;
+  if (bmuf.block_steps != 0) {
+    ACTORPIPE_CHECK(bmuf.block_steps > 0, "pipeline: bmuf.block_steps (", bmuf.block_steps,
+                    ") must be >= 1, or 0 for no BMUF");
+    ACTORPIPE_CHECK(dp.replicas > 1, "pipeline: BMUF needs replicas (data_parallel.replicas > 1)");
+    ACTORPIPE_CHECK(bmuf.block_lr > 0, "pipeline: bmuf.block_lr (", bmuf.block_lr, ") must be > 0");
+    ACTORPIPE_CHECK(bmuf.block_momentum < 1, "pipeline: bmuf.block_momentum (", bmuf.block_momentum,
+                    ") must be below 1 (negative: 1 - 1/replicas)");
+    ACTORPIPE_CHECK(bmuf.warmup_steps >= 0, "pipeline: bmuf.warmup_steps (", bmuf.warmup_steps,
+                    ") must be >= 0");
+    ACTORPIPE_CHECK(!dp.sync_batch_norm, "pipeline: BMUF replicas do not communicate within a "
+                                         "block, so their batch norms cannot synchronise");
+    if (bmuf.block_momentum < 0) {
+      bmuf.block_momentum = 1.0 - 1.0 / static_cast<double>(dp.replicas);
+    }
+  }
   if (dp.sync_batch_norm) {
     auto local = local_batch_norms(layers);
     std::string names;
@@ -338,6 +354,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
       actor_options.sync = self.replicas->stage(i);
       actor_options.buffers = dp.buffers;
       actor_options.sync_batch_norm = dp.sync_batch_norm;
+      actor_options.bmuf = bmuf;
       for (auto& chunk : chunks) {
         chunk->with_tensors([&](const std::vector<torch::Tensor>& parameters,
                                 const std::vector<torch::Tensor>& buffers) {
@@ -517,6 +534,18 @@ void pipeline::save_torchscript(const std::string& path) {
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   actorpipe::save_torchscript(self.layers, state, path);
+}
+
+void pipeline::end_block() {
+  auto& self = *impl_;
+  if (!self.replicas || self.options.data_parallel.bmuf.block_steps == 0) {
+    return;
+  }
+  auto request = std::make_shared<scheduler::step_request>();
+  request->kind = scheduler::request_kind::end_block;
+  auto future =
+    self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  self.wait(future, "end_block");
 }
 
 void pipeline::replicas_agree(const std::string& what, int64_t value) {

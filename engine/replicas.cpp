@@ -129,6 +129,17 @@ step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor 
   return result;
 }
 
+void replicated_pipeline::end_block() {
+  std::vector<std::future<bool>> running;
+  for (auto& p : replicas_) {
+    running.push_back(std::async(std::launch::async, [&p] {
+      p->end_block();
+      return true;
+    }));
+  }
+  get_all(running, deadline_, "replicated end_block");
+}
+
 void replicated_pipeline::set_learning_rate(double lr) {
   for (auto& p : replicas_) {
     p->set_learning_rate(lr);

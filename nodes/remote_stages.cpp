@@ -297,6 +297,10 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
           [=](caf::error& e) mutable { rp.deliver(0.0, forward_error("step its optimizer")(e)); });
       return rp;
     },
+    [=](block_atom) -> caf::result<std::string> {
+      // Stages on nodes have no replicas (the pipeline constructor refuses them).
+      return std::string("BMUF needs replicas, which stages on nodes do not have");
+    },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
       save_request request;
       request.path = path;

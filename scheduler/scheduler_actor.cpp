@@ -132,8 +132,8 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   return it->second;
 }
 
-// Save, load or fetch: every stage acts on its own state; errors are collected, then reported
-// together.
+// Save, load, fetch or end a BMUF block: every stage acts on its own state; errors are collected,
+// then reported together.
 void run_state_request(scheduler_actor_type self) {
   auto& s = self->state;
   auto request = s.current;
@@ -152,7 +152,9 @@ void run_state_request(scheduler_actor_type self) {
         }
         finish(self, std::move(outcome));
       } else {
-        finish_with_error(self, failure{{error_kind::io}, *errors});
+        auto kind =
+          request->kind == request_kind::end_block ? error_kind::replica_failure : error_kind::io;
+        finish_with_error(self, failure{{kind}, *errors});
       }
     }
   };
@@ -171,6 +173,9 @@ void run_state_request(scheduler_actor_type self) {
             one_done(error);
           },
           on_error);
+    } else if (request->kind == request_kind::end_block) {
+      self->request(s.stages[i], s.options.step_timeout, block_atom::value)
+        .then([=](const std::string& error) { one_done(error); }, on_error);
     } else if (request->kind == request_kind::save) {
       auto path = stages::stage_file(request->path, i);
       self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
@@ -195,7 +200,7 @@ void start_next(scheduler_actor_type self) {
   }
   auto& request = *s.current;
   if (request.kind == request_kind::save || request.kind == request_kind::load ||
-      request.kind == request_kind::fetch) {
+      request.kind == request_kind::fetch || request.kind == request_kind::end_block) {
     run_state_request(self);
     return;
   }

@@ -55,6 +55,8 @@ enum class request_kind {
   load,
   /// Every stage sends a copy of its state (outcome.state).
   fetch,
+  /// BMUF: every stage ends its warm-up or running block (stage_actor.hpp, block_atom).
+  end_block,
 };
 
 /// One request, queued and run in order with the steps; inputs already split into micro-batches.

@@ -664,6 +664,69 @@ void stage::optimizer_step(double gradient_scale) {
   }
 }
 
+void stage::enable_blocks(bool nesterov) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  blocks_ = true;
+  block_nesterov_ = nesterov;
+  reset_blocks({});
+}
+
+void stage::start_blocks() {
+  std::lock_guard<std::mutex> guard{mutex_};
+  reset_blocks({});
+}
+
+void stage::load_blocks(const tensor_map& all) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  ACTORPIPE_ASSERT(blocks_);
+  reset_blocks(all);
+}
+
+void stage::reset_blocks(const tensor_map& all) {
+  torch::NoGradGuard no_grad;
+  block_states_.clear();
+  for_each_named(
+    layers_, false, config_.tied, [&](const std::string& name, const torch::Tensor& p) {
+      auto loaded = [&](const char* field) {
+        auto it = all.find("optimizer/" + name + "/" + field);
+        return it == all.end() ? torch::zeros_like(p) : it->second.to(p.device()).clone();
+      };
+      block_state b;
+      b.global = p.detach().clone();
+      b.momentum = loaded("block_momentum");
+      if (block_nesterov_) {
+        b.previous = loaded("block_previous");
+      }
+      block_states_.emplace(name, std::move(b));
+    });
+}
+
+void stage::end_block(double block_lr, double block_momentum) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  ACTORPIPE_ASSERT(blocks_);
+  torch::NoGradGuard no_grad;
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   auto& b = block_states_.at(name);
+                   // v = mu v + eta (mean(x) - g); g = g + v; Nesterov: g -= mu (v - v_prev),
+                   // v_prev = v.
+                   b.momentum.mul_(block_momentum).add_(p - b.global, block_lr);
+                   b.global.add_(b.momentum);
+                   if (block_nesterov_) {
+                     b.global.sub_(b.momentum - b.previous, block_momentum);
+                     b.previous.copy_(b.momentum);
+                   }
+                   const_cast<torch::Tensor&>(p).copy_(b.global);
+                 });
+}
+
+void stage::reset_optimizer_state() {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (optimizer_) {
+    optimizer_->state().clear();
+  }
+}
+
 double stage::gradient_square_sum() const {
   std::lock_guard<std::mutex> guard{mutex_};
   double sum = 0;
@@ -762,14 +825,20 @@ stage::tensor_map stage::state() const {
       throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
     }
   };
-  for_each_named(layers_, false, config_.tied,
-                 [&](const std::string& name, const torch::Tensor& p) {
-                   if (is_copy(name)) {
-                     return; // the stage of the tie's first holder stores it, once
-                   }
-                   result[name] = p.detach().clone();
-                   save_optimizer(name, p);
-                 });
+  for_each_named(
+    layers_, false, config_.tied, [&](const std::string& name, const torch::Tensor& p) {
+      if (is_copy(name)) {
+        return; // the stage of the tie's first holder stores it, once
+      }
+      result[name] = p.detach().clone();
+      save_optimizer(name, p);
+      if (auto it = block_states_.find(name); it != block_states_.end()) {
+        result["optimizer/" + name + "/block_momentum"] = it->second.momentum.clone();
+        if (it->second.previous.defined()) {
+          result["optimizer/" + name + "/block_previous"] = it->second.previous.clone();
+        }
+      }
+    });
   for_each_named(layers_, true, config_.tied, [&](const std::string& name, const torch::Tensor& b) {
     result[name] = b.detach().clone();
   });

@@ -121,6 +121,20 @@ public:
   /// gradient by `gradient_scale` (global norm clipping) when that is not 1.
   void optimizer_step(double gradient_scale = 1.0);
 
+  /// BMUF (bmuf_options): from now on this stage keeps a global value and a block momentum per
+  /// parameter, saved by state() with the optimizer's state ("optimizer/<name>/block_momentum",
+  /// and "block_previous" with `nesterov`).
+  void enable_blocks(bool nesterov);
+  /// BMUF: the global values become the parameters as they are now; the block momenta zero.
+  void start_blocks();
+  /// BMUF after load_state(all): start_blocks(), with the block momenta `all` holds.
+  void load_blocks(const std::map<std::string, torch::Tensor>& all);
+  /// BMUF, at a block's end: the parameters hold the replicas' average; updates the block
+  /// momenta and global values (bmuf_options) and sets the parameters to the global values.
+  void end_block(double block_lr, double block_momentum);
+  /// Clears the optimizer's state (SGD's momentum buffers, Adam's averages and step count).
+  void reset_optimizer_state();
+
   /// Sum of the squares of all gradients (for the global gradient norm); a tied parameter's
   /// copy does not count (its original does, once).
   double gradient_square_sum() const;
@@ -233,6 +247,17 @@ private:
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;
   // A module of the stage draws from the CPU generator in training (dropout).
   bool draws_random_ = false;
+  // BMUF: per parameter name, its global value, block momentum and (Nesterov) previous momentum.
+  struct block_state {
+    torch::Tensor global;
+    torch::Tensor momentum;
+    torch::Tensor previous;
+  };
+  bool blocks_ = false;
+  bool block_nesterov_ = false;
+  std::map<std::string, block_state> block_states_;
+  // Global values from the parameters, momenta from `all` where it has them (else zero).
+  void reset_blocks(const tensor_map& all);
 };
 
 /// Stage k of `cut` over its slice of `layers`, on `device`, with an optimizer when `optimizer`

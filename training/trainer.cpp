@@ -355,7 +355,12 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
   metrics_writer metrics(lead ? o.metrics : std::string{});
   train_report report;
   auto checkpoint = [&](int64_t epoch, int64_t next_batch) {
-    if (!lead || o.checkpoint_dir.empty()) {
+    if (o.checkpoint_dir.empty()) {
+      return;
+    }
+    // BMUF: a checkpoint holds the replicas' common parameters, so a resume is exact.
+    pipe.end_block();
+    if (!lead) {
       return;
     }
     checkpoint_manifest m;
@@ -430,6 +435,8 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     e.train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : 0;
     e.seconds = bar.elapsed_seconds();
     e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
+    // BMUF: rank 0 evaluates the replicas' common parameters.
+    pipe.end_block();
     if (!lead) {
       report.epochs.push_back(e);
       end_of_epoch(e.epoch);

@@ -146,6 +146,33 @@ namespace detail {
 struct local_store;
 } // namespace detail
 
+/// Blockwise model-update filtering (BMUF: Chen and Huo, ICASSP 2016; Caffe2's
+/// data_parallel_model.Parallelize_BMUF), an alternative to averaging gradients every step for
+/// replicas on slow links. Each replica steps its own optimizer on its own gradients for
+/// `block_steps` steps (a block), with no communication; then the replicas average their
+/// parameters x, and every parameter's global value g and block momentum v (kept alike on every
+/// replica) are updated as Caffe2 does:
+///
+///     v = block_momentum * v + block_lr * (mean_r(x_r) - g)
+///     g = g + v                      (Nesterov: g = g + v - block_momentum * (v - v_prev))
+///     x_r = g on every replica
+///
+/// Before the first block, `warmup_steps` steps train each replica alone and then every replica
+/// takes rank 0's parameters (Caffe2's warm-up broadcast). Buffers follow
+/// data_parallel_options::buffers at each block's end.
+struct bmuf_options {
+  /// Local steps per block; 0: no BMUF (gradients are averaged every step).
+  int64_t block_steps = 0;
+  double block_lr = 1.0;
+  /// In [0, 1); negative: 1 - 1 / replicas (Caffe2's default).
+  double block_momentum = -1;
+  bool nesterov = false;
+  /// Clears every replica's optimizer state (SGD's momentum buffers) after each block, as
+  /// Caffe2's reset_momentum_sgd.
+  bool reset_momentum = false;
+  int64_t warmup_steps = 0;
+};
+
 /// Data parallelism: this pipeline is replica `rank` of `replicas` identical pipelines (each
 /// fed its own part of the batch). After its last backward, each stage averages its gradients
 /// with the same stage of every other replica over c10d (one Gloo process group per stage
@@ -169,6 +196,8 @@ struct data_parallel_options {
   /// norm over the replicas' micro-batches concatenated (see batch_norm.hpp). Off: each replica
   /// normalises by its own micro-batch's statistics (DDP without SyncBatchNorm).
   bool sync_batch_norm = false;
+  /// BMUF instead of averaging gradients every step (bmuf.block_steps > 0).
+  bmuf_options bmuf;
   /// Key prefix in the store, so several replicated pipelines can share one rendezvous.
   std::string group = "actorpipe";
   /// Set by replicated_pipeline for replicas that live in one process; empty for processes.

@@ -50,6 +50,9 @@ public:
   /// replicas x microbatches samples. Throws pipeline_error when any replica's step failed.
   step_result train_step(torch::Tensor inputs, torch::Tensor targets);
 
+  /// BMUF: every replica's pipeline::end_block(), together.
+  void end_block();
+
   /// Sets every replica's learning rate from the next step on.
   void set_learning_rate(double lr);
 

@@ -275,7 +275,8 @@ struct train_report {
 /// checkpoint of another run), and what train_step throws. With replicas, the ranks meet
 /// (pipeline::replicas_agree) after a resume, agreeing on the step every rank loaded, and at
 /// each epoch's end after rank 0's evaluation; a rank that disagrees or does not arrive within
-/// data_parallel_options::timeout is a pipeline_error (replica_failure) on every rank.
+/// data_parallel_options::timeout is a pipeline_error (replica_failure) on every rank. With BMUF
+/// a block also ends (pipeline::end_block) at each epoch's end and before each checkpoint.
 train_report train(pipeline& pipe, const batch_source& data, const train_options& options);
 
 /// train() on dataset_source("fashion-mnist"-style `options.dataset`, train, test): a classifier

@@ -921,3 +921,66 @@ TEST_CASE("--batch-norm sync: 2 ranks, as processes and in one process, train a 
   std::filesystem::remove(whole);
   std::filesystem::remove(local);
 }
+
+TEST_CASE("--sync bmuf: 2 ranks as processes train like 2 replicas in one process, a resume "
+          "continues with the uninterrupted run's losses, and the block flags are checked") {
+  const std::string common = "--data synthetic --model cnn --batch 8 --lr 0.05 --stages 2 "
+                             "--microbatches 2 --seed 4 --sync bmuf --block-steps 2";
+  same_losses(common + " --steps 5", {"train --replicas 2", "launch --nproc 2 -- train"}, 5);
+
+  // A checkpoint ends a block: a run stopped at step 3 and resumed gives the losses of one that
+  // went on, checkpointing at the same steps.
+  auto full_dir = temp_file("bmuf_full");
+  auto dir = temp_file("bmuf_ckpt");
+  auto full = temp_file("bmuf_full.json");
+  auto resumed = temp_file("bmuf_resumed.json");
+  for (const auto& d : {full_dir, dir}) {
+    std::filesystem::remove_all(d);
+  }
+  const std::string flags = "train --replicas 2 --checkpoint-every 3 " + common;
+  auto a =
+    run(flags + " --steps 7 --checkpoint-dir " + full_dir.string() + " --json " + full.string());
+  auto b = run(flags + " --steps 3 --checkpoint-dir " + dir.string());
+  auto c = run(flags + " --steps 7 --checkpoint-dir " + dir.string() + " --resume " + dir.string() +
+               " --json " + resumed.string());
+  CAPTURE(a.output);
+  CAPTURE(c.output);
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  REQUIRE(c.exit_code == 0);
+  CHECK(a.output.find("BMUF: blocks of 2 steps, block lr 1, block momentum 0.5") !=
+        std::string::npos);
+  auto expected = losses(full);
+  auto got = losses(resumed);
+  REQUIRE(expected.size() == 7);
+  REQUIRE(got.size() == 4);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CHECK(got[i] == doctest::Approx(expected[3 + i]).epsilon(1e-6));
+  }
+  for (const auto& d : {full_dir, dir, full, resumed}) {
+    std::filesystem::remove_all(d);
+  }
+
+  const std::string synthetic = "train --data synthetic --model cnn --steps 1";
+  struct refusal {
+    std::string flags;
+    std::string message;
+  };
+  for (const auto& [args, message] : std::vector<refusal>{
+         {synthetic + " --block-steps 4", "--block-steps applies to --sync bmuf"},
+         {synthetic + " --replicas 2 --block-nesterov", "--block-nesterov applies to --sync bmuf"},
+         {synthetic + " --sync bmuf", "--sync bmuf keeps replicas together"},
+         {synthetic + " --replicas 2 --sync bmuf --block-steps 0",
+          "--block-steps (0) must be >= 1"},
+         {synthetic + " --replicas 2 --sync bmuf --block-momentum 1",
+          "--block-momentum (1) must be below 1"},
+         {"train --data synthetic --model resnet18 --image 16 --steps 1 --replicas 2 --sync bmuf "
+          "--batch-norm sync",
+          "--sync bmuf cannot be combined with --batch-norm sync"}}) {
+    auto bad = run(args);
+    CAPTURE(args);
+    CAPTURE(bad.output);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.output.find(message) != std::string::npos);
+  }
+}

@@ -547,3 +547,173 @@ TEST_CASE("replicas agree on a value at a barrier, or every rank hears who diffe
   pipeline alone(sys, tiny_mlp(1), partition_uniform(6, 2), mlp_options(1));
   alone.replicas_agree("anything", 1);
 }
+
+namespace {
+
+// Caffe2's Parallelize_BMUF written out for R plain libtorch models, as its comments state it:
+// each model steps its own SGD; after the warm-up every model takes model 0's parameters; after
+// each block, per parameter, v = mu v + lr_b (mean(x) - g), g = g + v (Nesterov: g = g - mu (v -
+// v_prev), v_prev = v), and every model's x = g; reset_momentum zeroes the SGD momentum buffers.
+struct bmuf_reference {
+  std::vector<std::unique_ptr<plain_model>> models;
+  bmuf_options o;
+  double mu;
+  std::vector<torch::Tensor> global, momentum, previous;
+  int64_t position = 0;
+  bool warm;
+
+  bmuf_reference(std::size_t replicas, const bmuf_options& options)
+    : o(options), mu(options.block_momentum < 0 ? 1.0 - 1.0 / static_cast<double>(replicas)
+                                                : options.block_momentum),
+      warm(options.warmup_steps == 0) {
+    for (std::size_t r = 0; r < replicas; ++r) {
+      models.push_back(std::make_unique<plain_model>(tiny_mlp(1), sgd(0.1, 0.9)));
+    }
+    start();
+  }
+  std::vector<torch::Tensor> params(std::size_t r) const {
+    return models[r]->optimizer->param_groups().front().params();
+  }
+  void start() {
+    global.clear();
+    momentum.clear();
+    previous.clear();
+    for (const auto& p : params(0)) {
+      global.push_back(p.detach().clone());
+      momentum.push_back(torch::zeros_like(p));
+      previous.push_back(torch::zeros_like(p));
+    }
+  }
+  // One step of every model on its part of the batch; model 0's loss.
+  double step(const torch::Tensor& x, const torch::Tensor& t) {
+    auto xs = torch::tensor_split(x, static_cast<int64_t>(models.size()), 0);
+    auto ts = torch::tensor_split(t, static_cast<int64_t>(models.size()), 0);
+    double first = 0;
+    for (std::size_t r = 0; r < models.size(); ++r) {
+      auto loss = models[r]->step(xs[r], ts[r]);
+      first = r == 0 ? loss : first;
+    }
+    ++position;
+    if (position == (warm ? o.block_steps : o.warmup_steps)) {
+      end_block();
+    }
+    return first;
+  }
+  void end_block() {
+    torch::NoGradGuard no_grad;
+    if (!warm) {
+      for (std::size_t r = 1; r < models.size(); ++r) {
+        for (std::size_t i = 0; i < global.size(); ++i) {
+          params(r)[i].copy_(params(0)[i]);
+        }
+      }
+      start();
+      warm = true;
+    } else if (position > 0) {
+      for (std::size_t i = 0; i < global.size(); ++i) {
+        auto mean = torch::zeros_like(global[i]);
+        for (std::size_t r = 0; r < models.size(); ++r) {
+          mean += params(r)[i];
+        }
+        mean /= static_cast<double>(models.size());
+        momentum[i] = mu * momentum[i] + o.block_lr * (mean - global[i]);
+        global[i] = global[i] + momentum[i];
+        if (o.nesterov) {
+          global[i] = global[i] - mu * (momentum[i] - previous[i]);
+          previous[i] = momentum[i].clone();
+        }
+        for (std::size_t r = 0; r < models.size(); ++r) {
+          params(r)[i].copy_(global[i]);
+        }
+      }
+    }
+    if (o.reset_momentum) {
+      for (auto& m : models) {
+        for (auto& [key, state] : m->optimizer->state()) {
+          static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer().zero_();
+        }
+      }
+    }
+    position = 0;
+  }
+};
+
+} // namespace
+
+TEST_CASE("BMUF: replicas train alone for a block, then average with block momentum, like a "
+          "reference implementation of Caffe2's algorithm") {
+  struct setting {
+    std::size_t replicas;
+    bmuf_options bmuf;
+  };
+  std::vector<setting> settings(3);
+  settings[0] = {2, {}};
+  settings[0].bmuf.block_steps = 2; // block lr 1, block momentum 1 - 1/2
+  settings[1] = {3, {}};
+  settings[1].bmuf.block_steps = 3;
+  settings[1].bmuf.block_lr = 0.8;
+  settings[1].bmuf.block_momentum = 0.6;
+  settings[1].bmuf.nesterov = true;
+  settings[1].bmuf.reset_momentum = true;
+  settings[2] = {2, {}};
+  settings[2].bmuf.block_steps = 2;
+  settings[2].bmuf.warmup_steps = 2;
+  settings[2].bmuf.nesterov = true;
+  engine sys;
+  for (const auto& [replicas, bmuf] : settings) {
+    CAPTURE(replicas);
+    CAPTURE(bmuf.block_steps);
+    CAPTURE(bmuf.warmup_steps);
+    auto o = mlp_options(2);
+    o.data_parallel.bmuf = bmuf;
+    replicated_pipeline pipes(
+      sys, [] { return tiny_mlp(1); }, partition_uniform(6, 2), o, replicas);
+    bmuf_reference reference(replicas, bmuf);
+    // 7 steps: blocks end inside the run, and end_block ends the last, partial one.
+    for (int step = 0; step < 7; ++step) {
+      auto x = torch::randn({4 * static_cast<int64_t>(replicas), 1, 4, 4});
+      auto t = torch::randn({4 * static_cast<int64_t>(replicas), 3});
+      auto r = pipes.train_step(x, t);
+      CHECK(r.loss == doctest::Approx(reference.step(x, t)).epsilon(1e-5));
+      for (const auto& s : r.stages) {
+        CHECK(s.sync_bytes == 0); // no gradient all-reduce
+      }
+    }
+    // Mid-block the replicas differ; a block's end makes them equal.
+    REQUIRE(reference.position > 0);
+    CHECK_FALSE(torch::allclose(pipes.replica(0).named_parameters()[0].second,
+                                pipes.replica(1).named_parameters()[0].second));
+    pipes.end_block();
+    reference.end_block();
+    for (std::size_t r = 0; r < replicas; ++r) {
+      check_close(pipes.replica(r).named_parameters(), named(reference.models[r]->layers, false));
+    }
+    // Nothing to end right after a block's end.
+    pipes.end_block();
+    check_close(pipes.replica(0).named_parameters(), named(reference.models[0]->layers, false));
+  }
+}
+
+TEST_CASE("BMUF options are checked, and BMUF refuses synchronised batch norm") {
+  engine sys;
+  auto refused = [&](const std::function<void(pipeline_options&)>& change, const char* message) {
+    auto o = mlp_options(1);
+    o.data_parallel.replicas = 2;
+    o.data_parallel.bmuf.block_steps = 2;
+    change(o);
+    CAPTURE(message);
+    CHECK_THROWS_WITH_AS(pipeline(sys, tiny_mlp(1), partition_uniform(6, 2), o),
+                         doctest::Contains(message), invalid_argument);
+  };
+  refused([](pipeline_options& o) { o.data_parallel.replicas = 1; }, "BMUF needs replicas");
+  refused([](pipeline_options& o) { o.data_parallel.bmuf.block_steps = -1; },
+          "bmuf.block_steps (-1) must be >= 1");
+  refused([](pipeline_options& o) { o.data_parallel.bmuf.block_momentum = 1; },
+          "bmuf.block_momentum (1) must be below 1");
+  refused([](pipeline_options& o) { o.data_parallel.bmuf.block_lr = 0; },
+          "bmuf.block_lr (0) must be > 0");
+  refused([](pipeline_options& o) { o.data_parallel.bmuf.warmup_steps = -2; },
+          "bmuf.warmup_steps (-2) must be >= 0");
+  refused([](pipeline_options& o) { o.data_parallel.sync_batch_norm = true; },
+          "their batch norms cannot synchronise");
+}
