@@ -16,6 +16,7 @@ packages=(
   libcaf-dev              # C++ Actor Framework 0.17
   libboost-dev            # Boost.Asio
   libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libssl-dev libbenchmark-dev
+  libstb-dev              # stb_image: JPEG/PNG decoding for --data images:DIR
   dataset-fashion-mnist   # the real data of the main job
   fortunes                # the real text of --data text (/usr/share/games/fortunes)
 )

@@ -8,24 +8,25 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd
     ->add_option("--data", m.data,
                  "Data: fashion-mnist (real, 1x28x28, 10 classes), text (real: character tokens "
-                 "of Debian's fortunes, or --text-file), synthetic, or tensors:PATH (a file "
+                 "of Debian's fortunes, or --text-file), synthetic, tensors:PATH (a file "
                  "written by Python's torch.save({\"inputs\": X, \"targets\": Y}, PATH), read "
-                 "in order)")
+                 "in order), or images:DIR (a folder of class folders of JPEG/PNG images, or of "
+                 "train/ and val/ splits; docs/images.md)")
     ->capture_default_str()
     ->check(CLI::Validator(
       [](std::string& value) -> std::string {
         if (value == "fashion-mnist" || value == "text" || value == "synthetic" ||
-            value.rfind("tensors:", 0) == 0) {
+            value.rfind("tensors:", 0) == 0 || value.rfind("images:", 0) == 0) {
           return {};
         }
-        return "'" + value + "' is not fashion-mnist, text, synthetic or tensors:PATH";
+        return "'" + value + "' is not fashion-mnist, text, synthetic, tensors:PATH or images:DIR";
       },
       "DATA"));
   cmd->add_option("--model", m.model,
                   "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt, or a TorchScript "
                   "file (PATH.pt, written by torch.jit.save(torch.jit.script(nn.Sequential(...))); "
                   "docs/from-pytorch.md) (default: cnn for fashion-mnist, gpt for text, resnet50 "
-                  "for synthetic)");
+                  "for synthetic, resnet18 for images:DIR)");
   cmd
     ->add_option("--batch", m.batch,
                  "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "
@@ -38,7 +39,17 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd->add_option("--context", m.context, "gpt: tokens per sequence (0: 64)")
     ->capture_default_str();
   cmd->add_option("--dropout", m.dropout, "gpt: dropout probability")->capture_default_str();
-  cmd->add_option("--image", m.image, "Synthetic data: image side length for the ResNets")
+  cmd
+    ->add_option("--image", m.image,
+                 "Synthetic data and images:DIR: the images' side (an image folder's are resized "
+                 "and cropped to it)")
+    ->capture_default_str();
+  cmd->add_option("--channels", m.channels, "images:DIR: 3 (RGB) or 1 (grey)")
+    ->capture_default_str();
+  cmd
+    ->add_option("--bad-images", m.bad_images,
+                 "images:DIR: a file that is not a readable image stops the run (fail) or is "
+                 "left out with a warning naming it (skip)")
     ->capture_default_str();
   cmd
     ->add_option(

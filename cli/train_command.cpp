@@ -79,6 +79,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   cmd->add_flag("--augment", a.augment,
                 "Fashion-MNIST: augment every training batch as torchvision's RandomCrop(28, "
                 "padding=2) and RandomHorizontalFlip (docs/images.md)");
+  opt("--workers", a.workers,
+      "images:DIR: background threads decoding, cropping and flipping batches ahead of the "
+      "pipeline (0: on the training thread)");
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
   opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
   opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
@@ -239,6 +242,19 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
   };
   const bool tensors = !training::tensor_file_of(a.model.data).empty();
+  const bool images = !training::image_folder_of(a.model.data).empty();
+  if (images) {
+    refuse("--data-dir", "is Fashion-MNIST's folder; --data images:DIR names its own folder");
+    refuse("--train-samples", "applies to Fashion-MNIST (an image folder is used whole)");
+    refuse("--test-samples", "applies to Fashion-MNIST (an image folder is used whole)");
+    refuse("--augment", "applies to Fashion-MNIST: images:DIR always crops at random and flips");
+    refuse("--classes", "sets the synthetic data's classes: an image folder has a class per "
+                        "sub-folder");
+  } else {
+    refuse("--workers", "applies to --data images:DIR (the loader's threads)");
+    refuse("--channels", "applies to --data images:DIR");
+    refuse("--bad-images", "applies to --data images:DIR");
+  }
   if (tensors) {
     const char* stream = "does not apply to --data tensors:PATH, read as a stream of batches in "
                          "file order: say how long to train with --steps";
@@ -257,7 +273,7 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   } else {
     refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
   }
-  if (a.model.data != "fashion-mnist") {
+  if (a.model.data != "fashion-mnist" && !images) {
     refuse("--augment", "applies to Fashion-MNIST's images (random crops and flips)");
   }
   if (a.model.data != "text") {
@@ -287,8 +303,9 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
     refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
     refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
-  } else {
-    refuse("--image", "sets the synthetic images' side; real data comes in its own shape");
+  } else if (!images) {
+    refuse("--image", "sets the side of synthetic images and of images:DIR; this data comes in "
+                      "its own shape");
     refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
   }
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
@@ -304,6 +321,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   const bool synthetic = a.model.data == "synthetic";
   const auto tensor_file = training::tensor_file_of(a.model.data);
   const bool tensors = !tensor_file.empty();
+  const bool images = !setup.images.classes.empty();
   // Streams (synthetic data, tensor files) train --steps batches at a constant rate.
   const bool stream = synthetic || tensors;
   // build_model read the tensor file (its first batch is the profiles' sample).
@@ -354,6 +372,13 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   } else if (synthetic) {
     data = std::make_unique<synthetic_source>(mo.in_channels, mo.image_size, mo.num_classes);
     steps = steps > 0 ? steps : 3;
+  } else if (images) {
+    image_source_options io;
+    io.transform.size = mo.image_size;
+    io.transform.channels = mo.in_channels;
+    io.workers = a.workers;
+    io.bad = a.model.bad_images == "skip" ? bad_image_policy::skip : bad_image_policy::fail;
+    data = std::make_unique<image_folder_source>(setup.images, io);
   } else if (text) {
     data = std::make_unique<dataset_source>("text:" + corpus->source,
                                             text_windows(corpus->train, mo.context),
@@ -415,6 +440,15 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                 << ", " << epochs << " epochs"
                 << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
                 << lr << " (cosine, " << a.warmup << " warm-up steps)";
+    } else if (images) {
+      const auto& f = setup.images;
+      std::cout << "images from " << f.root << " (" << f.train.size() << " train, "
+                << f.validation.size() << " held out, " << f.classes.size() << " classes, "
+                << mo.in_channels << 'x' << mo.image_size << 'x' << mo.image_size
+                << (f.skipped.empty() ? "" : detail::concat(", ", f.skipped.size(), " skipped"))
+                << "; " << a.workers << " loader workers), " << epochs << " epochs"
+                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
+                << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
     } else {
       std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
                 << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
@@ -436,9 +470,18 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   }
   if (text && !report.epochs.empty()) {
     std::cout << "validation: " << report.epochs.back().test.bits << " bits per character\n";
-  } else if (!stream && !report.epochs.empty()) {
+  } else if (!stream && !report.epochs.empty() && !(images && setup.images.validation.empty())) {
     std::cout << "test accuracy: top-1 " << report.epochs.back().test.top1 << ", top-5 "
               << report.epochs.back().test.top5 << '\n';
+  }
+  if (images && !report.steps.empty()) {
+    // Whether the loader kept ahead: the stages never wait for data when this is about 0.
+    std::cout << "data: the training loop waited " << std::setprecision(3)
+              << report.data_wait_seconds << " s for batches over " << report.steps.size()
+              << " steps ("
+              << report.data_wait_seconds * 1000 / static_cast<double>(report.steps.size())
+              << " ms per step, " << a.workers << " loader workers)\n"
+              << std::setprecision(6);
   }
   if (!a.export_path.empty()) {
     pipe.save_torchscript(a.export_path);

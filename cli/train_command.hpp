@@ -44,6 +44,8 @@ struct train_args {
   double min_lr = 0;
   /// Fashion-MNIST: random crops (padding 2) and horizontal flips of the training images.
   bool augment = false;
+  /// images:DIR: background threads decoding batches ahead of the pipeline.
+  std::size_t workers = 2;
   /// --data tensors:PATH: a new order for every pass over the file.
   bool shuffle = false;
   /// Write the trained TorchScript model here.

@@ -58,9 +58,31 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
                       {"tid", s},
                       {"args", {{"name", detail::concat("stage ", s)}}}});
   }
+  // The training loop's wait for each batch (train() measures it): a track of its own, before
+  // each step, so a loader that keeps ahead shows as slivers and one that does not as gaps.
+  const bool data_track = std::any_of(
+    steps.begin(), steps.end(), [](const step_result& s) { return s.data_wait_ms.has_value(); });
+  if (data_track) {
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", 1},
+                      {"tid", stages},
+                      {"args", {{"name", "data: wait for batch"}}}});
+  }
   double offset_ms = 0;
   uint64_t flow_id = 0;
   for (const auto& step : steps) {
+    if (step.data_wait_ms) {
+      events.push_back({{"ph", "X"},
+                        {"name", "wait for batch"},
+                        {"cat", "data"},
+                        {"pid", 1},
+                        {"tid", stages},
+                        {"ts", offset_ms * 1000},
+                        {"dur", *step.data_wait_ms * 1000},
+                        {"args", {{"step", step.step}, {"wait_ms", *step.data_wait_ms}}}});
+      offset_ms += *step.data_wait_ms;
+    }
     auto p = step.stages.size();
     auto chunks = chunks_in(step);
     // Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).

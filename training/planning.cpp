@@ -51,16 +51,24 @@ std::string tensor_file_of(const std::string& data) {
   return data.rfind(prefix, 0) == 0 ? data.substr(prefix.size()) : std::string{};
 }
 
+std::string image_folder_of(const std::string& data) {
+  const std::string prefix = "images:";
+  return data.rfind(prefix, 0) == 0 ? data.substr(prefix.size()) : std::string{};
+}
+
 std::string model_name(const model_args& m) {
-  return !m.model.empty()        ? m.model
-         : m.data == "synthetic" ? "resnet50"
-         : m.data == "text"      ? "gpt"
-                                 : "cnn";
+  return !m.model.empty()                   ? m.model
+         : m.data == "synthetic"            ? "resnet50"
+         : m.data == "text"                 ? "gpt"
+         : !image_folder_of(m.data).empty() ? "resnet18"
+                                            : "cnn";
 }
 
 void check_model_fits_data(const model_args& m) {
   const bool tensors = !tensor_file_of(m.data).empty();
   ACTORPIPE_CHECK(m.data != "tensors:", "--data tensors:PATH needs the file's path");
+  ACTORPIPE_CHECK(m.data != "images:", "--data images:DIR needs the folder's path");
+  const bool images = !image_folder_of(m.data).empty();
   if (m.model.empty()) {
     ACTORPIPE_CHECK(!tensors, "--data ", m.data,
                     " has no model of its own: give --model (a TorchScript file, e.g. "
@@ -68,20 +76,37 @@ void check_model_fits_data(const model_args& m) {
     return; // the data's own model
   }
   if (is_torchscript_model(m.model)) {
-    ACTORPIPE_CHECK(tensors || m.data == "fashion-mnist", "--model ", m.model,
+    ACTORPIPE_CHECK(tensors || images || m.data == "fashion-mnist", "--model ", m.model,
                     " (a TorchScript file) trains on --data tensors:PATH (its inputs and targets, "
-                    "docs/from-pytorch.md) or fashion-mnist, not ",
+                    "docs/from-pytorch.md), images:DIR or fashion-mnist, not ",
                     m.data);
     return;
   }
   bool gpt = m.model == "gpt";
-  ACTORPIPE_CHECK(m.data != "fashion-mnist" || !gpt,
-                  "--data fashion-mnist holds images: train gpt on --data text or synthetic");
+  ACTORPIPE_CHECK((m.data != "fashion-mnist" && !images) || !gpt, "--data ", m.data,
+                  " holds images: train gpt on --data text or synthetic");
   ACTORPIPE_CHECK(m.data != "text" || gpt,
                   "--data text trains a language model: use --model gpt (not ", m.model, ")");
 }
 
 namespace {
+
+// An image folder's files and classes (the model's outputs), with its skipped files reported.
+void scan_images(model_setup& setup, const model_args& m) {
+  auto dir = image_folder_of(m.data);
+  if (dir.empty()) {
+    return;
+  }
+  ACTORPIPE_CHECK(m.bad_images == "fail" || m.bad_images == "skip", "--bad-images '", m.bad_images,
+                  "' is not fail or skip");
+  ACTORPIPE_CHECK(m.channels == 1 || m.channels == 3, "--channels (", m.channels,
+                  ") must be 1 (grey) or 3 (RGB)");
+  setup.images = scan_image_folder(dir, m.bad_images == "skip" ? bad_image_policy::skip
+                                                               : bad_image_policy::fail);
+  for (const auto& why : setup.images.skipped) {
+    std::cerr << "warning: " << why << " (left out: --bad-images skip)\n";
+  }
+}
 
 // A tensor file's first batch is what the model sees: profiles take it (any shape, any dtype).
 void take_example(model_setup& setup, const model_args& m) {
@@ -109,6 +134,11 @@ model_setup build_model(const model_args& m) {
     setup.layers = load_torchscript_bytes(setup.torchscript, "--model " + setup.name);
     setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
     take_example(setup, m);
+    scan_images(setup, m);
+    if (!setup.images.classes.empty()) {
+      setup.options.in_channels = m.channels;
+      setup.options.image_size = m.image;
+    }
     return setup;
   }
   bool resnet = setup.name.rfind("resnet", 0) == 0;
@@ -117,12 +147,21 @@ model_setup build_model(const model_args& m) {
   ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
   // Synthetic data: the ResNets take RGB images of --image pixels and 1000 classes, as on
   // ImageNet. Fashion-MNIST: 1x28x28 images of 10 classes, the ResNets with a small-image stem.
+  // An image folder: --channels x --image x --image images of its classes, the ResNets with the
+  // small-image stem up to 64 pixels.
   const bool fashion = m.data == "fashion-mnist";
   setup.options.in_channels = resnet && !fashion ? 3 : 1;
   setup.options.image_size = resnet && !fashion ? m.image : 28;
   setup.options.num_classes =
     m.classes > 0 && m.data == "synthetic" ? m.classes : (resnet && !fashion ? 1000 : 10);
   setup.options.small_stem = resnet && fashion;
+  scan_images(setup, m);
+  if (!setup.images.classes.empty()) {
+    setup.options.in_channels = m.channels;
+    setup.options.image_size = m.image;
+    setup.options.num_classes = static_cast<int64_t>(setup.images.classes.size());
+    setup.options.small_stem = resnet && m.image <= 64;
+  }
   setup.batch = m.batch > 0 ? m.batch : gpt ? 32 : (m.data == "synthetic" ? 120 : 64);
   setup.options.deferred_batch_norm = m.deferred_batch_norm;
   if (gpt) {

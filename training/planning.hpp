@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <actorpipe/data.hpp>
+#include <actorpipe/images.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
@@ -25,8 +26,13 @@ struct model_args {
   std::string data = "fashion-mnist";
   std::string model;
   int64_t batch = 0;
+  /// Synthetic data and image folders: the images' side.
   int64_t image = 128;
   int64_t classes = 0;
+  /// Image folders: 3 (RGB) or 1 (grey) channels, and what to do with a file that is not an
+  /// image ("fail" or "skip").
+  int64_t channels = 3;
+  std::string bad_images = "fail";
   uint64_t seed = 0;
   bool deferred_batch_norm = false;
   /// gpt: sizes (0: the defaults below) and dropout; the vocabulary comes from the text (or
@@ -53,6 +59,9 @@ bool is_torchscript_model(const std::string& model);
 /// The path of `--data tensors:PATH`, or an empty string for other data.
 std::string tensor_file_of(const std::string& data);
 
+/// The folder of `--data images:DIR`, or an empty string for other data.
+std::string image_folder_of(const std::string& data);
+
 /// A built model with its input shape.
 struct model_setup {
   std::string name;
@@ -65,6 +74,8 @@ struct model_setup {
   torch::Tensor example;
   /// --data tensors:PATH: the file's inputs and targets (empty otherwise).
   dataset file;
+  /// --data images:DIR: the folder's files and classes (empty otherwise).
+  image_folder images;
 
   /// A random batch shaped like the real one (token ids for a language model), or the tensor
   /// file's first batch.

@@ -1,5 +1,6 @@
 #include <actorpipe/training.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <iomanip>
@@ -390,10 +391,15 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
         stopped = true;
         break;
       }
+      auto asked = std::chrono::steady_clock::now();
       auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
+      const double waited =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked).count();
+      report.data_wait_seconds += waited / 1000.0;
       auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(step)) : o.lr;
       pipe.set_learning_rate(current_lr);
       auto r = pipe.train_step(x, y);
+      r.data_wait_ms = waited;
       ++step;
       report.steps.emplace_back(step, r.loss);
       loss_sum += r.loss;

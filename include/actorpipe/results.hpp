@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <actorpipe/actions.hpp>
@@ -56,6 +57,9 @@ struct step_result {
   double grad_norm = 0;
   /// Wall time from the request to the last optimizer step, in milliseconds.
   double wall_ms = 0;
+  /// train(): how long the loop waited for this step's batch before asking for the step, in
+  /// milliseconds (about 0 when a loader prepared it ahead); empty when not measured.
+  std::optional<double> data_wait_ms;
   std::vector<stage_stats> stages;
 };
 

@@ -6,7 +6,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +17,7 @@
 #include <ATen/core/Generator.h>
 
 #include <actorpipe/data.hpp>
+#include <actorpipe/images.hpp>
 #include <actorpipe/pipeline.hpp>
 
 namespace actorpipe {
@@ -201,6 +205,59 @@ private:
   bool shuffle_;
 };
 
+/// How image_folder_source prepares its batches.
+struct image_source_options {
+  /// Size, channels, resize and normalisation (training batches crop randomly and flip, the
+  /// held-out split is centre-cropped: `random` is set by the source).
+  image_transform transform;
+  /// Background threads decoding and augmenting batches ahead of the pipeline; 0 decodes on
+  /// the training thread when a batch is asked for.
+  std::size_t workers = 2;
+  /// Batches prepared ahead of the one asked for (0: twice the workers).
+  std::size_t ahead = 0;
+  /// A file that fails to decode mid-run: an error naming it, or a warning naming it once and
+  /// the next image of its batch in its place.
+  bad_image_policy bad = bad_image_policy::fail;
+  /// The longest a batch may be waited for before a timeout error.
+  double deadline_seconds = 300;
+};
+
+/// A folder of images (scan_image_folder) as a batch source: distributed_order over its training
+/// files, the last incomplete batch of an epoch dropped, each batch decoded, cropped at random
+/// and flipped by `workers` background threads while the pipeline trains on earlier batches.
+/// The draws depend on (seed, epoch, batch, rank) alone, so the images are the same for any
+/// number of workers and after a resume. Evaluated on the folder's val/ (or test/) split, when
+/// it has one.
+class image_folder_source : public batch_source {
+public:
+  image_folder_source(image_folder folder, image_source_options options);
+  ~image_folder_source() override;
+  std::string name() const override;
+  int64_t epoch_samples() const override { return static_cast<int64_t>(folder_.train.size()); }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override;
+  std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const override;
+  const image_folder& folder() const { return folder_; }
+
+private:
+  struct loader;
+  std::vector<image_file> files_of(int64_t epoch, int64_t index, int64_t batch, uint64_t seed,
+                                   int64_t rank, int64_t replicas) const;
+  std::pair<torch::Tensor, torch::Tensor> make_batch(int64_t epoch, int64_t index, int64_t batch,
+                                                     uint64_t seed, int64_t rank,
+                                                     int64_t replicas) const;
+  void report_failures() const;
+
+  image_folder folder_;
+  image_source_options options_;
+  mutable std::mutex failures_mutex_;
+  mutable std::vector<std::string> unreported_;
+  mutable std::set<std::string> reported_;
+  // Last: its threads are joined before the members they use are destroyed.
+  std::unique_ptr<loader> loader_;
+};
+
 /// Continues `prompt` (text of `corpus`'s alphabet) by `length` tokens with the forward-only
 /// path: each next token is drawn from the model's distribution at `temperature` (0: the
 /// likeliest) with a generator seeded by `seed`, the model seeing the last `context` tokens.
@@ -267,6 +324,8 @@ struct train_report {
   std::vector<std::pair<uint64_t, double>> steps;
   /// Every step's result, when train_options::keep_results.
   std::vector<step_result> results;
+  /// Seconds the loop waited for batches over the run (step_result::data_wait_ms summed).
+  double data_wait_seconds = 0;
 };
 
 /// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <map>
 
+#include "../training/image_folders.hpp"
 #include "cli/program.hpp"
 #include "helpers.hpp"
 
@@ -309,13 +310,14 @@ TEST_CASE("a traced run writes a Chrome trace with a track per stage and send ar
       CHECK(e["dur"].get<double>() >= 0);
     }
   }
-  CHECK(tracks == std::set<int>{0, 1, 2});
-  // 2 steps x 3 stages x 4 micro-batches x (F, B, W).
-  CHECK(phases["X"] == 72);
+  // A track per stage, and the training loop's wait for each batch on a track of its own.
+  CHECK(tracks == std::set<int>{0, 1, 2, 3});
+  // 2 steps x 3 stages x 4 micro-batches x (F, B, W), and 2 waits for a batch.
+  CHECK(phases["X"] == 72 + 2);
   // Per step: activations 0->1, 1->2 and gradients 2->1, 1->0, for 4 micro-batches each.
   CHECK(phases["s"] == 32);
   CHECK(phases["f"] == 32);
-  CHECK(phases["M"] == 3);
+  CHECK(phases["M"] == 4);
   std::filesystem::remove(trace);
 }
 
@@ -550,7 +552,8 @@ TEST_CASE("a flag that does not apply to the chosen data or schedule is an error
   CHECK(warmup.output.find("--warmup does not apply to --data synthetic") != std::string::npos);
   auto image = run("train --image 64 --steps 1");
   CHECK(image.exit_code == 2);
-  CHECK(image.output.find("--image sets the synthetic images' side") != std::string::npos);
+  CHECK(image.output.find("--image sets the side of synthetic images and of images:DIR") !=
+        std::string::npos);
   auto both = run("train --data synthetic --model mlp --steps 2 --max-steps 2");
   CHECK(both.exit_code == 2);
   CHECK(both.output.find("--steps and --max-steps") != std::string::npos);
@@ -983,4 +986,96 @@ TEST_CASE("--sync bmuf: 2 ranks as processes train like 2 replicas in one proces
     CHECK(bad.exit_code == 2);
     CHECK(bad.output.find(message) != std::string::npos);
   }
+}
+
+TEST_CASE("--data images:DIR trains on a folder of PNG and JPEG images: pipelined like one stage "
+          "with any number of loader workers, evaluated on val/, its waits in the trace") {
+  auto dir = temp_file("images");
+  std::filesystem::remove_all(dir);
+  // 3 classes of 20 images: 16 to train and 4 held out each.
+  write_class_folder(dir, 3, 20, true);
+  const auto data = "--data images:" + dir.string();
+  const auto common = data + " --model cnn --image 16 --batch 12 --epochs 2 --lr 0.05 --warmup 2 "
+                             "--threads 1 --no-progress";
+  // 48 images, batches of 12: 4 steps an epoch.
+  auto out = same_losses(common,
+                         {"train --stages 1 --microbatches 1 --workers 0",
+                          "train --stages 2 --microbatches 4 --workers 3"},
+                         8);
+  CHECK(out[1].find("images from " + dir.string() +
+                    " (48 train, 12 held out, 3 classes, 3x16x16; 3 "
+                    "loader workers)") != std::string::npos);
+  CHECK(out[1].find("test accuracy: top-1") != std::string::npos);
+  CHECK(out[1].find("data: the training loop waited") != std::string::npos);
+
+  {
+    // it learns, and the trace has the loop's wait for each batch.
+    auto trace = temp_file("images_trace.json");
+    auto r = run("train " + data +
+                 " --model cnn --image 16 --batch 12 --epochs 6 --lr 0.1 "
+                 "--warmup 2 --stages 2 --no-progress --trace " +
+                 trace.string());
+    CAPTURE(r.output);
+    REQUIRE(r.exit_code == 0);
+    auto at = r.output.find("test accuracy: top-1 ");
+    REQUIRE(at != std::string::npos);
+    CHECK(std::stod(r.output.substr(at + 21)) >= 0.9);
+    std::ifstream in(trace);
+    const auto events = nlohmann::json::parse(in)["traceEvents"];
+    int waits = 0;
+    for (const auto& e : events) {
+      waits += e["ph"] == "X" && e["name"] == "wait for batch" ? 1 : 0;
+    }
+    CHECK(waits == 24);
+    std::filesystem::remove(trace);
+  }
+  {
+    // the default model is resnet18 with the small stem, grey images too.
+    auto r = run("train " + data + " --image 16 --channels 1 --batch 8 --steps 2 --no-progress");
+    CAPTURE(r.output);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.output.find("actorpipe train: resnet18 on images from") != std::string::npos);
+    CHECK(r.output.find("1x16x16") != std::string::npos);
+  }
+  {
+    // broken files are named: fail stops, skip warns and trains.
+    std::ofstream(dir / "train" / "class1" / "notes.txt") << "not an image";
+    auto notes = (dir / "train" / "class1" / "notes.txt").string();
+    auto failed = run("train " + data + " --model cnn --image 16 --batch 12 --steps 1");
+    CHECK(failed.exit_code != 0);
+    CHECK(failed.output.find(notes + ": not an image stb_image can read") != std::string::npos);
+    auto skipped =
+      run("train " + data +
+          " --model cnn --image 16 --batch 12 --steps 1 --bad-images skip --no-progress");
+    CAPTURE(skipped.output);
+    CHECK(skipped.exit_code == 0);
+    CHECK(skipped.output.find("warning: " + notes) != std::string::npos);
+    std::filesystem::remove(notes);
+  }
+  {
+    // flags that do not apply are refused, and a missing folder is named.
+    auto missing = run("train --data images:/nonexistent/photos --steps 1");
+    CHECK(missing.exit_code == 2);
+    CHECK(missing.output.find("images:/nonexistent/photos: no such folder") != std::string::npos);
+    for (auto [flags, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--workers 2", "--workers applies to --data images:DIR"},
+           {"--channels 1", "--channels applies to --data images:DIR"},
+           {"--bad-images skip", "--bad-images applies to --data images:DIR"}}) {
+      auto r = run("train --steps 1 " + flags);
+      CAPTURE(r.output);
+      CHECK(r.exit_code == 2);
+      CHECK(r.output.find(expected) != std::string::npos);
+    }
+    for (auto [flags, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--augment", "--augment applies to Fashion-MNIST"},
+           {"--classes 5", "--classes sets the synthetic data's classes"},
+           {"--channels 2", "--channels (2) must be 1 (grey) or 3 (RGB)"},
+           {"--model gpt", "holds images: train gpt on --data text or synthetic"}}) {
+      auto r = run("train " + data + " --image 16 --steps 1 " + flags);
+      CAPTURE(r.output);
+      CHECK(r.exit_code == 2);
+      CHECK(r.output.find(expected) != std::string::npos);
+    }
+  }
+  std::filesystem::remove_all(dir);
 }

@@ -86,6 +86,37 @@ TEST_CASE("a Chrome trace has a track per stage, an event per action, and an arr
   std::filesystem::remove(file);
 }
 
+TEST_CASE("the training loop's wait for each batch is a track of its own, before each step") {
+  auto file = std::filesystem::temp_directory_path() / "actorpipe_trace_data_test.json";
+  auto first = gpipe_step(1);
+  auto second = gpipe_step(2);
+  first.data_wait_ms = 0.5;
+  second.data_wait_ms = 3;
+  write_chrome_trace(file.string(), {first, second});
+  auto trace = nlohmann::json::parse(read(file));
+  std::vector<nlohmann::json> waits;
+  std::vector<nlohmann::json> actions;
+  bool named = false;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "M" && e["tid"] == 2) {
+      named = e["args"]["name"] == "data: wait for batch";
+    }
+    if (e["ph"] == "X") {
+      (e["tid"] == 2 ? waits : actions).push_back(e);
+    }
+  }
+  CHECK(named);
+  REQUIRE(waits.size() == 2);
+  CHECK(waits[0]["ts"].get<double>() == doctest::Approx(0));
+  CHECK(waits[0]["dur"].get<double>() == doctest::Approx(500));
+  // Step 1 starts after its wait; step 2's wait follows step 1's 8 ms, and step 2 follows it.
+  CHECK(actions.front()["ts"].get<double>() == doctest::Approx(500));
+  CHECK(waits[1]["ts"].get<double>() == doctest::Approx(8500));
+  CHECK(waits[1]["dur"].get<double>() == doctest::Approx(3000));
+  CHECK(actions[8]["ts"].get<double>() == doctest::Approx(11500));
+  std::filesystem::remove(file);
+}
+
 TEST_CASE("a measured timeline and its Gantt chart show every action") {
   auto rows = timeline_of(gpipe_step(1));
   REQUIRE(rows.size() == 2);
