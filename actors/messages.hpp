@@ -105,6 +105,8 @@ struct step_plan {
   /// losses before backward (so that accumulated gradients equal the full batch's).
   std::vector<torch::Tensor> targets;
   std::vector<double> loss_scales;
+  /// Last stage, training with a loss that sees the inputs: the micro-batches' inputs.
+  std::vector<torch::Tensor> loss_inputs;
   /// Samples in this replica's batch (weights the replica's gradients in the replica sync).
   int64_t samples = 0;
 };

@@ -224,7 +224,15 @@ int64_t run_action(stage_actor_type self, const action& a) {
     bool recomputed = s.plan.train && recompute(s, a);
     s.report.stats.recomputed += recomputed ? 1 : 0;
     if (s.plan.train && st.is_last()) {
-      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(position), s.options.loss,
+      // The plain loss by reference (no copy of the function per micro-batch).
+      loss_function with_inputs;
+      if (s.options.loss_with_inputs) {
+        with_inputs = [&s, position](const torch::Tensor& output, const torch::Tensor& target) {
+          return s.options.loss_with_inputs(output, target, s.plan.loss_inputs.at(position));
+        };
+      }
+      const auto& loss = s.options.loss_with_inputs ? with_inputs : s.options.loss;
+      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(position), loss,
                                    s.plan.loss_scales.at(position), recomputed);
       s.report.loss += s.plan.loss_scales.at(position) * value;
       return 0;

@@ -76,6 +76,8 @@ struct stage_actor_options {
   bool warm_memory = true;
   /// Used by the last virtual stage in training.
   loss_function loss;
+  /// Used instead of `loss` when set: the plan then carries the micro-batches' inputs.
+  loss_with_inputs_function loss_with_inputs;
   loss_reduction reduction = loss_reduction::mean;
   /// Data parallelism: the collectives of this stage index across replicas (null: none).
   std::shared_ptr<comm::stage_sync> sync;

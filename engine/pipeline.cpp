@@ -147,7 +147,7 @@ struct pipeline::impl {
   // Checks and queues a training step on micro-batches.
   std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
                                         std::vector<torch::Tensor> targets) {
-    ACTORPIPE_CHECK(static_cast<bool>(options.loss),
+    ACTORPIPE_CHECK(options.loss || options.loss_with_inputs,
                     "train_step: pipeline_options.loss is not set");
     ACTORPIPE_CHECK(static_cast<bool>(options.optimizer),
                     "train_step: pipeline_options.optimizer is not set");
@@ -245,6 +245,8 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   }
   ACTORPIPE_CHECK(options.max_grad_norm >= 0, "max_grad_norm (", options.max_grad_norm,
                   ") must be >= 0");
+  ACTORPIPE_CHECK(!(options.loss && options.loss_with_inputs),
+                  "pipeline: both pipeline_options.loss and loss_with_inputs are set: give one");
   if (auto warning = stages::precision_warning(options.precision); !warning.empty()) {
     // Once per process: every pipeline of a sweep would say it again.
     static std::once_flag once;
@@ -261,6 +263,7 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   so.step_timeout = options.step_timeout;
   so.abort_timeout = options.wait_timeout;
   so.max_grad_norm = options.max_grad_norm;
+  so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
   return so;
 }
 
@@ -344,6 +347,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.threads = threads;
     actor_options.warm_memory = options.warm_memory;
     actor_options.loss = options.loss;
+    actor_options.loss_with_inputs = options.loss_with_inputs;
     actor_options.reduction = options.reduction;
     actor_options.report_gradient_norm = options.max_grad_norm > 0;
     actor_options.hooks = options.hooks;
@@ -389,6 +393,9 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   ACTORPIPE_CHECK(!options.hooks.after_forward && !options.hooks.after_backward,
                   "pipeline: hooks cannot run on stages on nodes (functions do not cross "
                   "processes)");
+  ACTORPIPE_CHECK(!options.loss_with_inputs,
+                  "pipeline: stages on nodes compute remote_model::loss (a built-in loss by name); "
+                  "loss_with_inputs is a function, which does not cross processes");
   ACTORPIPE_CHECK(options.devices.empty(), "pipeline: stages on nodes run on their nodes' CPUs");
   ACTORPIPE_CHECK(!options.placement.nodes.empty(),
                   "pipeline: a remote_model needs options.placement.nodes");

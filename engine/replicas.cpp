@@ -115,11 +115,25 @@ step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor 
                   "replicated train_step: inputs and targets need the same batch size");
   ACTORPIPE_CHECK(inputs.size(0) >= r, "replicated train_step: a batch of ", inputs.size(0),
                   " samples cannot feed ", r, " replicas");
-  auto xs = torch::tensor_split(inputs, r, 0);
-  auto ys = torch::tensor_split(targets, r, 0);
+  return train_step_scattered(torch::tensor_split(inputs, r, 0),
+                              torch::tensor_split(targets, r, 0));
+}
+
+step_result replicated_pipeline::train_step_scattered(std::vector<torch::Tensor> inputs,
+                                                      std::vector<torch::Tensor> targets) {
+  ACTORPIPE_CHECK(inputs.size() == replicas_.size() && targets.size() == replicas_.size(),
+                  "replicated train_step: ", inputs.size(), " input and ", targets.size(),
+                  " target parts for ", replicas_.size(), " replicas (one each)");
+  for (std::size_t r = 0; r < inputs.size(); ++r) {
+    ACTORPIPE_CHECK(inputs[r].defined() && targets[r].defined() && inputs[r].dim() >= 1 &&
+                      targets[r].dim() >= 1 && inputs[r].size(0) >= 1 &&
+                      inputs[r].size(0) == targets[r].size(0),
+                    "replicated train_step: part ", r,
+                    " needs inputs and targets with the same, non-zero number of samples");
+  }
   std::vector<std::future<step_result>> running;
   for (std::size_t k = 0; k < replicas_.size(); ++k) {
-    running.push_back(replicas_[k]->train_step_async(xs[k], ys[k]));
+    running.push_back(replicas_[k]->train_step_async(inputs[k], targets[k]));
   }
   auto results = get_all(running, deadline_, "replicated train_step");
   auto result = results.front();
@@ -146,8 +160,36 @@ void replicated_pipeline::set_learning_rate(double lr) {
   }
 }
 
+std::vector<torch::Tensor> replicated_pipeline::forward_scattered(torch::Tensor inputs) {
+  ACTORPIPE_CHECK(inputs.defined() && inputs.dim() >= 1 && inputs.size(0) >= 1,
+                  "replicated forward: inputs need a batch dimension with at least one sample");
+  auto parts = std::min<int64_t>(static_cast<int64_t>(replicas_.size()), inputs.size(0));
+  return forward_scattered(torch::tensor_split(inputs, parts, 0));
+}
+
+std::vector<torch::Tensor>
+replicated_pipeline::forward_scattered(const std::vector<torch::Tensor>& parts) {
+  ACTORPIPE_CHECK(!parts.empty() && parts.size() <= replicas_.size(),
+                  "replicated forward: ", parts.size(), " scattered parts for ", replicas_.size(),
+                  " replicas (give 1 to ", replicas_.size(), ")");
+  std::vector<std::future<torch::Tensor>> running;
+  for (std::size_t r = 0; r < parts.size(); ++r) {
+    ACTORPIPE_CHECK(parts[r].defined() && parts[r].dim() >= 1 && parts[r].size(0) >= 1,
+                    "replicated forward: part ", r, " holds no samples");
+  }
+  for (std::size_t r = 0; r < parts.size(); ++r) {
+    running.push_back(std::async(std::launch::async,
+                                 [p = replicas_[r].get(), x = parts[r]] { return p->forward(x); }));
+  }
+  return get_all(running, deadline_, "replicated forward");
+}
+
 torch::Tensor replicated_pipeline::forward(torch::Tensor inputs) {
-  return replicas_.front()->forward(std::move(inputs));
+  return torch::cat(forward_scattered(std::move(inputs)), 0);
+}
+
+torch::Tensor replicated_pipeline::forward(const std::vector<torch::Tensor>& parts) {
+  return torch::cat(forward_scattered(parts), 0);
 }
 
 std::size_t replicated_pipeline::replicas() const {

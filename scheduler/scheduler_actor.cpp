@@ -235,6 +235,9 @@ void start_next(scheduler_actor_type self) {
     if (i == last && request.train()) {
       plan.targets = request.targets;
       plan.loss_scales = request.loss_scales;
+      if (s.options.inputs_to_loss) {
+        plan.loss_inputs = request.inputs;
+      }
     }
     for (const auto& mb : request.inputs) {
       plan.samples += mb.size(0);

@@ -27,6 +27,12 @@ namespace actorpipe {
 using loss_function =
   std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
+/// A loss that also sees the micro-batch's inputs: the part of the tensor given to train_step
+/// that went into stage 0 (a reconstruction loss, a loss masked by the input's padding). Called
+/// on the last stage's thread.
+using loss_with_inputs_function = std::function<torch::Tensor(
+  const torch::Tensor& output, const torch::Tensor& target, const torch::Tensor& inputs)>;
+
 /// Makes a stage's optimizer over that stage's parameters. Called once per stage.
 using optimizer_factory =
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> parameters)>;
@@ -310,8 +316,12 @@ struct pipeline_options {
   /// A user-supplied training schedule (e.g. load_schedule(file)); used instead of `schedule`
   /// when not empty, validated before its first step.
   actorpipe::schedule custom_schedule;
-  /// Required for train_step.
+  /// Required for train_step (or loss_with_inputs).
   loss_function loss;
+  /// Instead of `loss`: a loss that also sees each micro-batch's inputs, which the scheduler
+  /// then sends to the last stage with the targets (in process they are shared, not copied).
+  /// Stages in this process only (a function cannot travel to a node); set one of the two.
+  loss_with_inputs_function loss_with_inputs;
   loss_reduction reduction = loss_reduction::mean;
   /// Required for train_step.
   optimizer_factory optimizer;

@@ -50,14 +50,34 @@ public:
   /// replicas x microbatches samples. Throws pipeline_error when any replica's step failed.
   step_result train_step(torch::Tensor inputs, torch::Tensor targets);
 
+  /// A step on a batch already scattered over the replicas (as DataParallel's
+  /// `inputs_are_scattered=True`): replica r trains on inputs[r] and targets[r], one part per
+  /// replica. Parts may differ in size: gradients are weighted by samples, so the step equals
+  /// one pipeline's on the parts concatenated in rank order. Throws invalid_argument when the
+  /// part counts are not the replica count, or a part is empty or its inputs and targets differ
+  /// in samples.
+  step_result train_step_scattered(std::vector<torch::Tensor> inputs,
+                                   std::vector<torch::Tensor> targets);
+
   /// BMUF: every replica's pipeline::end_block(), together.
   void end_block();
 
   /// Sets every replica's learning rate from the next step on.
   void set_learning_rate(double lr);
 
-  /// Forward-only pass on replica 0 (all replicas hold the same parameters).
+  /// Forward-only on every replica at once (as DataParallel's forward): the batch split into
+  /// parts as train_step splits it, part r through replica r, the outputs concatenated in batch
+  /// order. A batch of fewer samples than replicas uses the first that many replicas.
   torch::Tensor forward(torch::Tensor inputs);
+
+  /// The same, the outputs left scattered (DataParallel's `gather_to_one_device=False`):
+  /// element r is replica r's outputs for its part.
+  std::vector<torch::Tensor> forward_scattered(torch::Tensor inputs);
+
+  /// Inputs already scattered (`inputs_are_scattered=True`): parts[r] runs on replica r (at
+  /// most one part per replica, none empty); outputs gathered in order, or left scattered.
+  torch::Tensor forward(const std::vector<torch::Tensor>& parts);
+  std::vector<torch::Tensor> forward_scattered(const std::vector<torch::Tensor>& parts);
 
   std::size_t replicas() const;
   pipeline& replica(std::size_t rank);

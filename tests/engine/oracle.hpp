@@ -108,21 +108,26 @@ inline std::vector<std::pair<std::string, torch::Tensor>> named(const layer_list
   return all;
 }
 
+/// Every parameter of `layers`, in layer order.
+inline std::vector<torch::Tensor> parameters_of(const layer_list& layers) {
+  std::vector<torch::Tensor> params;
+  for (const auto& lay : layers) {
+    if (auto m = lay.module()) {
+      for (auto& p : m->parameters()) {
+        params.push_back(p);
+      }
+    }
+  }
+  return params;
+}
+
 /// The same model, trained plainly on the full batch: one step.
 struct plain_model {
   layer_list layers;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 
   plain_model(layer_list l, const optimizer_factory& make) : layers(std::move(l)) {
-    std::vector<torch::Tensor> params;
-    for (const auto& lay : layers) {
-      if (auto m = lay.module()) {
-        for (auto& p : m->parameters()) {
-          params.push_back(p);
-        }
-      }
-    }
-    optimizer = make(params);
+    optimizer = make(parameters_of(layers));
   }
 
   double step(const torch::Tensor& x, const torch::Tensor& t) {

@@ -367,3 +367,59 @@ TEST_CASE("micro-batches given already split train like the whole batch") {
     doctest::Contains("1 input and 1 target micro-batches given for 3"),
     actorpipe::invalid_argument);
 }
+
+namespace {
+
+// A loss that needs the inputs: MSE plus a penalty tying each output row's mean to its input's
+// mean (per-sample, averaged over the micro-batch, as a mean-reduced loss must be).
+torch::Tensor loss_with_inputs(const torch::Tensor& y, const torch::Tensor& t,
+                               const torch::Tensor& x) {
+  auto tie = (y.mean(1) - x.flatten(1).mean(1)).pow(2).mean();
+  return mse(y, t) + 0.5 * tie;
+}
+
+} // namespace
+
+TEST_CASE("a loss may see the micro-batch's inputs: every schedule, 1-3 stages, uneven "
+          "micro-batches, equals plain libtorch with the same loss on the whole batch") {
+  engine sys;
+  auto x = torch::randn({10, 1, 4, 4});
+  auto t = torch::randn({10, 3});
+  for (auto setting : every_schedule()) {
+    for (std::size_t stages = 1; stages <= 3; ++stages) {
+      CAPTURE(to_string(setting.kind));
+      CAPTURE(stages);
+      auto layers = tiny_mlp(3);
+      pipeline_options o;
+      o.microbatches = 6; // 10 samples: uneven parts; a multiple of 1-3 stages (interleaved)
+      o.schedule = setting.kind;
+      o.chunks = setting.chunks;
+      o.loss_with_inputs = loss_with_inputs;
+      o.optimizer = sgd(0.1, 0.9);
+      pipeline pipe(sys, layers, partition_uniform(layers.size(), stages * setting.chunks), o);
+      auto plain_layers = tiny_mlp(3);
+      auto optimizer = sgd(0.1, 0.9)(parameters_of(plain_layers));
+      for (int step = 0; step < 2; ++step) {
+        optimizer->zero_grad();
+        auto plain_loss = loss_with_inputs(run_layers(plain_layers, x), t, x);
+        plain_loss.backward();
+        optimizer->step();
+        CHECK(pipe.train_step(x, t).loss ==
+              doctest::Approx(plain_loss.item<double>()).epsilon(1e-6));
+      }
+      check_close(pipe.named_parameters(), named(plain_layers, false));
+    }
+  }
+  // The inputs' term is not negligible: without it the test would prove nothing.
+  auto y0 = run_layers(tiny_mlp(3), x);
+  CHECK(loss_with_inputs(y0, t, x).item<double>() > mse(y0, t).item<double>() + 1e-3);
+  pipeline_options o;
+  o.microbatches = 3;
+  o.loss = mse;
+  o.optimizer = sgd(0.1, 0.9);
+  // One of the two losses, not both.
+  o.loss_with_inputs = loss_with_inputs;
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_mlp(3), partition_uniform(6, 2), o),
+                       doctest::Contains("both pipeline_options.loss and loss_with_inputs"),
+                       actorpipe::invalid_argument);
+}

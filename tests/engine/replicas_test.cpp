@@ -1,7 +1,10 @@
 // Data parallelism: replicas of a pipeline average gradients per stage over c10d (Gloo).
 #include <chrono>
 #include <future>
+#include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/data.hpp>
@@ -716,4 +719,90 @@ TEST_CASE("BMUF options are checked, and BMUF refuses synchronised batch norm") 
           "bmuf.warmup_steps (-2) must be >= 0");
   refused([](pipeline_options& o) { o.data_parallel.sync_batch_norm = true; },
           "their batch norms cannot synchronise");
+}
+
+TEST_CASE("DataParallel's forward: every replica runs its part, outputs gathered or left "
+          "scattered, inputs already scattered, and a step on scattered parts of any sizes "
+          "equals plain libtorch on their concatenation") {
+  engine sys;
+  auto o = mlp_options(2);
+  // Which stage threads produced how many output rows (the last stage's forward-only hook).
+  std::mutex mutex;
+  std::map<std::thread::id, int64_t> rows;
+  o.hooks.after_forward = [&](const hook_context& where, torch::Tensor& output) {
+    if (where.stage == 1 && !where.train) {
+      std::lock_guard<std::mutex> lock(mutex);
+      rows[std::this_thread::get_id()] += output.size(0);
+    }
+  };
+  replicated_pipeline replicas(
+    sys, [] { return tiny_mlp(5); }, partition_uniform(6, 2), o, 3);
+  auto plain = tiny_mlp(5);
+  auto x = torch::randn({10, 1, 4, 4});
+  auto expected = run_layers(plain, x);
+  auto sizes_of = [](const std::vector<torch::Tensor>& parts) {
+    std::multiset<int64_t> sizes;
+    for (const auto& p : parts) {
+      sizes.insert(p.size(0));
+    }
+    return sizes;
+  };
+  auto thread_rows = [&] {
+    std::multiset<int64_t> sizes;
+    for (const auto& [id, n] : rows) {
+      sizes.insert(n);
+    }
+    rows.clear();
+    return sizes;
+  };
+
+  // Gathered: the batch split 4, 3, 3 over the three replicas' own stage threads.
+  CHECK(torch::allclose(replicas.forward(x), expected, 1e-5, 1e-6));
+  CHECK(thread_rows() == std::multiset<int64_t>{4, 3, 3});
+  // Scattered: replica r's outputs for its part, in order.
+  auto scattered = replicas.forward_scattered(x);
+  REQUIRE(scattered.size() == 3);
+  CHECK(torch::allclose(scattered[0], expected.slice(0, 0, 4), 1e-5, 1e-6));
+  CHECK(torch::allclose(scattered[2], expected.slice(0, 7, 10), 1e-5, 1e-6));
+  CHECK(thread_rows() == std::multiset<int64_t>{4, 3, 3});
+  // Fewer samples than replicas: the first two replicas.
+  CHECK(sizes_of(replicas.forward_scattered(x.slice(0, 0, 2))) == std::multiset<int64_t>{1, 1});
+  CHECK(thread_rows() == std::multiset<int64_t>{1, 1});
+  // Inputs already scattered, uneven: 1, 5 and 4 samples.
+  std::vector<torch::Tensor> parts{x.slice(0, 0, 1), x.slice(0, 1, 6), x.slice(0, 6, 10)};
+  CHECK(torch::allclose(replicas.forward(parts), expected, 1e-5, 1e-6));
+  CHECK(thread_rows() == std::multiset<int64_t>{1, 5, 4});
+  auto kept = replicas.forward_scattered(parts);
+  CHECK(kept[1].size(0) == 5);
+  CHECK(torch::allclose(kept[1], expected.slice(0, 1, 6), 1e-5, 1e-6));
+  thread_rows();
+
+  // Training on scattered parts of 2, 5 and 3 samples equals one model on all 10.
+  plain_model reference(tiny_mlp(5), sgd(0.1, 0.9));
+  for (int step = 0; step < 3; ++step) {
+    auto xb = torch::randn({10, 1, 4, 4});
+    auto tb = torch::randn({10, 3});
+    auto r =
+      replicas.train_step_scattered({xb.slice(0, 0, 2), xb.slice(0, 2, 7), xb.slice(0, 7, 10)},
+                                    {tb.slice(0, 0, 2), tb.slice(0, 2, 7), tb.slice(0, 7, 10)});
+    CHECK(r.loss == doctest::Approx(reference.step(xb, tb)).epsilon(1e-6));
+  }
+  for (std::size_t k = 0; k < 3; ++k) {
+    check_close(replicas.replica(k).named_parameters(), named(reference.layers, false));
+  }
+
+  // Bad parts are named.
+  CHECK_THROWS_WITH_AS(replicas.forward_scattered(std::vector<torch::Tensor>(4, x)),
+                       doctest::Contains("4 scattered parts for 3 replicas"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(replicas.forward(std::vector<torch::Tensor>{x, x.slice(0, 0, 0)}),
+                       doctest::Contains("part 1 holds no samples"), actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(replicas.train_step_scattered({x, x}, {x, x}),
+                       doctest::Contains("2 input and 2 target parts for 3 replicas"),
+                       actorpipe::invalid_argument);
+  auto t = torch::randn({10, 3});
+  CHECK_THROWS_WITH_AS(
+    replicas.train_step_scattered({x, x, x.slice(0, 0, 4)}, {t, t, t}),
+    doctest::Contains("part 2 needs inputs and targets with the same, non-zero number of samples"),
+    actorpipe::invalid_argument);
 }
