@@ -393,12 +393,58 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   auto memory_modes = memory_modes_of(o);
   auto precisions = precisions_of(o);
   auto recompute_modes = recompute_modes_of(o);
+  std::vector<contender> contenders;
+  auto add = [&](const pipeline_setting& s, const training::plan_choice& choice,
+                 const std::string& prefix) {
+    auto po = training::pipeline_options_for(choice, s.plan);
+    po.loss = loss_for(setup);
+    po.optimizer = sgd(o.lr);
+    po.precision = parse_precision(s.precision);
+    po.recompute = parse_recompute_mode(s.recompute);
+    contender c;
+    c.loss_fn = po.loss;
+    c.precision = po.precision;
+    c.row.precision = s.precision;
+    c.row.recompute = s.recompute;
+    auto partition_name =
+      choice.ranking.empty() ? s.plan.partition : choice.ranking.front().partition_spec;
+    c.row.name =
+      detail::concat(prefix, choice.schedule_name, " ", partition_name, " ", choice.stages(), "p",
+                     choice.threads > 0 ? detail::concat(" ", choice.threads, "t") : std::string{},
+                     memory_modes.size() > 1 ? " " + s.memory : "", suffix(precisions, s.precision),
+                     suffix(recompute_modes, s.recompute, "never", "rc "));
+    c.row.partition = partition_name;
+    c.row.splits = choice.microbatches;
+    c.row.stages = choice.cut.stages();
+    c.row.threads = po.threads_per_stage > 0 ? po.threads_per_stage
+                                             : training::threads_per_stage(choice.stages(), 0);
+    c.row.planned_ms = choice.ranking.empty() ? 0 : choice.ranking.front().step_ms;
+    c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
+    c.plan = c.pipe->training_schedule();
+    contenders.push_back(std::move(c));
+  };
   pipeline_setting first;
   first.plan = o.plan;
+  const bool planned = o.plan.stages == 0 || o.plan.threads_auto;
+  if (planned) {
+    // The planner's layout, measured beside every configuration of the sweep.
+    add(first, training::choose_plan(setup.layers, setup.sample(), o.plan), "plan: ");
+    first.plan.threads_auto = false;
+    first.plan.stages = 1;
+  }
+  auto stage_counts = o.stage_counts;
+  if (stage_counts.empty()) {
+    if (o.plan.stages > 0) {
+      stage_counts.push_back(o.plan.stages);
+    } else {
+      auto most = o.plan.max_stages > 0 ? o.plan.max_stages : training::threads_per_stage(1, 0);
+      for (std::size_t p = 1; p <= std::min(most, setup.layers.size()); ++p) {
+        stage_counts.push_back(p);
+      }
+    }
+  }
   std::vector<pipeline_setting> settings{first};
-  expand(settings,
-         o.stage_counts.empty() ? std::vector<std::size_t>{o.plan.stages} : o.stage_counts,
-         [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });
+  expand(settings, stage_counts, [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });
   expand(settings, o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions,
          [](pipeline_setting& s, const std::string& spec) { s.plan.partition = spec; });
   expand(settings, o.splits, [](pipeline_setting& s, std::size_t m) { s.plan.microbatches = m; });
@@ -411,29 +457,8 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   expand(settings, recompute_modes,
          [](pipeline_setting& s, const std::string& recompute) { s.recompute = recompute; });
 
-  std::vector<contender> contenders;
   for (const auto& s : settings) {
-    auto choice = training::choose_plan(setup.layers, setup.sample(), s.plan);
-    auto po = training::pipeline_options_for(choice, s.plan);
-    po.loss = loss_for(setup);
-    po.optimizer = sgd(o.lr);
-    po.precision = parse_precision(s.precision);
-    po.recompute = parse_recompute_mode(s.recompute);
-    contender c;
-    c.loss_fn = po.loss;
-    c.precision = po.precision;
-    c.row.precision = s.precision;
-    c.row.recompute = s.recompute;
-    c.row.name =
-      detail::concat(choice.schedule_name, " ", s.plan.partition, " ", choice.cut.stages(), "p",
-                     memory_modes.size() > 1 ? " " + s.memory : "", suffix(precisions, s.precision),
-                     suffix(recompute_modes, s.recompute, "never", "rc "));
-    c.row.partition = s.plan.partition;
-    c.row.splits = choice.microbatches;
-    c.row.stages = choice.cut.stages();
-    c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
-    c.plan = c.pipe->training_schedule();
-    contenders.push_back(std::move(c));
+    add(s, training::choose_plan(setup.layers, setup.sample(), s.plan), "");
   }
   return contenders;
 }
@@ -537,6 +562,30 @@ void print_table(const std::vector<sweep_row>& rows, const loss_agreement& agree
               memory_modes.size() == 1 && memory_modes[0] == "cold" ? " (cold: off)" : "");
 }
 
+// The planner's layout against its prediction and against the fastest of everything measured.
+void print_planned(const std::vector<sweep_row>& rows) {
+  for (const auto& r : rows) {
+    if (r.planned_ms <= 0) {
+      continue;
+    }
+    const sweep_row* fastest = nullptr;
+    for (const auto& other : rows) {
+      if (&other != &r && (fastest == nullptr || other.median_ms < fastest->median_ms)) {
+        fastest = &other;
+      }
+    }
+    std::printf("planner: %s predicted %.3f s/step, measured %.3f (%+.1f%%)", r.name.c_str(),
+                r.planned_ms / 1000, r.median_ms / 1000,
+                100 * (r.planned_ms - r.median_ms) / r.median_ms);
+    if (fastest != nullptr) {
+      std::printf("; fastest other configuration %s %.3f s/step: planned / fastest %.3f",
+                  fastest->name.c_str(), fastest->median_ms / 1000,
+                  r.median_ms / fastest->median_ms);
+    }
+    std::printf("\n");
+  }
+}
+
 // --json and --csv.
 void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
                    const training::model_setup& setup, double flops, double peak_1,
@@ -562,6 +611,8 @@ void write_reports(const sweep_options& o, const std::vector<sweep_row>& rows,
                    {"fill_drain_ms", r.fill_drain_ms},
                    {"efficiency", r.efficiency},
                    {"predicted_ms", r.predicted_ms},
+                   {"planned_ms", r.planned_ms},
+                   {"threads", r.threads},
                    {"speedup_1t", r.speedup_1t},
                    {"speedup_all", r.speedup_all},
                    {"speedup_accumulated", r.speedup_accumulated},
@@ -631,9 +682,10 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
                  ? detail::concat(mo.context, " tokens of ", mo.vocabulary, " (",
                                   setup.batch * mo.context, " tokens per step)")
                  : detail::concat(mo.in_channels, "x", mo.image_size, "x", mo.image_size);
-  std::printf("actorpipe bench: %s, batch %lld, input %s, %zu stages, schedule %s, "
+  std::printf("actorpipe bench: %s, batch %lld, input %s, %s stages, schedule %s, "
               "%zu timed steps after 1 warm-up, %d cores, seed %llu\n",
-              setup.name.c_str(), static_cast<long long>(setup.batch), input.c_str(), o.plan.stages,
+              setup.name.c_str(), static_cast<long long>(setup.batch), input.c_str(),
+              o.plan.stages > 0 ? std::to_string(o.plan.stages).c_str() : "auto",
               o.plan.schedule.c_str(), o.steps, cores,
               static_cast<unsigned long long>(o.model.seed));
   std::printf("%.1f GFLOP per step (3 x forward conv/matmul); GEMM 2048^2: %.1f GFLOP/s on 1 "
@@ -671,6 +723,7 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   }
   print_table(rows, agreement, memory_modes_of(o),
               setup.language_model() ? "tokens/s" : "samples/s");
+  print_planned(rows);
   write_reports(o, rows, setup, flops, peak_1, peak_all);
   if (!o.plot.empty()) {
     write_plot(o.plot, rows,

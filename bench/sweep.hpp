@@ -90,6 +90,10 @@ struct sweep_row {
   double efficiency = 0;
   /// Simulator's prediction from the same per-action costs.
   double predicted_ms = 0;
+  /// The planner's layout (--stages auto, --threads auto): its prediction from the profiled
+  /// per-layer costs, made before the run (0 for the other rows).
+  double planned_ms = 0;
+  std::size_t threads = 0;
   /// Compute per sample summed over stages (no waiting): shows a small-micro-batch cliff.
   double compute_ms_per_sample = 0;
   double gflops = 0;

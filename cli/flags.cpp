@@ -63,37 +63,137 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
                 "batch (deferred batch norm), not once per micro-batch");
 }
 
+namespace {
+
+// A count >= 1, or "auto" (returned as 0).
+std::size_t count_or_auto(const std::string& flag, const std::string& value) {
+  if (value == "auto") {
+    return 0;
+  }
+  std::size_t used = 0;
+  unsigned long long n = 0;
+  try {
+    n = std::stoull(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || value[0] == '-' || n == 0) {
+    throw CLI::ValidationError(flag, "'" + value + "' is neither a count >= 1 nor auto");
+  }
+  return static_cast<std::size_t>(n);
+}
+
+// "2" (micro-batches) or "512MB", "1.5GiB", "4096B" (bytes of activations).
+void parse_stash_cap(const std::string& value, planning_args& a) {
+  std::size_t used = 0;
+  double n = -1;
+  try {
+    n = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  auto unit = value.substr(used);
+  static const std::pair<const char*, double> units[] = {
+    {"B", 1},      {"KB", 1e3},        {"MB", 1e6},          {"GB", 1e9},
+    {"KiB", 1024}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
+  if (used == 0 || n < 0) {
+    throw CLI::ValidationError("--max-stash", "'" + value +
+                                                "' is neither a micro-batch count nor bytes "
+                                                "(e.g. 2, 512MB, 1.5GiB)");
+  }
+  if (unit.empty()) {
+    a.max_stash = n;
+    a.max_stash_bytes = 0;
+    return;
+  }
+  for (const auto& [name, factor] : units) {
+    if (unit == name) {
+      a.max_stash = 0;
+      a.max_stash_bytes = static_cast<int64_t>(n * factor);
+      return;
+    }
+  }
+  throw CLI::ValidationError("--max-stash", "'" + value + "': unknown unit '" + unit +
+                                              "' (B, KB, MB, GB, KiB, MiB, GiB)");
+}
+
+} // namespace
+
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
-  cmd->add_option("--stages", a.stages, "Pipeline stages (stage actors), >= 1")
+  cmd
+    ->add_option_function<std::string>(
+      "--stages", [&a](const std::string& v) { a.stages = count_or_auto("--stages", v); },
+      "Pipeline stages (stage actors), >= 1, or auto: the planner profiles the layers at every "
+      "thread count and micro-batch size, ranks stage counts (1 up to the cores or "
+      "--max-stages), threads, micro-batches, schedules and partitions by simulated step, "
+      "prints the ranking and runs the fastest (docs/planner.md)")
+    ->default_str(std::to_string(a.stages));
+  cmd
+    ->add_option("--max-stages", a.max_stages,
+                 "--stages auto: the most stages to try (0: the cores)")
     ->capture_default_str();
   cmd
     ->add_option("--microbatches", a.microbatches,
-                 "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose)")
+                 "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose; with "
+                 "--stages auto chosen unless given)")
     ->capture_default_str();
   cmd->add_option("--chunks", a.chunks, "Model chunks per stage (interleaved schedule)")
     ->capture_default_str();
   cmd
     ->add_option("--schedule", a.schedule,
                  "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
-                 "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]})")
+                 "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
+                 "with --stages auto chosen unless given")
     ->capture_default_str();
   cmd
     ->add_option(
       "--partition", a.partition,
       "How to cut the layer list: uniform (by layer count), params (balance "
-      "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J)")
+      "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J); "
+      "with --stages auto the fastest of uniform, params and time unless given")
     ->capture_default_str();
   cmd
-    ->add_option("--max-stash", a.max_stash,
-                 "--schedule auto: most micro-batches a stage may stash (0: no limit)")
-    ->capture_default_str();
+    ->add_option_function<std::string>(
+      "--max-stash", [&a](const std::string& v) { parse_stash_cap(v, a); },
+      "The planner's memory cap (--schedule auto, --stages auto): most micro-batches a stage "
+      "may stash (e.g. 2), or most bytes of activations it may keep (e.g. 512MB, 2GiB); 0: no "
+      "limit")
+    ->default_str("0");
   cmd
-    ->add_option("--threads", a.threads,
-                 "Intra-op threads per stage (0: cores divided among the stages)")
-    ->capture_default_str();
+    ->add_option_function<std::string>(
+      "--threads",
+      [&a](const std::string& v) {
+        a.threads_auto = v == "auto";
+        if (!a.threads_auto) {
+          try {
+            std::size_t used = 0;
+            auto n = std::stoull(v, &used);
+            if (used != v.size() || v[0] == '-') {
+              throw std::invalid_argument(v);
+            }
+            a.threads = static_cast<std::size_t>(n);
+          } catch (const std::exception&) {
+            throw CLI::ValidationError("--threads", "'" + v + "' is neither a count nor auto");
+          }
+        }
+      },
+      "Intra-op threads per stage (0: cores divided among the stages; auto: the planner tries "
+      "every count that fits the cores)")
+    ->default_str("0");
+  cmd
+    ->add_option("--profile-repeats", a.profile_repeats,
+                 "Timed rounds per layer when profiling (after two warm-up passes; medians)")
+    ->capture_default_str()
+    ->check(CLI::PositiveNumber);
   cmd->add_flag("--cold-memory", a.cold_memory,
                 "Stage threads give freed tensor buffers back to the system (libtorch's "
                 "allocator) instead of keeping them warm for the next micro-batch");
+  cmd->parse_complete_callback([cmd, &a] {
+    a.stages_given = cmd->count("--stages") > 0;
+    a.schedule_given = cmd->count("--schedule") > 0;
+    a.partition_given = cmd->count("--partition") > 0;
+    a.microbatches_given = cmd->count("--microbatches") > 0;
+  });
 }
 
 } // namespace actorpipe::cli

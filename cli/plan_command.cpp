@@ -1,6 +1,7 @@
 #include "cli/plan_command.hpp"
 
 #include <cstdio>
+#include <tuple>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -12,24 +13,142 @@ namespace actorpipe::cli {
 CLI::App* add_plan_command(CLI::App& app, plan_args& a) {
   auto* cmd = app.add_subcommand(
     "plan", "Profile a model's layers on a sample micro-batch and show the chosen cut (layers, "
-            "parameters, time, activation size per stage) and the simulated schedule");
+            "parameters, time, activation size per stage) and the simulated schedule; with "
+            "--stages auto (or --schedule/--threads auto) the planner's ranking of layouts");
   add_model_flags(cmd, a.model);
   add_pipeline_flags(cmd, a.plan);
   cmd->add_option("--svg", a.svg, "Draw the planned schedule as a Gantt chart into this SVG file");
+  cmd
+    ->add_option("--devices", a.devices,
+                 "Project a step onto other machines instead: device counts, e.g. 8,16,64, each "
+                 "device computing as one stage here does at --threads (default 1); every "
+                 "stages x replicas layout of each count is ranked (docs/scaling.md)")
+    ->delimiter(',');
+  cmd->add_option("--link", a.link,
+                  "With --devices: the network between devices, GBPS,LATENCY_MS (e.g. 12.5,0.005 "
+                  "for 100 Gb/s with 5 us); activations, gradients and all-reduces cross it "
+                  "(default: free transfers)");
   return cmd;
 }
 
+namespace {
+
+std::pair<double, double> parse_link(const std::string& link) {
+  auto comma = link.find(',');
+  std::size_t used_a = 0;
+  std::size_t used_b = 0;
+  double gbps = -1;
+  double latency = -1;
+  try {
+    gbps = std::stod(link.substr(0, comma), &used_a);
+    latency = std::stod(link.substr(comma + 1), &used_b);
+  } catch (const std::exception&) {
+    used_a = 0;
+  }
+  ACTORPIPE_CHECK(comma != std::string::npos && used_a == comma && used_a > 0 &&
+                    used_b == link.size() - comma - 1 && gbps > 0 && latency >= 0,
+                  "--link '", link,
+                  "' is not GBPS,LATENCY_MS (bandwidth > 0 in GB/s, latency >= 0 in ms, e.g. "
+                  "12.5,0.005)");
+  return {gbps, latency};
+}
+
+int run_projection(const plan_args& a) {
+  auto setup = build_model(a.model);
+  training::projection_args p;
+  p.devices = a.devices;
+  if (!a.link.empty()) {
+    std::tie(p.link_gbps, p.link_latency_ms) = parse_link(a.link);
+  }
+  auto rows = training::project(setup.layers, setup.sample(), a.plan, p);
+  auto threads = a.plan.threads > 0 ? a.plan.threads : 1;
+  std::printf(
+    "projection: %s, batch %lld, %zu layers; each device computes as one stage here at "
+    "%zu thread(s) (costs profiled on micro-batches of %lld); link %s\n",
+    setup.name.c_str(), static_cast<long long>(setup.batch), setup.layers.size(), threads,
+    static_cast<long long>((setup.batch + static_cast<int64_t>(a.plan.microbatches) - 1) /
+                           static_cast<int64_t>(a.plan.microbatches)),
+    a.link.empty()
+      ? "none (transfers free)"
+      : detail::concat(p.link_gbps, " GB/s, ", p.link_latency_ms, " ms per message").c_str());
+  auto header = [] {
+    std::printf("  %7s %6s %8s %5s %-14s %11s %7s %8s %9s %9s %10s %8s %9s\n", "devices", "stages",
+                "replicas", "m", "schedule", "step ms", "bubble", "send ms", "reduce ms",
+                "update ms", "samples/s", "speedup", "ranked in");
+  };
+  double one = 0;
+  for (const auto& r : rows) {
+    if (r.devices == 1 && r.found) {
+      one = r.best.step_ms;
+    }
+  }
+  auto print = [&](const training::projection_row& r, const layout& l) {
+    std::printf(
+      "  %7zu %6zu %8zu %5zu %-14s %11.1f %6.1f%% %8.3f %9.2f %9.2f %10.1f %7.2fx %6.1f ms"
+      "\n",
+      r.devices, l.stages, l.replicas, l.microbatches,
+      (to_string(l.schedule) + (l.chunks > 1 ? " x" + std::to_string(l.chunks) : "")).c_str(),
+      l.step_ms, 100 * l.bubble, l.send_ms, l.allreduce_ms, l.update_ms,
+      static_cast<double>(setup.batch) / (l.step_ms / 1000), one > 0 ? one / l.step_ms : 0.0,
+      r.ranking_ms);
+  };
+  std::printf("the fastest layout of each device count:\n");
+  header();
+  for (const auto& r : rows) {
+    if (r.found) {
+      print(r, r.best);
+    } else {
+      std::printf("  %7zu  no layout fits (at most one stage per layer, one replica per sample, "
+                  "within --max-stash)\n",
+                  r.devices);
+    }
+  }
+  std::printf("a pipeline only (every device a stage):\n");
+  header();
+  for (const auto& r : rows) {
+    if (r.pipeline_found) {
+      print(r, r.pipeline);
+    } else {
+      std::printf("  %7zu  no pipeline: %s has %zu layers\n", r.devices, setup.name.c_str(),
+                  setup.layers.size());
+    }
+  }
+  std::printf("each row: the fastest layout of stages x replicas == devices (every schedule, "
+              "time-balanced cuts), each replica's batch in micro-batches of the profiled size (m "
+              "per replica); reduce: the gradient all-reduce between replicas after the step; "
+              "update: the optimizer step; ranked in: the planner's time for the row\n");
+  return 0;
+}
+
+} // namespace
+
 int run_plan(const plan_args& a) {
+  ACTORPIPE_CHECK(a.link.empty() || !a.devices.empty(),
+                  "--link applies to projections: give --devices too");
+  if (!a.devices.empty()) {
+    ACTORPIPE_CHECK(!a.plan.stages_given && a.plan.max_stages == 0 && !a.plan.threads_auto,
+                    "--devices projects every stages x replicas layout itself: --stages, "
+                    "--max-stages and --threads auto do not apply");
+    ACTORPIPE_CHECK(a.svg.empty(), "--svg draws this machine's plan, not a projection");
+    return run_projection(a);
+  }
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan, /*always_profile=*/true);
   const auto& cut = choice.cut;
   auto p = cut.stages() / choice.chunks;
   auto scale = static_cast<double>(setup.batch) / static_cast<double>(choice.microbatches) /
                static_cast<double>(choice.profiled_samples);
-  std::printf("actorpipe plan: %s, batch %lld, %zu stages x %zu chunk(s), %zu micro-batches, "
-              "schedule %s, partition %s\n",
-              setup.name.c_str(), static_cast<long long>(setup.batch), p, choice.chunks,
-              choice.microbatches, choice.schedule_name.c_str(), a.plan.partition.c_str());
+  auto threads = choice.threads > 0 ? choice.threads : threads_per_stage(p, a.plan.threads);
+  std::printf("actorpipe plan: %s, batch %lld, %zu stages x %zu chunk(s), %zu thread(s) per stage, "
+              "%zu micro-batches, schedule %s, partition %s\n",
+              setup.name.c_str(), static_cast<long long>(setup.batch), p, choice.chunks, threads,
+              choice.microbatches, choice.schedule_name.c_str(),
+              choice.ranking.empty() ? a.plan.partition.c_str()
+                                     : choice.ranking.front().partition_spec.c_str());
+  std::printf("profiled at %lld samples per micro-batch; the largest spread of a layer's timed "
+              "rounds (interquartile range / median): %.1f%%\n",
+              static_cast<long long>(choice.profiled_samples),
+              100 * profile_spread(choice.profile));
   std::printf("  %-5s %-24s %12s %12s %12s %14s\n", "part", "layers", "parameters", "forward ms",
               "backward ms", "sends (bytes)");
   for (std::size_t k = 0; k < cut.stages(); ++k) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "cli/flags.hpp"
 
@@ -16,6 +17,9 @@ struct plan_args {
   model_args model;
   planning_args plan;
   std::string svg;
+  /// --devices, --link: a projection onto other machines instead of this one.
+  std::vector<std::size_t> devices;
+  std::string link;
 };
 
 CLI::App* add_plan_command(CLI::App& app, plan_args& args);

@@ -1,5 +1,6 @@
 #include "cli/train_command.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <future>
 #include <iomanip>
@@ -483,6 +484,18 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
               << " ms per step, " << a.workers << " loader workers)\n"
               << std::setprecision(6);
   }
+  if (!choice.ranking.empty() && report.step_ms.size() >= 2) {
+    // How close the planner came: the median step after the first (which warms memory).
+    std::vector<double> times(report.step_ms.begin() + 1, report.step_ms.end());
+    std::sort(times.begin(), times.end());
+    auto measured = times[times.size() / 2];
+    auto predicted = choice.ranking.front().step_ms;
+    std::cout << "planner: predicted " << std::setprecision(4) << predicted
+              << " ms per step, measured median " << measured << " ms over " << times.size()
+              << " steps after the first (" << std::showpos
+              << 100 * (predicted - measured) / measured << std::noshowpos << "%)\n"
+              << std::setprecision(6);
+  }
   if (!a.export_path.empty()) {
     pipe.save_torchscript(a.export_path);
     std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
@@ -555,6 +568,16 @@ int run_train(const train_args& given) {
     a.model.vocabulary = corpus->vocabulary();
   }
   auto setup = build_model(a.model);
+  if (a.plan.stages == 0 || a.plan.threads_auto) {
+    const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
+    ACTORPIPE_CHECK(a.nodes.empty(), what,
+                    " plans stages on this machine's cores: with --nodes (one stage per node) "
+                    "give --stages");
+    ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
+                    what,
+                    " plans one pipeline on this machine's cores: with replicas (--replicas, "
+                    "--world-size) give --stages and --threads");
+  }
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan);

@@ -8,21 +8,95 @@
 namespace actorpipe {
 namespace {
 
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  return xs.empty() ? 0 : xs[xs.size() / 2];
+using clock = std::chrono::steady_clock;
+
+double ms_between(clock::time_point a, clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-double ms_between(std::chrono::steady_clock::time_point a,
-                  std::chrono::steady_clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
+// Median and the interquartile range relative to it.
+std::pair<double, double> median_and_spread(std::vector<double> xs) {
+  if (xs.empty()) {
+    return {0, 0};
+  }
+  std::sort(xs.begin(), xs.end());
+  auto n = xs.size();
+  auto median = n % 2 == 1 ? xs[n / 2] : (xs[n / 2 - 1] + xs[n / 2]) / 2;
+  auto low = xs[n / 4];
+  auto high = xs[n - 1 - n / 4];
+  return {median, median > 0 ? (high - low) / median : 0};
+}
+
+// One layer's place in a round: what it took and gave, and its samples.
+struct layer_run {
+  bundle input;
+  bundle output;
+  std::vector<torch::Tensor> inputs_with_grad;
+  std::vector<torch::Tensor> roots;
+  std::vector<torch::Tensor> gradients; // drawn once, reused every round
+  std::vector<double> forward, backward, input_backward, weight_backward;
+};
+
+void forward_layer(const layer& l, const bundle& x, bool first, layer_run& run) {
+  run.input = x;
+  run.inputs_with_grad.clear();
+  for (auto& t : run.input.tensors()) {
+    t = t.detach();
+    // Float inputs take a gradient between stages; the model's own input does not.
+    if (!first && t.is_floating_point()) {
+      t.requires_grad_(true);
+      run.inputs_with_grad.push_back(t);
+    }
+  }
+  run.output = l.forward(run.input);
+  run.roots.clear();
+  for (const auto& t : run.output.tensors()) {
+    if (t.defined() && t.requires_grad()) {
+      run.roots.push_back(t);
+    }
+  }
+  if (run.gradients.size() != run.roots.size()) {
+    run.gradients.clear();
+    for (const auto& t : run.roots) {
+      run.gradients.push_back(torch::randn_like(t));
+    }
+  }
+}
+
+std::vector<torch::Tensor> trainable(const layer& l) {
+  std::vector<torch::Tensor> params;
+  if (auto m = l.module()) {
+    for (auto& p : m->parameters()) {
+      if (p.requires_grad()) {
+        params.push_back(p);
+      }
+    }
+  }
+  return params;
+}
+
+// Runs every layer forward in order (input -> output), timing each when `timed`.
+void forward_all(const layer_list& layers, const bundle& sample, std::vector<layer_run>& runs,
+                 bool timed) {
+  bundle x = sample;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    auto t0 = clock::now();
+    forward_layer(layers[i], x, i == 0, runs[i]);
+    auto t1 = clock::now();
+    if (timed) {
+      runs[i].forward.push_back(ms_between(t0, t1));
+    }
+    x = runs[i].output;
+  }
 }
 
 } // namespace
 
 std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
-                                          int repeats) {
-  ACTORPIPE_CHECK(repeats >= 1, "profile repeats (", repeats, ") must be >= 1");
+                                          const profile_options& options) {
+  ACTORPIPE_CHECK(options.repeats >= 1, "profile repeats (", options.repeats, ") must be >= 1");
+  ACTORPIPE_CHECK(options.warmup >= 0, "profile warm-up passes (", options.warmup,
+                  ") must be >= 0");
   std::vector<torch::Tensor> saved_buffers;
   {
     torch::NoGradGuard no_grad;
@@ -35,50 +109,65 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       }
     }
   }
-  std::vector<layer_profile> result;
-  bundle x(sample.detach());
-  for (const auto& l : layers) {
-    layer_profile p;
-    p.name = l.name();
-    p.parameters = l.parameter_count();
-    std::vector<double> forward;
-    std::vector<double> backward;
-    bundle y;
-    for (int r = 0; r <= repeats; ++r) {
-      // Float inputs take a gradient, as they do between stages.
-      auto input = x;
-      for (auto& t : input.tensors()) {
-        t = t.is_floating_point() ? t.detach().requires_grad_(true) : t;
+  std::vector<layer_run> runs(layers.size());
+  const bundle input(sample.detach());
+  torch::AutoGradMode grad_mode{true};
+  for (int round = 0; round < options.warmup + options.repeats; ++round) {
+    bool timed = round >= options.warmup;
+    forward_all(layers, input, runs, timed);
+    // Fused backward, last layer first, each from its own output gradient.
+    for (std::size_t k = layers.size(); k-- > 0;) {
+      auto& r = runs[k];
+      auto t0 = clock::now();
+      if (!r.roots.empty()) {
+        torch::autograd::backward(r.roots, r.gradients);
       }
-      auto t0 = std::chrono::steady_clock::now();
-      y = l.forward(input);
-      auto t1 = std::chrono::steady_clock::now();
-      std::vector<torch::Tensor> roots;
-      std::vector<torch::Tensor> gradients;
-      for (const auto& t : y.tensors()) {
-        if (t.defined() && t.requires_grad()) {
-          roots.push_back(t);
-          gradients.push_back(torch::randn_like(t));
-        }
-      }
-      if (!roots.empty()) {
-        torch::autograd::backward(roots, gradients);
-      }
-      auto t2 = std::chrono::steady_clock::now();
-      if (r > 0) { // the first run warms caches and allocators
-        forward.push_back(ms_between(t0, t1));
-        backward.push_back(ms_between(t1, t2));
+      auto t1 = clock::now();
+      if (timed) {
+        r.backward.push_back(ms_between(t0, t1));
       }
     }
-    p.forward_ms = median(forward);
-    p.backward_ms = median(backward);
-    p.output_bytes = y.nbytes();
-    result.push_back(p);
-    x = y;
-    for (auto& t : x.tensors()) {
-      t = t.detach();
+    if (!options.split_backward) {
+      continue;
+    }
+    forward_all(layers, input, runs, /*timed=*/false);
+    for (std::size_t k = layers.size(); k-- > 0;) {
+      auto& r = runs[k];
+      auto params = trainable(layers[k]);
+      double input_ms = 0; // nothing to time: a layer without input gradients or weights
+      double weight_ms = 0;
+      if (!r.roots.empty() && !r.inputs_with_grad.empty()) {
+        auto t0 = clock::now();
+        torch::autograd::grad(r.roots, r.inputs_with_grad, r.gradients, /*retain_graph=*/true,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+        input_ms = ms_between(t0, clock::now());
+      }
+      if (!r.roots.empty() && !params.empty()) {
+        auto t0 = clock::now();
+        torch::autograd::backward(r.roots, r.gradients, /*retain_graph=*/false,
+                                  /*create_graph=*/false, /*inputs=*/params);
+        weight_ms = ms_between(t0, clock::now());
+      }
+      if (timed) {
+        r.input_backward.push_back(input_ms);
+        r.weight_backward.push_back(weight_ms);
+      }
     }
   }
+  std::vector<layer_profile> result;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    auto& r = runs[i];
+    layer_profile p;
+    p.name = layers[i].name();
+    p.parameters = layers[i].parameter_count();
+    std::tie(p.forward_ms, p.forward_spread) = median_and_spread(r.forward);
+    std::tie(p.backward_ms, p.backward_spread) = median_and_spread(r.backward);
+    p.input_backward_ms = median_and_spread(r.input_backward).first;
+    p.weight_backward_ms = median_and_spread(r.weight_backward).first;
+    p.output_bytes = r.output.nbytes();
+    result.push_back(std::move(p));
+  }
+  runs.clear();
   torch::NoGradGuard no_grad;
   std::size_t i = 0;
   for (const auto& l : layers) {
@@ -92,6 +181,52 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     }
   }
   return result;
+}
+
+std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
+                                          int repeats) {
+  profile_options options;
+  options.repeats = repeats;
+  return profile_layers(layers, sample, options);
+}
+
+double profile_update(const layer_list& layers, int repeats) {
+  ACTORPIPE_CHECK(repeats >= 1, "profile repeats (", repeats, ") must be >= 1");
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> params;
+  std::vector<torch::Tensor> grads;
+  for (const auto& l : layers) {
+    for (const auto& p : trainable(l)) {
+      params.push_back(torch::empty_like(p).fill_(1));
+      grads.push_back(torch::empty_like(p).fill_(1));
+    }
+  }
+  std::vector<double> times;
+  for (int r = 0; r <= repeats; ++r) {
+    auto t0 = clock::now();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      params[i].add_(grads[i], -1e-3);
+      grads[i].zero_();
+    }
+    if (r > 0) {
+      times.push_back(ms_between(t0, clock::now()));
+    }
+  }
+  return median_and_spread(times).first;
+}
+
+double profile_spread(const std::vector<layer_profile>& profile, double floor_share) {
+  double total = 0;
+  for (const auto& l : profile) {
+    total += l.forward_ms + l.backward_ms;
+  }
+  double spread = 0;
+  for (const auto& l : profile) {
+    if (l.forward_ms + l.backward_ms >= floor_share * total) {
+      spread = std::max({spread, l.forward_spread, l.backward_spread});
+    }
+  }
+  return spread;
 }
 
 partition partition_by_time(const std::vector<layer_profile>& profile, std::size_t stages) {
@@ -108,14 +243,33 @@ std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile, co
                   cut.to_string(), " does not cover the ", profile.size(), " profiled layers");
   std::vector<action_costs> costs;
   for (std::size_t s = 0; s < cut.stages(); ++s) {
-    action_costs c{0, 0, 0};
-    double backward = 0;
+    action_costs c{0, 0, 0, 0};
+    double input = 0;
+    double weight = 0;
+    double inner_input = 0; // input gradients of every layer but the part's first
+    bool split_profiled = false;
     for (std::size_t i = cut.begin(s); i < cut.end(s); ++i) {
-      c.forward += profile[i].forward_ms * scale;
-      backward += profile[i].backward_ms * scale;
+      const auto& l = profile[i];
+      c.forward += l.forward_ms * scale;
+      c.fused += l.backward_ms * scale;
+      input += l.input_backward_ms * scale;
+      weight += l.weight_backward_ms * scale;
+      inner_input += i > cut.begin(s) ? l.input_backward_ms * scale : 0;
+      split_profiled = split_profiled || l.input_backward_ms + l.weight_backward_ms > 0;
     }
-    c.backward = s == 0 ? 0 : backward / 2;
-    c.weight = backward - c.backward;
+    if (!split_profiled) { // halves of the fused backward
+      c.backward = c.fused / 2;
+      c.weight = c.fused - c.backward;
+    } else {
+      // B computes the part's input gradient; W reaches every layer's weights from the part's
+      // output, so it walks through the inner layers' input gradients again.
+      c.backward = input;
+      c.weight = weight + inner_input;
+    }
+    if (s == 0) { // the model's first part computes no input gradient: W does all the work
+      c.backward = 0;
+      c.weight = c.fused;
+    }
     costs.push_back(c);
   }
   return costs;

@@ -1,11 +1,17 @@
 #include "training/planning.hpp"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <thread>
+
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <actorpipe/data.hpp>
@@ -24,16 +30,70 @@ partition cut_for(const layer_list& layers, const std::string& spec, std::size_t
   return parse_partition(spec, layers, parts);
 }
 
+// Threads that keep the other cores busy while a profile runs on fewer threads than the machine
+// has, as the other stages of a pipeline do: two one-thread stages on two cores each run
+// slower than one of them alone (shared caches, memory bandwidth, SMT siblings), and costs
+// measured on an idle machine predicted a 2-stage ResNet-50 step 27% too short.
+class busy_neighbours {
+public:
+  explicit busy_neighbours(std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) {
+      threads_.emplace_back([this] {
+        at::set_num_threads(1);
+        torch::NoGradGuard no_grad;
+        // A convolution's mix: matrix products on data far larger than the caches.
+        auto input = torch::randn({8, 64, 56, 56});
+        auto weight = torch::randn({64, 64, 3, 3}) * 0.05;
+        while (!stop_.load(std::memory_order_relaxed)) {
+          input = torch::conv2d(input, weight, {}, 1, 1).tanh_();
+        }
+      });
+    }
+  }
+  ~busy_neighbours() {
+    stop_ = true;
+    for (auto& t : threads_) {
+      t.join();
+    }
+  }
+  busy_neighbours(const busy_neighbours&) = delete;
+  busy_neighbours& operator=(const busy_neighbours&) = delete;
+
+private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
 // Profiles as a stage thread runs: with its intra-op threads and its memory (cold memory would
-// charge page faults to the layers with the largest activations and skew a time-balanced cut).
+// charge page faults to the layers with the largest activations and skew a time-balanced cut),
+// beside busy neighbours on the cores it leaves (`machine_cores`; 0: none).
 std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
-                                      int64_t samples, std::size_t threads, bool warm) {
+                                      int64_t samples, std::size_t threads, bool warm, int repeats,
+                                      bool split_backward, std::size_t machine_cores = 0) {
   memory::warm_memory_scope memory(warm);
+  busy_neighbours neighbours(machine_cores > threads ? machine_cores - threads : 0);
   auto previous = at::get_num_threads();
   at::set_num_threads(static_cast<int>(threads));
-  auto profile = profile_layers(layers, batch.slice(0, 0, samples));
+  profile_options options;
+  options.repeats = repeats;
+  options.split_backward = split_backward;
+  auto profile = profile_layers(layers, batch.slice(0, 0, samples), options);
   at::set_num_threads(previous);
   return profile;
+}
+
+std::size_t cores() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// The optimizer step's memory traffic at `threads`, the other cores busy as in a pipeline.
+double update_at(const layer_list& layers, std::size_t threads, std::size_t machine_cores = 0) {
+  busy_neighbours neighbours(machine_cores > threads ? machine_cores - threads : 0);
+  auto previous = at::get_num_threads();
+  at::set_num_threads(static_cast<int>(threads));
+  auto ms = profile_update(layers);
+  at::set_num_threads(previous);
+  return ms;
 }
 
 } // namespace
@@ -204,89 +264,295 @@ std::size_t threads_per_stage(std::size_t stages, std::size_t flag) {
   if (flag > 0) {
     return flag;
   }
-  auto cores = std::max(1u, std::thread::hardware_concurrency());
-  return std::max<std::size_t>(1, cores / std::max<std::size_t>(1, stages));
+  return std::max<std::size_t>(1, cores() / std::max<std::size_t>(1, stages));
+}
+
+layout_space layout_space_for(const layer_list& layers, int64_t batch, const planning_args& a) {
+  layout_space space;
+  space.batch = batch;
+  space.cores = cores();
+  bool stages_auto = a.stages == 0;
+  space.stage_counts.clear();
+  if (stages_auto) {
+    auto most = a.max_stages > 0 ? a.max_stages : space.cores;
+    for (std::size_t s = 1; s <= std::min(most, layers.size()); ++s) {
+      space.stage_counts.push_back(s);
+    }
+  } else {
+    space.stage_counts.push_back(a.stages);
+  }
+  space.thread_counts.clear();
+  if (a.threads_auto) {
+    for (std::size_t t = 1; t <= space.cores; ++t) {
+      space.thread_counts.push_back(t);
+    }
+  } else if (a.threads > 0) {
+    space.thread_counts.push_back(a.threads);
+    space.cores = 0; // the user's count, even past the cores
+  }
+  space.microbatch_counts.clear();
+  if (a.microbatches > 0 && (!stages_auto || a.microbatches_given)) {
+    space.microbatch_counts.push_back(a.microbatches);
+  } else {
+    for (std::size_t m = 1; m <= 64 && static_cast<int64_t>(m) <= batch; m *= 2) {
+      space.microbatch_counts.push_back(m);
+    }
+  }
+  space.schedules.clear();
+  if (a.schedule == "auto" || (stages_auto && !a.schedule_given)) {
+    space.schedules = {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::zb_h1,
+                       schedule_kind::interleaved};
+  } else {
+    space.schedules.push_back(parse_schedule_kind(a.schedule));
+  }
+  space.chunks = std::max<std::size_t>(2, a.chunks);
+  if (stages_auto && !a.partition_given) {
+    space.partitions = {"uniform", "params", "time"};
+  } else {
+    space.partitions = {a.partition};
+  }
+  space.max_stash = a.max_stash;
+  space.max_stash_bytes = a.max_stash_bytes;
+  return space;
+}
+
+std::vector<measured_costs> measure_costs(const layer_list& layers, const torch::Tensor& batch,
+                                          const layout_space& space, const planning_args& a,
+                                          bool progress) {
+  bool split = std::find(space.schedules.begin(), space.schedules.end(), schedule_kind::zb_h1) !=
+               space.schedules.end();
+  auto needed = costs_needed(layers, space);
+  std::vector<measured_costs> costs;
+  std::map<std::size_t, double> update_ms; // per thread count
+  auto started = std::chrono::steady_clock::now();
+  progress = progress && isatty(STDERR_FILENO) == 1; // a log gets the closing line only
+  for (std::size_t k = 0; k < needed.size(); ++k) {
+    auto [threads, samples] = needed[k];
+    if (progress) {
+      std::fprintf(stderr,
+                   "\rprofiling layers: %zu thread(s), %lld samples per micro-batch (%zu of "
+                   "%zu)   ",
+                   threads, static_cast<long long>(samples), k + 1, needed.size());
+      std::fflush(stderr);
+    }
+    costs.push_back(measured_costs{threads, samples,
+                                   profile_at(layers, batch, samples, threads, !a.cold_memory,
+                                              a.profile_repeats, split, cores()),
+                                   update_ms.count(threads) > 0
+                                     ? update_ms[threads]
+                                     : (update_ms[threads] = update_at(layers, threads, cores()))});
+  }
+  if (!needed.empty()) {
+    std::fprintf(stderr, "%sprofiled the layers at %zu thread/size pairs in %.1f s%s\n",
+                 progress ? "\r" : "", needed.size(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+                 progress ? "                              " : "");
+  }
+  return costs;
+}
+
+void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
+  std::printf("  %4s %6s %7s %4s %-12s %6s %-19s %11s %7s %6s %9s  %s\n", "rank", "stages",
+              "threads", "m", "schedule", "chunks", "partition", "step ms", "bubble", "stash",
+              "stash MB", "cut");
+  auto row = [&](std::size_t i) {
+    const auto& l = ranking[i];
+    std::printf("  %4zu %6zu %7zu %4zu %-12s %6zu %-19s %11.2f %6.1f%% %6.2f %9.1f  %s%s\n", i + 1,
+                l.stages, l.threads, l.microbatches, to_string(l.schedule).c_str(), l.chunks,
+                l.partition_spec.c_str(), l.step_ms, 100 * l.bubble, l.stash,
+                static_cast<double>(l.stash_bytes) / 1e6, l.cut.to_string().c_str(),
+                l.fits ? "" : "  (over --max-stash)");
+  };
+  std::size_t shown = std::min(rows, ranking.size());
+  for (std::size_t i = 0; i < shown; ++i) {
+    row(i);
+  }
+  // Beyond the first rows: the fastest single stage (plain accumulation, the layout to beat)
+  // and the fastest layout over the memory cap (what the cap costs), when not shown already.
+  bool single_shown = false;
+  bool over_shown = false;
+  for (std::size_t i = 0; i < shown; ++i) {
+    single_shown = single_shown || ranking[i].stages == 1;
+    over_shown = over_shown || !ranking[i].fits;
+  }
+  std::size_t over = 0;
+  for (std::size_t i = shown; i < ranking.size(); ++i) {
+    bool single = !single_shown && ranking[i].stages == 1;
+    bool first_over = !over_shown && !ranking[i].fits;
+    if (single || first_over) {
+      std::printf("  %4s\n", "...");
+      row(i);
+      single_shown = single_shown || single;
+      over_shown = over_shown || first_over;
+    } else {
+      over += ranking[i].fits ? 0 : 1;
+    }
+  }
+  if (ranking.size() > shown) {
+    std::printf("  (%zu layouts in all%s)\n", ranking.size(),
+                over > 0 ? detail::concat(", ", over, " more over --max-stash not shown").c_str()
+                         : "");
+  }
 }
 
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& a, bool always_profile) {
   auto batch_size = batch.size(0);
-  bool automatic = a.schedule == "auto";
-  ACTORPIPE_CHECK(automatic || a.microbatches >= 1, "microbatches (", a.microbatches,
-                  ") must be >= 1 (0 only with --schedule auto)");
-  ACTORPIPE_CHECK(a.stages >= 1, "stages (", a.stages, ") must be >= 1");
+  bool automatic = a.automatic();
+  ACTORPIPE_CHECK(a.schedule == "auto" || a.stages == 0 || a.microbatches >= 1, "microbatches (",
+                  a.microbatches, ") must be >= 1 (0 only with --schedule auto or --stages auto)");
   plan_choice choice;
   choice.microbatches = a.microbatches;
   choice.chunks = a.chunks;
-  auto threads = threads_per_stage(a.stages, a.threads);
-  bool need_profile = always_profile || automatic || a.partition == "time";
-  auto reference_m = static_cast<int64_t>(a.microbatches > 0 ? a.microbatches : 4);
-  choice.profiled_samples = std::max<int64_t>(1, batch_size / reference_m);
-  if (need_profile) {
-    choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory);
-  }
   if (a.schedule.rfind("file:", 0) == 0) {
-    choice.custom = load_schedule(a.schedule.substr(5));
-    choice.schedule_name = a.schedule;
-    choice.chunks = chunks_of(choice.custom);
+    ACTORPIPE_CHECK(!automatic, "--schedule ", a.schedule,
+                    " fixes stages, micro-batches and schedule: --stages auto and --threads auto "
+                    "do not apply");
+  }
+  if (!automatic) {
+    auto threads = threads_per_stage(a.stages, a.threads);
+    choice.profiled_samples =
+      std::max<int64_t>(1, (batch_size + static_cast<int64_t>(a.microbatches) - 1) /
+                             static_cast<int64_t>(a.microbatches));
+    if (always_profile || a.partition == "time") {
+      choice.profile =
+        profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
+                   a.profile_repeats, a.schedule == "zb-h1", std::min(cores(), a.stages * threads));
+    }
+    if (a.schedule.rfind("file:", 0) == 0) {
+      choice.custom = load_schedule(a.schedule.substr(5));
+      choice.schedule_name = a.schedule;
+      choice.chunks = chunks_of(choice.custom);
+    } else {
+      choice.kind = parse_schedule_kind(a.schedule);
+      choice.schedule_name = a.schedule;
+    }
     choice.cut = cut_for(layers, a.partition, a.stages * choice.chunks, choice.profile);
     return choice;
   }
-  if (!automatic) {
-    choice.kind = parse_schedule_kind(a.schedule);
-    choice.schedule_name = a.schedule;
-    choice.cut = cut_for(layers, a.partition, a.stages * a.chunks, choice.profile);
-    return choice;
+  auto space = layout_space_for(layers, batch_size, a);
+  auto costs = measure_costs(layers, batch, space, a, /*progress=*/true);
+  choice.ranking = rank_layouts(layers, costs, space);
+  std::printf(
+    "layouts ranked by simulated step (per-layer costs profiled at each thread count and "
+    "micro-batch size; profile spread %.1f%%):\n",
+    100 * [&] {
+      double spread = 0;
+      for (const auto& c : costs) {
+        spread = std::max(spread, profile_spread(c.layers));
+      }
+      return spread;
+    }());
+  print_ranking(choice.ranking);
+  const auto& best = choice.ranking.front();
+  if (!best.fits) {
+    auto smallest = std::min_element(
+      choice.ranking.begin(), choice.ranking.end(), [&](const layout& x, const layout& y) {
+        return a.max_stash_bytes > 0 ? x.stash_bytes < y.stash_bytes : x.stash < y.stash;
+      });
+    throw invalid_argument(
+      detail::concat("the planner: no layout fits the memory cap (--max-stash ",
+                     a.max_stash_bytes > 0 ? detail::concat(a.max_stash_bytes, " bytes")
+                                           : detail::concat(a.max_stash, " micro-batches"),
+                     "); the smallest needs ", smallest->stash, " micro-batches, ",
+                     smallest->stash_bytes, " bytes (", smallest->to_string(), ")"));
   }
-  // auto: simulate every built-in schedule (and micro-batch count when not fixed) with the
-  // profiled costs, scaled to each micro-batch size, and keep the fastest within --max-stash.
-  std::vector<std::size_t> counts;
-  if (a.microbatches > 0) {
-    counts.push_back(a.microbatches);
-  } else {
-    for (std::size_t m = 1; m <= 64 && static_cast<int64_t>(m) <= batch_size; m *= 2) {
-      counts.push_back(m);
+  choice.kind = best.schedule;
+  choice.schedule_name = to_string(best.schedule);
+  choice.microbatches = best.microbatches;
+  choice.chunks = best.chunks;
+  choice.threads = best.threads;
+  choice.cut = best.cut;
+  auto samples = std::max<int64_t>(1, (batch_size + static_cast<int64_t>(best.microbatches) - 1) /
+                                        static_cast<int64_t>(best.microbatches));
+  for (auto& c : costs) {
+    if (c.threads == best.threads && c.samples == samples) {
+      choice.profile = std::move(c.layers);
+      choice.profiled_samples = samples;
     }
   }
-  std::printf("schedule auto: simulated with per-layer costs profiled at %lld samples\n",
-              static_cast<long long>(choice.profiled_samples));
-  std::printf("  %-12s %6s %6s %12s %8s %10s\n", "schedule", "chunks", "m", "makespan ms", "bubble",
-              "max stash");
-  double best = std::numeric_limits<double>::infinity();
-  for (auto m : counts) {
-    auto scale = static_cast<double>(batch_size) / static_cast<double>(m) /
-                 static_cast<double>(choice.profiled_samples);
-    for (auto kind : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::zb_h1,
-                      schedule_kind::interleaved}) {
-      std::size_t v = kind == schedule_kind::interleaved ? std::max<std::size_t>(2, a.chunks) : 1;
-      if (a.stages * v > layers.size() ||
-          (kind == schedule_kind::interleaved && (a.stages < 2 || m % a.stages != 0))) {
-        continue;
-      }
-      auto cut = cut_for(layers, a.partition, a.stages * v, choice.profile);
-      auto plan = make_schedule(kind, a.stages, m, v);
-      auto sim = simulate(plan, m, costs_of(choice.profile, cut, scale));
-      auto stash = *std::max_element(sim.peak_stash.begin(), sim.peak_stash.end());
-      bool fits = a.max_stash <= 0 || stash <= a.max_stash;
-      std::printf("  %-12s %6zu %6zu %12.1f %7.1f%% %10.2f%s\n", to_string(kind).c_str(), v, m,
-                  sim.makespan, 100 * sim.mean_bubble(), stash, fits ? "" : "  (over --max-stash)");
-      if (fits && sim.makespan < best) {
-        best = sim.makespan;
-        choice.kind = kind;
-        choice.schedule_name = to_string(kind);
-        choice.microbatches = m;
-        choice.chunks = v;
-        choice.cut = cut;
-      }
-    }
-  }
-  ACTORPIPE_CHECK(best < std::numeric_limits<double>::infinity(),
-                  "--schedule auto: no schedule fits --max-stash ", a.max_stash);
-  std::printf("  chosen: %s, %zu micro-batches, %zu chunk(s), cut %s\n",
-              choice.schedule_name.c_str(), choice.microbatches, choice.chunks,
-              choice.cut.to_string().c_str());
+  std::printf("  chosen: %s, %zu micro-batch(es), %zu chunk(s), %zu stage(s) x %zu thread(s), "
+              "cut %s, predicted %.1f ms per step\n",
+              choice.schedule_name.c_str(), choice.microbatches, choice.chunks, best.stages,
+              best.threads, choice.cut.to_string().c_str(), best.step_ms);
   std::fflush(stdout);
   return choice;
+}
+
+std::vector<projection_row> project(const layer_list& layers, const torch::Tensor& batch,
+                                    const planning_args& a, const projection_args& p) {
+  ACTORPIPE_CHECK(!p.devices.empty(), "a projection needs device counts (--devices)");
+  ACTORPIPE_CHECK(a.microbatches >= 1, "--microbatches (", a.microbatches,
+                  ") sets the profiled micro-batch size and must be >= 1");
+  auto batch_size = batch.size(0);
+  auto threads = a.threads > 0 ? a.threads : 1;
+  auto samples = std::max<int64_t>(1, (batch_size + static_cast<int64_t>(a.microbatches) - 1) /
+                                        static_cast<int64_t>(a.microbatches));
+  std::vector<measured_costs> costs{{threads, samples,
+                                     profile_at(layers, batch, samples, threads, !a.cold_memory,
+                                                a.profile_repeats, /*split_backward=*/true),
+                                     update_at(layers, threads)}};
+  std::vector<std::size_t> counts{1};
+  for (auto d : p.devices) {
+    ACTORPIPE_CHECK(d >= 1, "--devices: a device count must be >= 1");
+    if (std::find(counts.begin(), counts.end(), d) == counts.end()) {
+      counts.push_back(d);
+    }
+  }
+  std::vector<projection_row> rows;
+  for (auto d : counts) {
+    projection_row row;
+    row.devices = d;
+    auto started = std::chrono::steady_clock::now();
+    // Every stages x replicas == d; each replica's batch in micro-batches of the profiled size
+    // (no extrapolation to sizes not measured).
+    for (std::size_t r = 1; r <= d; ++r) {
+      auto replica_batch = batch_size / static_cast<int64_t>(r);
+      if (d % r != 0 || replica_batch < 1) {
+        continue;
+      }
+      layout_space space;
+      space.batch = batch_size;
+      space.devices = d;
+      space.replica_counts = {r};
+      space.stage_counts = {d / r};
+      space.cores = 0; // a device each
+      space.thread_counts = {threads};
+      space.microbatch_counts = {static_cast<std::size_t>(std::max<int64_t>(
+        1, std::min<int64_t>(replica_batch / samples, static_cast<int64_t>(p.max_microbatches))))};
+      space.schedules =
+        a.schedule == "auto" || !a.schedule_given
+          ? std::vector<schedule_kind>{schedule_kind::gpipe, schedule_kind::one_f_one_b,
+                                       schedule_kind::zb_h1, schedule_kind::interleaved}
+          : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
+      space.chunks = std::max<std::size_t>(2, a.chunks);
+      space.partitions = {a.partition_given ? a.partition : "time"};
+      space.max_stash = a.max_stash;
+      space.max_stash_bytes = a.max_stash_bytes;
+      space.link_gbps = p.link_gbps;
+      space.link_latency_ms = p.link_latency_ms;
+      std::vector<layout> ranking;
+      try {
+        ranking = rank_layouts(layers, costs, space);
+      } catch (const invalid_argument&) {
+        continue; // more stages than layers
+      }
+      row.layouts += ranking.size();
+      const auto& best = ranking.front();
+      if (best.fits && (!row.found || best.step_ms < row.best.step_ms)) {
+        row.found = true;
+        row.best = best;
+      }
+      if (best.fits && r == 1) {
+        row.pipeline_found = true;
+        row.pipeline = best;
+      }
+    }
+    row.ranking_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+    rows.push_back(std::move(row));
+  }
+  return rows;
 }
 
 pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args) {
@@ -295,7 +561,7 @@ pipeline_options pipeline_options_for(const plan_choice& choice, const planning_
   po.schedule = choice.kind;
   po.chunks = choice.chunks;
   po.custom_schedule = choice.custom;
-  po.threads_per_stage = args.threads;
+  po.threads_per_stage = choice.threads > 0 ? choice.threads : args.threads;
   po.warm_memory = !args.cold_memory;
   return po;
 }

@@ -4,6 +4,7 @@
 /// `plan` and `bench` share. The flags that fill these settings are cli/flags.hpp's.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include <actorpipe/models.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/pipeline.hpp>
+#include <actorpipe/planner.hpp>
 #include <actorpipe/profile.hpp>
 #include <actorpipe/schedule.hpp>
 
@@ -99,20 +101,38 @@ void check_model_fits_data(const model_args& args);
 model_setup build_model(const model_args& args);
 
 struct planning_args {
+  /// 0: chosen by the planner (--stages auto), from 1 up to max_stages.
   std::size_t stages = 2;
-  /// 0: chosen by --schedule auto.
+  /// --stages auto: the most stages to try (0: the cores, at most the layers).
+  std::size_t max_stages = 0;
+  /// 0: chosen by the planner (--schedule auto, --stages auto).
   std::size_t microbatches = 4;
   std::size_t chunks = 1;
   /// gpipe, 1f1b, interleaved, zb-h1, auto, or file:PATH.
   std::string schedule = "1f1b";
   /// uniform, params, time, or cut:I,J.
   std::string partition = "uniform";
-  /// Most micro-batches a stage may stash, for --schedule auto (0: no limit).
+  /// Which of --schedule, --partition and --microbatches the user gave: with --stages auto the
+  /// others are chosen too.
+  bool stages_given = false;
+  bool schedule_given = false;
+  bool partition_given = false;
+  bool microbatches_given = false;
+  /// Memory caps for the planner: most micro-batches a stage may stash, most activation bytes
+  /// a stage may keep (0: no limit).
   double max_stash = 0;
-  /// Intra-op threads per stage (0: cores / stages).
+  int64_t max_stash_bytes = 0;
+  /// Intra-op threads per stage (0: cores / stages); threads_auto: the planner tries each
+  /// count that fits the cores.
   std::size_t threads = 0;
+  bool threads_auto = false;
   /// Stage threads use libtorch's allocator instead of the warm-memory cache.
   bool cold_memory = false;
+  /// Timed profile rounds per layer (medians are kept).
+  int profile_repeats = 5;
+
+  /// True when the planner chooses anything (--stages, --schedule or --threads auto).
+  bool automatic() const { return stages == 0 || schedule == "auto" || threads_auto; }
 };
 
 /// What to run.
@@ -124,15 +144,66 @@ struct plan_choice {
   schedule custom;
   std::size_t microbatches = 1;
   std::size_t chunks = 1;
+  /// Intra-op threads per stage (0: as the flags say).
+  std::size_t threads = 0;
   /// Per-layer costs at the chosen micro-batch size (empty unless something needed them).
   std::vector<layer_profile> profile;
   /// Micro-batch size the profile was taken at.
   int64_t profiled_samples = 0;
+  /// The planner's ranking, fastest first (empty when nothing was automatic).
+  std::vector<layout> ranking;
+
+  std::size_t stages() const { return cut.stages() / std::max<std::size_t>(1, chunks); }
 };
+
+/// The planner's space for `layers`, a batch of `batch` samples and the flags.
+layout_space layout_space_for(const layer_list& layers, int64_t batch, const planning_args& args);
+
+/// Profiles `layers` at every (threads, samples) pair `space` needs, as stage threads run them
+/// (intra-op threads, warm memory unless `cold`), printing progress to stderr when `progress`.
+std::vector<measured_costs> measure_costs(const layer_list& layers, const torch::Tensor& batch,
+                                          const layout_space& space, const planning_args& args,
+                                          bool progress);
+
+/// Prints a ranking: its first `rows` layouts, then the fastest single stage if it is not among
+/// them, and how many layouts exceed the memory caps.
+void print_ranking(const std::vector<layout>& ranking, std::size_t rows = 10);
+
+/// A projection onto other machines (`actorpipe plan --devices`): devices that each compute as
+/// one stage of this machine does at args.threads threads, joined by a link.
+struct projection_args {
+  std::vector<std::size_t> devices;
+  double link_gbps = 0;
+  double link_latency_ms = 0;
+  /// The most micro-batches per replica and step.
+  std::size_t max_microbatches = 1024;
+};
+
+/// The fastest layout found for one device count, and how long ranking took.
+struct projection_row {
+  std::size_t devices = 0;
+  bool found = false;
+  layout best;
+  /// The fastest with every device a stage (no replicas), when the model has that many layers.
+  bool pipeline_found = false;
+  layout pipeline;
+  std::size_t layouts = 0;
+  double ranking_ms = 0;
+};
+
+/// Profiles `layers` once (at args.threads, default 1, on micro-batches of batch / the
+/// --microbatches flag) and, for 1 device and each count of `p.devices`, ranks every stages x
+/// replicas == devices layout (each replica's batch cut into micro-batches of the profiled
+/// size) with the link's transfer and all-reduce times (rank_layouts), returning the fastest
+/// of each, and the fastest with every device a stage.
+std::vector<projection_row> project(const layer_list& layers, const torch::Tensor& batch,
+                                    const planning_args& args, const projection_args& p);
 
 /// Resolves the flags for `layers` and a batch shaped like `batch` (whose first dimension is the
 /// batch size). Profiles the layers (on the calling thread, with the stages' thread count) when
-/// --partition time or --schedule auto needs it, and prints what --schedule auto compared.
+/// --partition time needs it; when anything is automatic (args.automatic()), ranks the layouts
+/// the flags leave open (rank_layouts) with costs profiled at each thread count and micro-batch
+/// size, prints the ranking and takes the fastest that fits the memory caps.
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& args, bool always_profile = false);
 

@@ -402,6 +402,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
       r.data_wait_ms = waited;
       ++step;
       report.steps.emplace_back(step, r.loss);
+      report.step_ms.push_back(r.wall_ms);
       loss_sum += r.loss;
       ++loss_count;
       if (o.log_steps && lead) {

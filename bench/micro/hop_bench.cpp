@@ -43,23 +43,27 @@ BENCHMARK(BM_forward_hop)
   ->Unit(benchmark::kMicrosecond)
   ->UseRealTime();
 
-// A whole training step of one tiny stage: the scheduler's fixed cost per step (plan, report,
-// optimizer round trip).
+// A whole training step of p tiny stages and one micro-batch: the scheduler's fixed cost per
+// step (plans out, reports back, optimizer round trips) and how it grows with the stages.
 void BM_scheduler_step(benchmark::State& state) {
+  auto p = static_cast<std::size_t>(state.range(0));
   actorpipe::engine sys;
   actorpipe::layer_list layers;
-  layers.emplace_back("fc", torch::nn::AnyModule(torch::nn::Linear(4, 4)));
+  for (std::size_t i = 0; i < p; ++i) {
+    layers.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(4, 4)));
+  }
   actorpipe::pipeline_options o;
   o.threads_per_stage = 1;
   o.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
   o.optimizer = actorpipe::sgd(0.01);
-  actorpipe::pipeline pipe(sys, layers, actorpipe::partition_uniform(1, 1), o);
+  o.microbatches = 1;
+  actorpipe::pipeline pipe(sys, layers, actorpipe::partition_uniform(p, p), o);
   auto x = torch::ones({2, 4});
   for (auto _ : state) {
     benchmark::DoNotOptimize(pipe.train_step(x, x));
   }
 }
-BENCHMARK(BM_scheduler_step)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_scheduler_step)->Arg(1)->Arg(8)->Arg(64)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 // What counting a stage's allocations costs (memory::allocation_tally, open around every training
 // forward): one tensor allocated and freed on a warm thread, small (16 floats: libtorch's
@@ -77,6 +81,33 @@ void BM_allocation(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_allocation)->ArgsProduct({{16, 65536}, {0, 1}})->Unit(benchmark::kNanosecond);
+
+// Planning one step of p stages x m micro-batches as the scheduler does before it runs one:
+// build the programs, validate them (every action, and a deadlock check), simulate them with
+// costs. Goal for 64 x 512: <= 100 ms (docs/scaling.md).
+void BM_schedule_step(benchmark::State& state) {
+  auto p = static_cast<std::size_t>(state.range(0));
+  auto m = static_cast<std::size_t>(state.range(1));
+  auto kind = static_cast<actorpipe::schedule_kind>(state.range(2));
+  std::size_t v = kind == actorpipe::schedule_kind::interleaved ? 2 : 1;
+  std::vector<actorpipe::action_costs> costs(p * v, actorpipe::action_costs{1, 2, 1});
+  for (auto _ : state) {
+    auto plan = actorpipe::make_schedule(kind, p, m, v);
+    actorpipe::validate(plan, m, /*training=*/true);
+    benchmark::DoNotOptimize(actorpipe::simulate(plan, m, costs).makespan);
+  }
+  state.SetLabel(actorpipe::to_string(kind));
+  auto per_microbatch = kind == actorpipe::schedule_kind::zb_h1 ? 3 : 2;
+  state.counters["actions"] = static_cast<double>(p * m * v * per_microbatch);
+}
+BENCHMARK(BM_schedule_step)
+  ->ArgsProduct({{8, 16, 64},
+                 {64, 512},
+                 {static_cast<int64_t>(actorpipe::schedule_kind::one_f_one_b),
+                  static_cast<int64_t>(actorpipe::schedule_kind::zb_h1),
+                  static_cast<int64_t>(actorpipe::schedule_kind::interleaved)}})
+  ->Unit(benchmark::kMillisecond)
+  ->UseRealTime();
 
 } // namespace
 

@@ -67,11 +67,17 @@ enum class schedule_kind {
 
 /// Cost of each action on one virtual stage (chunk c of stage i is virtual stage c * p + i), in
 /// any unit. `backward` is the input-gradient part; a schedule without weight actions charges
-/// backward + weight for its B.
+/// `fused` for its B, or backward + weight when `fused` is negative (a split backward walks the
+/// graph twice and may cost more than one fused pass); `send` is added to every dependency that
+/// crosses from this virtual stage to the next or back.
 struct action_costs {
   double forward = 1;
   double backward = 1;
   double weight = 1;
+  double fused = -1;
+  /// Time for this virtual stage's output to reach the next one, and for its gradient (the same
+  /// size) to come back: a link's latency plus bytes / bandwidth (0 in one process).
+  double send = 0;
 };
 
 /// One action placed in time (planned by the simulator, or measured).

@@ -17,6 +17,7 @@
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/pipeline.hpp>
+#include <actorpipe/planner.hpp>
 #include <actorpipe/profile.hpp>
 #include <actorpipe/replicas.hpp>
 #include <actorpipe/results.hpp>

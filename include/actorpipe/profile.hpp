@@ -15,29 +15,65 @@
 
 namespace actorpipe {
 
-/// What one layer costs on the profiled micro-batch (medians over the repeats).
+/// What one layer costs on the profiled micro-batch: medians over the timed rounds, with their
+/// spread.
 struct layer_profile {
   std::string name;
   double forward_ms = 0;
+  /// Backward in one pass (input and weight gradients), from a random output gradient.
   double backward_ms = 0;
+  /// Split backward, as zero-bubble schedules run it (0 when not profiled): the input gradient
+  /// alone (B, keeping the graph) and then the weight gradients (W).
+  double input_backward_ms = 0;
+  double weight_backward_ms = 0;
   /// Bytes of the layer's output (the activation a cut after it would send).
   int64_t output_bytes = 0;
   int64_t parameters = 0;
+  /// Spread of the timed rounds: (upper quartile - lower quartile) / median of forward and of
+  /// backward; 0.05 means the middle half of the rounds lay within 5% of the median.
+  double forward_spread = 0;
+  double backward_spread = 0;
 };
 
-/// Runs each layer on `sample` (its input, e.g. one micro-batch) `repeats` times after one
-/// warm-up, timing forward and backward (from a random output gradient) separately, in train
-/// mode, on the calling thread with its intra-op threads. Parameters' gradients are cleared
-/// afterwards; batch-norm statistics are restored.
+/// How layers are profiled.
+struct profile_options {
+  /// Untimed passes over the whole model first: allocators, caches and oneDNN's primitives warm.
+  int warmup = 2;
+  /// Timed rounds; each round forwards every layer in order, then backs them up in reverse
+  /// order, so a disturbance spreads over all layers instead of skewing one. Medians are kept.
+  int repeats = 5;
+  /// Also time the split backward (B then W) in every round.
+  bool split_backward = false;
+};
+
+/// Runs the layers on `sample` (their input, e.g. one micro-batch) in train mode, on the calling
+/// thread with its intra-op threads, as a stage runs them: float inputs between layers take a
+/// gradient, the model's input does not (the first stage computes no input gradient). Timed as
+/// `options` says. Parameters' gradients are cleared afterwards; batch-norm statistics restored.
 std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
-                                          int repeats = 3);
+                                          const profile_options& options);
+
+/// As above with `repeats` timed rounds and the other options' defaults.
+std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
+                                          int repeats = 5);
+
+/// Milliseconds an optimizer step's memory traffic takes over the layers' parameters on the
+/// calling thread (its intra-op threads): an SGD update (parameter += -lr x gradient) and
+/// clearing the gradient, on scratch tensors of the same sizes (the parameters are untouched);
+/// the median of `repeats` after one warm-up.
+double profile_update(const layer_list& layers, int repeats = 3);
+
+/// The largest forward and backward spread over the layers whose time is at least `floor_share`
+/// of the model's (tiny layers' relative spread says little).
+double profile_spread(const std::vector<layer_profile>& profile, double floor_share = 0.02);
 
 /// `stages` non-empty stages minimising the slowest stage's forward + backward time.
 partition partition_by_time(const std::vector<layer_profile>& profile, std::size_t stages);
 
 /// Action costs per part of `cut` (virtual stages, model order) in milliseconds, scaled by
-/// `scale` (e.g. micro-batch size / profiled size). For split backward, B and W each take half
-/// of a part's backward, except that the model's first part computes no input gradient.
+/// `scale` (e.g. micro-batch size / profiled size). A fused backward costs the profiled
+/// backward; a split one the profiled B and W when the profile has them, else half each. The
+/// model's first part computes no input gradient: its B costs 0.
 std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile, const partition& cut,
                                    double scale = 1.0);
 

@@ -320,8 +320,9 @@ struct epoch_result {
 struct train_report {
   /// One per epoch finished (a stream: one for the whole run, without evaluation).
   std::vector<epoch_result> epochs;
-  /// (step, loss) of every step this run took.
+  /// (step, loss) of every step this run took, and its wall time in milliseconds.
   std::vector<std::pair<uint64_t, double>> steps;
+  std::vector<double> step_ms;
   /// Every step's result, when train_options::keep_results.
   std::vector<step_result> results;
   /// Seconds the loop waited for batches over the run (step_result::data_wait_ms summed).

@@ -1,6 +1,7 @@
 // Runs the `actorpipe` program as a user would.
 #include <cmath>
 #include <map>
+#include <regex>
 
 #include "../training/image_folders.hpp"
 #include "cli/program.hpp"
@@ -37,6 +38,15 @@ std::vector<std::string> same_losses(const std::string& common,
     outputs.push_back(r.output);
   }
   return outputs;
+}
+
+// `args` fails (exit code 2: a refusal, not a crash) with a message containing `expected`.
+void refused(const std::string& args, const std::string& expected) {
+  auto r = run(args);
+  INFO(args);
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find(expected) != std::string::npos);
 }
 
 } // namespace
@@ -335,6 +345,84 @@ TEST_CASE("plan profiles the model, prints the cut and draws the schedule") {
   CHECK(text.rfind("<svg", 0) == 0);
   CHECK(text.find("planned interleaved") != std::string::npos);
   std::filesystem::remove(svg);
+}
+
+TEST_CASE("--stages auto ranks layouts by simulated step, trains the fastest to the same losses, "
+          "and plan shows the ranking without training") {
+  const std::string common = "--data synthetic --model mlp --batch 16 --steps 3 --lr 0.1";
+  auto outputs = same_losses(
+    common,
+    {"train --stages 1 --microbatches 1", "train --stages auto --profile-repeats 2 --threads auto"},
+    3);
+  const auto& automatic = outputs[1];
+  CHECK(automatic.find("layouts ranked by simulated step") != std::string::npos);
+  CHECK(automatic.find("chosen: ") != std::string::npos);
+  CHECK(automatic.find("predicted") != std::string::npos);
+  CHECK(automatic.find("planner: predicted ") != std::string::npos);
+  CHECK(automatic.find(" steps after the first (") != std::string::npos);
+  // One stage with every core is always among the candidates (shown even when not in the top).
+  CHECK(std::regex_search(automatic, std::regex(R"(\n +[0-9]+ +1 +[0-9]+ +[0-9]+ +1f1b )")));
+
+  auto plan = run("plan --data synthetic --model mlp --batch 16 --stages auto --max-stages 2 "
+                  "--max-stash 1 --profile-repeats 2");
+  CAPTURE(plan.output);
+  REQUIRE(plan.exit_code == 0);
+  CHECK(plan.output.find("rank stages threads") != std::string::npos);
+  CHECK(plan.output.find("profile spread") != std::string::npos);
+  CHECK(plan.output.find("(over --max-stash)") != std::string::npos);
+  CHECK(plan.output.find("simulated step:") != std::string::npos);
+  // A cap in bytes, too small for anything: named, with what the smallest layout needs.
+  auto tiny = run("plan --data synthetic --model mlp --batch 16 --stages auto --max-stash 10B "
+                  "--profile-repeats 1");
+  CHECK(tiny.exit_code == 2);
+  CHECK(tiny.output.find("no layout fits the memory cap (--max-stash 10 bytes)") !=
+        std::string::npos);
+
+  refused("train --data synthetic --model mlp --stages 0 --steps 1",
+          "'0' is neither a count >= 1 nor auto");
+  refused("train --data synthetic --model mlp --stages many --steps 1",
+          "'many' is neither a count >= 1 nor auto");
+  refused("train --data synthetic --model mlp --threads some --steps 1",
+          "'some' is neither a count nor auto");
+  refused("train --data synthetic --model mlp --stages auto --max-stash 3XB --steps 1",
+          "unknown unit 'XB'");
+  refused("train --data synthetic --model mlp --stages auto --replicas 2 --steps 1",
+          "--stages auto plans one pipeline on this machine's cores");
+  refused("train --data synthetic --model mlp --threads auto --nodes 127.0.0.1:1 --steps 1",
+          "--threads auto plans stages on this machine's cores");
+  refused("train --data synthetic --model mlp --stages auto --schedule file:x.json --steps 1",
+          "do not apply");
+}
+
+TEST_CASE(
+  "plan --devices projects a step onto other machines, pipelines and replicas over a link") {
+  auto r = run("plan --data synthetic --model mlp --batch 64 --microbatches 8 --devices 2,4 "
+               "--link 10,0.01 --profile-repeats 1");
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("link 10 GB/s, 0.01 ms per message") != std::string::npos);
+  CHECK(r.output.find("the fastest layout of each device count:") != std::string::npos);
+  CHECK(r.output.find("a pipeline only (every device a stage):") != std::string::npos);
+  // Rows for 1 (the reference), 2 and 4 devices in both tables.
+  CHECK(std::regex_search(r.output, std::regex(R"(\n +1 +1 +1 +[0-9]+ +1f1b)")));
+  CHECK(std::regex_search(r.output, std::regex(R"(\n +4 +4 +1 +[0-9]+ )")));
+  refused("plan --model mlp --data synthetic --devices 4 --link 10",
+          "--link '10' is not GBPS,LATENCY_MS");
+  refused("plan --model mlp --data synthetic --devices 4 --link 0,1",
+          "--link '0,1' is not GBPS,LATENCY_MS");
+  refused("plan --model mlp --data synthetic --link 10,0.01", "--link applies to projections");
+  refused("plan --model mlp --data synthetic --devices 4 --stages 2",
+          "--stages, --max-stages and --threads auto do not apply");
+}
+
+TEST_CASE("bench --stages auto measures the planner's layout beside the sweep") {
+  auto r = run("bench --model mlp --batch 16 --stages auto --splits 1,2 --steps 1 --no-progress "
+               "--profile-repeats 1");
+  CAPTURE(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("plan: ") != std::string::npos);
+  CHECK(r.output.find("planner: plan: ") != std::string::npos);
+  CHECK(r.output.find("planned / fastest") != std::string::npos);
 }
 
 TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
@@ -790,13 +878,6 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
   auto files = make_oracle_model("mlp", dir);
   auto model = files.model;
   auto data = "tensors:" + files.data;
-  auto refused = [](const std::string& args, const std::string& expected) {
-    auto r = run(args);
-    INFO(args);
-    INFO(r.output);
-    CHECK(r.exit_code != 0);
-    CHECK(r.output.find(expected) != std::string::npos);
-  };
   // Profiled partitions and the simulator take a scripted model like a built-in one.
   auto plan = run("plan --model " + model + " --data " + data + " --partition time --stages 3");
   INFO(plan.output);

@@ -423,3 +423,43 @@ TEST_CASE("a loss may see the micro-batch's inputs: every schedule, 1-3 stages, 
                        doctest::Contains("both pipeline_options.loss and loss_with_inputs"),
                        actorpipe::invalid_argument);
 }
+
+TEST_CASE("64 stage actors of tiny layers in one process train like plain libtorch") {
+  // 64 one-thread stage actors on a 2-core machine: the engine's own cost and correctness at
+  // scale (docs/scaling.md), for 1F1B and ZB-H1 over 128 micro-batches, three steps.
+  auto make = [] {
+    torch::manual_seed(3);
+    layer_list layers;
+    for (int i = 0; i < 64; ++i) {
+      layers.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(4, 4)));
+      if (i % 2 == 1) {
+        layers.emplace_back("tanh" + std::to_string(i),
+                            [](const torch::Tensor& x) { return torch::tanh(x); });
+      }
+    }
+    return layers;
+  };
+  engine sys;
+  auto x = torch::randn({256, 4});
+  auto t = torch::randn({256, 4});
+  for (auto kind : {schedule_kind::one_f_one_b, schedule_kind::zb_h1}) {
+    CAPTURE(to_string(kind));
+    auto layers = make();
+    pipeline_options o;
+    o.microbatches = 128;
+    o.schedule = kind;
+    o.loss = mse;
+    o.optimizer = sgd(0.5);
+    o.threads_per_stage = 1;
+    pipeline pipe(sys, layers, partition_by_params(layers, 64), o);
+    CHECK(pipe.stages() == 64);
+    plain_model plain(make(), sgd(0.5));
+    for (int step = 0; step < 3; ++step) {
+      auto result = pipe.train_step(x, t);
+      auto plain_loss = plain.step(x, t);
+      CHECK(result.loss == doctest::Approx(plain_loss).epsilon(1e-5));
+      CHECK(result.stages.size() == 64);
+    }
+    check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+  }
+}

@@ -1,0 +1,119 @@
+/// \file
+/// Choosing how to run a model: every stage count, threads per stage, micro-batch count,
+/// schedule and partition of a space, simulated with per-layer costs measured at that thread
+/// count and micro-batch size, ranked fastest first. One stage with all the cores (plain
+/// gradient accumulation through the engine) is a layout like any other, so the first of the
+/// ranking is never predicted slower than it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <actorpipe/actions.hpp>
+#include <actorpipe/layers.hpp>
+#include <actorpipe/partition.hpp>
+#include <actorpipe/profile.hpp>
+
+namespace actorpipe {
+
+/// Per-layer costs measured with `threads` intra-op threads on micro-batches of `samples`.
+struct measured_costs {
+  std::size_t threads = 1;
+  int64_t samples = 1;
+  std::vector<layer_profile> layers;
+  /// The optimizer step over all the layers' parameters at `threads` (profile_update); a stage
+  /// pays its parameters' share after its last backward.
+  double update_ms = 0;
+};
+
+/// The layouts to compare.
+struct layout_space {
+  /// Samples per step (split into micro-batches as the engine does: tensor_split).
+  int64_t batch = 1;
+  std::vector<std::size_t> stage_counts{1, 2};
+  /// Intra-op threads per stage to try; empty: cores / stages for each stage count.
+  std::vector<std::size_t> thread_counts;
+  /// The machine's cores: layouts of stages x threads above it are left out while a stage count
+  /// has any that fit (0: no limit). A stage count that cannot fit runs 1 thread per stage and is
+  /// charged the oversubscription (its costs times stages / cores).
+  std::size_t cores = 0;
+  std::vector<std::size_t> microbatch_counts{1, 2, 4, 8};
+  std::vector<schedule_kind> schedules{schedule_kind::gpipe, schedule_kind::one_f_one_b,
+                                       schedule_kind::zb_h1, schedule_kind::interleaved};
+  /// Model chunks per stage of the interleaved schedule.
+  std::size_t chunks = 2;
+  /// How to cut: "uniform", "params", "time" or "cut:I,J" (the last only where it has as many
+  /// stages as the layout).
+  std::vector<std::string> partitions{"time"};
+  /// Memory caps (0: none): the most micro-batches any stage stashes, and the most bytes of
+  /// activations any stage keeps (estimated: its layers' outputs per micro-batch times its peak
+  /// stash).
+  double max_stash = 0;
+  int64_t max_stash_bytes = 0;
+  /// The engine's own costs in ms, measured by actorpipe_micro_bench: per message between
+  /// stages, and per step (planning, hand-out, optimizer round trips).
+  double hop_ms = 0.01;
+  double step_ms = 0.2;
+
+  /// Projections onto other machines (actorpipe plan --devices, docs/scaling.md):
+  /// a link between stages and between replicas, in GB/s and ms of latency per message (0 GB/s:
+  /// in one process, no transfer time);
+  double link_gbps = 0;
+  double link_latency_ms = 0;
+  /// data-parallel replicas of each layout (each on batch / replicas samples, its gradients
+  /// all-reduced in a ring over the link after the step: 2 (r - 1) / r of each stage's
+  /// gradient bytes per replica plus 2 (r - 1) latencies, not overlapped with compute);
+  std::vector<std::size_t> replica_counts{1};
+  /// and, when > 0, only the layouts of stages x replicas == devices.
+  std::size_t devices = 0;
+};
+
+/// One simulated way to run.
+struct layout {
+  std::size_t stages = 1;
+  std::size_t threads = 1;
+  std::size_t microbatches = 1;
+  /// Model chunks per stage (interleaved), else 1.
+  std::size_t chunks = 1;
+  schedule_kind schedule = schedule_kind::one_f_one_b;
+  /// The partition specs the cut came from ("time", "uniform,params", ...), and the cut
+  /// (stages x chunks parts).
+  std::string partition_spec;
+  partition cut;
+  /// Predicted step time in ms, mean bubble, peak stash (micro-batches, the largest over
+  /// stages) and the estimated activation bytes of the fullest stage.
+  double step_ms = 0;
+  double bubble = 0;
+  double stash = 0;
+  int64_t stash_bytes = 0;
+  /// Within the space's memory caps.
+  bool fits = true;
+  /// Projections: data-parallel replicas, the longest transfer of one micro-batch's activation
+  /// between two stages, and the gradient all-reduce, in ms (included in step_ms).
+  std::size_t replicas = 1;
+  double send_ms = 0;
+  double allreduce_ms = 0;
+  /// The optimizer step of the stage with the most parameters, in ms (included in step_ms).
+  double update_ms = 0;
+
+  /// "2 x 1 thread, 8 micro-batches, 1f1b, time [0, 5) [5, 9)".
+  std::string to_string() const;
+};
+
+/// The (threads, micro-batch samples) pairs rank_layouts needs costs for, in the order a
+/// profiler should take them.
+std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& layers,
+                                                          const layout_space& space);
+
+/// Simulates every layout of `space`, each with the costs measured at its thread count and
+/// micro-batch size (the nearest measured size, scaled linearly, when that one was not
+/// measured), and returns them fastest first, layouts over a memory cap after all that fit;
+/// ties go to fewer stages, then fewer micro-batches. Throws invalid_argument when `costs` has
+/// nothing at a thread count the space needs or no layout applies.
+std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
+                                 const layout_space& space);
+
+} // namespace actorpipe

@@ -1,0 +1,234 @@
+#include <actorpipe/planner.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <stdexcept>
+
+#include <actorpipe/errors.hpp>
+#include <actorpipe/schedule.hpp>
+
+namespace actorpipe {
+namespace {
+
+// The largest micro-batch of a batch cut into m (tensor_split: the first ones take the rest).
+int64_t microbatch_samples(int64_t batch, std::size_t m) {
+  auto count = static_cast<int64_t>(m);
+  return (batch + count - 1) / count;
+}
+
+std::vector<std::size_t> threads_for(const layout_space& space, std::size_t stages) {
+  std::vector<std::size_t> candidates = space.thread_counts;
+  if (candidates.empty()) {
+    candidates.push_back(space.cores > 0 ? std::max<std::size_t>(1, space.cores / stages) : 1);
+  }
+  std::vector<std::size_t> fit;
+  for (auto t : candidates) {
+    if (t >= 1 && (space.cores == 0 || stages * t <= space.cores)) {
+      fit.push_back(t);
+    }
+  }
+  if (fit.empty()) {
+    fit.push_back(1); // more stages than cores: one thread each, charged the oversubscription
+  }
+  std::sort(fit.begin(), fit.end());
+  fit.erase(std::unique(fit.begin(), fit.end()), fit.end());
+  return fit;
+}
+
+bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t chunks,
+             std::size_t layers) {
+  if (stages == 1) { // every schedule is plain accumulation on one stage: keep one of them
+    return kind == schedule_kind::one_f_one_b;
+  }
+  auto v = kind == schedule_kind::interleaved ? chunks : 1;
+  if (stages * v > layers) {
+    return false;
+  }
+  return kind != schedule_kind::interleaved || (v >= 2 && m % stages == 0);
+}
+
+// The costs measured at `threads` on the size nearest `samples`.
+const measured_costs& nearest(const std::vector<measured_costs>& costs, std::size_t threads,
+                              int64_t samples) {
+  const measured_costs* best = nullptr;
+  for (const auto& c : costs) {
+    if (c.threads != threads) {
+      continue;
+    }
+    if (best == nullptr || std::llabs(c.samples - samples) < std::llabs(best->samples - samples)) {
+      best = &c;
+    }
+  }
+  ACTORPIPE_CHECK(best != nullptr, "rank_layouts: no costs measured at ", threads,
+                  " thread(s) per stage");
+  return *best;
+}
+
+// Calls fn(replicas, replica batch, stages, threads, micro-batches) for every shape of `space`
+// that applies to `layers`.
+template <class F>
+void for_each_shape(const layer_list& layers, const layout_space& space, F fn) {
+  for (auto r : space.replica_counts) {
+    if (r == 0 || static_cast<int64_t>(r) > space.batch) {
+      continue;
+    }
+    auto batch = space.batch / static_cast<int64_t>(r);
+    for (auto s : space.stage_counts) {
+      if (s == 0 || s > layers.size() || (space.devices > 0 && s * r != space.devices)) {
+        continue;
+      }
+      for (auto t : threads_for(space, s)) {
+        for (auto m : space.microbatch_counts) {
+          if (m >= 1 && static_cast<int64_t>(m) <= batch) {
+            fn(r, batch, s, t, m);
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace
+
+std::string layout::to_string() const {
+  return detail::concat(stages, " x ", threads, threads == 1 ? " thread, " : " threads, ",
+                        microbatches, microbatches == 1 ? " micro-batch, " : " micro-batches, ",
+                        actorpipe::to_string(schedule),
+                        chunks > 1 ? detail::concat(" (", chunks, " chunks)") : std::string{}, ", ",
+                        partition_spec, " ", cut.to_string());
+}
+
+std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& layers,
+                                                          const layout_space& space) {
+  std::vector<std::pair<std::size_t, int64_t>> needed;
+  for_each_shape(layers, space,
+                 [&](std::size_t, int64_t batch, std::size_t, std::size_t t, std::size_t m) {
+                   needed.emplace_back(t, microbatch_samples(batch, m));
+                 });
+  // Thread count first (one set_num_threads each), largest micro-batches first.
+  std::sort(needed.begin(), needed.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second > b.second;
+  });
+  needed.erase(std::unique(needed.begin(), needed.end()), needed.end());
+  return needed;
+}
+
+std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
+                                 const layout_space& space) {
+  ACTORPIPE_CHECK(space.batch >= 1, "rank_layouts: batch (", space.batch, ") must be >= 1");
+  ACTORPIPE_CHECK(!layers.empty(), "rank_layouts: no layers");
+  ACTORPIPE_CHECK(space.link_gbps >= 0 && space.link_latency_ms >= 0,
+                  "rank_layouts: a link needs bandwidth and latency >= 0");
+  for (const auto& c : costs) {
+    ACTORPIPE_CHECK(c.layers.size() == layers.size(), "rank_layouts: costs at ", c.threads,
+                    " thread(s), ", c.samples, " samples cover ", c.layers.size(), " of the ",
+                    layers.size(), " layers");
+  }
+  // Transfer time of `bytes` over the link (0 without one).
+  auto transfer_ms = [&](double bytes) {
+    return space.link_gbps > 0 ? space.link_latency_ms + bytes / (space.link_gbps * 1e6) : 0.0;
+  };
+  std::vector<layout> ranked;
+  for_each_shape(
+    layers, space, [&](std::size_t r, int64_t batch, std::size_t s, std::size_t t, std::size_t m) {
+      // Stage threads beyond the cores share them: everything takes that much longer.
+      double contention =
+        space.cores > 0
+          ? std::max(1.0, static_cast<double>(s * t) / static_cast<double>(space.cores))
+          : 1.0;
+      const auto& measured = nearest(costs, t, microbatch_samples(batch, m));
+      auto scale = static_cast<double>(batch) / static_cast<double>(m) /
+                   static_cast<double>(measured.samples) * contention;
+      for (auto kind : space.schedules) {
+        if (!applies(kind, s, m, space.chunks, layers.size())) {
+          continue;
+        }
+        std::size_t v = kind == schedule_kind::interleaved ? space.chunks : 1;
+        for (const auto& spec : space.partitions) {
+          layout l;
+          l.stages = s;
+          l.threads = t;
+          l.microbatches = m;
+          l.chunks = v;
+          l.schedule = kind;
+          l.partition_spec = spec;
+          l.replicas = r;
+          try {
+            l.cut = spec == "time" ? partition_by_time(measured.layers, s * v)
+                                   : parse_partition(spec, layers, s * v);
+          } catch (const std::invalid_argument&) {
+            continue; // e.g. a cut:I,J of another stage count
+          }
+          auto same = std::find_if(ranked.begin(), ranked.end(), [&](const layout& o) {
+            return o.stages == s && o.threads == t && o.microbatches == m && o.schedule == kind &&
+                   o.chunks == v && o.replicas == r && o.cut.bounds == l.cut.bounds;
+          });
+          if (same != ranked.end()) { // another spec, the same cut: one layout, both names
+            same->partition_spec += "," + spec;
+            continue;
+          }
+          auto part_costs = costs_of(measured.layers, l.cut, scale);
+          for (std::size_t part = 0; part + 1 < part_costs.size(); ++part) {
+            auto bytes = static_cast<double>(measured.layers[l.cut.end(part) - 1].output_bytes) *
+                         scale / contention;
+            part_costs[part].send = transfer_ms(bytes);
+            l.send_ms = std::max(l.send_ms, part_costs[part].send);
+          }
+          auto plan = make_schedule(kind, s, m, v);
+          auto sim = simulate(plan, m, part_costs, s > 1 ? space.hop_ms : 0.0);
+          l.bubble = sim.mean_bubble();
+          // After the last backward: every stage steps its optimizer, replicas first
+          // all-reduce each stage's gradients (stages in parallel).
+          double total_parameters = 0;
+          for (const auto& lp : measured.layers) {
+            total_parameters += static_cast<double>(lp.parameters);
+          }
+          for (std::size_t a = 0; a < s; ++a) {
+            double kept = 0; // activation bytes per micro-batch on actor a, over its chunks
+            double parameters = 0;
+            for (std::size_t c = 0; c < v; ++c) {
+              auto part = c * s + a;
+              for (auto i = l.cut.begin(part); i < l.cut.end(part); ++i) {
+                kept += static_cast<double>(measured.layers[i].output_bytes) * scale / contention;
+                parameters += static_cast<double>(measured.layers[i].parameters);
+              }
+            }
+            l.stash = std::max(l.stash, sim.peak_stash[a]);
+            l.stash_bytes =
+              std::max(l.stash_bytes, static_cast<int64_t>(std::llround(sim.peak_stash[a] * kept /
+                                                                        static_cast<double>(v))));
+            if (total_parameters > 0) {
+              l.update_ms = std::max(l.update_ms, measured.update_ms * contention * parameters /
+                                                    total_parameters);
+            }
+            if (r > 1 && space.link_gbps > 0) {
+              auto rd = static_cast<double>(r);
+              auto bytes = 4 * parameters * 2 * (rd - 1) / rd;
+              l.allreduce_ms = std::max(l.allreduce_ms, 2 * (rd - 1) * space.link_latency_ms +
+                                                          bytes / (space.link_gbps * 1e6));
+            }
+          }
+          l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;
+          l.fits = (space.max_stash <= 0 || l.stash <= space.max_stash + 1e-9) &&
+                   (space.max_stash_bytes <= 0 || l.stash_bytes <= space.max_stash_bytes);
+          ranked.push_back(std::move(l));
+        }
+      }
+    });
+  ACTORPIPE_CHECK(!ranked.empty(), "rank_layouts: no layout of the space applies to ",
+                  layers.size(), " layers and a batch of ", space.batch);
+  std::stable_sort(ranked.begin(), ranked.end(), [](const layout& a, const layout& b) {
+    if (a.fits != b.fits) {
+      return a.fits;
+    }
+    if (a.step_ms != b.step_ms) {
+      return a.step_ms < b.step_ms;
+    }
+    return a.stages != b.stages ? a.stages < b.stages : a.microbatches < b.microbatches;
+  });
+  return ranked;
+}
+
+} // namespace actorpipe

@@ -1,0 +1,291 @@
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <actorpipe/planner.hpp>
+#include <actorpipe/schedule.hpp>
+
+using namespace actorpipe;
+
+namespace {
+
+layer_list four_layers() {
+  layer_list layers;
+  for (int i = 0; i < 4; ++i) {
+    layers.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(8, 8)));
+  }
+  return layers;
+}
+
+// Costs that grow linearly with the samples: per sample, forward f and backward b ms per layer,
+// and `bytes` of output per sample.
+measured_costs linear_costs(std::size_t threads, int64_t samples, double f, double b,
+                            int64_t bytes = 100, std::size_t layers = 4) {
+  measured_costs c{threads, samples, {}};
+  for (std::size_t i = 0; i < layers; ++i) {
+    layer_profile p;
+    p.name = "fc" + std::to_string(i);
+    p.forward_ms = f * static_cast<double>(samples);
+    p.backward_ms = b * static_cast<double>(samples);
+    p.output_bytes = bytes * samples;
+    p.parameters = 72;
+    c.layers.push_back(p);
+  }
+  return c;
+}
+
+// Costs at every size the space needs, one thread: (f1, b1), two threads: (f2, b2).
+std::vector<measured_costs> costs_for(const layer_list& layers, const layout_space& space,
+                                      double f1, double b1, double f2, double b2) {
+  std::vector<measured_costs> costs;
+  for (auto [threads, samples] : costs_needed(layers, space)) {
+    costs.push_back(threads == 1 ? linear_costs(1, samples, f1, b1)
+                                 : linear_costs(threads, samples, f2, b2));
+  }
+  return costs;
+}
+
+layout_space small_space() {
+  layout_space space;
+  space.batch = 8;
+  space.stage_counts = {1, 2};
+  space.cores = 2;
+  space.microbatch_counts = {1, 2, 4, 8};
+  space.partitions = {"uniform", "time"};
+  space.hop_ms = 0;
+  space.step_ms = 0;
+  return space;
+}
+
+const layout* find(const std::vector<layout>& ranking, std::size_t stages, std::size_t m,
+                   schedule_kind kind, const std::string& partition = "uniform") {
+  for (const auto& l : ranking) {
+    // Specs that gave the same cut share a layout: "uniform,time".
+    auto specs = "," + l.partition_spec + ",";
+    if (l.stages == stages && l.microbatches == m && l.schedule == kind &&
+        specs.find("," + partition + ",") != std::string::npos) {
+      return &l;
+    }
+  }
+  return nullptr;
+}
+
+} // namespace
+
+TEST_CASE("the planner needs costs at each stage count's threads and every micro-batch size") {
+  auto layers = four_layers();
+  auto space = small_space();
+  auto needed = costs_needed(layers, space);
+  // One stage takes both cores, two stages one each; sizes 8, 4, 2, 1 for 1, 2, 4, 8 parts.
+  std::vector<std::pair<std::size_t, int64_t>> expected{{1, 8}, {1, 4}, {1, 2}, {1, 1},
+                                                        {2, 8}, {2, 4}, {2, 2}, {2, 1}};
+  CHECK(needed == expected);
+  space.thread_counts = {1, 2};
+  space.stage_counts = {1};
+  space.microbatch_counts = {3};
+  // tensor_split(8, 3) gives 3, 3, 2: the largest part is profiled.
+  expected = {{1, 3}, {2, 3}};
+  CHECK(costs_needed(layers, space) == expected);
+}
+
+TEST_CASE("one stage with every core ranks first when a second thread halves the time") {
+  auto layers = four_layers();
+  auto space = small_space();
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  const auto& best = ranking.front();
+  CHECK(best.stages == 1);
+  CHECK(best.threads == 2);
+  CHECK(best.microbatches == 1); // every count ties at 48 ms: the fewest wins
+  CHECK(best.step_ms == doctest::Approx(4 * 8 * 1.5));
+  CHECK(best.fits);
+  // Two one-thread stages of two layers, 8 micro-batches of 1 sample, 1F1B: (m + p - 1) x
+  // (F + B) = 9 x (2 + 4) ms.
+  auto two = find(ranking, 2, 8, schedule_kind::one_f_one_b);
+  REQUIRE(two != nullptr);
+  CHECK(two->threads == 1);
+  CHECK(two->step_ms == doctest::Approx(54));
+  CHECK(two->cut.to_string() == "[0, 2) [2, 4)");
+  CHECK(two->stash == doctest::Approx(2)); // stage 0 holds p - 0 micro-batches
+  for (std::size_t i = 1; i < ranking.size(); ++i) {
+    CHECK(ranking[i - 1].step_ms <= ranking[i].step_ms);
+  }
+}
+
+TEST_CASE("two stages rank first when a second thread barely helps, at the most micro-batches") {
+  auto layers = four_layers();
+  auto space = small_space();
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.9, 1.8), space);
+  const auto& best = ranking.front();
+  CAPTURE(best.to_string());
+  CHECK(best.stages == 2);
+  CHECK(best.threads == 1);
+  CHECK(best.microbatches == 8);
+  CHECK(best.step_ms <= 54 + 1e-9);
+  auto one = find(ranking, 1, 1, schedule_kind::one_f_one_b);
+  REQUIRE(one != nullptr);
+  CHECK(one->step_ms == doctest::Approx(4 * 8 * 2.7));
+  CHECK(best.step_ms < one->step_ms);
+  // The engine's own costs count: a hop and a fixed cost per step.
+  space.hop_ms = 1;
+  space.step_ms = 5;
+  auto with_overheads = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.9, 1.8), space);
+  auto one_again = find(with_overheads, 1, 1, schedule_kind::one_f_one_b);
+  REQUIRE(one_again != nullptr);
+  CHECK(one_again->step_ms == doctest::Approx(4 * 8 * 2.7 + 5)); // no hops in one stage
+  auto two = find(with_overheads, 2, 8, schedule_kind::one_f_one_b);
+  auto two_before = find(ranking, 2, 8, schedule_kind::one_f_one_b);
+  REQUIRE(two != nullptr);
+  REQUIRE(two_before != nullptr);
+  CHECK(two->step_ms > two_before->step_ms + 5);
+}
+
+TEST_CASE("layouts over a memory cap rank after every layout that fits") {
+  auto layers = four_layers();
+  auto space = small_space();
+  space.max_stash = 1;
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.9, 1.8), space);
+  CHECK(ranking.front().fits);
+  CHECK(ranking.front().stash <= 1);
+  bool over = false;
+  for (const auto& l : ranking) {
+    CAPTURE(l.to_string());
+    CHECK(l.fits == (l.stash <= 1));
+    CHECK((!over || !l.fits)); // once over the cap, only layouts over it follow
+    over = over || !l.fits;
+  }
+  CHECK(over);
+  // In bytes: 100 bytes of output per sample and layer. One stage of 4 layers keeps
+  // 4 x 100 x samples per micro-batch, 3,200 bytes for the whole batch at once.
+  space.max_stash = 0;
+  space.max_stash_bytes = 1000;
+  auto by_bytes = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  auto whole = find(by_bytes, 1, 1, schedule_kind::one_f_one_b);
+  REQUIRE(whole != nullptr);
+  CHECK(whole->stash_bytes == 3200);
+  CHECK_FALSE(whole->fits);
+  CHECK(by_bytes.front().fits);
+  CHECK(by_bytes.front().stash_bytes <= 1000);
+  CHECK(by_bytes.front().stages == 1);
+  CHECK(by_bytes.front().microbatches >= 4);
+}
+
+TEST_CASE("costs measured at another size are scaled, and missing thread counts are named") {
+  auto layers = four_layers();
+  auto space = small_space();
+  space.stage_counts = {1};
+  // Only 4-sample micro-batches were measured: a whole batch of 8 costs twice as much.
+  auto ranking = rank_layouts(layers, {linear_costs(2, 4, 0.5, 1)}, space);
+  auto whole = find(ranking, 1, 1, schedule_kind::one_f_one_b);
+  REQUIRE(whole != nullptr);
+  CHECK(whole->step_ms == doctest::Approx(4 * 8 * 1.5));
+  CHECK_THROWS_WITH_AS(rank_layouts(layers, {linear_costs(1, 4, 1, 2)}, space),
+                       "rank_layouts: no costs measured at 2 thread(s) per stage",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rank_layouts(layers, {linear_costs(2, 4, 1, 2, 100, 3)}, space),
+                       "rank_layouts: costs at 2 thread(s), 4 samples cover 3 of the 4 layers",
+                       std::invalid_argument);
+}
+
+TEST_CASE("more stages than cores run one thread each and pay for sharing the cores") {
+  auto layers = four_layers();
+  auto space = small_space();
+  space.stage_counts = {4};
+  space.microbatch_counts = {8};
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  auto four = find(ranking, 4, 8, schedule_kind::one_f_one_b);
+  REQUIRE(four != nullptr);
+  CHECK(four->threads == 1);
+  // Four threads on two cores: each action takes twice as long, (8 + 3) x (2 + 4) ms.
+  CHECK(four->step_ms == doctest::Approx(66));
+  // Interleaving needs two chunks per stage: 8 parts of 4 layers cannot be cut.
+  for (const auto& l : ranking) {
+    CHECK(l.schedule != schedule_kind::interleaved);
+  }
+}
+
+TEST_CASE("split backward costs: B is the part's input gradient, W walks the inner layers again") {
+  std::vector<layer_profile> profile(3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    profile[i].forward_ms = 1;
+    profile[i].backward_ms = 2;
+    profile[i].input_backward_ms = i == 0 ? 0 : 1.25;
+    profile[i].weight_backward_ms = 1;
+  }
+  auto costs = costs_of(profile, partition_at(3, {1}));
+  REQUIRE(costs.size() == 2);
+  // The model's first part: no input gradient; its W is the whole fused backward.
+  CHECK(costs[0].backward == 0);
+  CHECK(costs[0].weight == doctest::Approx(2));
+  CHECK(costs[0].fused == doctest::Approx(2));
+  // Layers 1 and 2: B = 1.25 + 1.25; W = 1 + 1 + the inner layer's input gradient again.
+  CHECK(costs[1].backward == doctest::Approx(2.5));
+  CHECK(costs[1].weight == doctest::Approx(3.25));
+  CHECK(costs[1].fused == doctest::Approx(4));
+  // A fused schedule pays the fused backward, a split one B + W.
+  auto fused = simulate(make_schedule(schedule_kind::one_f_one_b, 2, 1), 1, costs);
+  auto split = simulate(make_schedule(schedule_kind::zb_h1, 2, 1), 1, costs);
+  CHECK(fused.makespan == doctest::Approx(1 + 2 + 4 + 2));
+  // Stage 1's W (3.25) outlasts stage 0's (2), which starts when stage 1's B is done.
+  CHECK(split.makespan == doctest::Approx(1 + 2 + 2.5 + 3.25));
+  // Without a split profile, B and W take half of the fused backward each.
+  for (auto& p : profile) {
+    p.input_backward_ms = 0;
+    p.weight_backward_ms = 0;
+  }
+  auto halves = costs_of(profile, partition_at(3, {1}));
+  CHECK(halves[1].backward == doctest::Approx(2));
+  CHECK(halves[1].weight == doctest::Approx(2));
+}
+
+TEST_CASE("specs that give the same cut are one layout, named by both") {
+  auto layers = four_layers();
+  auto space = small_space();
+  space.stage_counts = {2};
+  space.microbatch_counts = {2};
+  space.schedules = {schedule_kind::one_f_one_b};
+  space.partitions = {"uniform", "params", "time"};
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  REQUIRE(ranking.size() == 1); // equal layers: every spec cuts [0, 2) [2, 4)
+  CHECK(ranking[0].partition_spec == "uniform,params,time");
+}
+
+TEST_CASE("projections charge the link for activations and the all-reduce for replicas") {
+  auto layers = four_layers();
+  layout_space space;
+  space.batch = 8;
+  space.devices = 4;
+  space.stage_counts = {1, 2, 4};
+  space.replica_counts = {1, 2, 4};
+  space.microbatch_counts = {2};
+  space.schedules = {schedule_kind::gpipe, schedule_kind::one_f_one_b};
+  space.partitions = {"uniform"};
+  space.hop_ms = 0;
+  space.step_ms = 0;
+  space.link_gbps = 1; // 1e6 bytes per ms
+  space.link_latency_ms = 0.5;
+  auto costs = std::vector<measured_costs>{linear_costs(1, 4, 1, 2, 250000)};
+  auto ranking = rank_layouts(layers, costs, space);
+  // stages x replicas == 4 devices: 1 x 4 (one stage: 1F1B only), 2 x 2 and 4 x 1 (both
+  // schedules); micro-batches of 1, 2 and 4 samples.
+  REQUIRE(ranking.size() == 5);
+  for (const auto& l : ranking) {
+    CAPTURE(l.to_string());
+    CHECK(l.stages * l.replicas == 4);
+    if (l.stages == 4 && l.schedule == schedule_kind::gpipe) {
+      // 4 samples per micro-batch x 250,000 bytes = 1 ms on the link, plus 0.5 ms latency.
+      CHECK(l.send_ms == doctest::Approx(1.5));
+      CHECK(l.allreduce_ms == 0);
+      // GPipe over 4 one-layer stages, 2 micro-batches of F = 4, B = 8 ms, each hop 1.5 ms:
+      // forwards end at 3 x (4 + 1.5) + 2 x 4 = 24.5, backwards take (2 + 3) x 8 + 3 x 1.5.
+      CHECK(l.step_ms == doctest::Approx(24.5 + 40 + 4.5));
+    }
+    if (l.replicas == 4) {
+      // One stage: 4 layers x 72 parameters x 4 bytes, ring all-reduce 2 (r - 1) / r of it,
+      // 2 (r - 1) latencies.
+      CHECK(l.send_ms == 0);
+      CHECK(l.allreduce_ms == doctest::Approx(6 * 0.5 + 4.0 * 288 * 2 * 3 / 4 / 1e6));
+    }
+  }
+}

@@ -1,0 +1,90 @@
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <actorpipe/layers.hpp>
+#include <actorpipe/profile.hpp>
+
+using namespace actorpipe;
+
+namespace {
+
+torch::nn::AnyModule linear(int64_t in, int64_t out) {
+  return torch::nn::AnyModule(torch::nn::Linear(in, out));
+}
+
+} // namespace
+
+TEST_CASE("a profile times forward, fused and split backward per layer, as stages run them") {
+  torch::manual_seed(0);
+  layer_list layers;
+  layers.emplace_back("fc1", linear(64, 128));
+  layers.emplace_back("relu", [](const torch::Tensor& x) { return torch::relu(x); });
+  layers.emplace_back("fc2", linear(128, 32));
+  auto before = layers[0].module()->parameters()[0].clone();
+  profile_options options;
+  options.warmup = 1;
+  options.repeats = 3;
+  options.split_backward = true;
+  auto profile = profile_layers(layers, torch::randn({16, 64}), options);
+  REQUIRE(profile.size() == 3);
+  CHECK(profile[0].name == "fc1");
+  CHECK(profile[0].parameters == 64 * 128 + 128);
+  CHECK(profile[1].parameters == 0);
+  CHECK(profile[0].output_bytes == 16 * 128 * 4);
+  CHECK(profile[2].output_bytes == 16 * 32 * 4);
+  for (const auto& p : profile) {
+    CAPTURE(p.name);
+    CHECK(p.forward_ms > 0);
+    CHECK(p.backward_ms > 0);
+    CHECK(p.forward_spread >= 0);
+    CHECK(p.backward_spread >= 0);
+  }
+  // The model's input takes no gradient (the first stage computes none): fc1's B is empty.
+  CHECK(profile[0].input_backward_ms == 0);
+  CHECK(profile[2].input_backward_ms > 0);
+  CHECK(profile[2].weight_backward_ms > 0);
+  CHECK(profile[1].weight_backward_ms == 0); // no weights
+  // Profiling leaves no gradients and changes no parameter.
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (const auto& p : m->parameters()) {
+        CHECK_FALSE(p.grad().defined());
+      }
+    }
+  }
+  CHECK(torch::equal(before, layers[0].module()->parameters()[0]));
+}
+
+TEST_CASE("a profile of unequal layers gives the same time-balanced cut every time") {
+  // Two large layers, then two small ones (an eighth of the work each): the balanced cut is
+  // after the first large layer, with a margin far beyond timing noise.
+  torch::manual_seed(0);
+  layer_list layers;
+  layers.emplace_back("big1", linear(512, 512));
+  layers.emplace_back("big2", linear(512, 512));
+  layers.emplace_back("down", linear(512, 64));
+  layers.emplace_back("up", linear(64, 512));
+  auto sample = torch::randn({64, 512});
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto profile = profile_layers(layers, sample);
+    CHECK(partition_by_time(profile, 2).to_string() == "[0, 1) [1, 4)");
+    CHECK(profile_spread(profile) >= 0);
+    CHECK(profile_spread(profile) < 10); // a spread of 1000% means something was not timed
+  }
+}
+
+TEST_CASE("profile options are checked") {
+  layer_list layers;
+  layers.emplace_back("fc", linear(4, 4));
+  profile_options options;
+  options.repeats = 0;
+  CHECK_THROWS_WITH_AS(profile_layers(layers, torch::randn({2, 4}), options),
+                       "profile repeats (0) must be >= 1", std::invalid_argument);
+  options.repeats = 1;
+  options.warmup = -1;
+  CHECK_THROWS_WITH_AS(profile_layers(layers, torch::randn({2, 4}), options),
+                       "profile warm-up passes (-1) must be >= 0", std::invalid_argument);
+}
