@@ -416,8 +416,7 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
     c.row.partition = partition_name;
     c.row.splits = choice.microbatches;
     c.row.stages = choice.cut.stages();
-    c.row.threads = po.threads_per_stage > 0 ? po.threads_per_stage
-                                             : training::threads_per_stage(choice.stages(), 0);
+    c.row.threads = training::threads_per_stage(choice.stages(), po.threads_per_stage);
     c.row.planned_ms = choice.ranking.empty() ? 0 : choice.ranking.front().step_ms;
     c.pipe = std::make_unique<pipeline>(sys, fresh_layers(setup, o.model.seed), choice.cut, po);
     c.plan = c.pipe->training_schedule();
@@ -425,24 +424,18 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   };
   pipeline_setting first;
   first.plan = o.plan;
-  const bool planned = o.plan.stages == 0 || o.plan.threads_auto;
-  if (planned) {
+  if (o.plan.layout_auto()) {
     // The planner's layout, measured beside every configuration of the sweep.
     add(first, training::choose_plan(setup.layers, setup.sample(), o.plan), "plan: ");
     first.plan.threads_auto = false;
     first.plan.stages = 1;
   }
-  auto stage_counts = o.stage_counts;
-  if (stage_counts.empty()) {
-    if (o.plan.stages > 0) {
-      stage_counts.push_back(o.plan.stages);
-    } else {
-      auto most = o.plan.max_stages > 0 ? o.plan.max_stages : training::threads_per_stage(1, 0);
-      for (std::size_t p = 1; p <= std::min(most, setup.layers.size()); ++p) {
-        stage_counts.push_back(p);
-      }
-    }
-  }
+  // Default: --stages, or with --stages auto the stage counts the planner compared.
+  auto stage_counts =
+    !o.stage_counts.empty() ? o.stage_counts
+    : o.plan.stages > 0
+      ? std::vector<std::size_t>{o.plan.stages}
+      : training::layout_space_for(setup.layers, setup.batch, o.plan).stage_counts;
   std::vector<pipeline_setting> settings{first};
   expand(settings, stage_counts, [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });
   expand(settings, o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions,

@@ -1,5 +1,8 @@
 #include "cli/flags.hpp"
 
+#include <optional>
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace actorpipe::cli {
@@ -65,10 +68,11 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
 
 namespace {
 
-// A count >= 1, or "auto" (returned as 0).
-std::size_t count_or_auto(const std::string& flag, const std::string& value) {
+// A count of at least `least`, or "auto" (nullopt).
+std::optional<std::size_t> count_or_auto(const std::string& flag, const std::string& value,
+                                         std::size_t least) {
   if (value == "auto") {
-    return 0;
+    return std::nullopt;
   }
   std::size_t used = 0;
   unsigned long long n = 0;
@@ -77,8 +81,10 @@ std::size_t count_or_auto(const std::string& flag, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != value.size() || value.empty() || value[0] == '-' || n == 0) {
-    throw CLI::ValidationError(flag, "'" + value + "' is neither a count >= 1 nor auto");
+  if (used != value.size() || value.empty() || value[0] == '-' || n < least) {
+    throw CLI::ValidationError(flag, "'" + value + "' is neither a count" +
+                                       (least > 0 ? " >= " + std::to_string(least) : "") +
+                                       " nor auto");
   }
   return static_cast<std::size_t>(n);
 }
@@ -122,7 +128,8 @@ void parse_stash_cap(const std::string& value, planning_args& a) {
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
   cmd
     ->add_option_function<std::string>(
-      "--stages", [&a](const std::string& v) { a.stages = count_or_auto("--stages", v); },
+      "--stages",
+      [&a](const std::string& v) { a.stages = count_or_auto("--stages", v, 1).value_or(0); },
       "Pipeline stages (stage actors), >= 1, or auto: the planner profiles the layers at every "
       "thread count and micro-batch size, ranks stage counts (1 up to the cores or "
       "--max-stages), threads, micro-batches, schedules and partitions by simulated step, "
@@ -163,19 +170,9 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
     ->add_option_function<std::string>(
       "--threads",
       [&a](const std::string& v) {
-        a.threads_auto = v == "auto";
-        if (!a.threads_auto) {
-          try {
-            std::size_t used = 0;
-            auto n = std::stoull(v, &used);
-            if (used != v.size() || v[0] == '-') {
-              throw std::invalid_argument(v);
-            }
-            a.threads = static_cast<std::size_t>(n);
-          } catch (const std::exception&) {
-            throw CLI::ValidationError("--threads", "'" + v + "' is neither a count nor auto");
-          }
-        }
+        auto count = count_or_auto("--threads", v, 0);
+        a.threads_auto = !count;
+        a.threads = count.value_or(a.threads);
       },
       "Intra-op threads per stage (0: cores divided among the stages; auto: the planner tries "
       "every count that fits the cores)")

@@ -60,14 +60,13 @@ int run_projection(const plan_args& a) {
   if (!a.link.empty()) {
     std::tie(p.link_gbps, p.link_latency_ms) = parse_link(a.link);
   }
-  auto rows = training::project(setup.layers, setup.sample(), a.plan, p);
-  auto threads = a.plan.threads > 0 ? a.plan.threads : 1;
+  auto projected = training::project(setup.layers, setup.sample(), a.plan, p);
+  const auto& rows = projected.rows;
   std::printf(
     "projection: %s, batch %lld, %zu layers; each device computes as one stage here at "
     "%zu thread(s) (costs profiled on micro-batches of %lld); link %s\n",
-    setup.name.c_str(), static_cast<long long>(setup.batch), setup.layers.size(), threads,
-    static_cast<long long>((setup.batch + static_cast<int64_t>(a.plan.microbatches) - 1) /
-                           static_cast<int64_t>(a.plan.microbatches)),
+    setup.name.c_str(), static_cast<long long>(setup.batch), setup.layers.size(), projected.threads,
+    static_cast<long long>(projected.samples),
     a.link.empty()
       ? "none (transfers free)"
       : detail::concat(p.link_gbps, " GB/s, ", p.link_latency_ms, " ms per message").c_str());

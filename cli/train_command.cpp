@@ -568,7 +568,7 @@ int run_train(const train_args& given) {
     a.model.vocabulary = corpus->vocabulary();
   }
   auto setup = build_model(a.model);
-  if (a.plan.stages == 0 || a.plan.threads_auto) {
+  if (a.plan.layout_auto()) {
     const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
     ACTORPIPE_CHECK(a.nodes.empty(), what,
                     " plans stages on this machine's cores: with --nodes (one stage per node) "

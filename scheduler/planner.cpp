@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <map>
 #include <stdexcept>
 
 #include <actorpipe/errors.hpp>
@@ -11,12 +10,6 @@
 
 namespace actorpipe {
 namespace {
-
-// The largest micro-batch of a batch cut into m (tensor_split: the first ones take the rest).
-int64_t microbatch_samples(int64_t batch, std::size_t m) {
-  auto count = static_cast<int64_t>(m);
-  return (batch + count - 1) / count;
-}
 
 std::vector<std::size_t> threads_for(const layout_space& space, std::size_t stages) {
   std::vector<std::size_t> candidates = space.thread_counts;
@@ -92,6 +85,11 @@ void for_each_shape(const layer_list& layers, const layout_space& space, F fn) {
 
 } // namespace
 
+int64_t largest_microbatch(int64_t batch, std::size_t microbatches) {
+  auto count = static_cast<int64_t>(std::max<std::size_t>(1, microbatches));
+  return std::max<int64_t>(1, (batch + count - 1) / count);
+}
+
 std::string layout::to_string() const {
   return detail::concat(stages, " x ", threads, threads == 1 ? " thread, " : " threads, ",
                         microbatches, microbatches == 1 ? " micro-batch, " : " micro-batches, ",
@@ -105,7 +103,7 @@ std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& laye
   std::vector<std::pair<std::size_t, int64_t>> needed;
   for_each_shape(layers, space,
                  [&](std::size_t, int64_t batch, std::size_t, std::size_t t, std::size_t m) {
-                   needed.emplace_back(t, microbatch_samples(batch, m));
+                   needed.emplace_back(t, largest_microbatch(batch, m));
                  });
   // Thread count first (one set_num_threads each), largest micro-batches first.
   std::sort(needed.begin(), needed.end(), [](const auto& a, const auto& b) {
@@ -126,9 +124,10 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
                     " thread(s), ", c.samples, " samples cover ", c.layers.size(), " of the ",
                     layers.size(), " layers");
   }
-  // Transfer time of `bytes` over the link (0 without one).
-  auto transfer_ms = [&](double bytes) {
-    return space.link_gbps > 0 ? space.link_latency_ms + bytes / (space.link_gbps * 1e6) : 0.0;
+  // Time to move `bytes` over the link in `messages` messages (0 without a link).
+  auto transfer_ms = [&](double bytes, double messages = 1) {
+    return space.link_gbps > 0 ? messages * space.link_latency_ms + bytes / (space.link_gbps * 1e6)
+                               : 0.0;
   };
   std::vector<layout> ranked;
   for_each_shape(
@@ -138,9 +137,15 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
         space.cores > 0
           ? std::max(1.0, static_cast<double>(s * t) / static_cast<double>(space.cores))
           : 1.0;
-      const auto& measured = nearest(costs, t, microbatch_samples(batch, m));
-      auto scale = static_cast<double>(batch) / static_cast<double>(m) /
-                   static_cast<double>(measured.samples) * contention;
+      const auto& measured = nearest(costs, t, largest_microbatch(batch, m));
+      // Sizes scale with the samples per micro-batch, times also with the contention.
+      auto samples_scale =
+        static_cast<double>(batch) / static_cast<double>(m) / static_cast<double>(measured.samples);
+      auto scale = samples_scale * contention;
+      double total_parameters = 0;
+      for (const auto& lp : measured.layers) {
+        total_parameters += static_cast<double>(lp.parameters);
+      }
       for (auto kind : space.schedules) {
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
@@ -156,8 +161,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
           l.partition_spec = spec;
           l.replicas = r;
           try {
-            l.cut = spec == "time" ? partition_by_time(measured.layers, s * v)
-                                   : parse_partition(spec, layers, s * v);
+            l.cut = partition_by_spec(spec, layers, s * v, measured.layers);
           } catch (const std::invalid_argument&) {
             continue; // e.g. a cut:I,J of another stage count
           }
@@ -172,7 +176,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
           auto part_costs = costs_of(measured.layers, l.cut, scale);
           for (std::size_t part = 0; part + 1 < part_costs.size(); ++part) {
             auto bytes = static_cast<double>(measured.layers[l.cut.end(part) - 1].output_bytes) *
-                         scale / contention;
+                         samples_scale;
             part_costs[part].send = transfer_ms(bytes);
             l.send_ms = std::max(l.send_ms, part_costs[part].send);
           }
@@ -181,17 +185,13 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
           l.bubble = sim.mean_bubble();
           // After the last backward: every stage steps its optimizer, replicas first
           // all-reduce each stage's gradients (stages in parallel).
-          double total_parameters = 0;
-          for (const auto& lp : measured.layers) {
-            total_parameters += static_cast<double>(lp.parameters);
-          }
           for (std::size_t a = 0; a < s; ++a) {
             double kept = 0; // activation bytes per micro-batch on actor a, over its chunks
             double parameters = 0;
             for (std::size_t c = 0; c < v; ++c) {
               auto part = c * s + a;
               for (auto i = l.cut.begin(part); i < l.cut.end(part); ++i) {
-                kept += static_cast<double>(measured.layers[i].output_bytes) * scale / contention;
+                kept += static_cast<double>(measured.layers[i].output_bytes) * samples_scale;
                 parameters += static_cast<double>(measured.layers[i].parameters);
               }
             }
@@ -203,11 +203,10 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
               l.update_ms = std::max(l.update_ms, measured.update_ms * contention * parameters /
                                                     total_parameters);
             }
-            if (r > 1 && space.link_gbps > 0) {
+            if (r > 1) { // a ring all-reduce of the stage's fp32 gradients
               auto rd = static_cast<double>(r);
-              auto bytes = 4 * parameters * 2 * (rd - 1) / rd;
-              l.allreduce_ms = std::max(l.allreduce_ms, 2 * (rd - 1) * space.link_latency_ms +
-                                                          bytes / (space.link_gbps * 1e6));
+              l.allreduce_ms = std::max(
+                l.allreduce_ms, transfer_ms(4 * parameters * 2 * (rd - 1) / rd, 2 * (rd - 1)));
             }
           }
           l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;

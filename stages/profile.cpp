@@ -27,9 +27,8 @@ std::pair<double, double> median_and_spread(std::vector<double> xs) {
   return {median, median > 0 ? (high - low) / median : 0};
 }
 
-// One layer's place in a round: what it took and gave, and its samples.
+// One layer's place in a round: what it gave, what takes a gradient, and its timings.
 struct layer_run {
-  bundle input;
   bundle output;
   std::vector<torch::Tensor> inputs_with_grad;
   std::vector<torch::Tensor> roots;
@@ -38,9 +37,9 @@ struct layer_run {
 };
 
 void forward_layer(const layer& l, const bundle& x, bool first, layer_run& run) {
-  run.input = x;
+  bundle input = x;
   run.inputs_with_grad.clear();
-  for (auto& t : run.input.tensors()) {
+  for (auto& t : input.tensors()) {
     t = t.detach();
     // Float inputs take a gradient between stages; the model's own input does not.
     if (!first && t.is_floating_point()) {
@@ -48,7 +47,7 @@ void forward_layer(const layer& l, const bundle& x, bool first, layer_run& run) 
       run.inputs_with_grad.push_back(t);
     }
   }
-  run.output = l.forward(run.input);
+  run.output = l.forward(input);
   run.roots.clear();
   for (const auto& t : run.output.tensors()) {
     if (t.defined() && t.requires_grad()) {
@@ -235,6 +234,11 @@ partition partition_by_time(const std::vector<layer_profile>& profile, std::size
     times.push_back(layer.forward_ms + layer.backward_ms);
   }
   return partition_by_cost(times, stages);
+}
+
+partition partition_by_spec(const std::string& spec, const layer_list& layers, std::size_t parts,
+                            const std::vector<layer_profile>& profile) {
+  return spec == "time" ? partition_by_time(profile, parts) : parse_partition(spec, layers, parts);
 }
 
 std::vector<action_costs> costs_of(const std::vector<layer_profile>& profile, const partition& cut,

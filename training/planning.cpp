@@ -22,14 +22,6 @@
 namespace actorpipe::training {
 namespace {
 
-partition cut_for(const layer_list& layers, const std::string& spec, std::size_t parts,
-                  const std::vector<layer_profile>& profile) {
-  if (spec == "time") {
-    return partition_by_time(profile, parts);
-  }
-  return parse_partition(spec, layers, parts);
-}
-
 // Threads that keep the other cores busy while a profile runs on fewer threads than the machine
 // has, as the other stages of a pipeline do: two one-thread stages on two cores each run
 // slower than one of them alone (shared caches, memory bandwidth, SMT siblings), and costs
@@ -64,36 +56,45 @@ private:
   std::vector<std::thread> threads_;
 };
 
-// Profiles as a stage thread runs: with its intra-op threads and its memory (cold memory would
-// charge page faults to the layers with the largest activations and skew a time-balanced cut),
-// beside busy neighbours on the cores it leaves (`machine_cores`; 0: none).
-std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
-                                      int64_t samples, std::size_t threads, bool warm, int repeats,
-                                      bool split_backward, std::size_t machine_cores = 0) {
-  memory::warm_memory_scope memory(warm);
-  busy_neighbours neighbours(machine_cores > threads ? machine_cores - threads : 0);
-  auto previous = at::get_num_threads();
-  at::set_num_threads(static_cast<int>(threads));
-  profile_options options;
-  options.repeats = repeats;
-  options.split_backward = split_backward;
-  auto profile = profile_layers(layers, batch.slice(0, 0, samples), options);
-  at::set_num_threads(previous);
-  return profile;
-}
-
 std::size_t cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The optimizer step's memory traffic at `threads`, the other cores busy as in a pipeline.
+// The calling thread measures as a stage thread runs: with its intra-op threads, its memory (cold
+// memory would charge page faults to the layers with the largest activations and skew a
+// time-balanced cut) and busy neighbours on the cores it leaves (`machine_cores`; 0: none).
+class as_a_stage {
+public:
+  as_a_stage(std::size_t threads, bool warm, std::size_t machine_cores)
+    : memory_(warm), neighbours_(machine_cores > threads ? machine_cores - threads : 0),
+      previous_threads_(at::get_num_threads()) {
+    at::set_num_threads(static_cast<int>(threads));
+  }
+  ~as_a_stage() { at::set_num_threads(previous_threads_); }
+  as_a_stage(const as_a_stage&) = delete;
+  as_a_stage& operator=(const as_a_stage&) = delete;
+
+private:
+  memory::warm_memory_scope memory_;
+  busy_neighbours neighbours_;
+  int previous_threads_;
+};
+
+std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
+                                      int64_t samples, std::size_t threads, bool warm, int repeats,
+                                      bool split_backward, std::size_t machine_cores = 0) {
+  as_a_stage stage(threads, warm, machine_cores);
+  profile_options options;
+  options.repeats = repeats;
+  options.split_backward = split_backward;
+  return profile_layers(layers, batch.slice(0, 0, samples), options);
+}
+
+// The optimizer step's memory traffic at `threads`, beside busy neighbours (its scratch tensors
+// are allocated before the timing: memory is not warmed).
 double update_at(const layer_list& layers, std::size_t threads, std::size_t machine_cores = 0) {
-  busy_neighbours neighbours(machine_cores > threads ? machine_cores - threads : 0);
-  auto previous = at::get_num_threads();
-  at::set_num_threads(static_cast<int>(threads));
-  auto ms = profile_update(layers);
-  at::set_num_threads(previous);
-  return ms;
+  as_a_stage stage(threads, /*warm=*/false, machine_cores);
+  return profile_update(layers);
 }
 
 } // namespace
@@ -300,8 +301,7 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   }
   space.schedules.clear();
   if (a.schedule == "auto" || (stages_auto && !a.schedule_given)) {
-    space.schedules = {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::zb_h1,
-                       schedule_kind::interleaved};
+    space.schedules = layout_space{}.schedules; // every built-in one
   } else {
     space.schedules.push_back(parse_schedule_kind(a.schedule));
   }
@@ -323,7 +323,7 @@ std::vector<measured_costs> measure_costs(const layer_list& layers, const torch:
                space.schedules.end();
   auto needed = costs_needed(layers, space);
   std::vector<measured_costs> costs;
-  std::map<std::size_t, double> update_ms; // per thread count
+  std::map<std::size_t, double> update_ms; // per thread count, measured once each
   auto started = std::chrono::steady_clock::now();
   progress = progress && isatty(STDERR_FILENO) == 1; // a log gets the closing line only
   for (std::size_t k = 0; k < needed.size(); ++k) {
@@ -335,12 +335,14 @@ std::vector<measured_costs> measure_costs(const layer_list& layers, const torch:
                    threads, static_cast<long long>(samples), k + 1, needed.size());
       std::fflush(stderr);
     }
+    auto update = update_ms.find(threads);
+    if (update == update_ms.end()) {
+      update = update_ms.emplace(threads, update_at(layers, threads, cores())).first;
+    }
     costs.push_back(measured_costs{threads, samples,
                                    profile_at(layers, batch, samples, threads, !a.cold_memory,
                                               a.profile_repeats, split, cores()),
-                                   update_ms.count(threads) > 0
-                                     ? update_ms[threads]
-                                     : (update_ms[threads] = update_at(layers, threads, cores()))});
+                                   update->second});
   }
   if (!needed.empty()) {
     std::fprintf(stderr, "%sprofiled the layers at %zu thread/size pairs in %.1f s%s\n",
@@ -411,9 +413,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   }
   if (!automatic) {
     auto threads = threads_per_stage(a.stages, a.threads);
-    choice.profiled_samples =
-      std::max<int64_t>(1, (batch_size + static_cast<int64_t>(a.microbatches) - 1) /
-                             static_cast<int64_t>(a.microbatches));
+    choice.profiled_samples = largest_microbatch(batch_size, a.microbatches);
     if (always_profile || a.partition == "time") {
       choice.profile =
         profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
@@ -427,7 +427,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
       choice.kind = parse_schedule_kind(a.schedule);
       choice.schedule_name = a.schedule;
     }
-    choice.cut = cut_for(layers, a.partition, a.stages * choice.chunks, choice.profile);
+    choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
     return choice;
   }
   auto space = layout_space_for(layers, batch_size, a);
@@ -463,8 +463,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   choice.chunks = best.chunks;
   choice.threads = best.threads;
   choice.cut = best.cut;
-  auto samples = std::max<int64_t>(1, (batch_size + static_cast<int64_t>(best.microbatches) - 1) /
-                                        static_cast<int64_t>(best.microbatches));
+  auto samples = largest_microbatch(batch_size, best.microbatches);
   for (auto& c : costs) {
     if (c.threads == best.threads && c.samples == samples) {
       choice.profile = std::move(c.layers);
@@ -479,15 +478,15 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   return choice;
 }
 
-std::vector<projection_row> project(const layer_list& layers, const torch::Tensor& batch,
-                                    const planning_args& a, const projection_args& p) {
+projection project(const layer_list& layers, const torch::Tensor& batch, const planning_args& a,
+                   const projection_args& p) {
   ACTORPIPE_CHECK(!p.devices.empty(), "a projection needs device counts (--devices)");
   ACTORPIPE_CHECK(a.microbatches >= 1, "--microbatches (", a.microbatches,
                   ") sets the profiled micro-batch size and must be >= 1");
   auto batch_size = batch.size(0);
-  auto threads = a.threads > 0 ? a.threads : 1;
-  auto samples = std::max<int64_t>(1, (batch_size + static_cast<int64_t>(a.microbatches) - 1) /
-                                        static_cast<int64_t>(a.microbatches));
+  projection result;
+  const auto threads = result.threads = a.threads > 0 ? a.threads : 1;
+  const auto samples = result.samples = largest_microbatch(batch_size, a.microbatches);
   std::vector<measured_costs> costs{{threads, samples,
                                      profile_at(layers, batch, samples, threads, !a.cold_memory,
                                                 a.profile_repeats, /*split_backward=*/true),
@@ -499,7 +498,6 @@ std::vector<projection_row> project(const layer_list& layers, const torch::Tenso
       counts.push_back(d);
     }
   }
-  std::vector<projection_row> rows;
   for (auto d : counts) {
     projection_row row;
     row.devices = d;
@@ -520,11 +518,9 @@ std::vector<projection_row> project(const layer_list& layers, const torch::Tenso
       space.thread_counts = {threads};
       space.microbatch_counts = {static_cast<std::size_t>(std::max<int64_t>(
         1, std::min<int64_t>(replica_batch / samples, static_cast<int64_t>(p.max_microbatches))))};
-      space.schedules =
-        a.schedule == "auto" || !a.schedule_given
-          ? std::vector<schedule_kind>{schedule_kind::gpipe, schedule_kind::one_f_one_b,
-                                       schedule_kind::zb_h1, schedule_kind::interleaved}
-          : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
+      space.schedules = a.schedule == "auto" || !a.schedule_given
+                          ? layout_space{}.schedules
+                          : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
       space.chunks = std::max<std::size_t>(2, a.chunks);
       space.partitions = {a.partition_given ? a.partition : "time"};
       space.max_stash = a.max_stash;
@@ -550,9 +546,9 @@ std::vector<projection_row> project(const layer_list& layers, const torch::Tenso
     }
     row.ranking_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
-    rows.push_back(std::move(row));
+    result.rows.push_back(std::move(row));
   }
-  return rows;
+  return result;
 }
 
 pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args) {

@@ -131,8 +131,10 @@ struct planning_args {
   /// Timed profile rounds per layer (medians are kept).
   int profile_repeats = 5;
 
+  /// True when the planner chooses the stages or threads (--stages auto, --threads auto).
+  bool layout_auto() const { return stages == 0 || threads_auto; }
   /// True when the planner chooses anything (--stages, --schedule or --threads auto).
-  bool automatic() const { return stages == 0 || schedule == "auto" || threads_auto; }
+  bool automatic() const { return layout_auto() || schedule == "auto"; }
 };
 
 /// What to run.
@@ -191,13 +193,21 @@ struct projection_row {
   double ranking_ms = 0;
 };
 
+/// A projection: the per-device threads and profiled micro-batch size, and a row per device
+/// count (1 first).
+struct projection {
+  std::size_t threads = 1;
+  int64_t samples = 1;
+  std::vector<projection_row> rows;
+};
+
 /// Profiles `layers` once (at args.threads, default 1, on micro-batches of batch / the
 /// --microbatches flag) and, for 1 device and each count of `p.devices`, ranks every stages x
 /// replicas == devices layout (each replica's batch cut into micro-batches of the profiled
 /// size) with the link's transfer and all-reduce times (rank_layouts), returning the fastest
 /// of each, and the fastest with every device a stage.
-std::vector<projection_row> project(const layer_list& layers, const torch::Tensor& batch,
-                                    const planning_args& args, const projection_args& p);
+projection project(const layer_list& layers, const torch::Tensor& batch, const planning_args& args,
+                   const projection_args& p);
 
 /// Resolves the flags for `layers` and a batch shaped like `batch` (whose first dimension is the
 /// batch size). Profiles the layers (on the calling thread, with the stages' thread count) when

@@ -103,6 +103,10 @@ struct layout {
   std::string to_string() const;
 };
 
+/// The largest micro-batch of `batch` samples cut into `microbatches` (tensor_split: the first
+/// parts take the remainder), the size a profile for that count is taken at.
+int64_t largest_microbatch(int64_t batch, std::size_t microbatches);
+
 /// The (threads, micro-batch samples) pairs rank_layouts needs costs for, in the order a
 /// profiler should take them.
 std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& layers,

@@ -70,6 +70,11 @@ double profile_spread(const std::vector<layer_profile>& profile, double floor_sh
 /// `stages` non-empty stages minimising the slowest stage's forward + backward time.
 partition partition_by_time(const std::vector<layer_profile>& profile, std::size_t stages);
 
+/// `parts` parts cut as `spec` says: "time" balances `profile` (partition_by_time), anything else
+/// is parse_partition's ("uniform", "params", "cut:I,J").
+partition partition_by_spec(const std::string& spec, const layer_list& layers, std::size_t parts,
+                            const std::vector<layer_profile>& profile);
+
 /// Action costs per part of `cut` (virtual stages, model order) in milliseconds, scaled by
 /// `scale` (e.g. micro-batch size / profiled size). A fused backward costs the profiled
 /// backward; a split one the profiled B and W when the profile has them, else half each. The
