@@ -46,7 +46,7 @@ using abort_atom = caf::atom_constant<caf::atom("abort")>;
 /// scheduler -> stage request: (update_atom, step, learning_rate, gradient_scale) ->
 /// (optimizer_ms, error text or empty); a negative learning rate keeps the current one.
 using update_atom = caf::atom_constant<caf::atom("update")>;
-/// self-timer: (timeout_atom, step, wait_token).
+/// self-timer: (timeout_atom): the running wait's deadline may have passed.
 using timeout_atom = caf::atom_constant<caf::atom("timeout")>;
 /// user -> scheduler: (run_atom, shared_ptr<step_request>).
 using run_atom = caf::atom_constant<caf::atom("run")>;

@@ -13,6 +13,8 @@
 #include <actorpipe/memory.hpp>
 #include <caf/all.hpp>
 
+#include "actors/deadline.hpp"
+#include "actors/linger.hpp"
 #include "actors/messages.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tie_group.hpp"
@@ -71,10 +73,10 @@ struct stage_state {
   int32_t microbatches = 0;
   std::size_t live = 0;
   std::size_t peak_live = 0;
-  // Bumped whenever the program moves; a deadline timer only fires for the token it was set for.
-  uint64_t wait_token = 0;
   bool waiting = false;
   clock_type::time_point wait_start;
+  // The running wait's deadline (one timer at most pending: actors/deadline.hpp).
+  deadline_timer deadline;
 
   // BMUF: optimizer steps since the running block (or the warm-up) began, and whether the
   // warm-up is over.
@@ -92,8 +94,7 @@ struct stage_state {
 };
 
 /// The stage protocol plus the deadline timer the stage sets itself.
-using stage_self_actor =
-  local_stage_actor::extend<caf::reacts_to<timeout_atom, uint64_t, uint64_t>>;
+using stage_self_actor = local_stage_actor::extend<caf::reacts_to<timeout_atom>>;
 using stage_actor_type = stage_self_actor::stateful_pointer<stage_state>;
 
 void drop_older_than(std::map<key, bundle>& inputs, uint64_t step) {
@@ -405,8 +406,7 @@ void advance(stage_actor_type self) {
     if (!has_input) {
       s.waiting = true;
       s.wait_start = clock_type::now();
-      self->delayed_send(self, s.options.wait_timeout, timeout_atom::value, s.plan.step,
-                         s.wait_token);
+      s.deadline.arm(self, s.options.wait_timeout, timeout_atom::value);
       return;
     }
     auto start = clock_type::now();
@@ -429,7 +429,6 @@ void advance(stage_actor_type self) {
       {a, std::chrono::duration<double, std::milli>(start - origin).count(),
        std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
     ++s.next_action;
-    ++s.wait_token;
   }
   if (s.active) {
     if (s.plan.train) {
@@ -464,6 +463,48 @@ void advance(stage_actor_type self) {
   }
 }
 
+// The optimizer step of a training step: (milliseconds it took, error text or empty).
+std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
+                                      double gradient_scale) {
+  auto start = clock_type::now();
+  // A block's last step: the state before it, restored if the block sync fails.
+  bool block_end = s.bmuf() && ends_block(s);
+  std::vector<stages::stage::tensor_map> before;
+  try {
+    for (auto& chunk : s.chunks) {
+      if (block_end) {
+        before.push_back(chunk->state());
+      }
+      if (learning_rate >= 0) {
+        chunk->set_learning_rate(learning_rate);
+      }
+      chunk->optimizer_step(gradient_scale);
+    }
+  } catch (const std::exception& e) {
+    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                            ": optimizer step failed: ", e.what())};
+  }
+  if (!s.bmuf()) {
+    return {ms_since(start), std::string{}};
+  }
+  if (!block_end) {
+    ++s.block_position;
+    return {ms_since(start), std::string{}};
+  }
+  try {
+    ++s.block_position;
+    end_block(s);
+  } catch (const std::exception& e) {
+    --s.block_position;
+    for (std::size_t c = 0; c < before.size(); ++c) {
+      s.chunks[c]->load_state(before[c]);
+    }
+    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                            ": BMUF block sync failed: ", e.what())};
+  }
+  return {ms_since(start), std::string{}};
+}
+
 void set_threads(stage_state& s) {
   if (!s.threads_set) {
     // With OpenMP this sets the calling (stage) thread's team size.
@@ -473,6 +514,11 @@ void set_threads(stage_state& s) {
     }
     s.threads_set = true;
   }
+}
+
+// After a step message: the thread polls for the next one before it sleeps.
+void rest(stage_actor_type self) {
+  linger(self, self->state.options.linger);
 }
 
 bool stale(const stage_state& s, uint64_t step) {
@@ -540,7 +586,6 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       s.next_action = 0;
       s.live = 0;
       s.peak_live = 0;
-      ++s.wait_token;
       s.waiting = false;
       s.active = true;
       try {
@@ -552,6 +597,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         return;
       }
       advance(self);
+      rest(self);
     },
     [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& x) {
       auto& s = self->state;
@@ -562,6 +608,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       if (s.active && step == s.plan.step) {
         advance(self);
       }
+      rest(self);
     },
     [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& g) {
       auto& s = self->state;
@@ -572,13 +619,16 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       if (s.active && step == s.plan.step) {
         advance(self);
       }
+      rest(self);
     },
-    [=](timeout_atom, uint64_t step, uint64_t token) {
+    [=](timeout_atom) {
       auto& s = self->state;
-      if (!s.active || step != s.plan.step || token != s.wait_token || !s.waiting) {
+      if (!s.deadline.expired(self, s.active && s.waiting, s.wait_start, s.options.wait_timeout,
+                              timeout_atom::value)) {
         return;
       }
       const auto& a = s.plan.program[s.next_action];
+      auto step = s.plan.step;
       fail(self, failure{{error_kind::timeout, s.options.index, a.microbatch, step},
                          detail::concat(describe_wait(s, a), " (step ", step, ", action ",
                                         s.next_action, " of its program) and gave up after ",
@@ -596,44 +646,12 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     },
     [=](update_atom, uint64_t step, double learning_rate,
         double gradient_scale) -> caf::result<double, std::string> {
-      auto start = clock_type::now();
-      auto& s = self->state;
-      // A block's last step: the state before it, restored if the block sync fails.
-      bool block_end = s.bmuf() && ends_block(s);
-      std::vector<stages::stage::tensor_map> before;
-      try {
-        for (auto& chunk : s.chunks) {
-          if (block_end) {
-            before.push_back(chunk->state());
-          }
-          if (learning_rate >= 0) {
-            chunk->set_learning_rate(learning_rate);
-          }
-          chunk->optimizer_step(gradient_scale);
-        }
-      } catch (const std::exception& e) {
-        return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                                ": optimizer step failed: ", e.what())};
-      }
-      if (!s.bmuf()) {
-        return {ms_since(start), std::string{}};
-      }
-      if (!block_end) {
-        ++s.block_position;
-        return {ms_since(start), std::string{}};
-      }
-      try {
-        ++s.block_position;
-        end_block(s);
-      } catch (const std::exception& e) {
-        --s.block_position;
-        for (std::size_t c = 0; c < before.size(); ++c) {
-          s.chunks[c]->load_state(before[c]);
-        }
-        return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                                ": BMUF block sync failed: ", e.what())};
-      }
-      return {ms_since(start), std::string{}};
+      // Replied before the actor lingers for the next step's plan.
+      auto promise = self->make_response_promise<double, std::string>();
+      auto [ms, error] = update(self->state, step, learning_rate, gradient_scale);
+      promise.deliver(ms, std::move(error));
+      rest(self);
+      return promise;
     },
     [=](block_atom) -> caf::result<std::string> {
       auto& s = self->state;

@@ -70,6 +70,9 @@ struct stage_actor_options {
   std::size_t index = 0;
   std::size_t count = 1;
   std::chrono::milliseconds wait_timeout{60000};
+  /// After each step message, how long the actor's thread polls for the next one before it
+  /// sleeps (actors/linger.hpp); 0: sleep at once. As pipeline_options::linger (nodes too).
+  std::chrono::microseconds linger{50};
   /// Intra-op threads for this stage's thread.
   std::size_t threads = 1;
   /// The stage thread allocates through the warm-memory cache (<actorpipe/memory.hpp>).

@@ -387,7 +387,8 @@ void expand(std::vector<pipeline_setting>& all, const std::vector<T>& values, Se
   all = std::move(out);
 }
 
-// A pipeline per stage count x partition x split x memory mode x precision x recomputation.
+// A pipeline per stage count x partition x schedule x split x memory mode x precision x
+// recomputation.
 std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
                                            const training::model_setup& setup) {
   auto memory_modes = memory_modes_of(o);
@@ -440,6 +441,8 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   expand(settings, stage_counts, [](pipeline_setting& s, std::size_t p) { s.plan.stages = p; });
   expand(settings, o.partitions.empty() ? std::vector<std::string>{o.plan.partition} : o.partitions,
          [](pipeline_setting& s, const std::string& spec) { s.plan.partition = spec; });
+  expand(settings, o.schedules.empty() ? std::vector<std::string>{o.plan.schedule} : o.schedules,
+         [](pipeline_setting& s, const std::string& schedule) { s.plan.schedule = schedule; });
   expand(settings, o.splits, [](pipeline_setting& s, std::size_t m) { s.plan.microbatches = m; });
   expand(settings, memory_modes, [](pipeline_setting& s, const std::string& memory) {
     s.memory = memory;

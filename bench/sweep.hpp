@@ -28,6 +28,8 @@ struct sweep_options {
   std::vector<std::string> precisions;
   /// Recomputation modes of the pipelines side by side (empty: "never").
   std::vector<std::string> recompute;
+  /// Schedules of the pipelines side by side (empty: plan.schedule only).
+  std::vector<std::string> schedules;
   std::size_t steps = 3;
   double lr = 0.05;
   bool baselines = true;

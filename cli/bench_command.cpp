@@ -41,6 +41,11 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
                  "e.g. never,always (the stash MB column shows what it saves)")
     ->delimiter(',')
     ->check(CLI::IsMember({"never", "except_last", "always"}));
+  cmd
+    ->add_option("--schedules", o.schedules,
+                 "Pipelines' schedules side by side, e.g. 1f1b,zb-h1 (default: --schedule)")
+    ->delimiter(',')
+    ->excludes("--schedule");
   cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
     ->capture_default_str();
   cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();

@@ -64,6 +64,10 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd->add_flag("--deferred-bn", m.deferred_batch_norm,
                 "ResNets: batch norm updates running statistics once per step from the whole "
                 "batch (deferred batch norm), not once per micro-batch");
+  cmd->add_flag("--resnet-blocks", m.block_layers,
+                "ResNets: one layer per residual block (layer1.0, layer1.1, ...) instead of one "
+                "per torchvision stage, so partitions cut between any two blocks; same parameters "
+                "and checkpoint keys");
 }
 
 namespace {

@@ -17,6 +17,7 @@
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/torchscript.hpp>
 
+#include "actors/linger.hpp"
 #include "actors/messages.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
@@ -136,7 +137,11 @@ struct pipeline::impl {
   template <class T>
   T wait(std::future<T>& future, const char* what) const {
     auto deadline = options.step_timeout + std::chrono::seconds(30);
-    if (future.wait_for(deadline) != std::future_status::ready) {
+    // The result of a short step is taken by this thread still running (actors/linger.hpp).
+    bool ready = actors::poll_for(options.linger, [&] {
+      return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    });
+    if (!ready && future.wait_for(deadline) != std::future_status::ready) {
       throw pipeline_error(detail::concat(what, ": the scheduler did not answer within ",
                                           std::chrono::milliseconds(deadline).count(), " ms"),
                            error_details{error_kind::timeout});
@@ -233,6 +238,8 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
                   ") must be >= 1");
   ACTORPIPE_CHECK(options.wait_timeout.count() > 0, "wait_timeout must be > 0 ms");
   ACTORPIPE_CHECK(options.step_timeout.count() > 0, "step_timeout must be > 0 ms");
+  ACTORPIPE_CHECK(options.linger.count() >= 0, "linger (", options.linger.count(),
+                  " us) must be >= 0");
   ACTORPIPE_CHECK(options.chunks >= 1, "chunks (", options.chunks, ") must be >= 1");
   ACTORPIPE_CHECK(cut.stages() % options.chunks == 0, "pipeline: a partition of ", cut.stages(),
                   " parts cannot be spread over stage actors of ", options.chunks, " chunks each");
@@ -263,6 +270,7 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   so.step_timeout = options.step_timeout;
   so.abort_timeout = options.wait_timeout;
   so.max_grad_norm = options.max_grad_norm;
+  so.linger = options.linger;
   so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
   return so;
 }
@@ -344,6 +352,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.index = i;
     actor_options.count = stage_count;
     actor_options.wait_timeout = options.wait_timeout;
+    actor_options.linger = options.linger;
     actor_options.threads = threads;
     actor_options.warm_memory = options.warm_memory;
     actor_options.loss = options.loss;

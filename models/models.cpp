@@ -170,10 +170,18 @@ layer_list make_resnet(const std::vector<int64_t>& blocks, const model_options& 
   layers.emplace_back("relu", nn::AnyModule(nn::ReLU()));
   layers.emplace_back("maxpool",
                       nn::AnyModule(nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1))));
-  layers.emplace_back("layer1", nn::AnyModule(layer1));
-  layers.emplace_back("layer2", nn::AnyModule(layer2));
-  layers.emplace_back("layer3", nn::AnyModule(layer3));
-  layers.emplace_back("layer4", nn::AnyModule(layer4));
+  const std::pair<const char*, BlockSequence> runs[] = {
+    {"layer1", layer1}, {"layer2", layer2}, {"layer3", layer3}, {"layer4", layer4}};
+  for (const auto& [name, run] : runs) {
+    if (!o.block_layers) {
+      layers.emplace_back(name, nn::AnyModule(run));
+      continue;
+    }
+    std::size_t i = 0;
+    for (const auto& block : *run) {
+      layers.emplace_back(std::string(name) + "." + std::to_string(i++), block);
+    }
+  }
   layers.emplace_back("avgpool",
                       nn::AnyModule(nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1}))));
   layers.push_back(flatten_layer());

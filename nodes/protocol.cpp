@@ -92,6 +92,7 @@ std::string to_json(const stage_spec& s) {
               {"image_size", m.options.image_size},
               {"deferred_batch_norm", m.options.deferred_batch_norm},
               {"small_stem", m.options.small_stem},
+              {"block_layers", m.options.block_layers},
               {"vocabulary", m.options.vocabulary},
               {"layers", m.options.layers},
               {"heads", m.options.heads},
@@ -130,6 +131,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.options.image_size = field<int64_t>(m, "image_size", what);
   s.model.options.deferred_batch_norm = field<bool>(m, "deferred_batch_norm", what);
   s.model.options.small_stem = field<bool>(m, "small_stem", what);
+  s.model.options.block_layers = field<bool>(m, "block_layers", what);
   s.model.options.vocabulary = field<int64_t>(m, "vocabulary", what);
   s.model.options.layers = field<int64_t>(m, "layers", what);
   s.model.options.heads = field<int64_t>(m, "heads", what);

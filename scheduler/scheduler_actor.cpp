@@ -8,6 +8,8 @@
 
 #include <caf/all.hpp>
 
+#include "actors/deadline.hpp"
+#include "actors/linger.hpp"
 #include "actors/messages.hpp"
 #include "actors/request_error.hpp"
 #include "logging/log.hpp"
@@ -38,12 +40,14 @@ struct scheduler_state {
   failure abort_failure;
   std::size_t aborts_pending = 0;
   std::map<std::pair<std::size_t, bool>, schedule> schedules;
+  // The running step's deadline (one timer at most pending: actors/deadline.hpp).
+  deadline_timer deadline;
 
   static inline const char* name = "actorpipe.scheduler";
 };
 
 /// The scheduler protocol plus the step deadline the scheduler sets itself.
-using scheduler_self_actor = scheduler_actor::extend<caf::reacts_to<step_timeout_atom, uint64_t>>;
+using scheduler_self_actor = scheduler_actor::extend<caf::reacts_to<step_timeout_atom>>;
 using scheduler_actor_type = scheduler_self_actor::stateful_pointer<scheduler_state>;
 
 void start_next(scheduler_actor_type self);
@@ -244,7 +248,7 @@ void start_next(scheduler_actor_type self) {
     }
     self->send(s.stages[i], plan_atom::value, std::move(plan));
   }
-  self->delayed_send(self, s.options.step_timeout, step_timeout_atom::value, s.step);
+  s.deadline.arm(self, s.options.step_timeout, step_timeout_atom::value);
 }
 
 void on_all_reported(scheduler_actor_type self) {
@@ -283,8 +287,9 @@ void on_all_reported(scheduler_actor_type self) {
   }
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     self
-      ->request(s.stages[i], s.options.step_timeout, update_atom::value, step,
-                s.current->learning_rate, gradient_scale)
+      // No timer per request: the step's deadline covers the optimizer steps too.
+      ->request(s.stages[i], caf::infinite, update_atom::value, step, s.current->learning_rate,
+                gradient_scale)
       .then(
         [=](double optimizer_ms, const std::string& error) {
           auto& st = self->state;
@@ -299,6 +304,7 @@ void on_all_reported(scheduler_actor_type self) {
           if (++st.updated == st.stages.size()) {
             finish(self, make_outcome());
           }
+          linger(self, st.options.linger);
         },
         [=](const caf::error& err) {
           auto& st = self->state;
@@ -342,6 +348,7 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
     [=](run_atom, std::shared_ptr<step_request>& request) {
       self->state.queue.push_back(std::move(request));
       start_next(self);
+      linger(self, self->state.options.linger);
     },
     [=](done_atom, stage_report& report) {
       auto& s = self->state;
@@ -353,6 +360,7 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
       if (++s.reported == s.stages.size()) {
         on_all_reported(self);
       }
+      linger(self, s.options.linger);
     },
     [=](failed_atom, uint64_t step, failure& why) {
       auto& s = self->state;
@@ -360,14 +368,18 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
         fail(self, std::move(why));
       }
     },
-    [=](step_timeout_atom, uint64_t step) {
+    [=](step_timeout_atom) {
       auto& s = self->state;
-      if (s.current && step == s.step) {
-        fail(self, failure{{error_kind::timeout, std::nullopt, std::nullopt, step},
-                           detail::concat("step ", step, " did not finish within ",
-                                          s.options.step_timeout.count(), " ms (", s.reported,
-                                          " of ", s.stages.size(), " stages reported)")});
+      bool stepping = s.current && (s.current->kind == request_kind::train ||
+                                    s.current->kind == request_kind::forward);
+      if (!s.deadline.expired(self, stepping, s.started, s.options.step_timeout,
+                              step_timeout_atom::value)) {
+        return;
       }
+      fail(self, failure{{error_kind::timeout, std::nullopt, std::nullopt, s.step},
+                         detail::concat("step ", s.step, " did not finish within ",
+                                        s.options.step_timeout.count(), " ms (", s.reported, " of ",
+                                        s.stages.size(), " stages reported)")});
     },
   };
 }

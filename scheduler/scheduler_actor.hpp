@@ -91,6 +91,9 @@ struct scheduler_options {
   /// Per stage actor, the node ("host:port") that hosts it; empty when stages are in process. A
   /// stage actor that terminates is then a lost node (error_kind::node_lost), not a lost stage.
   std::vector<std::string> nodes;
+  /// After each step message, how long the scheduler's thread polls for the next one before it
+  /// sleeps (actors/linger.hpp); 0: sleep at once.
+  std::chrono::microseconds linger{0};
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.

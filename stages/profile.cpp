@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include "stages/weight_pass.hpp"
+
 namespace actorpipe {
 namespace {
 
@@ -135,16 +137,26 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       auto params = trainable(layers[k]);
       double input_ms = 0; // nothing to time: a layer without input gradients or weights
       double weight_ms = 0;
+      // As a stage runs B and W (stage::backward_input, backward_weight): W is the weight pass
+      // on what B kept where it applies, else a second walk of the graph.
+      std::shared_ptr<stages::weight_pass> pass;
       if (!r.roots.empty() && !r.inputs_with_grad.empty()) {
         auto t0 = clock::now();
-        torch::autograd::grad(r.roots, r.inputs_with_grad, r.gradients, /*retain_graph=*/true,
-                              /*create_graph=*/false, /*allow_unused=*/true);
+        pass = stages::weight_pass::prepare(r.roots, r.inputs_with_grad, params);
+        stages::input_backward(r.roots, r.inputs_with_grad, r.gradients, pass.get());
         input_ms = ms_between(t0, clock::now());
       }
       if (!r.roots.empty() && !params.empty()) {
         auto t0 = clock::now();
-        torch::autograd::backward(r.roots, r.gradients, /*retain_graph=*/false,
-                                  /*create_graph=*/false, /*inputs=*/params);
+        if (pass && pass->complete()) {
+          pass->run();
+        } else if (pass && pass->left_for_w(params).empty()) {
+          // B computed every weight gradient (a norm layer).
+        } else {
+          torch::autograd::backward(r.roots, r.gradients, /*retain_graph=*/false,
+                                    /*create_graph=*/false,
+                                    /*inputs=*/pass ? pass->left_for_w(params) : params);
+        }
         weight_ms = ms_between(t0, clock::now());
       }
       if (timed) {

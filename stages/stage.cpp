@@ -1,4 +1,5 @@
 #include "stages/stage.hpp"
+#include "stages/weight_pass.hpp"
 
 #include "stages/precision.hpp"
 
@@ -568,10 +569,11 @@ bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) 
     return input_gradients(entry, {});
   }
   torch::AutoGradMode grad_mode{true};
-  // The graph is kept for the weight pass; only the inputs' gradients are computed now.
-  auto grads = torch::autograd::grad(entry.roots, inputs, entry.root_gradients,
-                                     /*retain_graph=*/true, /*create_graph=*/false,
-                                     /*allow_unused=*/true);
+  if (use_weight_pass_) {
+    entry.weights = weight_pass::prepare(entry.roots, inputs, parameters());
+  }
+  // The graph is kept for W; only the inputs' gradients (and norm layers') are computed now.
+  auto grads = input_backward(entry.roots, inputs, entry.root_gradients, entry.weights.get());
   return input_gradients(entry, std::move(grads));
 }
 
@@ -595,8 +597,30 @@ void stage::backward_weight(int32_t microbatch) {
     return;
   }
   torch::AutoGradMode grad_mode{true};
+  if (entry.weights && entry.weights->complete()) {
+    entry.weights->run();
+    ++weight_passes_;
+    return;
+  }
+  ++weight_walks_;
+  if (entry.weights) {
+    params = entry.weights->left_for_w(params);
+    if (params.empty()) {
+      return; // B computed them all
+    }
+  }
   torch::autograd::backward(entry.roots, entry.root_gradients,
                             /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
+}
+
+void stage::use_weight_pass(bool on) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  use_weight_pass_ = on;
+}
+
+std::pair<std::size_t, std::size_t> stage::weight_passes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return {weight_passes_, weight_walks_};
 }
 
 void stage::end_step() {

@@ -29,6 +29,8 @@ class batch_norm_sync;
 
 namespace actorpipe::stages {
 
+class weight_pass;
+
 /// Where a stage sits in its pipeline.
 struct stage_config {
   std::size_t index = 0;
@@ -99,12 +101,21 @@ public:
   bundle backward(int32_t microbatch, const bundle& output_gradient);
 
   /// Zero-bubble B: only the input gradients (empty on the first stage), which the previous
-  /// stage waits for. Keeps the stash and the output gradients for backward_weight.
+  /// stage waits for. Keeps the stash, and what each weight node of the graph received, for
+  /// backward_weight (stages/weight_pass.hpp).
   bundle backward_input(int32_t microbatch, const bundle& output_gradient);
 
   /// Zero-bubble W: accumulates the parameter gradients of a micro-batch whose backward_input
-  /// ran, and releases its stash.
+  /// ran, and releases its stash. Runs only the weight nodes on what B kept for them (the
+  /// weight pass); walks the graph again where the weight pass does not apply (the first stage,
+  /// whose B computes nothing; a parameter off the input path) or is switched off.
   void backward_weight(int32_t microbatch);
+
+  /// Whether W uses the weight pass where it applies (default true; false: always a second walk
+  /// of the graph, as before it existed; for comparisons).
+  void use_weight_pass(bool on);
+  /// W's so far: how many ran as a weight pass and how many walked the graph.
+  std::pair<std::size_t, std::size_t> weight_passes() const;
 
   /// After the last micro-batch of a training step: deferred batch norms update their running
   /// statistics from the whole step's (DeferredBatchNorm2dImpl::commit).
@@ -189,6 +200,8 @@ private:
     std::vector<torch::Tensor> roots;
     std::vector<torch::Tensor> root_gradients;
     bool input_done = false;
+    /// Zero-bubble: W's weight pass, prepared by B (null: W walks the graph).
+    std::shared_ptr<weight_pass> weights;
     /// Activation recomputation: the output is rebuilt from the input at backward, replaying
     /// the generator from `generator_state` (defined when the stage draws random numbers);
     /// the last stage keeps its target, loss function and scale for it.
@@ -235,6 +248,9 @@ private:
   bool is_copy(const std::string& name) const;
 
   mutable std::mutex mutex_;
+  bool use_weight_pass_ = true;
+  std::size_t weight_passes_ = 0;
+  std::size_t weight_walks_ = 0;
   stage_config config_;
   layer_list layers_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

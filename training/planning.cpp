@@ -225,6 +225,11 @@ model_setup build_model(const model_args& m) {
   }
   setup.batch = m.batch > 0 ? m.batch : gpt ? 32 : (m.data == "synthetic" ? 120 : 64);
   setup.options.deferred_batch_norm = m.deferred_batch_norm;
+  ACTORPIPE_CHECK(!m.block_layers || resnet,
+                  "--resnet-blocks applies to the built-in ResNets "
+                  "(one layer per residual block), not to ",
+                  model_name(m));
+  setup.options.block_layers = m.block_layers;
   if (gpt) {
     auto pick = [](int64_t flag, int64_t fallback) { return flag > 0 ? flag : fallback; };
     setup.options.vocabulary = pick(m.vocabulary, pick(m.classes, 64));

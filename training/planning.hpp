@@ -37,6 +37,8 @@ struct model_args {
   std::string bad_images = "fail";
   uint64_t seed = 0;
   bool deferred_batch_norm = false;
+  /// ResNets: one layer per residual block (model_options::block_layers).
+  bool block_layers = false;
   /// gpt: sizes (0: the defaults below) and dropout; the vocabulary comes from the text (or
   /// --classes, else 64, for synthetic tokens).
   int64_t layers = 0;

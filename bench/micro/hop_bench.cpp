@@ -20,7 +20,8 @@ actorpipe::layer_list identity_layers(std::size_t n) {
 }
 
 // Forward-only: m micro-batches through p stages; the counter is the time per micro-batch per
-// stage (one hop).
+// stage (one hop). The third argument is pipeline_options::linger in microseconds (0: every idle
+// thread sleeps at once; the default 50 polls first).
 void BM_forward_hop(benchmark::State& state) {
   auto p = static_cast<std::size_t>(state.range(0));
   auto m = static_cast<std::size_t>(state.range(1));
@@ -28,6 +29,7 @@ void BM_forward_hop(benchmark::State& state) {
   actorpipe::pipeline_options o;
   o.microbatches = m;
   o.threads_per_stage = 1;
+  o.linger = std::chrono::microseconds(state.range(2));
   actorpipe::pipeline pipe(sys, identity_layers(p), actorpipe::partition_uniform(p, p), o);
   auto x = torch::ones({static_cast<int64_t>(m), 16});
   for (auto _ : state) {
@@ -39,12 +41,13 @@ void BM_forward_hop(benchmark::State& state) {
                        benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_forward_hop)
-  ->ArgsProduct({{1, 2, 4, 8}, {1, 8, 64}})
+  ->ArgsProduct({{1, 2, 4, 8}, {1, 8, 64}, {0, 50}})
   ->Unit(benchmark::kMicrosecond)
   ->UseRealTime();
 
 // A whole training step of p tiny stages and one micro-batch: the scheduler's fixed cost per
-// step (plans out, reports back, optimizer round trips) and how it grows with the stages.
+// step (plans out, reports back, optimizer round trips) and how it grows with the stages; the
+// second argument is the linger window in microseconds, as above.
 void BM_scheduler_step(benchmark::State& state) {
   auto p = static_cast<std::size_t>(state.range(0));
   actorpipe::engine sys;
@@ -57,13 +60,17 @@ void BM_scheduler_step(benchmark::State& state) {
   o.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
   o.optimizer = actorpipe::sgd(0.01);
   o.microbatches = 1;
+  o.linger = std::chrono::microseconds(state.range(1));
   actorpipe::pipeline pipe(sys, layers, actorpipe::partition_uniform(p, p), o);
   auto x = torch::ones({2, 4});
   for (auto _ : state) {
     benchmark::DoNotOptimize(pipe.train_step(x, x));
   }
 }
-BENCHMARK(BM_scheduler_step)->Arg(1)->Arg(8)->Arg(64)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_scheduler_step)
+  ->ArgsProduct({{1, 8, 64}, {0, 50}})
+  ->Unit(benchmark::kMicrosecond)
+  ->UseRealTime();
 
 // What counting a stage's allocations costs (memory::allocation_tally, open around every training
 // forward): one tensor allocated and freed on a warm thread, small (16 floats: libtorch's

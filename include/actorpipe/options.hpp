@@ -65,6 +65,11 @@ struct model_options {
   /// convolution with stride 1 instead of torchvision's 7x7 with stride 2, so layer1 sees half
   /// the input side (after the max-pool) instead of a quarter. Layer names stay the same.
   bool small_stem = false;
+  /// ResNets: one layer per residual block ("layer1.0", "layer1.1", ...: 16 for ResNet-50)
+  /// instead of one per torchvision stage ("layer1".."layer4"), so that a partition can cut
+  /// between any two blocks. The same modules, parameters and state keys ("layer1.0.conv1.weight"
+  /// either way), so checkpoints load into either.
+  bool block_layers = false;
 
   /// gpt (a GPT-2 style language model, docs/transformers.md): tokens it knows (its inputs are
   /// token ids below this, its outputs one logit per token), transformer blocks, attention heads,
@@ -340,6 +345,12 @@ struct pipeline_options {
   std::chrono::milliseconds wait_timeout{60000};
   /// Safety net over a whole step (a stage that died or hangs in its own compute).
   std::chrono::milliseconds step_timeout{600000};
+  /// How long an idle thread of the pipeline (the scheduler, a stage, the caller waiting for a
+  /// step) keeps polling for the message it expects before it sleeps: a message taken by a
+  /// polling thread costs ~1 us, one that wakes a sleeping thread 10-20 us on a VM. Costs at most
+  /// this much CPU per message, and the poll yields to any thread with work
+  /// (docs/control-plane.md). 0: sleep at once.
+  std::chrono::microseconds linger{50};
   /// Global gradient-norm clipping: when > 0, all gradients of all stages (after the replica
   /// sync, hence of all replicas) are scaled by max_grad_norm / (norm + 1e-6) when that is
   /// below 1, as torch::nn::utils::clip_grad_norm_ does on one model.

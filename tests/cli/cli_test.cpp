@@ -49,6 +49,22 @@ void refused(const std::string& args, const std::string& expected) {
   CHECK(r.output.find(expected) != std::string::npos);
 }
 
+// Runs `bench <flags> --json FILE` (which must succeed) and returns its rows; `output` gets what
+// it printed.
+nlohmann::json bench_rows(const std::string& flags, std::string* output = nullptr) {
+  auto json = temp_file("bench_rows.json");
+  auto r = run("bench " + flags + " --json " + json.string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  std::ifstream in(json);
+  auto rows = nlohmann::json::parse(in)["rows"];
+  std::filesystem::remove(json);
+  if (output != nullptr) {
+    *output = r.output;
+  }
+  return rows;
+}
+
 } // namespace
 
 TEST_CASE("train with 1 stage x 1 micro-batch and 3 stages x 5 micro-batches prints the same "
@@ -736,6 +752,12 @@ TEST_CASE("flags of gpt and of text are refused where they do not apply") {
   auto fashion = run("train --model gpt");
   CHECK(fashion.exit_code == 2);
   CHECK(fashion.output.find("gpt on --data text or synthetic") != std::string::npos);
+  for (const char* command : {"train", "plan", "bench"}) {
+    auto blocks = run(std::string(command) + " --data synthetic --model mlp --resnet-blocks");
+    CHECK(blocks.exit_code == 2);
+    CHECK(blocks.output.find("--resnet-blocks applies to the built-in ResNets (one layer per "
+                             "residual block), not to mlp") != std::string::npos);
+  }
   auto missing = run("train --data text --text-file /nonexistent/corpus");
   CHECK(missing.exit_code == 2);
   CHECK(missing.output.find("'/nonexistent/corpus' is neither a file nor a folder") !=
@@ -765,15 +787,11 @@ TEST_CASE("--precision bf16 trains a gpt close to fp32, bench measures precision
     CHECK(bf16[i].second == doctest::Approx(fp32[i].second).epsilon(0.02));
   }
 
-  auto bench_json = temp_file("bench_precision.json");
-  auto b = run("bench --model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
-               "--splits 4 --steps 1 --no-progress --no-accumulated --precision fp32,bf16 "
-               "--recompute never,always --json " +
-               bench_json.string());
-  CAPTURE(b.output);
-  REQUIRE(b.exit_code == 0);
-  std::ifstream in(bench_json);
-  auto rows = nlohmann::json::parse(in)["rows"];
+  std::string printed;
+  auto rows = bench_rows("--model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
+                         "--splits 4 --steps 1 --no-progress --no-accumulated --precision "
+                         "fp32,bf16 --recompute never,always",
+                         &printed);
   // Plain libtorch on 1 and all cores in each precision, then the pipeline in each precision
   // and recomputation mode.
   REQUIRE(rows.size() == 8);
@@ -788,8 +806,7 @@ TEST_CASE("--precision bf16 trains a gpt close to fp32, bench measures precision
   REQUIRE(stash.size() == 4);
   CHECK(stash["fp32 always"] < stash["fp32 never"]);
   CHECK(stash["bf16 always"] < stash["bf16 never"]);
-  CHECK(b.output.find("1f1b uniform 2p bf16 rc always") != std::string::npos);
-  std::filesystem::remove(bench_json);
+  CHECK(printed.find("1f1b uniform 2p bf16 rc always") != std::string::npos);
 
   auto wrong = run("train --data synthetic --model mlp --steps 1 --precision fp16");
   CHECK(wrong.exit_code == 2);
@@ -798,15 +815,11 @@ TEST_CASE("--precision bf16 trains a gpt close to fp32, bench measures precision
 
 TEST_CASE("bench sweeps stage counts side by side and reports a language model's tokens per "
           "second") {
-  auto json = temp_file("bench_stages.json");
-  auto r = run("bench --model gpt --layers 3 --width 16 --heads 2 --context 8 --batch 8 "
-               "--splits 2 --stage-counts 1,2,3 --steps 1 --no-progress --no-baselines --json " +
-               json.string());
-  CAPTURE(r.output);
-  REQUIRE(r.exit_code == 0);
-  CHECK(r.output.find("tokens/s") != std::string::npos);
-  std::ifstream in(json);
-  auto rows = nlohmann::json::parse(in)["rows"];
+  std::string printed;
+  auto rows = bench_rows("--model gpt --layers 3 --width 16 --heads 2 --context 8 --batch 8 "
+                         "--splits 2 --stage-counts 1,2,3 --steps 1 --no-progress --no-baselines",
+                         &printed);
+  CHECK(printed.find("tokens/s") != std::string::npos);
   REQUIRE(rows.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) {
     CAPTURE(rows[i].dump());
@@ -815,7 +828,27 @@ TEST_CASE("bench sweeps stage counts side by side and reports a language model's
     CHECK(rows[i]["per_second"].get<double>() ==
           doctest::Approx(64 / (rows[i]["median_ms"].get<double>() / 1000)));
   }
-  std::filesystem::remove(json);
+}
+
+TEST_CASE("bench measures schedules side by side, with the same losses") {
+  auto rows = bench_rows("--model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
+                         "--splits 4 --schedules 1f1b,zb-h1,gpipe --steps 2 --no-progress "
+                         "--no-baselines");
+  REQUIRE(rows.size() == 3);
+  std::vector<std::string> names;
+  for (const auto& row : rows) {
+    CAPTURE(row.dump());
+    names.push_back(row["config"].get<std::string>());
+    // Every schedule computes the same step: losses as the first configuration's.
+    CHECK(row["loss_difference"].get<double>() < 1e-5);
+  }
+  CHECK(names[0].rfind("1f1b", 0) == 0);
+  CHECK(names[1].rfind("zb-h1", 0) == 0);
+  CHECK(names[2].rfind("gpipe", 0) == 0);
+
+  auto both = run("bench --model mlp --schedule gpipe --schedules 1f1b,zb-h1 --steps 1");
+  CHECK(both.exit_code == 2);
+  CHECK(both.output.find("--schedule excludes --schedules") != std::string::npos);
 }
 
 TEST_CASE(

@@ -167,6 +167,75 @@ TEST_CASE("a step over its step deadline fails instead of hanging") {
                error_kind::timeout, std::nullopt, std::nullopt, 2);
 }
 
+// Deadlines are checked by one pending timer per actor that is set again for what is left of the
+// wait or step running when it fires: a wait that began after the timer was set gets its whole
+// deadline, and later steps still fail past theirs.
+TEST_CASE("every step and every wait gets its whole deadline, not only the first") {
+  auto delay_ms = std::make_shared<std::atomic<int>>(0);
+  layer_list layers;
+  layers.emplace_back("sometimes_slow", [delay_ms](const torch::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms->load()));
+    return x;
+  });
+  layers.emplace_back("fc", torch::nn::AnyModule(torch::nn::Linear(3, 3)));
+  engine sys;
+  auto o = step_options(1);
+  SUBCASE("a stage's wait") {
+    o.wait_timeout = std::chrono::milliseconds(300);
+    pipeline pipe(sys, layers, partition_uniform(2, 2), o);
+    auto x = torch::randn({2, 3});
+    pipe.train_step(x, x); // stage 1 waits: the timer is set for 300 ms from here
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // Stage 1 waits 250 ms, the timer fires ~100 ms into it: not past this wait's deadline.
+    delay_ms->store(250);
+    CHECK_NOTHROW(pipe.train_step(x, x));
+    delay_ms->store(1200);
+    CHECK_THROWS_WITH_AS(pipe.train_step(x, x),
+                         doctest::Contains("stage 1 waits for the activation of microbatch 0 from "
+                                           "stage 0 (step 3, action 0 of its program) and gave up "
+                                           "after 300 ms"),
+                         actorpipe::pipeline_error);
+  }
+  SUBCASE("a whole step") {
+    o.step_timeout = std::chrono::milliseconds(400);
+    pipeline pipe(sys, layers, partition_uniform(2, 1), o);
+    auto x = torch::randn({2, 3});
+    pipe.train_step(x, x);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    delay_ms->store(250);
+    CHECK_NOTHROW(pipe.train_step(x, x));
+    delay_ms->store(1000);
+    CHECK_THROWS_WITH_AS(pipe.train_step(x, x),
+                         doctest::Contains("step 3 did not finish within 400 ms"),
+                         actorpipe::pipeline_error);
+  }
+}
+
+TEST_CASE("lingering is a latency choice: the same training with or without it") {
+  engine sys;
+  auto x = torch::randn({8, 1, 4, 4});
+  auto t = torch::randn({8, 3});
+  torch::manual_seed(5);
+  auto a_layers = tiny_mlp();
+  torch::manual_seed(5);
+  auto b_layers = tiny_mlp();
+  auto polling = step_options(4);
+  polling.linger = std::chrono::microseconds(200);
+  auto sleeping = step_options(4);
+  sleeping.linger = std::chrono::microseconds(0);
+  pipeline a(sys, a_layers, partition_uniform(a_layers.size(), 2), polling);
+  pipeline b(sys, b_layers, partition_uniform(b_layers.size(), 2), sleeping);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(a.train_step(x, t).loss == b.train_step(x, t).loss);
+  }
+  CHECK(all_equal(a.named_parameters(), b.named_parameters()));
+  auto negative = step_options(1);
+  negative.linger = std::chrono::microseconds(-1);
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_mlp(), partition_uniform(6, 2), negative),
+                       doctest::Contains("linger (-1 us) must be >= 0"),
+                       actorpipe::invalid_argument);
+}
+
 TEST_CASE("bad pipeline arguments are rejected before anything runs") {
   engine sys;
   auto layers = tiny_mlp();

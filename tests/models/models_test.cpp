@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <map>
 #include <set>
 
 #include <torch/torch.h>
@@ -46,6 +47,57 @@ TEST_CASE("ResNet-50 parameters are named as in torchvision") {
   CHECK(params.contains("0.downsample.0.weight"));
   CHECK(params.contains("3.conv3.weight"));
   CHECK(params["0.conv2.weight"].sizes() == torch::IntArrayRef{128, 128, 3, 3});
+}
+
+TEST_CASE("ResNets as one layer per residual block: the same modules, keys and outputs") {
+  for (const std::string name : {"resnet18", "resnet50"}) {
+    CAPTURE(name);
+    model_options o;
+    o.num_classes = 5;
+    torch::manual_seed(4);
+    auto stages = make_model(name, o);
+    o.block_layers = true;
+    torch::manual_seed(4);
+    auto blocks = make_model(name, o);
+    // 4 stem layers, one per block (ResNet-18: 2 per stage, ResNet-50: 3, 4, 6, 3), 3 head layers.
+    CHECK(stages.size() == 11);
+    CHECK(blocks.size() == (name == "resnet18" ? 15u : 23u));
+    CHECK(blocks[4].name() == "layer1.0");
+    CHECK(blocks[blocks.size() - 4].name() == (name == "resnet18" ? "layer4.1" : "layer4.2"));
+    auto keyed = [](const layer_list& layers) {
+      std::map<std::string, torch::Tensor> all;
+      for (const auto& l : layers) {
+        if (auto m = l.module()) {
+          for (const auto& item : m->named_parameters()) {
+            all.emplace(l.name() + "." + item.key(), item.value());
+          }
+          for (const auto& item : m->named_buffers()) {
+            all.emplace(l.name() + "." + item.key(), item.value());
+          }
+        }
+      }
+      return all;
+    };
+    auto a = keyed(stages);
+    auto b = keyed(blocks);
+    REQUIRE(a.size() == b.size());
+    for (const auto& [key, t] : a) {
+      CAPTURE(key);
+      REQUIRE(b.count(key) == 1);
+      CHECK(torch::equal(t, b.at(key)));
+    }
+    CHECK(a.count("layer3.1.conv2.weight") == 1);
+    torch::NoGradGuard no_grad;
+    for (auto* list : {&stages, &blocks}) {
+      for (auto& l : *list) {
+        if (auto m = l.module()) {
+          m->eval();
+        }
+      }
+    }
+    auto x = torch::randn({2, 3, 32, 32});
+    CHECK(torch::equal(run_layers(stages, x), run_layers(blocks, x)));
+  }
 }
 
 TEST_CASE("ResNet-18 runs on small images with any class count") {

@@ -1,3 +1,5 @@
+#include <atomic>
+
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
@@ -156,4 +158,142 @@ TEST_CASE("a bundle names its tensors, refuses names given twice, and describes 
   bundle one(torch::ones({4}));
   CHECK(one.single("x").numel() == 4);
   CHECK(one.describe() == "Float[4]");
+}
+
+namespace {
+
+// Identity whose backward counts its calls: how often a backward pass runs through it.
+std::atomic<int> identity_backwards{0};
+struct counting_identity : torch::autograd::Function<counting_identity> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
+    return x * 1;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    ++identity_backwards;
+    return {g[0]};
+  }
+};
+
+// y = x (2 w)^T: the weight the matmul sees is computed from the parameter, off the input path.
+struct DoubledLinearImpl : torch::nn::Module {
+  DoubledLinearImpl() { weight = register_parameter("weight", torch::randn({6, 6}) * 0.3); }
+  torch::Tensor forward(const torch::Tensor& x) { return x.mm((weight * 2).t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(DoubledLinear);
+
+// y = relu(x w^T) w: one parameter used by two nodes.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() { weight = register_parameter("weight", torch::randn({5, 6}) * 0.3); }
+  torch::Tensor forward(const torch::Tensor& x) { return x.mm(weight.t()).relu().mm(weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Tied);
+
+// y = w, whatever x is: an output of parameters alone.
+struct IgnoresInputImpl : torch::nn::Module {
+  IgnoresInputImpl() { weight = register_parameter("weight", torch::randn({1, 6})); }
+  torch::Tensor forward(const torch::Tensor& x) { return (weight * 1).expand({x.size(0), 6}); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(IgnoresInput);
+
+layer_list weight_pass_model(const std::string& kind) {
+  torch::manual_seed(3);
+  layer_list layers;
+  if (kind == "conv") {
+    layers.emplace_back("conv", torch::nn::AnyModule(
+                                  torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1))));
+    layers.emplace_back("count",
+                        [](const torch::Tensor& x) { return counting_identity::apply(x); });
+    layers.emplace_back("bn", torch::nn::AnyModule(torch::nn::BatchNorm2d(4)));
+    layers.emplace_back("relu", torch::nn::AnyModule(torch::nn::ReLU()));
+    layers.emplace_back("conv2", torch::nn::AnyModule(torch::nn::Conv2d(
+                                   torch::nn::Conv2dOptions(4, 2, 1).bias(false))));
+    return layers;
+  }
+  layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(6, 6)));
+  layers.emplace_back("count", [](const torch::Tensor& x) { return counting_identity::apply(x); });
+  layers.emplace_back("ln",
+                      torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({6}))));
+  if (kind == "doubled") {
+    layers.emplace_back("doubled", torch::nn::AnyModule(DoubledLinear()));
+  } else if (kind == "tied") {
+    layers.emplace_back("tied", torch::nn::AnyModule(Tied()));
+  } else if (kind == "ignores_input") {
+    layers.emplace_back("ignores", torch::nn::AnyModule(IgnoresInput()));
+  }
+  layers.emplace_back("tanh", torch::nn::AnyModule(torch::nn::Tanh()));
+  layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(6, 3)));
+  return layers;
+}
+
+} // namespace
+
+// Zero-bubble's W (stages/weight_pass.hpp): from what B kept, each weight node computes its
+// parameters' gradients alone; nothing between the stage's input and output runs twice.
+TEST_CASE("W from what B kept: the fused backward's gradients, no node run twice") {
+  for (std::string kind : {"mlp", "conv", "doubled", "tied", "ignores_input"}) {
+    for (bool pass : {true, false}) {
+      std::string what = kind + (pass ? " with" : " without") + " the weight pass";
+      INFO(what);
+      stages::stage_config config;
+      config.index = 1;
+      config.count = 3;
+      stages::stage fused(config, weight_pass_model(kind));
+      stages::stage split(config, weight_pass_model(kind));
+      split.use_weight_pass(pass);
+      fused.begin_step(true);
+      split.begin_step(true);
+      torch::manual_seed(11);
+      auto shape = kind == "conv" ? std::vector<int64_t>{2, 3, 5, 5} : std::vector<int64_t>{4, 6};
+      std::vector<torch::Tensor> inputs;
+      for (int m = 0; m < 3; ++m) {
+        inputs.push_back(torch::randn(shape));
+      }
+      std::vector<torch::Tensor> fused_grads;
+      std::vector<torch::Tensor> split_grads;
+      identity_backwards = 0;
+      for (int m = 0; m < 3; ++m) {
+        auto y = fused.forward(m, inputs[m].clone().requires_grad_(true))[0];
+        fused_grads.push_back(fused.backward(m, torch::cos(y.detach()))[0]);
+      }
+      // The output of parameters alone cuts the identity off the graph (and gets no pass).
+      bool covered = kind != "ignores_input";
+      int once = covered ? 3 : 0;
+      CHECK(identity_backwards == once);
+      identity_backwards = 0;
+      for (int m = 0; m < 3; ++m) {
+        auto y = split.forward(m, inputs[m].clone().requires_grad_(true))[0];
+        split_grads.push_back(split.backward_input(m, torch::cos(y.detach()))[0]);
+      }
+      CHECK(identity_backwards == once); // B: each micro-batch's input gradient
+      for (int m = 0; m < 3; ++m) {
+        split.backward_weight(m);
+      }
+      CHECK(split.stash_size() == 0);
+      // W: the weight pass runs no node of B again; walking the graph runs every one again.
+      CHECK(identity_backwards == (pass ? once : 2 * once));
+      auto [passes, walks] = split.weight_passes();
+      CHECK(passes == (pass && covered ? 3u : 0u));
+      CHECK(walks == (pass && covered ? 0u : 3u));
+      for (int m = 0; m < 3; ++m) {
+        CHECK(torch::allclose(fused_grads[m], split_grads[m], 1e-6, 1e-7));
+      }
+      auto a = fused.named_tensors(true);
+      auto b = split.named_tensors(true);
+      REQUIRE(a.size() == b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        INFO(a[i].first);
+        // Layers cut off the graph (ignores_input) have no gradient either way.
+        REQUIRE(a[i].second.defined() == b[i].second.defined());
+        bool before_cut = a[i].first.rfind("fc1", 0) == 0 || a[i].first.rfind("ln", 0) == 0;
+        REQUIRE(a[i].second.defined() == (covered || !before_cut));
+        if (a[i].second.defined()) {
+          CHECK(torch::allclose(a[i].second, b[i].second, 1e-5, 1e-6));
+        }
+      }
+    }
+  }
 }

@@ -1,0 +1,289 @@
+#include "stages/weight_pass.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace actorpipe::stages {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+struct weight_pass::capture {
+  std::shared_ptr<Node> node;
+  /// What B handed the node (its output gradients), kept by the hook.
+  std::shared_ptr<variable_list> gradients;
+  /// Its edges into B's part of the graph or to anything that is no parameter (cut for W).
+  std::vector<std::size_t> cut;
+};
+
+namespace {
+
+// Keeps the gradients a node receives; changes nothing.
+class keep_gradients final : public torch::autograd::FunctionPreHook {
+public:
+  explicit keep_gradients(std::shared_ptr<variable_list> slot) : slot_(std::move(slot)) {}
+  variable_list operator()(const variable_list& grads) override {
+    *slot_ = grads;
+    return grads;
+  }
+
+private:
+  std::shared_ptr<variable_list> slot_;
+};
+
+// Norm layers: their weight and bias gradients reduce over what their input gradient reduces
+// over anyway, so one kernel computing all three in B costs less than two passes over the
+// activations (B for the input, W again for the weight and bias).
+bool computes_weights_in_b(const Node& node) {
+  auto name = node.name();
+  return name.find("BatchNormBackward") != std::string::npos ||
+         name.find("LayerNormBackward") != std::string::npos ||
+         name.find("GroupNormBackward") != std::string::npos;
+}
+
+struct reach {
+  bool done = false;
+  // A path to one of B's inputs, to a parameter.
+  bool input = false;
+  bool parameter = false;
+};
+
+} // namespace
+
+weight_pass::weight_pass() = default;
+weight_pass::~weight_pass() = default;
+
+std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>& roots,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<at::Tensor>& parameters) {
+  std::unordered_set<const Node*> input_nodes;
+  for (const auto& x : inputs) {
+    if (auto node = torch::autograd::impl::gradient_edge(x).function) {
+      input_nodes.insert(node.get());
+    }
+  }
+  std::unordered_set<const Node*> parameter_nodes;
+  std::unordered_map<const Node*, at::Tensor> parameter_of;
+  for (const auto& p : parameters) {
+    if (p.requires_grad()) {
+      if (auto node = torch::autograd::impl::try_get_grad_accumulator(p)) {
+        parameter_nodes.insert(node.get());
+        parameter_of.emplace(node.get(), p);
+      }
+    }
+  }
+  if (input_nodes.empty()) {
+    return nullptr;
+  }
+  // Depth first from the roots, iteratively (graphs of thousands of nodes are chains).
+  std::unordered_map<Node*, reach> seen;
+  std::vector<std::pair<Node*, std::size_t>> stack;
+  auto terminal = [&](const Node* n, reach& into) {
+    if (input_nodes.count(n) != 0) {
+      into.input = true;
+      return true;
+    }
+    if (parameter_nodes.count(n) != 0) {
+      into.parameter = true;
+      return true;
+    }
+    return false;
+  };
+  std::vector<Node*> root_nodes;
+  for (const auto& r : roots) {
+    auto* root = r.grad_fn().get();
+    if (root == nullptr) {
+      continue;
+    }
+    root_nodes.push_back(root);
+    if (seen.count(root) != 0) {
+      continue;
+    }
+    seen[root];
+    stack.emplace_back(root, 0);
+    while (!stack.empty()) {
+      auto& [node, next] = stack.back();
+      if (next < node->num_outputs()) {
+        auto* child = node->next_edge(next++).function.get();
+        reach ignored;
+        if (child != nullptr && !terminal(child, ignored) && seen.count(child) == 0) {
+          seen[child];
+          stack.emplace_back(child, 0);
+        }
+        continue;
+      }
+      auto& r_node = seen[node];
+      for (const auto& e : node->next_edges()) {
+        auto* child = e.function.get();
+        if (child == nullptr || terminal(child, r_node)) {
+          continue;
+        }
+        const auto& c = seen.at(child);
+        r_node.input = r_node.input || c.input;
+        r_node.parameter = r_node.parameter || c.parameter;
+      }
+      r_node.done = true;
+      stack.pop_back();
+    }
+  }
+  std::shared_ptr<weight_pass> pass(new weight_pass());
+  // Hooks go on only once the whole graph is known to be covered.
+  for (auto* root : root_nodes) {
+    const auto& r = seen.at(root);
+    if (r.parameter && !r.input) {
+      return nullptr; // an output computed from parameters alone
+    }
+  }
+  // Every node with an edge to each parameter.
+  std::unordered_map<const Node*, std::vector<const Node*>> users;
+  for (auto& [node, r] : seen) {
+    for (const auto& e : node->next_edges()) {
+      if (e.function && parameter_nodes.count(e.function.get()) != 0) {
+        users[e.function.get()].push_back(node);
+      }
+    }
+  }
+  for (auto& [node, r] : seen) {
+    if (!r.input) {
+      continue;
+    }
+    bool weights = false;
+    // Only edges to parameters no other node uses (a norm's weight and bias).
+    bool own_parameters_only = true;
+    std::vector<std::size_t> cut;
+    for (std::size_t i = 0; i < node->num_outputs(); ++i) {
+      auto* child = node->next_edge(i).function.get();
+      if (child == nullptr) {
+        continue;
+      }
+      bool to_parameters = parameter_nodes.count(child) != 0;
+      own_parameters_only = own_parameters_only && (!to_parameters || users[child].size() == 1);
+      if (!to_parameters && input_nodes.count(child) == 0) {
+        // Off the input path towards parameters (a weight's transpose in a linear, a weight
+        // computed from a parameter): B never runs it, W runs it once, as a walk would.
+        const auto& c = seen.at(child);
+        to_parameters = !c.input && c.parameter;
+        own_parameters_only = own_parameters_only && !to_parameters;
+      }
+      if (to_parameters) {
+        weights = true;
+      } else {
+        cut.push_back(i);
+      }
+    }
+    if (!weights) {
+      continue;
+    }
+    if (own_parameters_only && computes_weights_in_b(*node)) {
+      for (const auto& e : node->next_edges()) {
+        if (e.function && parameter_nodes.count(e.function.get()) != 0) {
+          pass->in_b_.push_back(parameter_of.at(e.function.get()));
+        }
+      }
+      continue;
+    }
+    auto slot = std::make_shared<variable_list>();
+    pass->captures_.push_back(capture{node->shared_from_this(), slot, std::move(cut)});
+  }
+  for (auto& c : pass->captures_) {
+    c.node->add_pre_hook(std::make_unique<keep_gradients>(c.gradients));
+  }
+  return pass;
+}
+
+std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>& roots,
+                                       const std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& root_gradients,
+                                       const weight_pass* pass) {
+  auto targets = inputs;
+  if (pass != nullptr) {
+    targets.insert(targets.end(), pass->in_b_.begin(), pass->in_b_.end());
+  }
+  auto grads = torch::autograd::grad(roots, targets, root_gradients, /*retain_graph=*/true,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+  if (pass != nullptr) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t k = 0; k < pass->in_b_.size(); ++k) {
+      const auto& g = grads[inputs.size() + k];
+      if (!g.defined()) {
+        continue;
+      }
+      auto p = pass->in_b_[k];
+      if (p.grad().defined()) {
+        p.mutable_grad().add_(g);
+      } else {
+        p.mutable_grad() = g.detach().clone();
+      }
+    }
+  }
+  grads.resize(inputs.size());
+  return grads;
+}
+
+std::vector<at::Tensor> weight_pass::left_for_w(const std::vector<at::Tensor>& parameters) const {
+  std::vector<at::Tensor> left;
+  for (const auto& p : parameters) {
+    bool in_b =
+      std::any_of(in_b_.begin(), in_b_.end(), [&](const at::Tensor& q) { return q.is_same(p); });
+    if (!in_b) {
+      left.push_back(p);
+    }
+  }
+  return left;
+}
+
+std::size_t weight_pass::nodes() const {
+  return captures_.size();
+}
+
+bool weight_pass::complete() const {
+  for (const auto& c : captures_) {
+    if (c.gradients->empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void weight_pass::run() {
+  if (ran_ || captures_.empty()) {
+    ran_ = true;
+    return;
+  }
+  ran_ = true;
+  // Each weight node keeps only its edges towards parameters: it computes those gradients alone
+  // (a node computes an output only for a valid edge), and the engine walks on only into what
+  // B never ran (a weight's transpose) down to the parameters. B is done, so the graph's other
+  // edges are no longer needed.
+  edge_list roots;
+  variable_list gradients;
+  for (auto& c : captures_) {
+    for (auto i : c.cut) {
+      c.node->next_edges()[i] = Edge();
+    }
+    for (std::size_t k = 0; k < c.gradients->size(); ++k) {
+      const auto& g = (*c.gradients)[k];
+      if (g.defined()) {
+        roots.emplace_back(c.node, static_cast<uint32_t>(k));
+        gradients.push_back(g);
+      }
+    }
+    c.gradients->clear();
+  }
+  if (roots.empty()) {
+    return;
+  }
+  torch::autograd::Engine::get_default_engine().execute(roots, gradients, /*keep_graph=*/false,
+                                                        /*create_graph=*/false,
+                                                        /*accumulate_grad=*/true);
+}
+
+} // namespace actorpipe::stages
