@@ -152,7 +152,7 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
     ->capture_default_str();
   cmd
     ->add_option("--schedule", a.schedule,
-                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, auto (fastest simulated with "
+                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, auto (fastest simulated with "
                  "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
                  "with --stages auto chosen unless given")
     ->capture_default_str();

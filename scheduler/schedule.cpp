@@ -117,6 +117,38 @@ schedule make_zb_h1(std::size_t p, std::size_t m) {
   return result;
 }
 
+// ZB-H2 (Qi et al.): ZB-H1's B and W, with stage s running 2(p - 1 - s) + 1 warm-up forwards
+// instead of p - 1 - s. The extra forwards fill what ZB-H1 leaves idle on the early stages while
+// they wait for their first input gradient ((p - 1)(F + B - W) there); in exchange stage s
+// stashes up to 2p - 1 - s micro-batches. With equal costs on every stage it is no faster than
+// ZB-H1 (the pipeline's fill is the same); it pays where the early stages are the slower ones,
+// which is where the wait costs the whole pipeline.
+schedule make_zb_h2(std::size_t p, std::size_t m) {
+  schedule result(p);
+  for (std::size_t s = 0; s < p; ++s) {
+    auto& program = result[s];
+    auto warmup = std::min(2 * (p - 1 - s) + 1, m);
+    for (std::size_t mb = 0; mb < warmup; ++mb) {
+      program.push_back(F(mb));
+    }
+    std::size_t next_f = warmup;
+    std::size_t next_w = 0;
+    for (std::size_t k = 0; k < m; ++k) {
+      program.push_back(B(k));
+      while (next_w + s <= k) {
+        program.push_back(W(next_w++));
+      }
+      if (next_f < m) {
+        program.push_back(F(next_f++));
+      }
+    }
+    while (next_w < m) {
+      program.push_back(W(next_w++));
+    }
+  }
+  return result;
+}
+
 } // namespace
 
 schedule_kind parse_schedule_kind(const std::string& name) {
@@ -132,8 +164,11 @@ schedule_kind parse_schedule_kind(const std::string& name) {
   if (name == "zb-h1") {
     return schedule_kind::zb_h1;
   }
-  throw invalid_argument(
-    detail::concat("unknown schedule '", name, "' (known: gpipe, 1f1b, interleaved, zb-h1)"));
+  if (name == "zb-h2") {
+    return schedule_kind::zb_h2;
+  }
+  throw invalid_argument(detail::concat("unknown schedule '", name,
+                                        "' (known: gpipe, 1f1b, interleaved, zb-h1, zb-h2)"));
 }
 
 std::string to_string(schedule_kind kind) {
@@ -146,6 +181,8 @@ std::string to_string(schedule_kind kind) {
     return "interleaved";
   case schedule_kind::zb_h1:
     return "zb-h1";
+  case schedule_kind::zb_h2:
+    return "zb-h2";
   }
   return "?";
 }
@@ -164,6 +201,8 @@ schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t micro
     return make_interleaved(stages, microbatches, chunks);
   case schedule_kind::zb_h1:
     return make_zb_h1(stages, microbatches);
+  case schedule_kind::zb_h2:
+    return make_zb_h2(stages, microbatches);
   }
   return {};
 }

@@ -324,8 +324,9 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
 std::vector<measured_costs> measure_costs(const layer_list& layers, const torch::Tensor& batch,
                                           const layout_space& space, const planning_args& a,
                                           bool progress) {
-  bool split = std::find(space.schedules.begin(), space.schedules.end(), schedule_kind::zb_h1) !=
-               space.schedules.end();
+  bool split = std::any_of(space.schedules.begin(), space.schedules.end(), [](schedule_kind k) {
+    return k == schedule_kind::zb_h1 || k == schedule_kind::zb_h2;
+  });
   auto needed = costs_needed(layers, space);
   std::vector<measured_costs> costs;
   std::map<std::size_t, double> update_ms; // per thread count, measured once each
@@ -420,9 +421,9 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
     auto threads = threads_per_stage(a.stages, a.threads);
     choice.profiled_samples = largest_microbatch(batch_size, a.microbatches);
     if (always_profile || a.partition == "time") {
-      choice.profile =
-        profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
-                   a.profile_repeats, a.schedule == "zb-h1", std::min(cores(), a.stages * threads));
+      choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
+                                  a.profile_repeats, a.schedule.rfind("zb-", 0) == 0,
+                                  std::min(cores(), a.stages * threads));
     }
     if (a.schedule.rfind("file:", 0) == 0) {
       choice.custom = load_schedule(a.schedule.substr(5));

@@ -110,7 +110,7 @@ struct planning_args {
   /// 0: chosen by the planner (--schedule auto, --stages auto).
   std::size_t microbatches = 4;
   std::size_t chunks = 1;
-  /// gpipe, 1f1b, interleaved, zb-h1, auto, or file:PATH.
+  /// gpipe, 1f1b, interleaved, zb-h1, zb-h2, auto, or file:PATH.
   std::string schedule = "1f1b";
   /// uniform, params, time, or cut:I,J.
   std::string partition = "uniform";

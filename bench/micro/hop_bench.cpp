@@ -104,7 +104,7 @@ void BM_schedule_step(benchmark::State& state) {
     benchmark::DoNotOptimize(actorpipe::simulate(plan, m, costs).makespan);
   }
   state.SetLabel(actorpipe::to_string(kind));
-  auto per_microbatch = kind == actorpipe::schedule_kind::zb_h1 ? 3 : 2;
+  auto per_microbatch = actorpipe::splits_backward(actorpipe::make_schedule(kind, p, m, v)) ? 3 : 2;
   state.counters["actions"] = static_cast<double>(p * m * v * per_microbatch);
 }
 BENCHMARK(BM_schedule_step)

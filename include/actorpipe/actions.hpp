@@ -63,6 +63,9 @@ enum class schedule_kind {
   /// Zero-bubble ZB-H1 (Qi et al.): backward split into input-gradient (B) and weight-gradient
   /// (W) actions, W deferred into bubbles, the same stash bound as 1F1B.
   zb_h1,
+  /// Zero-bubble ZB-H2 (Qi et al.): ZB-H1 with p - 1 - i more warm-up forwards on stage i, which
+  /// fill the wait for the first input gradient; stage i stashes up to 2p - 1 - i micro-batches.
+  zb_h2,
 };
 
 /// Cost of each action on one virtual stage (chunk c of stage i is virtual stage c * p + i), in

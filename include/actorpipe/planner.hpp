@@ -42,7 +42,8 @@ struct layout_space {
   std::size_t cores = 0;
   std::vector<std::size_t> microbatch_counts{1, 2, 4, 8};
   std::vector<schedule_kind> schedules{schedule_kind::gpipe, schedule_kind::one_f_one_b,
-                                       schedule_kind::zb_h1, schedule_kind::interleaved};
+                                       schedule_kind::zb_h1, schedule_kind::zb_h2,
+                                       schedule_kind::interleaved};
   /// Model chunks per stage of the interleaved schedule.
   std::size_t chunks = 2;
   /// How to cut: "uniform", "params", "time" or "cut:I,J" (the last only where it has as many

@@ -14,7 +14,8 @@
 
 namespace actorpipe {
 
-/// "gpipe", "1f1b", "interleaved" or "zb-h1"; throws invalid_argument naming the known ones.
+/// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2"; throws invalid_argument naming the known
+/// ones.
 schedule_kind parse_schedule_kind(const std::string& name);
 
 std::string to_string(schedule_kind kind);

@@ -145,11 +145,13 @@ struct schedule_setting {
   std::size_t chunks;
 };
 
-/// Every built-in schedule: GPipe, 1F1B, ZB-H1 (one chunk) and interleaved 1F1B (two chunks).
+/// Every built-in schedule: GPipe, 1F1B, ZB-H1, ZB-H2 (one chunk) and interleaved 1F1B (two
+/// chunks).
 inline std::vector<schedule_setting> every_schedule() {
   return {{schedule_kind::gpipe, 1},
           {schedule_kind::one_f_one_b, 1},
           {schedule_kind::zb_h1, 1},
+          {schedule_kind::zb_h2, 1},
           {schedule_kind::interleaved, 2}};
 }
 

@@ -204,3 +204,45 @@ TEST_CASE("a weight action before its backward is rejected") {
                        actorpipe::invalid_argument);
   CHECK_NOTHROW(validate({{f, b, w}}, 1, true));
 }
+
+TEST_CASE("ZB-H2: valid, more warm-up forwards, and faster than ZB-H1 when the first stage is the "
+          "slowest") {
+  for (std::size_t p = 1; p <= 6; ++p) {
+    for (std::size_t m = 1; m <= 9; ++m) {
+      CAPTURE(p);
+      CAPTURE(m);
+      auto zb = make_schedule(schedule_kind::zb_h2, p, m);
+      CHECK_NOTHROW(validate(zb, m, true));
+      CHECK(splits_backward(zb));
+      for (std::size_t i = 0; i < p; ++i) {
+        CAPTURE(i);
+        CHECK(peak_stash(zb[i]) <= std::min(2 * p - 1 - i, m));
+        // Warm-up: every forward before the first backward.
+        std::size_t warmup = 0;
+        while (zb[i][warmup].kind == action_kind::forward) {
+          ++warmup;
+        }
+        CHECK(warmup == std::min(2 * (p - 1 - i) + 1, m));
+      }
+    }
+  }
+  CHECK(parse_schedule_kind("zb-h2") == schedule_kind::zb_h2);
+  CHECK(to_string(schedule_kind::zb_h2) == "zb-h2");
+  for (std::size_t p : {2, 3, 4}) {
+    for (std::size_t m : {4, 8, 16}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      if (m < 2 * p - 1) {
+        continue; // every forward is in stage 0's warm-up: nothing left to fill the drain
+      }
+      // Stage 0 one and a half times as slow as the others (the bench scenario's shape).
+      std::vector<action_costs> costs(p, action_costs{1, 1, 1});
+      costs[0] = action_costs{1.5, 1.5, 1.5};
+      auto h1 = simulate(make_schedule(schedule_kind::zb_h1, p, m), m, costs);
+      auto h2 = simulate(make_schedule(schedule_kind::zb_h2, p, m), m, costs);
+      CHECK(h2.makespan < h1.makespan);
+      // The slow stage never waits after its warm-up: it is the step.
+      CHECK(h2.makespan == doctest::Approx(4.5 * static_cast<double>(m)));
+    }
+  }
+}
