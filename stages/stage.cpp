@@ -574,6 +574,13 @@ bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) 
   }
   // The graph is kept for W; only the inputs' gradients (and norm layers') are computed now.
   auto grads = input_backward(entry.roots, inputs, entry.root_gradients, entry.weights.get());
+  if (entry.weights) {
+    // What W will read: part of the stash until then.
+    auto kept = entry.weights->kept_bytes();
+    entry.bytes += kept;
+    stash_bytes_ += kept;
+    peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
+  }
   return input_gradients(entry, std::move(grads));
 }
 

@@ -102,7 +102,7 @@ public:
 
   /// Zero-bubble B: only the input gradients (empty on the first stage), which the previous
   /// stage waits for. Keeps the stash, and what each weight node of the graph received, for
-  /// backward_weight (stages/weight_pass.hpp).
+  /// backward_weight (stages/weight_pass.hpp); the latter counts in the stash's bytes until W.
   bundle backward_input(int32_t microbatch, const bundle& output_gradient);
 
   /// Zero-bubble W: accumulates the parameter gradients of a micro-batch whose backward_input

@@ -240,6 +240,18 @@ std::vector<at::Tensor> weight_pass::left_for_w(const std::vector<at::Tensor>& p
   return left;
 }
 
+int64_t weight_pass::kept_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& c : captures_) {
+    for (const auto& g : *c.gradients) {
+      if (g.defined()) {
+        bytes += static_cast<int64_t>(g.numel() * g.element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
 std::size_t weight_pass::nodes() const {
   return captures_.size();
 }

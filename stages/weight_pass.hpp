@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -60,6 +61,8 @@ public:
   std::vector<at::Tensor> left_for_w(const std::vector<at::Tensor>& parameters) const;
   /// Weight nodes found (0 when no parameter is in the graph).
   std::size_t nodes() const;
+  /// Bytes of the gradients kept from B for W.
+  int64_t kept_bytes() const;
 
 private:
   friend std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>&,

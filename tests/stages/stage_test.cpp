@@ -266,7 +266,12 @@ TEST_CASE("W from what B kept: the fused backward's gradients, no node run twice
       identity_backwards = 0;
       for (int m = 0; m < 3; ++m) {
         auto y = split.forward(m, inputs[m].clone().requires_grad_(true))[0];
+        auto before_b = split.peak_stash_bytes();
         split_grads.push_back(split.backward_input(m, torch::cos(y.detach()))[0]);
+        if (m == 0) {
+          // The gradients kept for the weight pass count in the stash until W.
+          CHECK((split.peak_stash_bytes() > before_b) == (pass && covered));
+        }
       }
       CHECK(identity_backwards == once); // B: each micro-batch's input gradient
       for (int m = 0; m < 3; ++m) {
