@@ -4,7 +4,7 @@
 /// CAF's clock is a thread of its own: every delayed message set wakes it, and stays queued until
 /// it is due. A timer per wait (or per step) would wake it on every hand-off and pile up entries
 /// for the deadline's whole length. Instead an actor keeps at most one timer pending: `arm` sets
-/// it only when none is; when its message arrives, `check` looks at the wait running then, and
+/// it only when none is; when its message arrives, `expired` looks at the wait running then, and
 /// either finds it past its limit or sets the timer again for what is left of it. Every wait
 /// still gets its whole deadline.
 #pragma once

@@ -148,15 +148,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       }
       if (!r.roots.empty() && !params.empty()) {
         auto t0 = clock::now();
-        if (pass && pass->complete()) {
-          pass->run();
-        } else if (pass && pass->left_for_w(params).empty()) {
-          // B computed every weight gradient (a norm layer).
-        } else {
-          torch::autograd::backward(r.roots, r.gradients, /*retain_graph=*/false,
-                                    /*create_graph=*/false,
-                                    /*inputs=*/pass ? pass->left_for_w(params) : params);
-        }
+        stages::weight_backward(r.roots, r.gradients, params, pass.get());
         weight_ms = ms_between(t0, clock::now());
       }
       if (timed) {

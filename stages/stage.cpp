@@ -1,7 +1,7 @@
 #include "stages/stage.hpp"
-#include "stages/weight_pass.hpp"
 
 #include "stages/precision.hpp"
+#include "stages/weight_pass.hpp"
 
 #include <actorpipe/batch_norm.hpp>
 
@@ -604,20 +604,11 @@ void stage::backward_weight(int32_t microbatch) {
     return;
   }
   torch::AutoGradMode grad_mode{true};
-  if (entry.weights && entry.weights->complete()) {
-    entry.weights->run();
+  if (weight_backward(entry.roots, entry.root_gradients, params, entry.weights.get())) {
     ++weight_passes_;
-    return;
+  } else {
+    ++weight_walks_;
   }
-  ++weight_walks_;
-  if (entry.weights) {
-    params = entry.weights->left_for_w(params);
-    if (params.empty()) {
-      return; // B computed them all
-    }
-  }
-  torch::autograd::backward(entry.roots, entry.root_gradients,
-                            /*retain_graph=*/false, /*create_graph=*/false, /*inputs=*/params);
 }
 
 void stage::use_weight_pass(bool on) {

@@ -4,6 +4,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -50,7 +51,6 @@ bool computes_weights_in_b(const Node& node) {
 }
 
 struct reach {
-  bool done = false;
   // A path to one of B's inputs, to a parameter.
   bool input = false;
   bool parameter = false;
@@ -70,12 +70,11 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       input_nodes.insert(node.get());
     }
   }
-  std::unordered_set<const Node*> parameter_nodes;
+  // Each parameter's gradient accumulator (the node its gradient ends in).
   std::unordered_map<const Node*, at::Tensor> parameter_of;
   for (const auto& p : parameters) {
     if (p.requires_grad()) {
       if (auto node = torch::autograd::impl::try_get_grad_accumulator(p)) {
-        parameter_nodes.insert(node.get());
         parameter_of.emplace(node.get(), p);
       }
     }
@@ -91,7 +90,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       into.input = true;
       return true;
     }
-    if (parameter_nodes.count(n) != 0) {
+    if (parameter_of.count(n) != 0) {
       into.parameter = true;
       return true;
     }
@@ -130,7 +129,6 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
         r_node.input = r_node.input || c.input;
         r_node.parameter = r_node.parameter || c.parameter;
       }
-      r_node.done = true;
       stack.pop_back();
     }
   }
@@ -146,7 +144,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
   std::unordered_map<const Node*, std::vector<const Node*>> users;
   for (auto& [node, r] : seen) {
     for (const auto& e : node->next_edges()) {
-      if (e.function && parameter_nodes.count(e.function.get()) != 0) {
+      if (e.function && parameter_of.count(e.function.get()) != 0) {
         users[e.function.get()].push_back(node);
       }
     }
@@ -164,7 +162,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       if (child == nullptr) {
         continue;
       }
-      bool to_parameters = parameter_nodes.count(child) != 0;
+      bool to_parameters = parameter_of.count(child) != 0;
       own_parameters_only = own_parameters_only && (!to_parameters || users[child].size() == 1);
       if (!to_parameters && input_nodes.count(child) == 0) {
         // Off the input path towards parameters (a weight's transpose in a linear, a weight
@@ -184,7 +182,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
     }
     if (own_parameters_only && computes_weights_in_b(*node)) {
       for (const auto& e : node->next_edges()) {
-        if (e.function && parameter_nodes.count(e.function.get()) != 0) {
+        if (e.function && parameter_of.count(e.function.get()) != 0) {
           pass->in_b_.push_back(parameter_of.at(e.function.get()));
         }
       }
@@ -228,6 +226,21 @@ std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>& roots,
   return grads;
 }
 
+bool weight_backward(const std::vector<at::Tensor>& roots,
+                     const std::vector<at::Tensor>& root_gradients,
+                     const std::vector<at::Tensor>& parameters, weight_pass* pass) {
+  if (pass != nullptr && pass->complete()) {
+    pass->run();
+    return true;
+  }
+  auto targets = pass != nullptr ? pass->left_for_w(parameters) : parameters;
+  if (!targets.empty()) {
+    torch::autograd::backward(roots, root_gradients, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*inputs=*/targets);
+  }
+  return false;
+}
+
 std::vector<at::Tensor> weight_pass::left_for_w(const std::vector<at::Tensor>& parameters) const {
   std::vector<at::Tensor> left;
   for (const auto& p : parameters) {
@@ -252,10 +265,6 @@ int64_t weight_pass::kept_bytes() const {
   return bytes;
 }
 
-std::size_t weight_pass::nodes() const {
-  return captures_.size();
-}
-
 bool weight_pass::complete() const {
   for (const auto& c : captures_) {
     if (c.gradients->empty()) {
@@ -266,8 +275,7 @@ bool weight_pass::complete() const {
 }
 
 void weight_pass::run() {
-  if (ran_ || captures_.empty()) {
-    ran_ = true;
+  if (ran_) {
     return;
   }
   ran_ = true;

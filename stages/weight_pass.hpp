@@ -52,15 +52,6 @@ public:
   weight_pass& operator=(const weight_pass&) = delete;
   ~weight_pass();
 
-  /// After B: whether every weight node received its gradient (else W must walk the graph).
-  bool complete() const;
-  /// W: accumulates the parameters' gradients from the weight nodes alone. Once.
-  void run();
-  /// Of `parameters`, those whose gradients B did not compute (what a W that walks the graph
-  /// instead, when not complete(), must differentiate for).
-  std::vector<at::Tensor> left_for_w(const std::vector<at::Tensor>& parameters) const;
-  /// Weight nodes found (0 when no parameter is in the graph).
-  std::size_t nodes() const;
   /// Bytes of the gradients kept from B for W.
   int64_t kept_bytes() const;
 
@@ -68,8 +59,16 @@ private:
   friend std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>&,
                                                 const std::vector<at::Tensor>&,
                                                 const std::vector<at::Tensor>&, const weight_pass*);
+  friend bool weight_backward(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                              const std::vector<at::Tensor>&, weight_pass*);
   struct capture;
   weight_pass();
+  // After B: whether every weight node received its gradient (else W must walk the graph).
+  bool complete() const;
+  // W: accumulates the parameters' gradients from the weight nodes alone. Once.
+  void run();
+  // Of `parameters`, those whose gradients B did not compute.
+  std::vector<at::Tensor> left_for_w(const std::vector<at::Tensor>& parameters) const;
   std::vector<capture> captures_;
   // Parameters whose gradients B computes (norm layers' weights and biases).
   std::vector<at::Tensor> in_b_;
@@ -83,5 +82,12 @@ std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>& roots,
                                        const std::vector<at::Tensor>& inputs,
                                        const std::vector<at::Tensor>& root_gradients,
                                        const weight_pass* pass);
+
+/// W, after `input_backward` with the same `pass`: the weight pass when it applies (returns
+/// true), else a walk of the graph from `roots` for the `parameters` whose gradients B did not
+/// compute (false; nothing to do when B computed them all). Accumulates into their `.grad`.
+bool weight_backward(const std::vector<at::Tensor>& roots,
+                     const std::vector<at::Tensor>& root_gradients,
+                     const std::vector<at::Tensor>& parameters, weight_pass* pass);
 
 } // namespace actorpipe::stages
