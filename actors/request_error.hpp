@@ -4,10 +4,12 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include <caf/actor_system.hpp>
 #include <caf/error.hpp>
+#include <caf/message.hpp>
 #include <caf/sec.hpp>
 
 #include <actorpipe/errors.hpp>
@@ -21,6 +23,17 @@ inline std::string request_error(caf::actor_system& sys, const caf::error& err,
     return detail::concat("did not answer within ", timeout.count(), " ms");
   }
   return "failed: " + sys.render(err);
+}
+
+/// The sentence an actor that answers for another (a stage proxy for its node) put into the
+/// error it delivered: caf::make_error(code, "stage 1 on node ..., asked to ..., did not answer
+/// within 2000 ms"), whose code says the kind (request_timeout, request_receiver_down).
+inline std::optional<std::string> carried_sentence(const caf::error& err) {
+  const auto& context = err.context();
+  if (context.size() == 1 && context.match_element<std::string>(0)) {
+    return context.get_as<std::string>(0);
+  }
+  return std::nullopt;
 }
 
 /// What kind of failure a failed request is: a timeout, a receiver that is gone (the stage

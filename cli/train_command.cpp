@@ -114,6 +114,23 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   add_tls_flags(cmd, a.tls);
   opt("--connect-timeout", a.connect_timeout_ms,
       "Milliseconds to reach each node and for each control request");
+  opt("--on-node-loss", a.on_node_loss,
+      "--nodes: when a node is lost (its connection closes, or it stops answering within "
+      "--wait-timeout), fail (end the run) or continue: move its stages to a --spare-nodes node "
+      "that answers, else cut the model anew over the nodes left, restore the newest snapshot "
+      "and replay the data from there (docs/distributed.md)")
+    ->check(CLI::IsMember({"fail", "continue"}));
+  cmd
+    ->add_option("--spare-nodes", a.spare_nodes,
+                 "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
+                 "comma-separated), taken in order for lost nodes")
+    ->delimiter(',');
+  opt("--snapshot-every", a.snapshot_every,
+      "--on-node-loss continue: copy every stage's parameters, buffers and optimizer state into "
+      "this process's memory every N steps (and at the start); a recovery replays from the "
+      "newest");
+  opt("--max-recoveries", a.max_recoveries,
+      "--on-node-loss continue: recoveries a run may make before a lost node ends it");
   opt("--dp-timeout", a.dp_timeout_ms,
       "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
   opt("--buffers", a.buffers,
@@ -227,6 +244,7 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   po.placement.tls = a.tls;
   ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
   po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
+  po.placement.spares = a.spare_nodes;
   return std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
 }
 
@@ -244,6 +262,18 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   };
   const bool tensors = !training::tensor_file_of(a.model.data).empty();
   const bool images = !training::image_folder_of(a.model.data).empty();
+  if (a.nodes.empty()) {
+    for (const char* flag :
+         {"--on-node-loss", "--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+      refuse(flag, "applies to stages on nodes (--nodes)");
+    }
+  } else if (a.on_node_loss != "continue") {
+    for (const char* flag : {"--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+      refuse(flag, "applies to --on-node-loss continue");
+    }
+  }
+  ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
+  ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
   if (images) {
     refuse("--data-dir", "is Fashion-MNIST's folder; --data images:DIR names its own folder");
     refuse("--train-samples", "applies to Fashion-MNIST (an image folder is used whole)");
@@ -420,6 +450,19 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.log_steps = stream && !a.no_progress;
   to.progress = !stream && !a.no_progress;
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
+  to.recover_lost_nodes = a.on_node_loss == "continue";
+  to.snapshot_every = a.snapshot_every;
+  to.max_recoveries = a.max_recoveries;
+  // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
+  // parameter counts then), profiled again for time.
+  to.repartition = [&setup, plan = a.plan](std::size_t stages) {
+    auto args = plan;
+    args.stages = stages;
+    if (args.partition.rfind("cut:", 0) == 0) {
+      args.partition = "params";
+    }
+    return choose_plan(setup.layers, setup.sample(), args).cut;
+  };
 
   if (lead) {
     std::cout << "actorpipe train: " << setup.name << " on ";
@@ -496,6 +539,12 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
               << 100 * (predicted - measured) / measured << std::noshowpos << "%)\n"
               << std::setprecision(6);
   }
+  if (!report.recoveries.empty()) {
+    std::cout << "nodes: " << report.recoveries.size() << " lost-node recover"
+              << (report.recoveries.size() == 1 ? "y" : "ies") << ", "
+              << report.replayed_steps.size() << " steps replayed; now " << pipe.stages()
+              << " stages, cut " << pipe.cut().to_string() << '\n';
+  }
   if (!a.export_path.empty()) {
     pipe.save_torchscript(a.export_path);
     std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
@@ -542,6 +591,16 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                              {"bits", e.test.bits},
                              {"seconds", e.seconds}});
     }
+    j["recoveries"] = nlohmann::json::array();
+    for (const auto& r : report.recoveries) {
+      j["recoveries"].push_back({{"lost", r.lost},
+                                 {"spares_used", r.spares_used},
+                                 {"nodes", r.nodes},
+                                 {"bounds", r.bounds},
+                                 {"snapshot", r.snapshot},
+                                 {"seconds", r.seconds}});
+    }
+    j["replayed_steps"] = report.replayed_steps;
     write_json(a.json, j);
   }
   if (!a.trace.empty() && !report.results.empty()) {

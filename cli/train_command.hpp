@@ -87,6 +87,12 @@ struct train_args {
   std::string secret_file;
   tls_options tls;
   int64_t connect_timeout_ms = 10000;
+  /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
+  /// the newest snapshot, taken every snapshot_every steps, at most max_recoveries times).
+  std::string on_node_loss = "fail";
+  std::vector<std::string> spare_nodes;
+  int64_t snapshot_every = 100;
+  std::size_t max_recoveries = 3;
   /// Whether a flag was given on the command line (set by add_train_command; unset: none was).
   std::function<bool(const std::string&)> given;
 };

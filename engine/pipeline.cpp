@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -89,17 +90,38 @@ struct pipeline::impl {
   layer_list layers;
   // Carried by every training request; < 0 keeps the optimizers' own.
   double learning_rate = -1;
+  // Stages on nodes: the model they build, the engine they were placed from and the nodes
+  // reached (recover() places them again).
+  std::optional<remote_model> remote;
+  engine* sys = nullptr;
+  std::map<std::string, caf::actor> nodes;
+  // Training and forward steps submitted: the scheduler's step counter, which a recovered
+  // pipeline continues.
+  std::atomic<uint64_t> steps{0};
+  // The newest snapshot (null: the state the stages were built with), and its number.
+  std::shared_ptr<const stages::tensor_map> snapshot;
+  uint64_t snapshot_number = 0;
+  uint64_t snapshots_taken = 0;
 
   impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
-  ~impl() {
+  ~impl() { stop_actors(); }
+
+  void stop_actors() {
     for (auto& a : stage_actors) {
       caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     }
+    stage_actors.clear();
     if (scheduler) {
       caf::anon_send_exit(scheduler, caf::exit_reason::user_shutdown);
     }
+    scheduler = nullptr;
   }
+
+  // Stages on nodes: builds the local copy of the model and its stages (which check
+  // checkpoints and count parameters), the scheduler and the stages on options.placement.nodes
+  // cut by `cut`.
+  void place_on_nodes();
 
   // Splits along dimension 0 into m parts differing by at most one sample; forward-only passes
   // take fewer parts when the batch is smaller than m (`at_most`).
@@ -119,6 +141,15 @@ struct pipeline::impl {
   // Queues a step; the future holds extract(outcome) or the step's error.
   template <class T, class Extract>
   std::future<T> submit(std::shared_ptr<scheduler::step_request> request, Extract extract) {
+    if (!scheduler) {
+      throw pipeline_error("pipeline: its stages were lost and not placed again (a recover() "
+                           "failed); call recover() again",
+                           error_details{error_kind::node_lost});
+    }
+    if (request->kind == scheduler::request_kind::train ||
+        request->kind == scheduler::request_kind::forward) {
+      ++steps;
+    }
     auto promise = std::make_shared<std::promise<T>>();
     auto future = promise->get_future();
     request->finish = [promise, extract](scheduler::step_outcome outcome) {
@@ -410,12 +441,19 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
                   "pipeline: a remote_model needs options.placement.nodes");
   options.loss = builtin_loss(model.loss);
   options.optimizer = make_optimizer(model.optimizer);
+  impl_ = std::make_unique<impl>(std::move(cut), std::move(options));
+  impl_->remote = std::move(model);
+  impl_->sys = &sys;
+  impl_->place_on_nodes();
+}
+
+void pipeline::impl::place_on_nodes() {
+  const auto& model = *remote;
   // A local copy of the initial model checks the partition and, later, checkpoints.
   torch::manual_seed(model.seed);
-  auto layers =
-    model.torchscript.empty()
-      ? make_model(model.name, model.options)
-      : load_torchscript_bytes(model.torchscript, "the TorchScript model " + model.name);
+  layers = model.torchscript.empty()
+             ? make_model(model.name, model.options)
+             : load_torchscript_bytes(model.torchscript, "the TorchScript model " + model.name);
   auto stage_count = check_pipeline(layers.size(), cut, options);
   auto threads = options.threads_per_stage;
   if (threads == 0) {
@@ -427,30 +465,30 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
     }
     threads = std::max<std::size_t>(1, std::max(1u, std::thread::hardware_concurrency()) / most);
   }
-  impl_ = std::make_unique<impl>(cut, options);
-  auto& self = *impl_;
-  self.layers = layers;
+  stages.clear();
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    self.stages.push_back(
+    stages.push_back(
       stages::make_stage(layers, cut, k, c10::kCPU, options.optimizer, options.precision));
   }
   if (options.placement.tls.enabled()) {
-    sys.internals().use_tls(options.placement.tls);
+    sys->internals().use_tls(options.placement.tls);
   }
-  auto& actor_system = sys.internals().system;
+  auto& actor_system = sys->internals().system;
   auto so = scheduler_options_of(options);
   so.nodes = options.placement.nodes;
-  self.scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
+  so.first_step = steps;
+  scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   try {
-    auto remote = nodes::connect_stages(actor_system, model, cut, options, threads, self.scheduler);
-    self.stage_actors = std::move(remote.proxies);
-    self.remote_hub = std::move(remote.hub);
+    auto placed = nodes::connect_stages(actor_system, model, cut, options, threads, scheduler);
+    stage_actors = std::move(placed.proxies);
+    remote_hub = std::move(placed.hub);
+    nodes = std::move(placed.nodes);
   } catch (...) {
-    caf::anon_send_exit(self.scheduler, caf::exit_reason::user_shutdown);
-    self.scheduler = nullptr;
+    caf::anon_send_exit(scheduler, caf::exit_reason::user_shutdown);
+    scheduler = nullptr;
     throw;
   }
-  caf::anon_send(self.scheduler, actors::connect_atom::value, self.stage_actors);
+  caf::anon_send(scheduler, actors::connect_atom::value, stage_actors);
   log::get()->info("pipeline: {} stages of {} on nodes, partition {}, {} micro-batches, {} "
                    "intra-op threads per stage",
                    stage_count, model.name, cut.to_string(), options.microbatches, threads);
@@ -526,6 +564,118 @@ void pipeline::load_state(const std::string& dir) {
   auto future =
     self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
   self.wait(future, "load_state");
+  if (self.remote) {
+    // What recover() restores until the next snapshot.
+    self.snapshot = std::move(all);
+    self.snapshot_number = 0;
+  }
+}
+
+uint64_t pipeline::snapshot() {
+  auto& self = *impl_;
+  auto request = std::make_shared<scheduler::step_request>();
+  request->kind = scheduler::request_kind::fetch;
+  auto future = self.submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
+    std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
+  auto state = self.wait(future, "snapshot");
+  self.snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
+  self.snapshot_number = ++self.snapshots_taken;
+  return self.snapshot_number;
+}
+
+recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(self.remote, "recover: the stages of this pipeline are in this process; "
+                               "recover() places stages on nodes again");
+  auto started = std::chrono::steady_clock::now();
+  auto& actor_system = self.sys->internals().system;
+  // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
+  self.stop_actors();
+  auto& placement = self.options.placement;
+  std::vector<std::string> distinct;
+  for (const auto& n : placement.nodes) {
+    if (std::find(distinct.begin(), distinct.end(), n) == distinct.end()) {
+      distinct.push_back(n);
+    }
+  }
+  auto alive = nodes::answering(actor_system, distinct, self.nodes, placement);
+  recovery_report report;
+  std::set<std::string> lost;
+  for (std::size_t i = 0; i < distinct.size(); ++i) {
+    if (!alive[i]) {
+      lost.insert(distinct[i]);
+      report.lost.push_back(distinct[i]);
+    }
+  }
+  // A spare per lost node, in order, among those that answer and hold no stage yet.
+  std::map<std::string, std::string> replacement;
+  if (!lost.empty()) {
+    std::vector<std::string> candidates;
+    for (const auto& spare : placement.spares) {
+      if (std::find(distinct.begin(), distinct.end(), spare) == distinct.end() &&
+          std::find(candidates.begin(), candidates.end(), spare) == candidates.end()) {
+        candidates.push_back(spare);
+      }
+    }
+    auto ready = nodes::answering(actor_system, candidates, {}, placement);
+    std::size_t next = 0;
+    for (const auto& gone : report.lost) {
+      while (next < candidates.size() && !ready[next]) {
+        ++next;
+      }
+      if (next == candidates.size()) {
+        break;
+      }
+      replacement[gone] = candidates[next];
+      report.spares_used.push_back(candidates[next++]);
+    }
+  }
+  std::vector<std::string> placed;
+  for (const auto& n : placement.nodes) {
+    if (lost.count(n) == 0) {
+      placed.push_back(n);
+    } else if (auto it = replacement.find(n); it != replacement.end()) {
+      placed.push_back(it->second);
+    }
+  }
+  if (placed.empty()) {
+    throw pipeline_error(
+      detail::concat("recover: no node is left (", report.lost.size(), " lost, no spare answered)"),
+      error_details{error_kind::node_lost});
+  }
+  auto cut = self.cut;
+  if (placed.size() != placement.nodes.size()) {
+    // Fewer stage actors: the model is cut anew over the nodes left.
+    cut =
+      repartition ? repartition(placed.size()) : partition_by_params(self.layers, placed.size());
+    ACTORPIPE_CHECK(cut.stages() == placed.size(), "recover: the repartition gave ", cut.stages(),
+                    " stages for the ", placed.size(), " nodes left");
+  }
+  self.cut = cut;
+  placement.nodes = placed;
+  self.place_on_nodes();
+  if (self.snapshot) {
+    stages::check_checkpoint(*self.snapshot, self.stages,
+                             detail::concat("snapshot ", self.snapshot_number));
+    auto request = std::make_shared<scheduler::step_request>();
+    request->kind = scheduler::request_kind::load;
+    request->state = self.snapshot;
+    auto future =
+      self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+    self.wait(future, "recover");
+  }
+  report.nodes = placed;
+  report.bounds = cut.bounds;
+  report.snapshot = self.snapshot_number;
+  report.seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  log::get()->info(
+    "pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
+    "{} cut {}, restored snapshot {}",
+    report.seconds, report.lost.empty() ? "none" : fmt::format("{}", fmt::join(report.lost, ", ")),
+    report.spares_used.empty() ? "none" : fmt::format("{}", fmt::join(report.spares_used, ", ")),
+    placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot);
+  return report;
 }
 
 void pipeline::save_torchscript(const std::string& path) {

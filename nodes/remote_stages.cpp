@@ -60,11 +60,21 @@ struct save_request {
   caf::typed_response_promise<std::string, std::shared_ptr<const tensor_map>> fetch_promise;
   bool replied = false;
   std::string error;
+  // The request to the node failed, or the node is gone (actors/request_error.hpp).
+  caf::error failure;
   torch::Tensor state;
 
   void fail(std::string why) {
     if (fetch) {
       fetch_promise.deliver(std::move(why), std::shared_ptr<const tensor_map>{});
+    } else {
+      promise.deliver(std::move(why));
+    }
+  }
+
+  void fail(caf::error why) {
+    if (fetch) {
+      fetch_promise.deliver(std::move(why));
     } else {
       promise.deliver(std::move(why));
     }
@@ -129,11 +139,15 @@ void finish_save(proxy_actor self, uint64_t id) {
   auto& s = self->state;
   auto it = s.saves.find(id);
   if (it == s.saves.end() || !it->second.replied ||
-      (it->second.error.empty() && !it->second.state.defined())) {
+      (it->second.error.empty() && !it->second.failure && !it->second.state.defined())) {
     return;
   }
   auto request = std::move(it->second);
   s.saves.erase(it);
+  if (request.failure) {
+    request.fail(std::move(request.failure));
+    return;
+  }
   if (!request.error.empty()) {
     request.fail(std::move(request.error));
     return;
@@ -182,16 +196,21 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
                                        " to finish its program of step ", st.step)});
     }
     for (auto& [id, save] : st.saves) {
-      save.fail(what);
+      save.fail(caf::make_error(caf::sec::request_receiver_down, what));
     }
     st.saves.clear();
     self->quit(caf::make_error(caf::sec::runtime_error, what));
   });
+  // A request the node did not answer fails as a timeout, any other failure as a node that is
+  // gone, each with the sentence saying so (actors::carried_sentence).
   auto forward_error = [=](const char* action) {
     return [=](caf::error& e) {
-      return detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ",
-                            action, ", ",
-                            actors::request_error(self->system(), e, self->state.timeout));
+      return caf::make_error(
+        e == caf::sec::request_timeout ? caf::sec::request_timeout
+                                       : caf::sec::request_receiver_down,
+        detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ",
+                       action, ", ",
+                       actors::request_error(self->system(), e, self->state.timeout)));
     };
   };
   // Files `request` under a fresh id and asks the node for the stage's state frame;
@@ -214,7 +233,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
           auto it = self->state.saves.find(id);
           if (it != self->state.saves.end()) {
             it->second.replied = true;
-            it->second.error = forward_error("save its state")(e);
+            it->second.failure = forward_error("save its state")(e);
             finish_save(self, id);
           }
         });
@@ -292,9 +311,8 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       auto& st = self->state;
       auto rp = self->make_response_promise<double, std::string>();
       self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
-        .then(
-          [=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
-          [=](caf::error& e) mutable { rp.deliver(0.0, forward_error("step its optimizer")(e)); });
+        .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
+              [=](caf::error& e) mutable { rp.deliver(forward_error("step its optimizer")(e)); });
       return rp;
     },
     [=](block_atom) -> caf::result<std::string> {
@@ -542,8 +560,51 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     release_all();
     throw;
   }
+  result.nodes = std::move(handles);
   log::get()->info("pipeline: {} stages on nodes {}; frames back to {}:{}", count,
                    fmt::join(placement.nodes, ", "), result.hub->host(), result.hub->port());
+  return result;
+}
+
+std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
+                            const std::map<std::string, caf::actor>& known,
+                            const node_placement& placement) {
+  auto timeout = placement.connect_timeout;
+  std::vector<std::future<bool>> replies;
+  for (const auto& address : addresses) {
+    auto it = known.find(address);
+    auto handle = it == known.end() ? caf::actor{} : it->second;
+    replies.push_back(std::async(std::launch::async, [&sys, address, handle, &placement, timeout] {
+      try {
+        auto [host, port] = parse_host_port(address, "node");
+        auto node = handle ? handle : reach(sys, host, port, placement.tls.enabled(), timeout);
+        // A node whose connection closed is known at once (its handle is down); one that is
+        // connected but silent runs out of time.
+        caf::scoped_actor self{sys};
+        self->monitor(node);
+        self->send(node, hello_atom::value);
+        std::string why;
+        self->receive(
+          [](std::string&) {},
+          [&](caf::down_msg& down) {
+            why = "its connection is gone (" + sys.render(down.reason) + ")";
+          },
+          caf::after(timeout) >>
+            [&] { why = detail::concat("it did not answer within ", timeout.count(), " ms"); });
+        if (!why.empty()) {
+          throw pipeline_error(why);
+        }
+        return true;
+      } catch (const std::exception& e) {
+        log::get()->warn("pipeline: node {} does not answer: {}", address, e.what());
+        return false;
+      }
+    }));
+  }
+  std::vector<bool> result;
+  for (auto& reply : replies) {
+    result.push_back(reply.get());
+  }
   return result;
 }
 

@@ -12,9 +12,12 @@
 /// stage.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
 #include <actorpipe/options.hpp>
@@ -34,6 +37,8 @@ struct remote_stages {
   std::vector<actors::stage_actor> proxies;
   /// Where the nodes' output and state frames arrive.
   std::shared_ptr<comm::tensor_hub> hub;
+  /// The nodes reached, by "host:port" (authenticated).
+  std::map<std::string, caf::actor> nodes;
 };
 
 /// Connects to every node of options.placement (authenticating with its secret), has each
@@ -43,5 +48,12 @@ struct remote_stages {
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
                              std::size_t threads, const actors::stage_listener_actor& scheduler);
+
+/// For each of `addresses`, whether its node answers a hello within placement.connect_timeout:
+/// a node in `known` is asked over its connection, any other is reached first. All are asked at
+/// once, so the whole costs one deadline at most.
+std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
+                            const std::map<std::string, caf::actor>& known,
+                            const node_placement& placement);
 
 } // namespace actorpipe::nodes

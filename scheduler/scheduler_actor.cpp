@@ -67,12 +67,21 @@ void finish_with_error(scheduler_actor_type self, const failure& why) {
 }
 
 // A failed request to stage `stage`: a timeout, a stage that is gone, or CAF's error.
+// A stage on a node that is gone is a lost node; a proxy's error says itself what it was asked.
 failure request_failure(scheduler_actor_type self, std::size_t stage, uint64_t step,
                         const caf::error& err, std::chrono::milliseconds timeout,
                         const std::string& what) {
-  return failure{{request_error_kind(err), stage, std::nullopt, step},
-                 detail::concat("stage ", stage, ", step ", step, ", asked to ", what, ", ",
-                                request_error(self->system(), err, timeout))};
+  const auto& nodes = self->state.options.nodes;
+  auto node = stage < nodes.size() ? nodes[stage] : std::string{};
+  auto kind = request_error_kind(err);
+  if (kind == error_kind::stage_lost && !node.empty()) {
+    kind = error_kind::node_lost;
+  }
+  auto sentence = carried_sentence(err);
+  return failure{{kind, stage, std::nullopt, step, node},
+                 sentence ? *sentence
+                          : detail::concat("stage ", stage, ", step ", step, ", asked to ", what,
+                                           ", ", request_error(self->system(), err, timeout))};
 }
 
 // Fails the running step: every stage is told to abort (drop stash and gradients, restore
@@ -143,6 +152,9 @@ void run_state_request(scheduler_actor_type self) {
   auto request = s.current;
   auto pending = std::make_shared<std::size_t>(s.stages.size());
   auto errors = std::make_shared<std::string>();
+  // A stage that did not answer, or a lost node, says so over what the files would say.
+  auto kind = std::make_shared<error_kind>(
+    request->kind == request_kind::end_block ? error_kind::replica_failure : error_kind::io);
   auto fetched = std::make_shared<std::map<std::string, torch::Tensor>>();
   auto one_done = [=](const std::string& error) {
     if (!error.empty()) {
@@ -156,16 +168,21 @@ void run_state_request(scheduler_actor_type self) {
         }
         finish(self, std::move(outcome));
       } else {
-        auto kind =
-          request->kind == request_kind::end_block ? error_kind::replica_failure : error_kind::io;
-        finish_with_error(self, failure{{kind}, *errors});
+        finish_with_error(self, failure{{*kind}, *errors});
       }
     }
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     auto on_error = [=](const caf::error& err) {
-      one_done(detail::concat(
-        "stage ", i, " ", request_error(self->system(), err, self->state.options.step_timeout)));
+      auto why = request_failure(self, i, self->state.step, err, self->state.options.step_timeout,
+                                 request->kind == request_kind::fetch  ? "send its state"
+                                 : request->kind == request_kind::save ? "save its state"
+                                 : request->kind == request_kind::load ? "load its state"
+                                                                       : "end its block");
+      if (why.details.kind != error_kind::other) {
+        *kind = why.details.kind;
+      }
+      one_done(why.message);
     };
     if (request->kind == request_kind::fetch) {
       self->request(s.stages[i], s.options.step_timeout, fetch_atom::value)
@@ -319,6 +336,7 @@ void on_all_reported(scheduler_actor_type self) {
 scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self,
                                                        scheduler_options options) {
   self->state.options = options;
+  self->state.step = options.first_step;
   self->set_down_handler([=](caf::down_msg& msg) {
     auto& s = self->state;
     for (std::size_t i = 0; i < s.stages.size(); ++i) {

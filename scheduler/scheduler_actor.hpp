@@ -94,6 +94,10 @@ struct scheduler_options {
   /// After each step message, how long the scheduler's thread polls for the next one before it
   /// sleeps (actors/linger.hpp); 0: sleep at once.
   std::chrono::microseconds linger{0};
+  /// The step counter's start: the first step is first_step + 1. A pipeline rebuilt by
+  /// recover() continues its predecessor's numbers, so that frames of the failed step still on
+  /// their way are older than any step the new stages run (and dropped).
+  uint64_t first_step = 0;
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.

@@ -1,5 +1,6 @@
 #include <actorpipe/training.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -322,6 +323,61 @@ start_point resume(pipeline& pipe, const batch_source& data, const train_options
   return {m.step, m.epoch, m.batch_in_epoch};
 }
 
+// A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
+// forgets what it did after the snapshot it goes back to. `done` steps were complete when the
+// next failed.
+void recover_from(pipeline& pipe, const pipeline_error& failure, const train_options& o,
+                  uint64_t done, const start_point& snapshot_at, train_report& report) {
+  if (report.recoveries.size() >= o.max_recoveries) {
+    throw pipeline_error(detail::concat(failure.what(),
+                                        " (no recovery left: ", report.recoveries.size(),
+                                        " of at most ", o.max_recoveries, " done)"),
+                         failure.details());
+  }
+  std::cerr << "actorpipe: step " << done + 1 << " failed (" << to_string(failure.kind())
+            << (failure.node().empty() ? std::string{} : ", node " + failure.node())
+            << "): " << failure.what() << "\n"
+            << std::flush;
+  auto r = pipe.recover(o.repartition);
+  std::size_t kept = 0;
+  while (kept < report.steps.size() && report.steps[kept].first <= snapshot_at.step) {
+    ++kept;
+  }
+  std::vector<uint64_t> replayed;
+  for (std::size_t i = kept; i < report.steps.size(); ++i) {
+    replayed.push_back(report.steps[i].first);
+  }
+  report.replayed_steps.insert(report.replayed_steps.end(), replayed.begin(), replayed.end());
+  report.steps.resize(kept);
+  report.step_ms.resize(std::min(kept, report.step_ms.size()));
+  if (o.keep_results) {
+    report.results.resize(std::min(kept, report.results.size()));
+  }
+  // An epoch not finished at the snapshot's position is run (and evaluated) again.
+  report.epochs.erase(
+    std::remove_if(report.epochs.begin(), report.epochs.end(),
+                   [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
+    report.epochs.end());
+  auto join = [](const std::vector<std::string>& xs) {
+    std::string text;
+    for (const auto& x : xs) {
+      text += (text.empty() ? "" : ", ") + x;
+    }
+    return text.empty() ? std::string("none") : text;
+  };
+  std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
+            << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
+            << join(r.lost) << ", spares used " << join(r.spares_used) << "; now " << r.nodes.size()
+            << " stages on " << join(r.nodes) << ", cut " << partition{r.bounds}.to_string()
+            << "; restored "
+            << (r.snapshot == 0 ? std::string("the run's starting state")
+                                : detail::concat("snapshot ", r.snapshot))
+            << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
+            << (replayed.size() == 1 ? "" : "s") << "\n"
+            << std::flush;
+  report.recoveries.push_back(std::move(r));
+}
+
 } // namespace
 
 train_report train(pipeline& pipe, const batch_source& data, const train_options& o) {
@@ -335,6 +391,9 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
                   o.replicas, " replicas");
   ACTORPIPE_CHECK(o.batch % o.replicas == 0, "batch (", o.batch, ") must be a multiple of the ",
                   o.replicas, " replicas");
+  ACTORPIPE_CHECK(!o.recover_lost_nodes || (o.snapshot_every >= 1 && o.max_recoveries >= 1),
+                  "recovering lost nodes needs snapshot_every (", o.snapshot_every,
+                  ") and max_recoveries (", o.max_recoveries, ") >= 1");
   const bool lead = o.rank == 0;
   const bool stream = data.epoch_samples() == 0;
   ACTORPIPE_CHECK(!stream || o.max_steps > 0, data.name(),
@@ -379,98 +438,131 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
   auto end_of_epoch = [&](int64_t epoch) {
     pipe.replicas_agree(detail::concat("the end of epoch ", epoch), epoch);
   };
-  for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
-    auto label = stream ? std::string("steps") : detail::concat("epoch ", epoch + 1, "/", epochs);
-    training::progress_bar bar(label, steps_per_epoch * o.batch);
-    double loss_sum = 0;
-    int64_t loss_count = 0;
-    int64_t start_batch = epoch == start.epoch ? start.batch : 0;
-    bool stopped = false;
-    for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
-      if (o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps)) {
-        stopped = true;
-        break;
+  // Lost nodes: the newest snapshot's position in the data, where a recovered run goes on; the
+  // first is the run's start (whatever the pipeline did before train()).
+  start_point snapshot_at = start;
+  if (o.recover_lost_nodes) {
+    pipe.snapshot();
+  }
+  auto take_snapshot = [&](int64_t epoch, int64_t next_batch) {
+    if (!o.recover_lost_nodes || o.snapshot_every <= 0 ||
+        step % static_cast<uint64_t>(o.snapshot_every) != 0) {
+      return;
+    }
+    pipe.snapshot();
+    snapshot_at = {step, epoch, next_batch};
+  };
+  auto run_from = [&](const start_point& from) {
+    for (int64_t epoch = from.epoch; epoch < epochs; ++epoch) {
+      auto label = stream ? std::string("steps") : detail::concat("epoch ", epoch + 1, "/", epochs);
+      training::progress_bar bar(label, steps_per_epoch * o.batch);
+      double loss_sum = 0;
+      int64_t loss_count = 0;
+      int64_t start_batch = epoch == from.epoch ? from.batch : 0;
+      bool stopped = false;
+      for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
+        if (o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps)) {
+          stopped = true;
+          break;
+        }
+        auto asked = std::chrono::steady_clock::now();
+        auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
+        const double waited =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked)
+            .count();
+        report.data_wait_seconds += waited / 1000.0;
+        auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(step)) : o.lr;
+        pipe.set_learning_rate(current_lr);
+        auto r = pipe.train_step(x, y);
+        r.data_wait_ms = waited;
+        ++step;
+        report.steps.emplace_back(step, r.loss);
+        report.step_ms.push_back(r.wall_ms);
+        loss_sum += r.loss;
+        ++loss_count;
+        if (o.log_steps && lead) {
+          std::cout << "step " << step << "/" << total_steps << "  loss " << std::setprecision(9)
+                    << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+                    << std::flush;
+        }
+        if (o.keep_results) {
+          report.results.push_back(std::move(r));
+        }
+        if (o.progress && lead) {
+          auto done = (b + 1 - start_batch) * o.batch;
+          bar.update((b + 1) * o.batch,
+                     detail::concat(static_cast<int64_t>(static_cast<double>(done) /
+                                                         std::max(1e-9, bar.elapsed_seconds())),
+                                    " samples/s, loss ",
+                                    loss_sum / static_cast<double>(loss_count)));
+        }
+        bool stop = o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps);
+        bool last = b + 1 == steps_per_epoch && epoch + 1 == epochs;
+        if ((stop && !last) ||
+            (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
+          checkpoint(epoch, b + 1);
+        }
+        take_snapshot(epoch, b + 1);
+        if (stop && !last) {
+          stopped = true;
+          break;
+        }
       }
-      auto asked = std::chrono::steady_clock::now();
-      auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
-      const double waited =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked).count();
-      report.data_wait_seconds += waited / 1000.0;
-      auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(step)) : o.lr;
-      pipe.set_learning_rate(current_lr);
-      auto r = pipe.train_step(x, y);
-      r.data_wait_ms = waited;
-      ++step;
-      report.steps.emplace_back(step, r.loss);
-      report.step_ms.push_back(r.wall_ms);
-      loss_sum += r.loss;
-      ++loss_count;
-      if (o.log_steps && lead) {
-        std::cout << "step " << step << "/" << total_steps << "  loss " << std::setprecision(9)
-                  << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+      if (stopped && !stream) {
+        // Stopped inside an epoch: no epoch result, the checkpoint holds the position.
+        return;
+      }
+      epoch_result e;
+      e.epoch = epoch + 1;
+      e.step = step;
+      e.lr = o.cosine ? lr.at(static_cast<int64_t>(step) - 1) : o.lr;
+      e.train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : 0;
+      e.seconds = bar.elapsed_seconds();
+      e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
+      // BMUF: rank 0 evaluates the replicas' common parameters.
+      pipe.end_block();
+      if (!lead) {
+        report.epochs.push_back(e);
+        end_of_epoch(e.epoch);
+        continue;
+      }
+      if (auto test = data.evaluate(pipe, o.eval_batch)) {
+        e.test = *test;
+        std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss;
+        if (e.test.tokens) {
+          std::cout << "  validation loss " << e.test.loss << "  bits/char " << e.test.bits
+                    << "  top-1 " << e.test.top1;
+        } else {
+          std::cout << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
+                    << e.test.top5;
+        }
+        std::cout << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n"
                   << std::flush;
       }
-      if (o.keep_results) {
-        report.results.push_back(std::move(r));
-      }
-      if (o.progress && lead) {
-        auto done = (b + 1 - start_batch) * o.batch;
-        bar.update((b + 1) * o.batch,
-                   detail::concat(static_cast<int64_t>(static_cast<double>(done) /
-                                                       std::max(1e-9, bar.elapsed_seconds())),
-                                  " samples/s, loss ", loss_sum / static_cast<double>(loss_count)));
-      }
-      bool stop = o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps);
-      bool last = b + 1 == steps_per_epoch && epoch + 1 == epochs;
-      if ((stop && !last) ||
-          (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
-        checkpoint(epoch, b + 1);
-      }
-      if (stop && !last) {
-        stopped = true;
-        break;
-      }
-    }
-    if (stopped && !stream) {
-      // Stopped inside an epoch: no epoch result, the checkpoint holds the position.
-      return report;
-    }
-    epoch_result e;
-    e.epoch = epoch + 1;
-    e.step = step;
-    e.lr = o.cosine ? lr.at(static_cast<int64_t>(step) - 1) : o.lr;
-    e.train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : 0;
-    e.seconds = bar.elapsed_seconds();
-    e.samples_per_second = static_cast<double>(loss_count * o.batch) / std::max(1e-9, e.seconds);
-    // BMUF: rank 0 evaluates the replicas' common parameters.
-    pipe.end_block();
-    if (!lead) {
+      metrics.write(e);
       report.epochs.push_back(e);
       end_of_epoch(e.epoch);
-      continue;
-    }
-    if (auto test = data.evaluate(pipe, o.eval_batch)) {
-      e.test = *test;
-      std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss;
-      if (e.test.tokens) {
-        std::cout << "  validation loss " << e.test.loss << "  bits/char " << e.test.bits
-                  << "  top-1 " << e.test.top1;
-      } else {
-        std::cout << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
-                  << e.test.top5;
+      if (epoch + 1 == epochs) {
+        // The end of the run: a stream's position is its step.
+        checkpoint(stream ? 0 : epoch + 1, stream ? static_cast<int64_t>(step) : 0);
       }
-      std::cout << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n"
-                << std::flush;
     }
-    metrics.write(e);
-    report.epochs.push_back(e);
-    end_of_epoch(e.epoch);
-    if (epoch + 1 == epochs) {
-      // The end of the run: a stream's position is its step.
-      checkpoint(stream ? 0 : epoch + 1, stream ? static_cast<int64_t>(step) : 0);
+  };
+  for (;;) {
+    try {
+      run_from(start);
+      return report;
+    } catch (const pipeline_error& e) {
+      if (!o.recover_lost_nodes ||
+          (e.kind() != error_kind::node_lost && e.kind() != error_kind::timeout)) {
+        throw;
+      }
+      recover_from(pipe, e, o, step, snapshot_at, report);
     }
+    // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
+    start = snapshot_at;
+    step = start.step;
   }
-  return report;
 }
 
 train_report train_classifier(pipeline& pipe, const dataset& train_set, const dataset& test_set,

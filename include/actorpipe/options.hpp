@@ -244,6 +244,9 @@ struct node_placement {
   tls_options tls;
   /// Deadline for reaching a node and for each control request that is not a step.
   std::chrono::milliseconds connect_timeout{10000};
+  /// Nodes standing by ("host:port"): pipeline::recover() moves a lost node's stages to the
+  /// first of them that answers before it shrinks the pipeline onto the survivors.
+  std::vector<std::string> spares;
 };
 
 /// Activation recomputation (torchgpipe's checkpoint modes): which micro-batches keep only

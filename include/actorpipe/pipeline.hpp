@@ -104,6 +104,25 @@ public:
   /// names the tensor otherwise.
   void load_state(const std::string& dir);
 
+  /// Keeps a copy of every stage's parameters, buffers and optimizer state in this process's
+  /// memory (stages on nodes send theirs), where the loss of a node cannot take it; recover()
+  /// restores the newest. Runs between steps, in call order; the previous snapshot is kept until
+  /// this one is complete. Returns the snapshot's number (1, 2, ...; 0 stands for the state the
+  /// pipeline was built with or last loaded by load_state). Throws pipeline_error as a step.
+  uint64_t snapshot();
+
+  /// After a step of stages on nodes failed (error_kind::node_lost, or a timeout: a node that
+  /// stopped answering), puts the pipeline back together: asks every node of the placement
+  /// whether it answers (each within placement.connect_timeout, all at once), moves the stages of
+  /// those that do not to spares that answer (placement.spares, in order), or, short of spares,
+  /// cuts the model anew over the nodes left with `repartition(stage_count)` (by parameter counts
+  /// when empty), builds the stages there, restores every stage from the newest snapshot and
+  /// says what it did. With every node answering it rebuilds the same layout. Later steps are
+  /// numbered after the failed one; the caller replays its data from the snapshot's step.
+  /// Throws pipeline_error (node_lost) when no node is left, invalid_argument for stages in
+  /// process (nothing to move) or a repartition of the wrong stage count.
+  recovery_report recover(std::function<partition(std::size_t)> repartition = {});
+
   /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs
   /// (its parameters and buffers as they are now, on nodes too), for a model loaded with
   /// load_torchscript (<actorpipe/torchscript.hpp>); invalid_argument for any other model.

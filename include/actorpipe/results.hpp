@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <actorpipe/actions.hpp>
@@ -61,6 +62,23 @@ struct step_result {
   /// milliseconds (about 0 when a loader prepared it ahead); empty when not measured.
   std::optional<double> data_wait_ms;
   std::vector<stage_stats> stages;
+};
+
+/// What pipeline::recover() did after a step failed on nodes.
+struct recovery_report {
+  /// The nodes ("host:port") that did not answer, in placement order.
+  std::vector<std::string> lost;
+  /// The spares that took over a lost node's stages.
+  std::vector<std::string> spares_used;
+  /// One node per stage actor now, and the partition now (another stage count when the
+  /// pipeline shrank onto the survivors).
+  std::vector<std::string> nodes;
+  std::vector<std::size_t> bounds;
+  /// Which snapshot every stage was restored from: pipeline::snapshot()'s number (0: the state
+  /// the pipeline was built or last loaded with).
+  uint64_t snapshot = 0;
+  /// From the call to the restored pipeline, in seconds.
+  double seconds = 0;
 };
 
 } // namespace actorpipe

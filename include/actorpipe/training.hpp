@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -305,6 +306,15 @@ struct train_options {
   /// Recorded in manifests and checked on resume.
   std::string model;
   std::string dataset;
+  /// Stages on nodes: what a lost node does to the run. Fail (the step's pipeline_error ends
+  /// train()), or recover (pipeline::recover(): spares, else the survivors cut anew with
+  /// `repartition`) and replay the data from the newest snapshot, at most `max_recoveries` times.
+  bool recover_lost_nodes = false;
+  std::size_t max_recoveries = 3;
+  std::function<partition(std::size_t)> repartition;
+  /// A snapshot (pipeline::snapshot()) every this many steps, with recover_lost_nodes; the run's
+  /// start is the first.
+  int64_t snapshot_every = 100;
 };
 
 struct epoch_result {
@@ -327,6 +337,11 @@ struct train_report {
   std::vector<step_result> results;
   /// Seconds the loop waited for batches over the run (step_result::data_wait_ms summed).
   double data_wait_seconds = 0;
+  /// One per recovery from a lost node, in order, and the steps replayed after each (taken
+  /// since its snapshot, lost with the failed step); `steps` holds each step once, as the
+  /// uninterrupted run would.
+  std::vector<recovery_report> recoveries;
+  std::vector<uint64_t> replayed_steps;
 };
 
 /// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or

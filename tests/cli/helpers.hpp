@@ -142,6 +142,9 @@ public:
     return false;
   }
 
+  /// Sends `signal` (SIGSTOP, SIGCONT, ...) without waiting.
+  void signal(int signal) const { ::kill(pid_, signal); }
+
   /// Sends `signal` and waits (with a deadline) for the exit; returns the exit code, 128 + the
   /// signal for a kill, or -1 when it did not exit in time.
   int stop(int signal, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {

@@ -150,3 +150,103 @@ TEST_CASE("nodes and a scheduler with certificates of one CA train over TLS") {
   CHECK(half.output.find("--tls-cert requires --tls-key") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
+
+// --on-node-loss continue (issue 20): the run goes on after a node is lost, and every step's
+// loss is the uninterrupted in-process run's.
+namespace {
+
+const std::string recovering_mlp =
+  " --data synthetic --model mlp --batch 256 --microbatches 8 --threads 1 --lr 0.1 --seed 3 "
+  "--steps 40 --snapshot-every 5 --on-node-loss continue";
+
+void check_losses_equal_in_process(const std::filesystem::path& json, int stages) {
+  auto local_json = temp_file("recover-local-" + std::to_string(stages) + ".json");
+  auto local = run("train --data synthetic --model mlp --batch 256 --microbatches 8 --threads 1 "
+                   "--lr 0.1 --seed 3 --steps 40 --stages " +
+                   std::to_string(stages) + " --json " + local_json.string());
+  REQUIRE(local.exit_code == 0);
+  auto expected = losses(local_json);
+  auto got = losses(json);
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == doctest::Approx(expected[i]).epsilon(1e-5));
+  }
+  std::filesystem::remove(local_json);
+}
+
+// Runs `train` with `flags` (and --json `json`), calls `lose` once step 12 is printed, and
+// returns the run's output once it exited with 0.
+template <class Lose>
+std::string run_losing_a_node(const std::string& flags, const std::filesystem::path& json,
+                              Lose lose) {
+  background train("train" + recovering_mlp + flags + " --json " + json.string(),
+                   temp_file(json.stem().string() + ".log"));
+  REQUIRE_MESSAGE(train.wait_for("step 12/", 60s), train.output());
+  lose();
+  auto code = train.stop(0, 90s);
+  auto output = train.output();
+  CHECK_MESSAGE(code == 0, output);
+  return output;
+}
+
+} // namespace
+
+TEST_CASE("a node killed mid-run is replaced by a spare and the run's losses are the "
+          "uninterrupted run's") {
+  node_process a("", "spare-a");
+  node_process b("", "spare-b");
+  node_process spare("", "spare-s");
+  auto json = temp_file("recover-spare.json");
+  auto output = run_losing_a_node(" --stages 2 --wait-timeout 5000 --nodes " + a.address() + "," +
+                                    b.address() + " --spare-nodes " + spare.address(),
+                                  json, [&] { CHECK(b.process->stop(SIGKILL) == 128 + SIGKILL); });
+  CAPTURE(output);
+  CHECK(output.find("(node_lost, node " + b.address() + ")") != std::string::npos);
+  CHECK(output.find("recovery 1 of at most 3") != std::string::npos);
+  CHECK(output.find("lost " + b.address() + ", spares used " + spare.address()) !=
+        std::string::npos);
+  CHECK(output.find("now 2 stages on " + a.address() + ", " + spare.address()) !=
+        std::string::npos);
+  CHECK(output.find("1 lost-node recovery") != std::string::npos);
+  check_losses_equal_in_process(json, 2);
+  std::filesystem::remove(json);
+}
+
+TEST_CASE("a node stopped past the deadline, without a spare: the run goes on over the nodes "
+          "left, cut anew") {
+  node_process a("", "stop-a");
+  node_process b("", "stop-b");
+  node_process c("", "stop-c");
+  auto json = temp_file("recover-stop.json");
+  auto output =
+    run_losing_a_node(" --stages 3 --wait-timeout 2000 --connect-timeout 2000 --nodes " +
+                        a.address() + "," + b.address() + "," + c.address(),
+                      json, [&] { c.process->signal(SIGSTOP); });
+  c.process->signal(SIGCONT);
+  CAPTURE(output);
+  CHECK(output.find("(timeout") != std::string::npos);
+  CHECK(output.find("lost " + c.address() + ", spares used none; now 2 stages on " + a.address() +
+                    ", " + b.address()) != std::string::npos);
+  check_losses_equal_in_process(json, 3);
+  std::filesystem::remove(json);
+}
+
+TEST_CASE("the flags of lost-node recovery are refused where they do not apply") {
+  const std::string two_nodes = " --steps 1 --nodes 127.0.0.1:1,127.0.0.1:2";
+  const std::vector<std::pair<std::string, std::string>> refusals{
+    {" --steps 1 --on-node-loss continue", "--on-node-loss applies to stages on nodes (--nodes)"},
+    {two_nodes + " --spare-nodes 127.0.0.1:3", "--spare-nodes applies to --on-node-loss continue"},
+    {two_nodes + " --on-node-loss continue --snapshot-every 0",
+     "--snapshot-every (0) must be >= 1"},
+  };
+  for (const auto& [flags, message] : refusals) {
+    auto refused = run("train" + synthetic_mlp + flags);
+    CAPTURE(refused.output);
+    CHECK(refused.exit_code == 2);
+    CHECK(refused.output.find(message) != std::string::npos);
+  }
+  auto policy = run("train" + synthetic_mlp + " --steps 1 --on-node-loss retry");
+  CHECK(policy.exit_code != 0);
+  CHECK(policy.output.find("--on-node-loss") != std::string::npos);
+}

@@ -549,3 +549,216 @@ TEST_CASE("a gpt on one node trains as in process, and so does a gpt cut across 
     CHECK(torch::equal(by_name.at("head.weight"), by_name.at("embed.token.weight")));
   }
 }
+
+// Losing a node (issue 20): recover() moves the stages and restores the newest snapshot, and
+// the steps replayed from there give what the uninterrupted run gives.
+
+TEST_CASE("a lost node's stages move to a spare and the replayed steps equal plain libtorch") {
+  auto n1 = std::make_unique<node>(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  node spare(node_config());
+  auto lost = n2->address();
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  auto o = remote_options({n1->address(), n2->address()});
+  o.placement.spares = {"127.0.0.1:1", spare.address()}; // the first answers nothing
+  o.placement.connect_timeout = 2000ms;
+  pipeline remote(sys, tiny_remote(), cut, o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  std::vector<double> expected;
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = batch(step);
+    expected.push_back(plain.step(x, y));
+  }
+  for (int step = 0; step < 2; ++step) {
+    auto [x, y] = batch(step);
+    CHECK(remote.train_step(x, y).loss == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  CHECK(remote.snapshot() == 1);
+  {
+    auto [x, y] = batch(2);
+    remote.train_step(x, y); // done, then lost with the node: replayed
+  }
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  try {
+    auto [x, y] = batch(3);
+    remote.train_step(x, y);
+    FAIL("a step on a lost node succeeded");
+  } catch (const pipeline_error& e) {
+    CHECK(e.kind() == error_kind::node_lost);
+    CHECK(e.node() == lost);
+  }
+  auto r = remote.recover();
+  CHECK(r.lost == std::vector<std::string>{lost});
+  CHECK(r.spares_used == std::vector<std::string>{spare.address()});
+  CHECK(r.nodes == std::vector<std::string>{n1->address(), spare.address()});
+  CHECK(r.bounds == cut.bounds);
+  CHECK(r.snapshot == 1);
+  CHECK(r.seconds > 0);
+  CHECK(spare.stages() == 1);
+  CHECK(n1->stages() == 1);
+  for (int step = 2; step < 4; ++step) {
+    auto [x, y] = batch(step);
+    auto result = remote.train_step(x, y);
+    CAPTURE(step);
+    CHECK(result.loss == doctest::Approx(expected[step]).epsilon(1e-6));
+    CHECK(result.step > 4); // numbered after the failed step
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+}
+
+TEST_CASE("without a spare the pipeline shrinks onto the nodes left and equals a run resumed "
+          "there from the same snapshot") {
+  node n1(node_config()), n3(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  auto dir = temp_dir("shrink");
+  engine sys;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 3),
+                  remote_options({n1.address(), n2->address(), n3.address()}));
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  std::vector<double> expected;
+  for (int step = 0; step < 5; ++step) {
+    auto [x, y] = batch(step);
+    expected.push_back(plain.step(x, y));
+  }
+  for (int step = 0; step < 2; ++step) {
+    auto [x, y] = batch(step);
+    remote.train_step(x, y);
+  }
+  remote.snapshot();
+  remote.save_state(dir); // the same state on disk, for the run resumed from it
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  auto [x2, y2] = batch(2);
+  CHECK_THROWS_AS(remote.train_step(x2, y2), pipeline_error);
+  std::vector<std::size_t> asked;
+  auto r = remote.recover([&](std::size_t stages) {
+    asked.push_back(stages);
+    return partition_at(6, {4});
+  });
+  CHECK(asked == std::vector<std::size_t>{2});
+  CHECK(r.lost.size() == 1);
+  CHECK(r.spares_used.empty());
+  CHECK(r.nodes == std::vector<std::string>{n1.address(), n3.address()});
+  CHECK(r.bounds == std::vector<std::size_t>{0, 4, 6});
+  CHECK(remote.stages() == 2);
+  CHECK(remote.cut().bounds == r.bounds);
+  std::vector<double> recovered;
+  for (int step = 2; step < 5; ++step) {
+    auto [x, y] = batch(step);
+    recovered.push_back(remote.train_step(x, y).loss);
+    CHECK(recovered.back() == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  auto parameters = remote.named_parameters();
+  check_close(parameters, named(plain.layers, false));
+  // The uninterrupted run: the same new layout (on other nodes), resumed from the snapshot.
+  node m1(node_config()), m3(node_config());
+  pipeline resumed(sys, tiny_remote(), partition_at(6, {4}),
+                   remote_options({m1.address(), m3.address()}));
+  resumed.load_state(dir);
+  for (int step = 2; step < 5; ++step) {
+    auto [x, y] = batch(step);
+    CHECK(resumed.train_step(x, y).loss == recovered[static_cast<std::size_t>(step - 2)]);
+  }
+  check_close(resumed.named_parameters(), parameters, 0, 0);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("recover() refuses stages in process, a repartition of another stage count, and an "
+          "empty placement") {
+  engine sys;
+  pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
+  CHECK_THROWS_WITH_AS(local.recover(), doctest::Contains("in this process"), invalid_argument);
+  auto n1 = std::make_unique<node>(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  auto o = remote_options({n1->address(), n2->address()});
+  o.placement.connect_timeout = 2000ms;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+  auto [x, y] = batch(0);
+  remote.train_step(x, y);
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(remote.train_step(x, y), pipeline_error);
+  CHECK_THROWS_WITH_AS(remote.recover([](std::size_t) { return partition_uniform(6, 3); }),
+                       doctest::Contains("gave 3 stages for the 1 nodes left"), invalid_argument);
+  // The pipeline has no stages now: a step says so and points at recover().
+  CHECK_THROWS_WITH_AS(remote.train_step(x, y), doctest::Contains("call recover() again"),
+                       pipeline_error);
+  n1.reset();
+  std::this_thread::sleep_for(200ms);
+  try {
+    remote.recover();
+    FAIL("recovered without nodes");
+  } catch (const pipeline_error& e) {
+    CHECK(e.kind() == error_kind::node_lost);
+    CHECK(std::string(e.what()).find("no node is left (2 lost") != std::string::npos);
+  }
+}
+
+namespace {
+
+// Batches of batch(step), and the node in `victim` goes away when batch `when` is asked for
+// the first time: a node lost in the middle of train().
+class losing_source : public batch_source {
+public:
+  losing_source(std::unique_ptr<node>& victim, int64_t when) : victim_(victim), when_(when) {}
+  std::string name() const override { return "losing"; }
+  int64_t epoch_samples() const override { return 0; }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t, int64_t index, int64_t, uint64_t, int64_t,
+                                                int64_t) const override {
+    if (index == when_ && victim_) {
+      victim_.reset();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    return ::batch(static_cast<int>(index));
+  }
+
+private:
+  std::unique_ptr<node>& victim_;
+  int64_t when_;
+};
+
+} // namespace
+
+TEST_CASE("train() recovers from a node lost mid-run and replays from its newest snapshot") {
+  node n1(node_config()), spare(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  engine sys;
+  auto o = remote_options({n1.address(), n2->address()});
+  o.placement.spares = {spare.address()};
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  train_options to;
+  to.batch = 10;
+  to.max_steps = 8;
+  to.lr = 0.1;
+  to.cosine = false;
+  to.progress = false;
+  to.recover_lost_nodes = true;
+  to.snapshot_every = 3;
+  // At step 8's batch: snapshots hold the start (1), steps 3 (2) and 6 (3); step 7 is replayed.
+  losing_source data(n2, 7);
+  auto report = train(remote, data, to);
+  REQUIRE(report.steps.size() == 8);
+  for (int step = 0; step < 8; ++step) {
+    auto [x, y] = batch(step);
+    CAPTURE(step);
+    CHECK(report.steps[static_cast<std::size_t>(step)].first == static_cast<uint64_t>(step + 1));
+    CHECK(report.steps[static_cast<std::size_t>(step)].second ==
+          doctest::Approx(plain.step(x, y)).epsilon(1e-6));
+  }
+  REQUIRE(report.recoveries.size() == 1);
+  CHECK(report.recoveries[0].snapshot == 3);
+  CHECK(report.recoveries[0].spares_used == std::vector<std::string>{spare.address()});
+  CHECK(report.replayed_steps == std::vector<uint64_t>{7});
+  check_close(remote.named_parameters(), named(plain.layers, false));
+  // Without recovery the same loss ends the run.
+  node m1(node_config());
+  auto m2 = std::make_unique<node>(node_config());
+  pipeline failing(sys, tiny_remote(), partition_uniform(6, 2),
+                   remote_options({m1.address(), m2->address()}));
+  losing_source again(m2, 2);
+  to.recover_lost_nodes = false;
+  CHECK_THROWS_AS(train(failing, again, to), pipeline_error);
+}

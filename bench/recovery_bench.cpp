@@ -1,0 +1,325 @@
+// Lost nodes (docs/distributed.md#when-a-node-is-lost): a run over `actorpipe node` processes on
+// loopback whose stage-1 node is killed (SIGKILL) every --kill-every steps and restarted as the
+// next spare, trained by train() with recover_lost_nodes. Reports what a loss costs (time from
+// the kill to the next completed step, steps replayed), what snapshots cost per step, and, over
+// a long run (the soak: --steps 10000 --kill-every 1000), whether every step completed and how
+// the memory of the driver and of the node never killed grew.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+#include <actorpipe/training.hpp>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    throw std::runtime_error("no free port");
+  }
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+bool accepts(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Resident memory of a process, in MiB.
+double rss_mib(pid_t pid) {
+  std::ifstream in("/proc/" + (pid == 0 ? std::string("self") : std::to_string(pid)) + "/statm");
+  long pages = 0;
+  long resident = 0;
+  in >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+
+// An `actorpipe node` process on a fixed loopback port, restartable.
+class node_process {
+public:
+  explicit node_process(int port) : port_(port) { start(); }
+  ~node_process() { kill(); }
+  node_process(const node_process&) = delete;
+  node_process& operator=(const node_process&) = delete;
+
+  void start() {
+    auto log = std::filesystem::temp_directory_path() /
+               ("actorpipe-recovery-bench-node-" + std::to_string(port_) + ".log");
+    auto command = "exec " + std::string(ACTORPIPE_CLI_PATH) +
+                   " node --listen 127.0.0.1:" + std::to_string(port_) + " > " + log.string() +
+                   " 2>&1";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    auto deadline = clock_type::now() + std::chrono::seconds(30);
+    while (!accepts(port_)) {
+      if (clock_type::now() > deadline) {
+        throw std::runtime_error("node on port " + std::to_string(port_) + " did not start");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  void kill() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+
+private:
+  int port_;
+  pid_t pid_ = -1;
+};
+
+// The synthetic batches, and the kills: at batch `kill_offset` of every `kill_every` (the
+// first time it is asked for), the node holding stage 1 is killed; at the next batch asked for
+// (after the recovery moved stage 1 to the other spare) it is restarted as a spare.
+class killing_source : public actorpipe::batch_source {
+public:
+  killing_source(const actorpipe::batch_source& data, std::vector<node_process*> victims,
+                 int64_t kill_every, int64_t kill_offset)
+    : data_(data), victims_(std::move(victims)), kill_every_(kill_every),
+      kill_offset_(kill_offset) {}
+
+  std::string name() const override { return data_.name(); }
+  int64_t epoch_samples() const override { return 0; }
+
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override {
+    auto now = clock_type::now();
+    if (killed_ && ++calls_since_kill_ == 3) {
+      // Call 1 was the failing step's, call 2 the first replayed step's (after the recovery):
+      // this one comes when that step completed.
+      loss_to_step_.push_back(std::chrono::duration<double>(now - kill_time_).count());
+      killed_ = false;
+    }
+    if (restart_) {
+      restart_->start();
+      restart_ = nullptr;
+    }
+    if (kill_every_ > 0 && index % kill_every_ == kill_offset_ && index > done_) {
+      auto* victim = victims_[kills_ % victims_.size()];
+      victim->kill();
+      ++kills_;
+      kill_time_ = clock_type::now();
+      killed_ = true;
+      calls_since_kill_ = 1;
+      restart_ = victim;
+    }
+    done_ = std::max(done_, index);
+    return data_.batch(epoch, index, batch, seed, rank, replicas);
+  }
+
+  std::size_t kills() const { return kills_; }
+  const std::vector<double>& loss_to_step() const { return loss_to_step_; }
+
+private:
+  const actorpipe::batch_source& data_;
+  std::vector<node_process*> victims_;
+  int64_t kill_every_;
+  int64_t kill_offset_;
+  mutable int64_t done_ = -1;
+  mutable std::size_t kills_ = 0;
+  mutable bool killed_ = false;
+  mutable int calls_since_kill_ = 0;
+  mutable clock_type::time_point kill_time_;
+  mutable node_process* restart_ = nullptr;
+  mutable std::vector<double> loss_to_step_;
+};
+
+double median(std::vector<double> xs) {
+  if (xs.empty()) {
+    return 0;
+  }
+  std::sort(xs.begin(), xs.end());
+  return xs[xs.size() / 2];
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"actorpipe_recovery_bench: what a lost node costs a run on loopback node processes"};
+  std::string model_name = "mlp";
+  int64_t batch = 64;
+  int64_t image = 28;
+  int64_t classes = 10;
+  std::size_t microbatches = 4;
+  int64_t steps = 10000;
+  int64_t snapshot_every = 100;
+  int64_t kill_every = 1000;
+  int64_t kill_offset = -1;
+  int64_t snapshot_repeats = 5;
+  std::size_t threads = 1;
+  std::string json;
+  app.add_option("--model", model_name, "Built-in model")->capture_default_str();
+  app.add_option("--batch", batch, "Samples per step")->capture_default_str();
+  app.add_option("--image", image, "Synthetic image side")->capture_default_str();
+  app.add_option("--classes", classes, "Classes")->capture_default_str();
+  app.add_option("--microbatches", microbatches, "Micro-batches per step")->capture_default_str();
+  app.add_option("--steps", steps, "Steps to complete")->capture_default_str();
+  app.add_option("--snapshot-every", snapshot_every, "Steps between snapshots")
+    ->capture_default_str();
+  app.add_option("--kill-every", kill_every, "Steps between kills of the stage-1 node (0: none)")
+    ->capture_default_str();
+  app
+    .add_option("--kill-offset", kill_offset,
+                "The step within each --kill-every at which the kill comes (-1: the middle)")
+    ->capture_default_str();
+  app
+    .add_option("--snapshot-repeats", snapshot_repeats,
+                "Snapshots timed on their own before training (median)")
+    ->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads per stage")->capture_default_str();
+  app.add_option("--json", json, "Write the figures to this JSON file");
+  CLI11_PARSE(app, argc, argv);
+  if (kill_offset < 0) {
+    kill_offset = kill_every / 2;
+  }
+  // Each recovery logs a warning per node that does not answer: the summary says it.
+  actorpipe::set_log_level(actorpipe::log_level::error);
+
+  node_process a(free_port()), b(free_port()), c(free_port());
+  actorpipe::remote_model model;
+  model.name = model_name;
+  model.options.image_size = image;
+  model.options.num_classes = classes;
+  model.seed = 0;
+  model.loss = "mse";
+  model.optimizer.lr = 0.01;
+  model.optimizer.momentum = 0.9;
+  actorpipe::pipeline_options o;
+  o.microbatches = microbatches;
+  o.threads_per_stage = threads;
+  o.wait_timeout = std::chrono::milliseconds(30000);
+  o.placement.nodes = {a.address(), b.address()};
+  o.placement.spares = {b.address(), c.address()};
+  o.placement.connect_timeout = std::chrono::milliseconds(5000);
+  actorpipe::engine sys;
+  auto layers = actorpipe::make_model(model_name, model.options);
+  actorpipe::pipeline pipe(sys, model, actorpipe::partition_by_params(layers, 2), o);
+  std::cout << "model " << model_name << " (" << layers.size() << " layers, "
+            << actorpipe::parameter_count(layers, 0, layers.size())
+            << " parameters), 2 stages on nodes " << a.address() << ", " << b.address()
+            << ", spare " << c.address() << "\n";
+
+  // What a snapshot costs, on its own (each copies every stage's state into this process).
+  std::vector<double> snapshot_ms;
+  for (int64_t i = 0; i < snapshot_repeats; ++i) {
+    auto t0 = clock_type::now();
+    pipe.snapshot();
+    snapshot_ms.push_back(
+      std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+  }
+
+  actorpipe::synthetic_source synthetic(model.options.in_channels, image, classes);
+  killing_source data(synthetic, {&b, &c}, kill_every, kill_offset);
+  actorpipe::train_options to;
+  to.batch = batch;
+  to.max_steps = steps;
+  to.lr = model.optimizer.lr;
+  to.cosine = false;
+  to.progress = false;
+  to.recover_lost_nodes = true;
+  to.snapshot_every = snapshot_every;
+  to.max_recoveries = static_cast<std::size_t>(kill_every > 0 ? steps / kill_every + 1 : 1);
+
+  // Memory after a warm-up of min(100, steps / 10) steps, and at the end.
+  auto warm = std::max<int64_t>(1, std::min<int64_t>(100, steps / 10));
+  auto warm_options = to;
+  warm_options.max_steps = warm;
+  warm_options.recover_lost_nodes = false;
+  killing_source no_kills(synthetic, {}, 0, 0);
+  actorpipe::train(pipe, no_kills, warm_options);
+  auto driver_start = rss_mib(0);
+  auto node_start = rss_mib(a.pid());
+  auto t0 = clock_type::now();
+  auto report = actorpipe::train(pipe, data, to);
+  auto seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+  auto driver_end = rss_mib(0);
+  auto node_end = rss_mib(a.pid());
+
+  std::vector<double> recovery_s;
+  for (const auto& r : report.recoveries) {
+    recovery_s.push_back(r.seconds);
+  }
+  auto step_ms = median(report.step_ms);
+  auto snap = median(snapshot_ms);
+  std::cout << std::fixed << std::setprecision(2);
+  std::cout << "steps completed " << report.steps.size() << " of " << steps << " in " << seconds
+            << " s (median step " << step_ms << " ms)\n"
+            << "kills " << data.kills() << ", recoveries " << report.recoveries.size()
+            << ", failed steps " << report.recoveries.size() << ", steps replayed "
+            << report.replayed_steps.size() << "\n"
+            << "recover() median " << median(recovery_s) << " s; kill to next completed step "
+            << "median " << median(data.loss_to_step()) << " s (max "
+            << (data.loss_to_step().empty()
+                  ? 0.0
+                  : *std::max_element(data.loss_to_step().begin(), data.loss_to_step().end()))
+            << " s)\n"
+            << "snapshot median " << snap << " ms = " << snap / static_cast<double>(snapshot_every)
+            << " ms per step at --snapshot-every " << snapshot_every << " ("
+            << 100.0 * snap / static_cast<double>(snapshot_every) / std::max(1e-9, step_ms)
+            << "% of a step)\n"
+            << "RSS driver " << driver_start << " -> " << driver_end << " MiB (" << std::showpos
+            << 100 * (driver_end - driver_start) / driver_start << std::noshowpos
+            << "%), node never killed " << node_start << " -> " << node_end << " MiB ("
+            << std::showpos << 100 * (node_end - node_start) / node_start << std::noshowpos
+            << "%)\n";
+  if (!json.empty()) {
+    nlohmann::json j{{"model", model_name},
+                     {"steps", steps},
+                     {"completed", report.steps.size()},
+                     {"seconds", seconds},
+                     {"median_step_ms", step_ms},
+                     {"kills", data.kills()},
+                     {"recoveries", report.recoveries.size()},
+                     {"replayed_steps", report.replayed_steps.size()},
+                     {"recover_s", recovery_s},
+                     {"kill_to_next_step_s", data.loss_to_step()},
+                     {"snapshot_ms", snapshot_ms},
+                     {"snapshot_every", snapshot_every},
+                     {"rss_driver_mib", {driver_start, driver_end}},
+                     {"rss_node_mib", {node_start, node_end}}};
+    std::ofstream(json) << j.dump(2) << "\n";
+  }
+  return report.steps.size() == static_cast<std::size_t>(steps) ? 0 : 1;
+}
