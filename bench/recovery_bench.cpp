@@ -110,8 +110,8 @@ private:
 };
 
 // The synthetic batches, and the kills: at batch `kill_offset` of every `kill_every` (the
-// first time it is asked for), the node holding stage 1 is killed; at the next batch asked for
-// (after the recovery moved stage 1 to the other spare) it is restarted as a spare.
+// first time it is asked for), the node holding stage 1 is killed; once the first step after
+// the recovery (which moved stage 1 to the other spare) completed, it is restarted as a spare.
 class killing_source : public actorpipe::batch_source {
 public:
   killing_source(const actorpipe::batch_source& data, std::vector<node_process*> victims,
@@ -132,7 +132,8 @@ public:
       loss_to_step_.push_back(std::chrono::duration<double>(now - kill_time_).count());
       killed_ = false;
     }
-    if (restart_) {
+    if (restart_ && !killed_) {
+      // Not before the first replayed step completed: a node's start costs a second of CPU.
       restart_->start();
       restart_ = nullptr;
     }
@@ -201,8 +202,10 @@ int main(int argc, char** argv) {
   app.add_option("--kill-every", kill_every, "Steps between kills of the stage-1 node (0: none)")
     ->capture_default_str();
   app
-    .add_option("--kill-offset", kill_offset,
-                "The step within each --kill-every at which the kill comes (-1: the middle)")
+    .add_option(
+      "--kill-offset", kill_offset,
+      "The step within each --kill-every at which the kill comes (-1: half way, plus half of "
+      "--snapshot-every)")
     ->capture_default_str();
   app
     .add_option("--snapshot-repeats", snapshot_repeats,
@@ -211,12 +214,15 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads per stage")->capture_default_str();
   app.add_option("--json", json, "Write the figures to this JSON file");
   CLI11_PARSE(app, argc, argv);
-  if (kill_offset < 0) {
-    kill_offset = kill_every / 2;
+  if (kill_offset < 0 && kill_every > 0) {
+    // Between two snapshots, so that a loss costs the steps since the last one.
+    kill_offset = (kill_every / 2 + snapshot_every / 2) % kill_every;
   }
   // Each recovery logs a warning per node that does not answer: the summary says it.
   actorpipe::set_log_level(actorpipe::log_level::error);
 
+  // As `actorpipe train --nodes` does (the nodes are `actorpipe node`s, which do the same).
+  actorpipe::memory::map_large_allocations();
   node_process a(free_port()), b(free_port()), c(free_port());
   actorpipe::remote_model model;
   model.name = model_name;

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/memory.hpp>
 
 #include "comm/tensor_hub.hpp"
 #include "nodes/protocol.hpp"
@@ -72,6 +73,8 @@ int run_node(const node_args& a) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Megabytes of state and models pass through the heap of a process that runs for ever.
+  memory::map_large_allocations();
   node n(options);
   std::cout << "actorpipe node: listening on " << n.address() << " (data port " << n.data_port()
             << (options.secret.empty() ? ", no secret" : ", secret required")

@@ -505,6 +505,10 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     print_plan(setup, choice);
   }
 
+  if (!a.nodes.empty()) {
+    // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
+    memory::map_large_allocations();
+  }
   engine sys;
   auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, loss, optimizer);
   auto& pipe = *pipe_ptr;

@@ -16,6 +16,7 @@
 #include <caf/openssl/manager.hpp>
 
 #include <actorpipe/batch_norm.hpp>
+#include <actorpipe/memory.hpp>
 #include <actorpipe/torchscript.hpp>
 
 #include "actors/linger.hpp"
@@ -580,6 +581,8 @@ uint64_t pipeline::snapshot() {
   auto state = self.wait(future, "snapshot");
   self.snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
   self.snapshot_number = ++self.snapshots_taken;
+  // The frames, pickles and the snapshot this one replaced were megabytes of heap.
+  memory::release_free_heap();
   return self.snapshot_number;
 }
 
@@ -664,6 +667,8 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
       self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
     self.wait(future, "recover");
   }
+  // The failed pipeline's actors, the local model built again, the snapshot's frames.
+  memory::release_free_heap();
   report.nodes = placed;
   report.bounds = cut.bounds;
   report.snapshot = self.snapshot_number;

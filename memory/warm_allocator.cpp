@@ -1,5 +1,6 @@
 #include <actorpipe/memory.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -10,6 +11,9 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <unistd.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 namespace actorpipe::memory {
 
@@ -233,6 +237,18 @@ cache_stats stats() {
 
 void release_cached() {
   instance().release_all();
+}
+
+void release_free_heap() {
+#ifdef __GLIBC__
+  ::malloc_trim(0);
+#endif
+}
+
+void map_large_allocations(std::size_t bytes) {
+#ifdef __GLIBC__
+  ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<std::size_t>(bytes, 32u << 20)));
+#endif
 }
 
 } // namespace actorpipe::memory

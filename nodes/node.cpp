@@ -18,6 +18,7 @@
 #include <openssl/rand.h>
 
 #include <actorpipe/losses.hpp>
+#include <actorpipe/memory.hpp>
 #include <actorpipe/models.hpp>
 #include <actorpipe/optimizers.hpp>
 #include <actorpipe/torchscript.hpp>
@@ -315,6 +316,8 @@ std::string build(node_actor* self, const std::string& text) {
     }
   }
   s.stages.emplace(index, std::move(h));
+  // The whole model was built to keep one stage of it.
+  memory::release_free_heap();
   log::get()->info("node {}: built stage {} of {} ({} layers {}..{} of {}, seed {})", s.label,
                    spec.index, spec.count, end - begin, begin, end - 1, spec.model.name,
                    spec.model.seed);
@@ -615,6 +618,8 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
   } catch (const std::exception& e) {
     return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
   }
+  // The copy and its pickle were megabytes of short-lived heap: hand their pages back.
+  memory::release_free_heap();
   return {};
 }
 

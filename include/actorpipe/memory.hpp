@@ -74,4 +74,21 @@ cache_stats stats();
 /// Gives every cached buffer back to the system (buffers in use return to the cache later).
 void release_cached();
 
+/// Hands the free pages of the C heap back to the kernel (glibc's malloc_trim; nothing
+/// elsewhere). After megabytes of short-lived buffers on threads without warm memory (a
+/// snapshot's copies and pickles), glibc's rising mmap threshold otherwise leaves them as
+/// resident holes between live allocations, and the process grows with every snapshot
+/// (BENCHMARKS.md: 1.1 MB per snapshot of a 2 MB state before, none after).
+void release_free_heap();
+
+/// From now on, glibc serves every allocation of `bytes` and more (default 1 MB) with a
+/// mapping of its own, given back to the kernel when freed (mallopt M_MMAP_THRESHOLD, which
+/// also stops glibc from raising the threshold as it does by default; nothing elsewhere). For
+/// processes that run no stage but move megabytes through the C heap for ever: `actorpipe node`
+/// and a driver of nodes. Without it a soak run's resident memory grew 12-14% over 10,000 steps
+/// with ten node losses, 4-6% with it (BENCHMARKS.md). Stage threads' tensors come from warm
+/// memory and are not affected; received frames of 1 MB and more are recycled (comm's buffer
+/// pool), and smaller ones stay on the heap.
+void map_large_allocations(std::size_t bytes = std::size_t{1} << 20);
+
 } // namespace actorpipe::memory
