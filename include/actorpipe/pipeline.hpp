@@ -120,7 +120,9 @@ public:
   /// says what it did. With every node answering it rebuilds the same layout. Later steps are
   /// numbered after the failed one; the caller replays its data from the snapshot's step.
   /// Throws pipeline_error (node_lost) when no node is left, invalid_argument for stages in
-  /// process (nothing to move) or a repartition of the wrong stage count.
+  /// process (nothing to move) or a repartition of the wrong stage count. Not queued like the
+  /// steps: call it from the thread that runs them, with no step or request of another thread
+  /// pending.
   recovery_report recover(std::function<partition(std::size_t)> repartition = {});
 
   /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs
