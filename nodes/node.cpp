@@ -610,7 +610,7 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
     return missing_stage(self, index);
   }
   try {
-    auto bytes = stages::pickle_tensors(h->stage->state());
+    auto bytes = stages::pack_tensors(h->stage->state());
     auto blob = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
     const auto& to = h->peers.scheduler;
     self->state.hub->send(to.host, to.port,
@@ -618,7 +618,7 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
   } catch (const std::exception& e) {
     return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
   }
-  // The copy and its pickle were megabytes of short-lived heap: hand their pages back.
+  // The copy and its packed bytes were megabytes of short-lived heap: hand their pages back.
   memory::release_free_heap();
   return {};
 }
@@ -634,9 +634,7 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
   h->loads.erase(id);
   h->states.erase(id);
   try {
-    const auto* bytes = static_cast<const char*>(blob.data_ptr());
-    h->stage->load_state(
-      stages::unpickle_tensors(std::vector<char>(bytes, bytes + blob.numel()), "checkpoint state"));
+    h->stage->load_state(stages::unpack_tensors(blob, "checkpoint state"));
     rp.deliver(std::string{});
   } catch (const std::exception& e) {
     rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));

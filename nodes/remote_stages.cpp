@@ -152,15 +152,15 @@ void finish_save(proxy_actor self, uint64_t id) {
     request.fail(std::move(request.error));
     return;
   }
-  const auto* bytes = static_cast<const char*>(request.state.data_ptr());
-  auto size = static_cast<std::size_t>(request.state.numel());
   try {
+    // Views of the frame's buffer: a snapshot keeps it, a save pickles it into the file.
+    auto state =
+      stages::unpack_tensors(request.state, detail::concat("stage ", s.index, "'s state"));
     if (request.fetch) {
-      auto state = std::make_shared<const tensor_map>(stages::unpickle_tensors(
-        std::vector<char>(bytes, bytes + size), detail::concat("stage ", s.index, "'s state")));
-      request.fetch_promise.deliver(std::string{}, state);
+      request.fetch_promise.deliver(std::string{},
+                                    std::make_shared<const tensor_map>(std::move(state)));
     } else {
-      stages::write_bytes(request.path, bytes, size);
+      stages::save_tensors(request.path, state);
       request.promise.deliver(std::string{});
     }
   } catch (const std::exception& e) {
@@ -347,7 +347,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       auto& st = self->state;
       auto id = ++st.next_id;
       try {
-        auto bytes = stages::pickle_tensors(*all);
+        auto bytes = stages::pack_tensors(*all);
         auto blob =
           torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
         st.hub->send(st.data.host, st.data.port,

@@ -1,5 +1,8 @@
 #include "stages/checkpoint.hpp"
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -37,6 +40,166 @@ tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what) {
     throw pipeline_error(detail::concat(what, " is not a tensor file written by actorpipe: ",
                                         detail::first_line(e.what_without_backtrace())),
                          error_details{error_kind::io});
+  }
+  return result;
+}
+
+namespace {
+
+constexpr char pack_magic[4] = {'A', 'P', 'S', '1'};
+constexpr std::size_t pack_alignment = 64;
+
+std::size_t aligned(std::size_t offset) {
+  return (offset + pack_alignment - 1) / pack_alignment * pack_alignment;
+}
+
+bool packable(c10::ScalarType t) {
+  switch (t) {
+  case c10::kFloat:
+  case c10::kDouble:
+  case c10::kHalf:
+  case c10::kBFloat16:
+  case c10::kLong:
+  case c10::kInt:
+  case c10::kShort:
+  case c10::kChar:
+  case c10::kByte:
+  case c10::kBool:
+    return true;
+  default:
+    return false;
+  }
+}
+
+} // namespace
+
+std::vector<char> pack_tensors(const tensor_map& tensors) {
+  std::vector<torch::Tensor> dense;
+  std::size_t size = sizeof pack_magic + 4;
+  for (const auto& [name, t] : tensors) {
+    ACTORPIPE_CHECK(t.defined() && t.device().is_cpu() && packable(t.scalar_type()),
+                    "pack_tensors: '", name, "' is not a CPU tensor of a packable dtype");
+    dense.push_back(t.contiguous());
+    size = aligned(size + 4 + name.size() + 2 + 8 * static_cast<std::size_t>(t.dim()) + 8) +
+           static_cast<std::size_t>(t.nbytes());
+  }
+  std::vector<char> out(size);
+  std::size_t at = 0;
+  auto put = [&](const void* p, std::size_t n) {
+    std::memcpy(out.data() + at, p, n);
+    at += n;
+  };
+  put(pack_magic, sizeof pack_magic);
+  auto count = static_cast<uint32_t>(tensors.size());
+  put(&count, 4);
+  std::size_t k = 0;
+  for (const auto& [name, original] : tensors) {
+    const auto& t = dense[k++];
+    auto length = static_cast<uint32_t>(name.size());
+    put(&length, 4);
+    put(name.data(), name.size());
+    auto dtype = static_cast<uint8_t>(t.scalar_type());
+    auto ndim = static_cast<uint8_t>(t.dim());
+    put(&dtype, 1);
+    put(&ndim, 1);
+    for (auto d : t.sizes()) {
+      int64_t dim = d;
+      put(&dim, 8);
+    }
+    auto bytes = static_cast<uint64_t>(t.nbytes());
+    put(&bytes, 8);
+    at = aligned(at);
+    if (bytes > 0) {
+      put(t.data_ptr(), bytes);
+    }
+  }
+  return out;
+}
+
+tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what) {
+  auto fail = [&](const std::string& why) -> pipeline_error {
+    return pipeline_error(detail::concat(what, " is not packed state: ", why),
+                          error_details{error_kind::io});
+  };
+  if (!bytes.defined() || bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 ||
+      !bytes.is_contiguous()) {
+    throw fail("not a contiguous uint8 tensor");
+  }
+  const auto* base = static_cast<const char*>(bytes.data_ptr());
+  const auto size = static_cast<std::size_t>(bytes.numel());
+  if (reinterpret_cast<std::uintptr_t>(base) % pack_alignment != 0) {
+    throw fail("its buffer is not 64-byte aligned");
+  }
+  std::size_t at = 0;
+  auto take = [&](void* p, std::size_t n, const char* field) {
+    if (n > size - at) {
+      throw fail(detail::concat("truncated in ", field, " at byte ", at, " of ", size));
+    }
+    std::memcpy(p, base + at, n);
+    at += n;
+  };
+  char magic[4];
+  take(magic, 4, "the magic");
+  if (std::memcmp(magic, pack_magic, 4) != 0) {
+    throw fail("wrong magic");
+  }
+  uint32_t count = 0;
+  take(&count, 4, "the count");
+  tensor_map result;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t length = 0;
+    take(&length, 4, "a name's length");
+    if (length > size - at || length > 4096) {
+      throw fail(detail::concat("tensor ", i, "'s name of ", length, " bytes"));
+    }
+    std::string name(base + at, length);
+    at += length;
+    uint8_t dtype = 0;
+    uint8_t ndim = 0;
+    take(&dtype, 1, "a dtype");
+    take(&ndim, 1, "a dimension count");
+    if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
+        !packable(static_cast<c10::ScalarType>(dtype)) || ndim > 8) {
+      throw fail(
+        detail::concat("'", name, "' has dtype ", int{dtype}, " and ", int{ndim}, " dimensions"));
+    }
+    auto type = static_cast<c10::ScalarType>(dtype);
+    std::vector<int64_t> shape(ndim);
+    uint64_t elements = 1;
+    for (auto& d : shape) {
+      take(&d, 8, "a dimension");
+      if (d < 0 || d > (int64_t{1} << 40)) {
+        throw fail(detail::concat("'", name, "' has a dimension of ", d));
+      }
+    }
+    constexpr uint64_t most = uint64_t{1} << 40;
+    bool zero = false;
+    for (auto d : shape) {
+      auto n = static_cast<uint64_t>(d);
+      zero = zero || n == 0;
+      // Past 2^40 elements it is refused below: saturate instead of overflowing.
+      elements = n != 0 && elements > most / n ? most + 1 : elements * std::max<uint64_t>(n, 1);
+    }
+    elements = zero ? 0 : elements;
+    uint64_t payload = 0;
+    take(&payload, 8, "a payload size");
+    if (elements > (uint64_t{1} << 40) ||
+        payload != elements * static_cast<uint64_t>(c10::elementSize(type))) {
+      throw fail(
+        detail::concat("'", name, "' has ", payload, " bytes for shape ", c10::IntArrayRef(shape)));
+    }
+    at = std::min(aligned(at), size);
+    if (payload > size - at) {
+      throw fail(detail::concat("'", name, "' is truncated"));
+    }
+    // A view of the frame's buffer, which it keeps alive.
+    auto keep = bytes;
+    result[name] = torch::from_blob(
+      const_cast<char*>(base + at), shape, [keep](void*) {}, torch::TensorOptions().dtype(type));
+    at += payload;
+  }
+  if (at != size) {
+    throw fail(detail::concat(size - at, " bytes after the last tensor"));
   }
   return result;
 }
