@@ -27,8 +27,11 @@
 #include <actorpipe/actorpipe.hpp>
 #include <actorpipe/training.hpp>
 
+#include "bench/sweep.hpp"
+
 namespace {
 
+using actorpipe::bench::median;
 using clock_type = std::chrono::steady_clock;
 
 int free_port() {
@@ -166,14 +169,6 @@ private:
   mutable node_process* restart_ = nullptr;
   mutable std::vector<double> loss_to_step_;
 };
-
-double median(std::vector<double> xs) {
-  if (xs.empty()) {
-    return 0;
-  }
-  std::sort(xs.begin(), xs.end());
-  return xs[xs.size() / 2];
-}
 
 } // namespace
 

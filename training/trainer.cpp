@@ -445,8 +445,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     pipe.snapshot();
   }
   auto take_snapshot = [&](int64_t epoch, int64_t next_batch) {
-    if (!o.recover_lost_nodes || o.snapshot_every <= 0 ||
-        step % static_cast<uint64_t>(o.snapshot_every) != 0) {
+    if (!o.recover_lost_nodes || step % static_cast<uint64_t>(o.snapshot_every) != 0) {
       return;
     }
     pipe.snapshot();
