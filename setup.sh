@@ -57,8 +57,10 @@ sanitize() {
   cmake --build "$dir" -j"$(nproc)" --target $tests
   for t in $tests; do
     echo "== $t ($kind)"
+    local start=$SECONDS
     # The PyTorch oracle checks numerics in a Python child process; the Release build runs it.
     "$dir/tests/$t" --test-case-exclude="PyTorch is the oracle*"
+    echo "== $t ($kind): $((SECONDS - start)) s"
   done
 }
 

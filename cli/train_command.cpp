@@ -237,7 +237,10 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   model.torchscript = setup.torchscript;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
-  po.placement.nodes = a.nodes;
+  if (po.placement.nodes.empty()) {
+    // Replicas in this process were each given their share of --nodes.
+    po.placement.nodes = a.nodes;
+  }
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
@@ -455,9 +458,9 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.max_recoveries = a.max_recoveries;
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
   // parameter counts then), profiled again for time.
-  to.repartition = [&setup, plan = a.plan](std::size_t stages) {
+  to.repartition = [&setup, plan = a.plan](std::size_t parts) {
     auto args = plan;
-    args.stages = stages;
+    args.stages = parts / std::max<std::size_t>(1, plan.chunks);
     if (args.partition.rfind("cut:", 0) == 0) {
       args.partition = "params";
     }
@@ -674,17 +677,23 @@ int run_train(const train_args& given) {
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
-  ACTORPIPE_CHECK(a.nodes.empty() || (a.replicas == 1 && dp.replicas == 1),
-                  "--nodes cannot be combined with --replicas or --world-size (yet)");
-  ACTORPIPE_CHECK(a.nodes.empty() || a.nodes.size() == choice.cut.stages(), "--nodes lists ",
-                  a.nodes.size(), " nodes for ", choice.cut.stages(), " stages");
+  ACTORPIPE_CHECK(
+    a.nodes.empty() || a.nodes.size() == a.replicas * choice.stages(), "--nodes lists ",
+    a.nodes.size(), " nodes for ", choice.stages(), " stages",
+    a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
+                   : std::string{});
+  ACTORPIPE_CHECK(a.nodes.empty() || a.on_node_loss != "continue" ||
+                    (a.replicas == 1 && dp.replicas == 1),
+                  "--on-node-loss continue: replicas of stages on nodes (--replicas, "
+                  "--world-size) do not recover a lost node yet");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
   dp.sync_batch_norm = a.batch_norm == "sync";
   if (dp.sync_batch_norm) {
     ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
                     "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(a.nodes.empty(), "--batch-norm sync needs replicas, which --nodes cannot have");
+    ACTORPIPE_CHECK(a.nodes.empty(), "--batch-norm sync: replicas of stages on nodes (--nodes) do "
+                                     "not synchronise their batch norms yet");
     ACTORPIPE_CHECK(setup.torchscript.empty(),
                     "--batch-norm sync applies to the built-in ResNets' batch norm (a TorchScript "
                     "model's BatchNorm normalises each replica's micro-batch by itself)");
@@ -719,9 +728,10 @@ int run_train(const train_args& given) {
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));
   }
-  // Replicas in this process: one thread each, meeting at an in-process store.
+  // Replicas in this process: one thread each, meeting at an in-process store, or, when their
+  // stages are on nodes, at a store served here that the nodes reach (--master-addr/-port).
   dp.replicas = a.replicas;
-  dp.local = make_local_rendezvous();
+  dp.local = a.nodes.empty() ? make_local_rendezvous() : nullptr;
   // Each replica owns its modules; built one after another (they seed the global generator).
   std::vector<model_setup> models{setup};
   for (std::size_t r = 1; r < a.replicas; ++r) {
@@ -731,6 +741,11 @@ int run_train(const train_args& given) {
   for (std::size_t r = 0; r < a.replicas; ++r) {
     auto o = po;
     o.data_parallel.rank = r;
+    if (!a.nodes.empty()) {
+      auto stages = static_cast<std::ptrdiff_t>(choice.stages());
+      o.placement.nodes.assign(a.nodes.begin() + static_cast<std::ptrdiff_t>(r) * stages,
+                               a.nodes.begin() + static_cast<std::ptrdiff_t>(r + 1) * stages);
+    }
     ranks.push_back(std::async(std::launch::async,
                                [&run_rank, &models, r, o] { return run_rank(models[r], o); }));
   }

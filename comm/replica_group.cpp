@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include <c10/util/Exception.h>
@@ -49,23 +50,23 @@ std::string rendezvous_of(const data_parallel_options& o) {
   return o.local ? std::string("in process") : detail::concat(o.master_addr, ":", o.master_port);
 }
 
-c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o) {
+// Rank 0 serves the store (`serve`), everyone else is a client of it.
+c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o, bool serve) {
   if (o.local) {
     o.local->store->setTimeout(o.timeout);
     return o.local->store;
   }
   c10d::TCPStoreOptions so;
   so.port = o.master_port;
-  so.isServer = o.rank == 0;
+  so.isServer = serve;
   so.waitWorkers = false;
   so.timeout = o.timeout;
   try {
     return c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
   } catch (const std::exception& e) {
     throw pipeline_error(detail::concat(who(o), ": ",
-                                        o.rank == 0
-                                          ? "cannot serve the rendezvous store on "
-                                          : "cannot reach the rendezvous store of rank 0 at ",
+                                        serve ? "cannot serve the rendezvous store on "
+                                              : "cannot reach the rendezvous store of rank 0 at ",
                                         o.master_addr, ":", o.master_port, " within ",
                                         o.timeout.count(), " ms: ", brief(e)),
                          error_details{error_kind::replica_failure});
@@ -115,6 +116,13 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_optio
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::size_t stage);
+
+c10::intrusive_ptr<c10d::ProcessGroup>
+form_group(const data_parallel_options& o, std::size_t stage,
+           const std::shared_ptr<::gloo::transport::Device>& device,
+           const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix);
+
 } // namespace
 
 struct replica_group::rendezvous {
@@ -125,6 +133,16 @@ struct replica_group::rendezvous {
 
 struct stage_sync::impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // For a stage on a node: forms `group` on first use, on the stage's thread (every replica's
+  // stage reaches its first collective at about the same time; forming waits for all of them).
+  std::function<c10::intrusive_ptr<c10d::ProcessGroup>()> form;
+
+  c10d::ProcessGroup& pg() {
+    if (!group) {
+      group = form();
+    }
+    return *group;
+  }
   std::size_t stage = 0;
   std::size_t rank = 0;
   std::size_t size = 1;
@@ -184,7 +202,7 @@ struct stage_sync::impl {
   // copies the results back.
   template <class Collective, class Finish>
   int64_t coalesced(const std::vector<torch::Tensor>& tensors, const char* what,
-                    Collective collective, Finish finish) const {
+                    Collective collective, Finish finish) {
     struct pending {
       std::vector<torch::Tensor> members;
       std::vector<torch::Tensor> flat;
@@ -208,24 +226,58 @@ struct stage_sync::impl {
     return bytes;
   }
 
-  void broadcast(const std::vector<torch::Tensor>& tensors) const {
+  void broadcast(const std::vector<torch::Tensor>& tensors) {
     coalesced(
       tensors, "broadcast from rank 0",
       [&](std::vector<torch::Tensor>& flat) {
         c10d::BroadcastOptions options;
         options.rootRank = 0;
         options.timeout = timeout;
-        return group->broadcast(flat, options);
+        return pg().broadcast(flat, options);
       },
       [](torch::Tensor&) {});
   }
 
-  c10::intrusive_ptr<c10d::Work> all_reduce(std::vector<torch::Tensor>& flat) const {
+  c10::intrusive_ptr<c10d::Work> all_reduce(std::vector<torch::Tensor>& flat) {
     c10d::AllreduceOptions options;
     options.timeout = timeout;
-    return group->allreduce(flat, options);
+    return pg().allreduce(flat, options);
   }
 };
+
+namespace {
+
+std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::size_t stage) {
+  auto self = std::make_unique<stage_sync::impl>();
+  self->stage = stage;
+  self->rank = o.rank;
+  self->size = o.replicas;
+  self->timeout = o.timeout;
+  self->bucket_bytes = o.bucket_bytes;
+  return self;
+}
+
+// The Gloo group of `stage` over every replica's rank, keyed under `prefix` in `store`.
+c10::intrusive_ptr<c10d::ProcessGroup>
+form_group(const data_parallel_options& o, std::size_t stage,
+           const std::shared_ptr<::gloo::transport::Device>& device,
+           const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix) {
+  auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+  options->devices.push_back(device);
+  options->threads = 1;
+  try {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>(prefix, store), static_cast<int>(o.rank),
+      static_cast<int>(o.replicas), options);
+  } catch (const std::exception& e) {
+    throw pipeline_error(detail::concat(who(o), ": the process group of stage ", stage,
+                                        " did not form within ", o.timeout.count(),
+                                        " ms: ", brief(e)),
+                         error_details{error_kind::replica_failure});
+  }
+}
+
+} // namespace
 
 stage_sync::stage_sync(std::unique_ptr<impl> self) : self_(std::move(self)) {}
 stage_sync::~stage_sync() = default;
@@ -303,7 +355,7 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
   ACTORPIPE_CHECK(o.timeout.count() > 0, "data parallel: timeout must be > 0 ms");
   ACTORPIPE_CHECK(o.bucket_bytes > 0, "data parallel: bucket_bytes must be > 0");
   auto start = clock_type::now();
-  auto store = connect(o);
+  auto store = connect(o, o.rank == 0);
   barrier(*store, o, detail::concat(o.group, "/arrived/"), {1},
           detail::concat("the rendezvous (", rendezvous_of(o), ", group '", o.group, "')"));
   rendezvous_ = std::make_unique<rendezvous>(rendezvous{store, o, 0});
@@ -312,31 +364,53 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
     std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
   auto device = gloo_device(o);
   for (std::size_t s = 0; s < stages; ++s) {
-    auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
-    options->devices.push_back(device);
-    options->threads = 1;
-    auto prefix =
-      c10::make_intrusive<c10d::PrefixStore>(detail::concat(o.group, "/stage", s), store);
-    auto self = std::make_unique<stage_sync::impl>();
-    try {
-      self->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        prefix, static_cast<int>(o.rank), static_cast<int>(o.replicas), options);
-    } catch (const std::exception& e) {
-      throw pipeline_error(detail::concat(who(o), ": the process group of stage ", s,
-                                          " did not form within ", o.timeout.count(),
-                                          " ms: ", brief(e)),
-                           error_details{error_kind::replica_failure});
-    }
-    self->stage = s;
-    self->rank = o.rank;
-    self->size = o.replicas;
-    self->timeout = o.timeout;
-    self->bucket_bytes = o.bucket_bytes;
+    auto self = sync_of(o, s);
+    self->group = form_group(o, s, device, store, detail::concat(o.group, "/stage", s));
     stages_.push_back(std::make_shared<stage_sync>(std::move(self)));
   }
 }
 
-replica_group::~replica_group() = default;
+std::string replica_group::fresh_prefix(const std::string& what) {
+  return detail::concat(rendezvous_->options.group, "/", what, rendezvous_->calls++);
+}
+
+std::shared_ptr<stage_sync> join_stage_group(const data_parallel_options& o, std::size_t stage,
+                                             const std::string& prefix) {
+  ACTORPIPE_CHECK(o.replicas >= 2 && o.rank < o.replicas, "data parallel: rank ", o.rank, " of ",
+                  o.replicas, " replicas");
+  ACTORPIPE_CHECK(!o.local, "data parallel: a stage in another process cannot use an in-process "
+                            "rendezvous store");
+  auto self = sync_of(o, stage);
+  self->form = [o, stage, prefix] {
+    auto start = clock_type::now();
+    // A client of rank 0's store (a node never serves it).
+    auto store = connect(o, false);
+    auto group =
+      form_group(o, stage, gloo_device(o), store, detail::concat(prefix, "/stage", stage));
+    log::get()->info(
+      "stage {}, {}: formed its replica group after {} ms", stage, who(o),
+      std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
+    return group;
+  };
+  return std::make_shared<stage_sync>(std::move(self));
+}
+
+replica_group::~replica_group() {
+  if (!rendezvous_ || rendezvous_->options.local) {
+    return;
+  }
+  // Rank 0 serves the store: it stays until every rank has said it is done with it (within the
+  // deadline), so that a rank still finishing its last meeting does not find it gone.
+  const auto& o = rendezvous_->options;
+  try {
+    barrier(*rendezvous_->store, o, detail::concat(o.group, "/departed/"), {1},
+            "the end of the run");
+  } catch (const std::exception& e) {
+    if (o.rank == 0) {
+      log::get()->warn("{}", e.what());
+    }
+  }
+}
 
 void replica_group::agree(const std::string& what, int64_t value) {
   const auto& o = rendezvous_->options;

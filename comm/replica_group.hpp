@@ -81,11 +81,24 @@ public:
   /// The sync of stage index `stage` (shared with its stage actor).
   std::shared_ptr<stage_sync> stage(std::size_t stage) const { return stages_.at(stage); }
 
+  /// A store prefix no earlier call on this rank gave (`what` and a call number; every rank
+  /// calls in the same order, so the ranks' prefixes match): where stages on nodes form their
+  /// groups, anew for each placement.
+  std::string fresh_prefix(const std::string& what);
+
 private:
   struct rendezvous;
   std::unique_ptr<rendezvous> rendezvous_;
   std::vector<std::shared_ptr<stage_sync>> stages_;
 };
+
+/// The sync of stage index `stage` for a process that is not a replica itself (a node hosting
+/// that replica's stage): a client of rank 0's store at options.master_addr:master_port, which
+/// forms the stage's Gloo group under `prefix` at its first collective, on the calling thread,
+/// within options.timeout (every rank's stage gets there at about the same time). Errors as
+/// replica_group's, from that first collective.
+std::shared_ptr<stage_sync> join_stage_group(const data_parallel_options& options,
+                                             std::size_t stage, const std::string& prefix);
 
 /// A store for replicas that live in one process (no sockets for the rendezvous).
 std::shared_ptr<detail::local_store> make_local_store();

@@ -427,10 +427,18 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
 }
 
 pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_options options) {
-  ACTORPIPE_CHECK(options.chunks == 1, "pipeline: stages on nodes hold one chunk each, not ",
-                  options.chunks);
-  ACTORPIPE_CHECK(options.data_parallel.replicas <= 1,
-                  "pipeline: stages on nodes cannot be data-parallel replicas (yet)");
+  const auto& dp = options.data_parallel;
+  if (dp.replicas > 1) {
+    ACTORPIPE_CHECK(dp.rank < dp.replicas, "pipeline: data-parallel rank ", dp.rank,
+                    " is not below the ", dp.replicas, " replicas");
+    ACTORPIPE_CHECK(!dp.local,
+                    "pipeline: replicas of stages on nodes meet at rank 0's store "
+                    "(data_parallel.master_addr:master_port), which the nodes reach over TCP; an "
+                    "in-process rendezvous (data_parallel.local) cannot reach them");
+    ACTORPIPE_CHECK(dp.bmuf.block_steps == 0,
+                    "pipeline: replicas of stages on nodes average their gradients every step; "
+                    "BMUF (bmuf.block_steps > 0) runs with stages in process only");
+  }
   ACTORPIPE_CHECK(!options.hooks.after_forward && !options.hooks.after_backward,
                   "pipeline: hooks cannot run on stages on nodes (functions do not cross "
                   "processes)");
@@ -443,19 +451,38 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   options.loss = builtin_loss(model.loss);
   options.optimizer = make_optimizer(model.optimizer);
   impl_ = std::make_unique<impl>(std::move(cut), std::move(options));
-  impl_->remote = std::move(model);
-  impl_->sys = &sys;
-  impl_->place_on_nodes();
+  auto& self = *impl_;
+  self.remote = std::move(model);
+  self.sys = &sys;
+  if (self.options.data_parallel.replicas > 1) {
+    // The rendezvous of the replicas' drivers; the stages' groups form on their nodes.
+    self.replicas = std::make_unique<comm::replica_group>(self.options.data_parallel, 0);
+    // Every node builds its stage from the spec: the replicas start equal only if their drivers
+    // give the same model, cut and chunks.
+    nodes::stage_spec spec;
+    spec.model = *self.remote;
+    spec.model.torchscript = nodes::model_digest(spec.model.torchscript);
+    spec.bounds = self.cut.bounds;
+    spec.chunks = self.options.chunks;
+    spec.count = self.cut.stages() / self.options.chunks;
+    self.replicas->agree("the model on nodes (its spec, seed, cut and chunks)",
+                         static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
+  }
+  self.place_on_nodes();
 }
 
 void pipeline::impl::place_on_nodes() {
   const auto& model = *remote;
   // A local copy of the initial model checks the partition and, later, checkpoints.
-  torch::manual_seed(model.seed);
   layers = model.torchscript.empty()
-             ? make_model(model.name, model.options)
+             ? make_seeded_model(model.name, model.options, model.seed)
              : load_torchscript_bytes(model.torchscript, "the TorchScript model " + model.name);
   auto stage_count = check_pipeline(layers.size(), cut, options);
+  if (options.data_parallel.sync_batch_norm) {
+    ACTORPIPE_CHECK(count_batch_norms(layers) > 0, "pipeline: sync_batch_norm: the model ",
+                    model.name,
+                    " has no batch norm (actorpipe::DeferredBatchNorm2d) to synchronise");
+  }
   auto threads = options.threads_per_stage;
   if (threads == 0) {
     // Stages on one host share its cores, whichever node process holds them.
@@ -480,7 +507,10 @@ void pipeline::impl::place_on_nodes() {
   so.first_step = steps;
   scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   try {
-    auto placed = nodes::connect_stages(actor_system, model, cut, options, threads, scheduler);
+    // Each placement forms its replica groups anew, under a prefix all ranks agree on.
+    auto prefix = replicas ? replicas->fresh_prefix("nodes") : std::string{};
+    auto placed =
+      nodes::connect_stages(actor_system, model, cut, options, threads, scheduler, prefix);
     stage_actors = std::move(placed.proxies);
     remote_hub = std::move(placed.hub);
     nodes = std::move(placed.nodes);
@@ -491,8 +521,11 @@ void pipeline::impl::place_on_nodes() {
   }
   caf::anon_send(scheduler, actors::connect_atom::value, stage_actors);
   log::get()->info("pipeline: {} stages of {} on nodes, partition {}, {} micro-batches, {} "
-                   "intra-op threads per stage",
-                   stage_count, model.name, cut.to_string(), options.microbatches, threads);
+                   "intra-op threads per stage{}",
+                   stage_count, model.name, cut.to_string(), options.microbatches, threads,
+                   replicas ? detail::concat(", replica ", options.data_parallel.rank, " of ",
+                                             options.data_parallel.replicas)
+                            : std::string{});
 }
 
 pipeline::~pipeline() = default;
@@ -590,6 +623,10 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   auto& self = *impl_;
   ACTORPIPE_CHECK(self.remote, "recover: the stages of this pipeline are in this process; "
                                "recover() places stages on nodes again");
+  ACTORPIPE_CHECK(!self.replicas, "recover: this pipeline is replica ",
+                  self.options.data_parallel.rank, " of ", self.options.data_parallel.replicas,
+                  "; replicas of stages on nodes do not recover a lost node yet (restart them "
+                  "from a checkpoint)");
   auto started = std::chrono::steady_clock::now();
   auto& actor_system = self.sys->internals().system;
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
@@ -648,11 +685,13 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   }
   auto cut = self.cut;
   if (placed.size() != placement.nodes.size()) {
-    // Fewer stage actors: the model is cut anew over the nodes left.
-    cut =
-      repartition ? repartition(placed.size()) : partition_by_params(self.layers, placed.size());
-    ACTORPIPE_CHECK(cut.stages() == placed.size(), "recover: the repartition gave ", cut.stages(),
-                    " stages for the ", placed.size(), " nodes left");
+    // Fewer stage actors: the model is cut anew over the nodes left, each holding as many
+    // chunks as before.
+    auto parts = placed.size() * self.options.chunks;
+    cut = repartition ? repartition(parts) : partition_by_params(self.layers, parts);
+    ACTORPIPE_CHECK(cut.stages() == parts, "recover: the repartition gave ", cut.stages(),
+                    " stages for the ", placed.size(), " nodes left (", self.options.chunks,
+                    " chunks each)");
   }
   self.cut = cut;
   placement.nodes = placed;

@@ -106,6 +106,37 @@ replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_
   deadline_ = options.step_timeout + std::chrono::seconds(30);
 }
 
+replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model, partition cut,
+                                         pipeline_options options, std::size_t replicas) {
+  ACTORPIPE_CHECK(replicas >= 1, "replicated_pipeline: replicas must be >= 1");
+  ACTORPIPE_CHECK(options.chunks >= 1 && cut.stages() % options.chunks == 0,
+                  "replicated_pipeline: a partition of ", cut.stages(),
+                  " parts cannot be spread over stage actors of ", options.chunks, " chunks each");
+  auto stages = cut.stages() / options.chunks;
+  const auto all = options.placement.nodes;
+  ACTORPIPE_CHECK(all.size() == replicas * stages, "replicated_pipeline: ", all.size(),
+                  " nodes given for ", replicas, " replicas of ", stages,
+                  " stages (one per stage of each replica, replica after replica)");
+  options.data_parallel.replicas = replicas;
+  // The nodes reach the rendezvous over TCP: rank 0 serves it here, the others are its clients.
+  options.data_parallel.local = nullptr;
+  std::vector<std::future<std::unique_ptr<pipeline>>> building;
+  for (std::size_t r = 0; r < replicas; ++r) {
+    auto o = options;
+    o.data_parallel.rank = r;
+    o.placement.nodes.assign(all.begin() + static_cast<std::ptrdiff_t>(r * stages),
+                             all.begin() + static_cast<std::ptrdiff_t>((r + 1) * stages));
+    building.push_back(std::async(std::launch::async, [&sys, &model, cut, o] {
+      return std::make_unique<pipeline>(sys, model, cut, o);
+    }));
+  }
+  replicas_ = get_all(building,
+                      2 * options.data_parallel.timeout + 2 * options.placement.connect_timeout +
+                        std::chrono::seconds(30),
+                      "replicated_pipeline");
+  deadline_ = options.step_timeout + std::chrono::seconds(30);
+}
+
 replicated_pipeline::~replicated_pipeline() = default;
 
 step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {

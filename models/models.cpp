@@ -407,6 +407,14 @@ void register_model(const std::string& name, model_factory factory) {
   r.factories.emplace_back(name, std::move(factory));
 }
 
+layer_list make_seeded_model(const std::string& name, const model_options& options, uint64_t seed) {
+  // Recursive: a registered factory may build a seeded model of its own.
+  static std::recursive_mutex seeded;
+  std::lock_guard<std::recursive_mutex> lock(seeded);
+  torch::manual_seed(seed);
+  return make_model(name, options);
+}
+
 layer_list make_model(const std::string& name, const model_options& o) {
   ACTORPIPE_CHECK(o.num_classes >= 1, "model '", name, "': num_classes (", o.num_classes,
                   ") must be >= 1");

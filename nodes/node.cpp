@@ -26,6 +26,7 @@
 #include "actors/request_error.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/bundle_frames.hpp"
+#include "comm/replica_group.hpp"
 #include "comm/tensor_hub.hpp"
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
@@ -126,7 +127,8 @@ struct hosted {
   // How long the node waits for its stage actor to answer an abort or an update: the stage's
   // wait deadline, which the scheduler's own requests also use.
   std::chrono::milliseconds deadline{60000};
-  std::shared_ptr<stages::stage> stage;
+  // The actor's chunks: chunk c is virtual stage c * count + index.
+  std::vector<std::shared_ptr<stages::stage>> chunks;
   caf::actor proxy;
   peer_table peers;
   // Parameters tied to other stages: the group summing their gradients, and where the other
@@ -263,8 +265,7 @@ std::string build(node_actor* self, const std::string& text) {
   release(self, index);
   layer_list layers;
   if (spec.model.torchscript.empty()) {
-    torch::manual_seed(spec.model.seed);
-    layers = make_model(spec.model.name, spec.model.options);
+    layers = make_seeded_model(spec.model.name, spec.model.options, spec.model.seed);
   } else {
     auto it = std::find_if(s.models.begin(), s.models.end(),
                            [&](const auto& m) { return m.first == spec.model.torchscript; });
@@ -276,13 +277,27 @@ std::string build(node_actor* self, const std::string& text) {
                   spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
                   layers.size(), " layers");
   partition cut{spec.bounds};
-  auto begin = cut.begin(spec.index);
-  auto end = cut.end(spec.index);
-  ACTORPIPE_CHECK(begin < end, "stage ", spec.index, " would be empty");
   // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
   auto ties = tied_parameters(layers);
-  auto st = stages::make_stage(layers, cut, spec.index, c10::kCPU,
-                               make_optimizer(spec.model.optimizer), spec.precision);
+  hosted h;
+  std::set<std::size_t> tie_holders;
+  std::string layer_ranges;
+  for (std::size_t c = 0; c < spec.chunks; ++c) {
+    auto k = c * spec.count + spec.index;
+    auto begin = cut.begin(k);
+    auto end = cut.end(k);
+    ACTORPIPE_CHECK(begin < end, "stage ", k, " would be empty");
+    h.chunks.push_back(stages::make_stage(layers, cut, k, c10::kCPU,
+                                          make_optimizer(spec.model.optimizer), spec.precision));
+    // The tie group's members are stage actors: a virtual stage's holder is the actor of it.
+    for (auto holder : h.chunks.back()->config().tie_holders) {
+      tie_holders.insert(holder % spec.count);
+    }
+    layer_ranges += detail::concat(layer_ranges.empty() ? "" : ", ", end - begin, " layers ", begin,
+                                   "..", end - 1);
+  }
+  bool tied = std::any_of(h.chunks.begin(), h.chunks.end(),
+                          [](const auto& st) { return !st->config().shared_ties.empty(); });
   stage_actor_options options;
   options.index = spec.index;
   options.count = spec.count;
@@ -292,22 +307,29 @@ std::string build(node_actor* self, const std::string& text) {
   options.reduction = spec.reduction;
   options.recompute = spec.recompute;
   options.report_gradient_norm = spec.report_gradient_norm;
-  hosted h;
-  h.stage = st;
+  if (spec.data_parallel.replicas > 1) {
+    // Gradients averaged with the same stage of the other replicas, on their nodes. Every
+    // replica builds the model from the same seed or bytes: they start equal without a
+    // broadcast (their drivers agreed on the model).
+    options.sync = comm::join_stage_group(spec.data_parallel, spec.index, spec.group_prefix);
+    options.buffers = spec.data_parallel.buffers;
+    options.sync_batch_norm = spec.data_parallel.sync_batch_norm;
+  }
   std::vector<std::string> tie_names;
-  if (!st->config().shared_ties.empty()) {
+  if (tied) {
     h.tie_peers = std::make_shared<std::vector<endpoint>>();
     for (const auto& t : ties) {
       tie_names.push_back(t.name);
     }
-    h.ties = std::make_shared<comm::tie_group>(st->config().tie_holders,
-                                               tie_sender(s.hub, h.tie_peers, tie_names));
+    h.ties =
+      std::make_shared<comm::tie_group>(tie_holders, tie_sender(s.hub, h.tie_peers, tie_names));
     options.ties = h.ties;
   }
   h.deadline = options.wait_timeout;
   // The node is its stage's listener: node_behavior handles done_atom and failed_atom (the node
   // protocol itself is dynamically typed, being a protocol between processes).
-  h.actor = spawn_stage(self->system(), {st}, caf::actor_cast<stage_listener_actor>(self), options);
+  h.actor =
+    spawn_stage(self->system(), h.chunks, caf::actor_cast<stage_listener_actor>(self), options);
   {
     std::lock_guard<std::mutex> lock(s.route->mutex);
     s.route->stages[index] = caf::actor_cast<caf::weak_actor_ptr>(h.actor);
@@ -318,9 +340,8 @@ std::string build(node_actor* self, const std::string& text) {
   s.stages.emplace(index, std::move(h));
   // The whole model was built to keep one stage of it.
   memory::release_free_heap();
-  log::get()->info("node {}: built stage {} of {} ({} layers {}..{} of {}, seed {})", s.label,
-                   spec.index, spec.count, end - begin, begin, end - 1, spec.model.name,
-                   spec.model.seed);
+  log::get()->info("node {}: built stage {} of {} ({} of {}, seed {})", s.label, spec.index,
+                   spec.count, layer_ranges, spec.model.name, spec.model.seed);
   return nlohmann::json{{"data_host", s.hub->host()}, {"data_port", s.hub->port()}}.dump();
 }
 
@@ -447,28 +468,41 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
   try {
     h->peers = peer_table_from_json(text);
     auto count = h->peers.stages.size();
-    ACTORPIPE_CHECK(count == h->stage->config().count, "peer table lists ", count,
-                    " stages, the stage was built for ", h->stage->config().count);
+    auto built_for = h->chunks.front()->config().count / h->chunks.size();
+    ACTORPIPE_CHECK(count == built_for, "peer table lists ", count,
+                    " stages, the stage was built for ", built_for);
     if (h->tie_peers) {
       // Before the stage's first step (the connect message below orders it before the plans).
       *h->tie_peers = h->peers.stages;
     }
     std::vector<stage_peer_actor> neighbours(count);
+    // The actors next to this one; with chunks the last actor's next is the first's next
+    // chunk, and the first's previous the last's previous chunk.
+    std::set<std::size_t> next_to;
     for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
-      if (j < 0 || j >= static_cast<int64_t>(count)) {
+      if (h->chunks.size() > 1) {
+        next_to.insert(static_cast<std::size_t>((j + static_cast<int64_t>(count)) %
+                                                static_cast<int64_t>(count)));
+      } else if (j >= 0 && j < static_cast<int64_t>(count)) {
+        next_to.insert(static_cast<std::size_t>(j));
+      }
+    }
+    for (auto j : next_to) {
+      if (j == index) {
+        neighbours[j] = h->actor;
         continue;
       }
-      auto to = h->peers.stages[static_cast<std::size_t>(j)];
+      auto to = h->peers.stages[j];
       auto local = find_stage(self, static_cast<uint32_t>(j));
       if (local != nullptr && to.host == self->state.hub->host() &&
           to.port == self->state.hub->port()) {
-        neighbours[static_cast<std::size_t>(j)] = local->actor;
+        neighbours[j] = local->actor;
       } else {
         auto link = self->system().spawn<caf::detached>(link_actor, self->state.hub, to,
                                                         static_cast<uint32_t>(j), index,
                                                         caf::actor_cast<caf::actor>(self));
         h->links.push_back(link);
-        neighbours[static_cast<std::size_t>(j)] = link;
+        neighbours[j] = link;
       }
     }
     self->send(h->actor, connect_atom::value, std::move(neighbours));
@@ -557,7 +591,8 @@ void report_failure(node_actor* self, uint64_t step, const failure& why) {
         text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
       }
     }
-    self->send(h->proxy, rfailed_atom::value, static_cast<uint32_t>(h->stage->config().index), step,
+    self->send(h->proxy, rfailed_atom::value,
+               static_cast<uint32_t>(h->chunks.front()->config().index), step,
                error_kind_to_wire(why.details.kind), why.details.microbatch.value_or(-1),
                why.details.node, text);
   }
@@ -610,7 +645,11 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
     return missing_stage(self, index);
   }
   try {
-    auto bytes = stages::pack_tensors(h->stage->state());
+    stages::stage::tensor_map all;
+    for (auto& chunk : h->chunks) {
+      all.merge(chunk->state());
+    }
+    auto bytes = stages::pack_tensors(all);
     auto blob = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
     const auto& to = h->peers.scheduler;
     self->state.hub->send(to.host, to.port,
@@ -634,7 +673,10 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
   h->loads.erase(id);
   h->states.erase(id);
   try {
-    h->stage->load_state(stages::unpack_tensors(blob, "checkpoint state"));
+    auto all = stages::unpack_tensors(blob, "checkpoint state");
+    for (auto& chunk : h->chunks) {
+      chunk->load_state(all);
+    }
     rp.deliver(std::string{});
   } catch (const std::exception& e) {
     rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));

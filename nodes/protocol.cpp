@@ -111,12 +111,25 @@ std::string to_json(const stage_spec& s) {
             {"bounds", s.bounds},
             {"index", s.index},
             {"count", s.count},
+            {"chunks", s.chunks},
             {"threads", s.threads},
             {"wait_timeout_ms", s.wait_timeout_ms},
             {"report_gradient_norm", s.report_gradient_norm},
             {"reduction", s.reduction == loss_reduction::mean ? "mean" : "sum"},
             {"recompute", to_string(s.recompute)},
             {"precision", to_string(s.precision)}};
+  const auto& dp = s.data_parallel;
+  if (dp.replicas > 1) {
+    j["data_parallel"] = {{"rank", dp.rank},
+                          {"replicas", dp.replicas},
+                          {"master_addr", dp.master_addr},
+                          {"master_port", dp.master_port},
+                          {"timeout_ms", dp.timeout.count()},
+                          {"bucket_bytes", dp.bucket_bytes},
+                          {"buffers", static_cast<int>(dp.buffers)},
+                          {"sync_batch_norm", dp.sync_batch_norm},
+                          {"group_prefix", s.group_prefix}};
+  }
   return j.dump();
 }
 
@@ -150,6 +163,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.bounds = field<std::vector<std::size_t>>(j, "bounds", what);
   s.index = field<std::size_t>(j, "index", what);
   s.count = field<std::size_t>(j, "count", what);
+  s.chunks = field<std::size_t>(j, "chunks", what);
   s.threads = field<std::size_t>(j, "threads", what);
   s.wait_timeout_ms = field<int64_t>(j, "wait_timeout_ms", what);
   s.report_gradient_norm = field<bool>(j, "report_gradient_norm", what);
@@ -159,9 +173,34 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.reduction = reduction == "mean" ? loss_reduction::mean : loss_reduction::sum;
   s.recompute = parse_recompute_mode(field<std::string>(j, "recompute", what));
   s.precision = parse_precision(field<std::string>(j, "precision", what));
-  ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count && s.bounds.size() == s.count + 1, what,
-                  ": stage ", s.index, " of ", s.count, " with ", s.bounds.size(), " bounds");
+  ACTORPIPE_CHECK(s.chunks >= 1 && s.chunks <= 1024, what, ": chunks ", s.chunks);
+  ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count && s.bounds.size() == s.count * s.chunks + 1,
+                  what, ": stage ", s.index, " of ", s.count, " with ", s.chunks, " chunks and ",
+                  s.bounds.size(), " bounds");
   ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
+  if (j.contains("data_parallel")) {
+    auto d = field<json>(j, "data_parallel", what);
+    auto& dp = s.data_parallel;
+    dp.rank = field<std::size_t>(d, "rank", what);
+    dp.replicas = field<std::size_t>(d, "replicas", what);
+    dp.master_addr = field<std::string>(d, "master_addr", what);
+    auto port = field<int64_t>(d, "master_port", what);
+    ACTORPIPE_CHECK(port >= 1 && port <= 65535, what, ": master_port ", port);
+    dp.master_port = static_cast<uint16_t>(port);
+    dp.timeout = std::chrono::milliseconds(field<int64_t>(d, "timeout_ms", what));
+    dp.bucket_bytes = field<std::size_t>(d, "bucket_bytes", what);
+    auto buffers = field<int64_t>(d, "buffers", what);
+    ACTORPIPE_CHECK(buffers >= 0 && buffers <= static_cast<int64_t>(buffer_sync::none), what,
+                    ": buffers ", buffers);
+    dp.buffers = static_cast<buffer_sync>(buffers);
+    dp.sync_batch_norm = field<bool>(d, "sync_batch_norm", what);
+    s.group_prefix = field<std::string>(d, "group_prefix", what);
+    ACTORPIPE_CHECK(dp.replicas >= 2 && dp.rank < dp.replicas, what, ": data parallel rank ",
+                    dp.rank, " of ", dp.replicas);
+    ACTORPIPE_CHECK(dp.timeout.count() >= 1 && dp.bucket_bytes >= 1 && !s.group_prefix.empty() &&
+                      !dp.master_addr.empty(),
+                    what, ": data parallel timeout, bucket bytes, group prefix or master address");
+  }
   ACTORPIPE_CHECK(s.wait_timeout_ms >= 1, what, ": wait_timeout_ms ", s.wait_timeout_ms);
   return s;
 }

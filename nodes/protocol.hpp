@@ -60,19 +60,26 @@ using target_atom = caf::atom_constant<caf::atom("target")>;
 using output_atom = caf::atom_constant<caf::atom("output")>;
 using state_atom = caf::atom_constant<caf::atom("state")>;
 
-/// What a node needs to build stage `index` of `count`. For a TorchScript model,
+/// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
+/// model (chunk c is virtual stage c * count + index, as in process). For a TorchScript model,
 /// `model.torchscript` holds the model's digest (model_digest), not its bytes.
 struct stage_spec {
   remote_model model;
   std::vector<std::size_t> bounds;
   std::size_t index = 0;
   std::size_t count = 1;
+  std::size_t chunks = 1;
   std::size_t threads = 1;
   int64_t wait_timeout_ms = 60000;
   bool report_gradient_norm = false;
   loss_reduction reduction = loss_reduction::mean;
   recompute_mode recompute = recompute_mode::never;
   precision_mode precision = precision_mode::fp32;
+  /// Replicas (data_parallel.replicas > 1): this stage's rank, where rank 0's driver serves the
+  /// store (master_addr:master_port), deadlines, buckets, buffers and batch norm; the stage
+  /// forms its Gloo group under `group_prefix` (data_parallel.local and bmuf are not used).
+  data_parallel_options data_parallel;
+  std::string group_prefix;
 };
 
 /// Where a stage receives frames, and the node that hosts it ("host:port" of its control).

@@ -432,9 +432,11 @@ std::string local_address_towards(const std::string& host, uint16_t port) {
 
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
-                             std::size_t threads, const stage_listener_actor& scheduler) {
+                             std::size_t threads, const stage_listener_actor& scheduler,
+                             const std::string& group_prefix) {
   const auto& placement = options.placement;
-  auto count = cut.stages();
+  // Stage actors; each holds options.chunks parts of the cut.
+  auto count = cut.stages() / options.chunks;
   ACTORPIPE_CHECK(placement.nodes.size() == count, "pipeline: ", placement.nodes.size(),
                   " nodes given for ", count, " stages");
   auto timeout = placement.connect_timeout;
@@ -515,12 +517,18 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       spec.bounds = cut.bounds;
       spec.index = i;
       spec.count = count;
+      spec.chunks = options.chunks;
       spec.threads = threads;
       spec.wait_timeout_ms = options.wait_timeout.count();
       spec.report_gradient_norm = options.max_grad_norm > 0;
       spec.reduction = options.reduction;
       spec.recompute = options.recompute;
       spec.precision = options.precision;
+      if (options.data_parallel.replicas > 1) {
+        spec.data_parallel = options.data_parallel;
+        spec.data_parallel.local = nullptr;
+        spec.group_prefix = group_prefix;
+      }
       auto reply = nlohmann::json::parse(
         ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
       if (reply.contains("error")) {

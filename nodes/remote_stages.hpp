@@ -42,12 +42,15 @@ struct remote_stages {
 };
 
 /// Connects to every node of options.placement (authenticating with its secret), has each
-/// build its stage of `model` cut by `cut`, wires the stages to each other and spawns the
-/// proxies reporting to `scheduler`. Throws pipeline_error naming the node on any failure,
-/// after releasing the stages already built.
+/// build its stage of `model` cut by `cut` (options.chunks parts each), wires the stages to
+/// each other and spawns the proxies reporting to `scheduler`. With replicas
+/// (options.data_parallel), each stage forms its group with the other replicas' same stage
+/// under `group_prefix`. Throws pipeline_error naming the node on any failure, after releasing
+/// the stages already built.
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
-                             std::size_t threads, const actors::stage_listener_actor& scheduler);
+                             std::size_t threads, const actors::stage_listener_actor& scheduler,
+                             const std::string& group_prefix = {});
 
 /// For each of `addresses`, whether its node answers a hello within placement.connect_timeout:
 /// a node in `known` is asked over its connection, any other is reached first. All are asked at

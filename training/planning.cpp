@@ -239,8 +239,7 @@ model_setup build_model(const model_args& m) {
     setup.options.context = pick(m.context, default_gpt_context);
     setup.options.dropout = m.dropout;
   }
-  torch::manual_seed(m.seed);
-  setup.layers = make_model(setup.name, setup.options);
+  setup.layers = make_seeded_model(setup.name, setup.options, m.seed);
   take_example(setup, m);
   return setup;
 }
@@ -249,8 +248,7 @@ layer_list model_setup::fresh(uint64_t seed) const {
   if (!torchscript.empty()) {
     return load_torchscript_bytes(torchscript, "--model " + name);
   }
-  torch::manual_seed(seed);
-  return make_model(name, options);
+  return make_seeded_model(name, options, seed);
 }
 
 torch::Tensor model_setup::sample() const {

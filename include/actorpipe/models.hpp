@@ -39,4 +39,9 @@ void register_model(const std::string& name, model_factory factory);
 ///   token ids [N, T] (T <= context), gives logits [N, T, vocabulary]; sizes from model_options.
 layer_list make_model(const std::string& name, const model_options& options = {});
 
+/// torch::manual_seed(seed), then make_model, under a lock of this process: threads that build
+/// seeded models at the same time (nodes and replicas that share a process) each get the
+/// model of their seed rather than draws from each other's sequence.
+layer_list make_seeded_model(const std::string& name, const model_options& options, uint64_t seed);
+
 } // namespace actorpipe

@@ -115,14 +115,14 @@ public:
   /// stopped answering), puts the pipeline back together: asks every node of the placement
   /// whether it answers (each within placement.connect_timeout, all at once), moves the stages of
   /// those that do not to spares that answer (placement.spares, in order), or, short of spares,
-  /// cuts the model anew over the nodes left with `repartition(stage_count)` (by parameter counts
-  /// when empty), builds the stages there, restores every stage from the newest snapshot and
-  /// says what it did. With every node answering it rebuilds the same layout. Later steps are
-  /// numbered after the failed one; the caller replays its data from the snapshot's step.
-  /// Throws pipeline_error (node_lost) when no node is left, invalid_argument for stages in
-  /// process (nothing to move) or a repartition of the wrong stage count. Not queued like the
-  /// steps: call it from the thread that runs them, with no step or request of another thread
-  /// pending.
+  /// cuts the model anew over the nodes left with `repartition(parts)` (by parameter counts when
+  /// empty; parts = nodes left x options.chunks, each stage keeping its chunk count), builds the
+  /// stages there, restores every stage from the newest snapshot and says what it did. With every
+  /// node answering it rebuilds the same layout. Later steps are numbered after the failed one; the
+  /// caller replays its data from the snapshot's step. Throws pipeline_error (node_lost) when no
+  /// node is left, invalid_argument for stages in process (nothing to move) or a repartition of the
+  /// wrong stage count. Not queued like the steps: call it from the thread that runs them, with no
+  /// step or request of another thread pending.
   recovery_report recover(std::function<partition(std::size_t)> repartition = {});
 
   /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs

@@ -41,6 +41,16 @@ public:
   /// constructor throws, or invalid_argument for replicas == 0.
   replicated_pipeline(engine& sys, const model_factory& make_model, partition cut,
                       pipeline_options options, std::size_t replicas);
+
+  /// Replicas of a pipeline on nodes: options.placement.nodes lists every replica's nodes one
+  /// replica after the other (replica r's stage i on entry r x stages + i), each node builds its
+  /// stage of `model`, and the stages average their gradients with the other replicas' same
+  /// stage node to node (c10d Gloo). The replicas meet at a store this process serves at
+  /// options.data_parallel.master_addr:master_port, which every node must reach. Throws what
+  /// the pipeline constructor for a remote_model throws, or invalid_argument for a node count
+  /// that is not replicas x stages.
+  replicated_pipeline(engine& sys, const remote_model& model, partition cut,
+                      pipeline_options options, std::size_t replicas);
   ~replicated_pipeline();
   replicated_pipeline(const replicated_pipeline&) = delete;
   replicated_pipeline& operator=(const replicated_pipeline&) = delete;

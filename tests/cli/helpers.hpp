@@ -21,6 +21,8 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include "../ports.hpp"
+
 namespace actorpipe::test {
 
 struct run_result {
@@ -81,19 +83,6 @@ inline std::vector<double> oracle_losses(const std::string& args) {
   REQUIRE(python.exit_code == 0);
   return nlohmann::json::parse(python.output.substr(python.output.rfind('{')))["losses"]
     .get<std::vector<double>>();
-}
-
-// A port nobody listens on now.
-inline int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
-  ::close(fd);
-  return ntohs(sa.sin_port);
 }
 
 inline std::filesystem::path temp_file(const std::string& name) {

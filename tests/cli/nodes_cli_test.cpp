@@ -232,6 +232,60 @@ TEST_CASE("a node stopped past the deadline, without a spare: the run goes on ov
   std::filesystem::remove(json);
 }
 
+TEST_CASE("replicas of pipelines on four node processes train with the in-process replicas' "
+          "losses: from one scheduler, interleaved, and from two schedulers of one world") {
+  node_process a("", "dp-a"), b("", "dp-b"), c("", "dp-c"), d("", "dp-d");
+  const auto four =
+    " --nodes " + a.address() + "," + b.address() + "," + c.address() + "," + d.address();
+  const std::string steps = " --steps 3";
+  auto losses_of = [](const std::string& flags, const std::string& tag) {
+    auto json = temp_file(tag + ".json");
+    auto r = run("train" + synthetic_mlp + flags + " --json " + json.string());
+    CAPTURE(r.output);
+    REQUIRE(r.exit_code == 0);
+    auto l = losses(json);
+    std::filesystem::remove(json);
+    return l;
+  };
+  auto expect_equal = [](const std::vector<double>& got, const std::vector<double>& expected) {
+    REQUIRE(got.size() == expected.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CHECK(got[i] == doctest::Approx(expected[i]).epsilon(1e-6));
+    }
+  };
+  const std::string interleaved = " --replicas 2 --schedule interleaved --chunks 2";
+  expect_equal(
+    losses_of(steps + interleaved + four + " --master-port " + std::to_string(free_port()),
+              "dp-nodes"),
+    losses_of(steps + interleaved, "dp-local"));
+  // Two schedulers, ranks 0 and 1 of a world of 2, each with its pipeline on two of the nodes.
+  auto port = std::to_string(free_port());
+  auto json = temp_file("dp-world.json");
+  background rank1("train" + synthetic_mlp + steps + " --world-size 2 --rank 1 --master-port " +
+                     port + " --nodes " + c.address() + "," + d.address(),
+                   temp_file("dp-rank1.log"));
+  auto rank0 =
+    run("train" + synthetic_mlp + steps + " --world-size 2 --rank 0 --master-port " + port +
+        " --nodes " + a.address() + "," + b.address() + " --json " + json.string());
+  CAPTURE(rank0.output);
+  CHECK(rank0.exit_code == 0);
+  auto rank1_code = rank1.stop(0, 30s);
+  CAPTURE(rank1.output());
+  CHECK(rank1_code == 0);
+  expect_equal(losses(json), losses_of(steps + " --replicas 2", "dp-local-1f1b"));
+  std::filesystem::remove(json);
+  // Refusals: a node count that is not replicas x stages, recovery with replicas.
+  auto three = run("train" + synthetic_mlp + steps + " --replicas 2 --nodes " + a.address() + "," +
+                   b.address() + "," + c.address());
+  CHECK(three.exit_code == 2);
+  CHECK(three.output.find("--nodes lists 3 nodes for 2 stages of each of 2 replicas") !=
+        std::string::npos);
+  auto recovering =
+    run("train" + synthetic_mlp + steps + " --replicas 2" + four + " --on-node-loss continue");
+  CHECK(recovering.exit_code == 2);
+  CHECK(recovering.output.find("do not recover a lost node yet") != std::string::npos);
+}
+
 TEST_CASE("the flags of lost-node recovery are refused where they do not apply") {
   const std::string two_nodes = " --steps 1 --nodes 127.0.0.1:1,127.0.0.1:2";
   const std::vector<std::pair<std::string, std::string>> refusals{

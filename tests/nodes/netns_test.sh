@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-host: a scheduler and two nodes on three network "hosts" (Linux network namespaces
-# joined by veth pairs on a bridge, addresses 10.77.x.1-3), then a cut link mid-run. Needs root
+# joined by veth pairs on a bridge, addresses 10.77.x.1-5), two more nodes for 2 replicas x 2
+# stages (pipeline x data across hosts), then a cut link mid-run. Needs root
 # and iproute2; exits 77 (CTest: skipped) with the reason where that is not possible.
 #   tests/nodes/netns_test.sh path/to/actorpipe
 set -euo pipefail
@@ -12,12 +13,12 @@ command -v python3 > /dev/null || skip "python3 (to compare the JSON reports) is
 
 tag=ap$$
 net=10.77.$(( $$ % 200 + 20 ))
-br=${tag}br s=${tag}s a=${tag}a b=${tag}b
+br=${tag}br s=${tag}s a=${tag}a b=${tag}b c=${tag}c d=${tag}d
 work=$(mktemp -d)
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2> /dev/null || true; done
-  for n in "$s" "$a" "$b" "$br"; do ip netns del "$n" 2> /dev/null || true; done
+  for n in "$s" "$a" "$b" "$c" "$d" "$br"; do ip netns del "$n" 2> /dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -25,7 +26,7 @@ ip netns add "$br" 2> /dev/null || skip "cannot create network namespaces here (
 ip -n "$br" link add br0 type bridge
 ip -n "$br" link set br0 up
 i=1
-for host in "$s" "$a" "$b"; do
+for host in "$s" "$a" "$b" "$c" "$d"; do
   ip netns add "$host"
   ip link add "v$host" type veth peer name "p$host"
   ip link set "v$host" netns "$host"
@@ -36,12 +37,13 @@ for host in "$s" "$a" "$b"; do
   ip -n "$host" link set lo up
   i=$((i + 1))
 done
-echo "hosts: scheduler $net.1, node a $net.2, node b $net.3"
+echo "hosts: scheduler $net.1, nodes a-d $net.2-5"
 
 printf 'multi-host secret\n' > "$work/secret"
 chmod 600 "$work/secret"
 start_node() { # namespace address log
-  ip netns exec "$1" "$cli" node --listen "$2:7000" --secret-file "$work/secret" > "$3" 2>&1 &
+  # Gloo (replicas) binds to the host's own link.
+  ip netns exec "$1" env ACTORPIPE_GLOO_IFNAME="v$1" "$cli" node --listen "$2:7000" --secret-file "$work/secret" > "$3" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do grep -q "listening on" "$3" && return 0; sleep 0.1; done
   echo "FAIL: node $2 did not start"; cat "$3"; exit 1
@@ -49,18 +51,34 @@ start_node() { # namespace address log
 start_node "$a" "$net.2" "$work/a.log"
 start_node "$b" "$net.3" "$work/b.log"
 
+# Three steps' losses of two --json files agree within 1e-6 (relative); $3 says what agreed.
+same_losses() {
+  python3 - "$1" "$2" "$3" << 'PY'
+import json, sys
+remote, local = ([s["loss"] for s in json.load(open(f))["steps"]] for f in sys.argv[1:3])
+assert len(remote) == len(local) == 3, (remote, local)
+for r, l in zip(remote, local):
+    assert abs(r - l) <= 1e-6 * abs(l), (remote, local)
+print(sys.argv[3] + ":", remote)
+PY
+}
+
 common="--data synthetic --model mlp --batch 16 --microbatches 4 --stages 2 --threads 1 --lr 0.1 --seed 5"
 ip netns exec "$s" "$cli" train $common --steps 3 --nodes "$net.2:7000,$net.3:7000" \
   --secret-file "$work/secret" --json "$work/remote.json"
 "$cli" train $common --steps 3 --json "$work/local.json" > /dev/null
-python3 - "$work/remote.json" "$work/local.json" << 'PY'
-import json, sys
-remote, local = ([s["loss"] for s in json.load(open(f))["steps"]] for f in sys.argv[1:])
-assert len(remote) == len(local) == 3, (remote, local)
-for r, l in zip(remote, local):
-    assert abs(r - l) <= 1e-6 * abs(l), (remote, local)
-print("across hosts: losses equal the in-process run:", remote)
-PY
+same_losses "$work/remote.json" "$work/local.json" "across hosts: losses equal the in-process run"
+
+# 2 replicas x 2 stages: replica 0 on a and b, replica 1 on c and d; the stages' gradients are
+# averaged between a and c, and between b and d; the scheduler's host serves the store.
+start_node "$c" "$net.4" "$work/c.log"
+start_node "$d" "$net.5" "$work/d.log"
+ip netns exec "$s" env ACTORPIPE_GLOO_IFNAME="v$s" "$cli" train $common --steps 3 --replicas 2 \
+  --nodes "$net.2:7000,$net.3:7000,$net.4:7000,$net.5:7000" --master-addr "$net.1" \
+  --secret-file "$work/secret" --json "$work/remote2d.json"
+"$cli" train $common --steps 3 --replicas 2 --json "$work/local2d.json" > /dev/null
+same_losses "$work/remote2d.json" "$work/local2d.json" \
+  "2 replicas x 2 stages across hosts: losses equal the in-process replicas"
 
 # Cut node b's link while a long run is under way: the run must end with an error within the
 # stage wait deadline (5 s), naming what waited for what.

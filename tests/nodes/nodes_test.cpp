@@ -8,12 +8,14 @@
 #include <caf/io/all.hpp>
 
 #include "../engine/oracle.hpp"
+#include "../ports.hpp"
 #include "comm/tensor_hub.hpp"
 #include "comm/test_certificates.hpp"
 #include "comm/wire.hpp"
 #include "nodes/protocol.hpp"
 #include <actorpipe/models.hpp>
 #include <actorpipe/node.hpp>
+#include <actorpipe/replicas.hpp>
 #include <nlohmann/json.hpp>
 
 using namespace actorpipe;
@@ -21,6 +23,21 @@ using namespace actorpipe::test;
 using namespace std::chrono_literals;
 
 namespace {
+
+// A two-block GPT of width 8 over 11 tokens, with cross entropy and Adam (lr 1e-2), seed 5.
+remote_model tiny_gpt() {
+  remote_model gpt;
+  gpt.name = "gpt";
+  gpt.options.vocabulary = 11;
+  gpt.options.layers = 2;
+  gpt.options.width = 8;
+  gpt.options.context = 8;
+  gpt.seed = 5;
+  gpt.loss = "cross_entropy";
+  gpt.optimizer.name = "adam";
+  gpt.optimizer.lr = 1e-2;
+  return gpt;
+}
 
 remote_model tiny_remote(uint64_t seed = 1) {
   remote_model m;
@@ -488,16 +505,7 @@ TEST_CASE("a TLS node refuses plain schedulers and other CAs' certificates, and 
 
 TEST_CASE("a gpt on one node trains as in process, and so does a gpt cut across nodes, its tied "
           "embedding and head summing their gradients node to node") {
-  remote_model gpt;
-  gpt.name = "gpt";
-  gpt.options.vocabulary = 11;
-  gpt.options.layers = 2;
-  gpt.options.width = 8;
-  gpt.options.context = 8;
-  gpt.seed = 5;
-  gpt.loss = "cross_entropy";
-  gpt.optimizer.name = "adam";
-  gpt.optimizer.lr = 1e-2;
+  auto gpt = tiny_gpt();
   auto options = [] {
     auto o = local_options();
     o.loss = builtin_loss("cross_entropy");
@@ -548,6 +556,165 @@ TEST_CASE("a gpt on one node trains as in process, and so does a gpt cut across 
     REQUIRE(by_name.count("head.weight") == 1);
     CHECK(torch::equal(by_name.at("head.weight"), by_name.at("embed.token.weight")));
   }
+}
+
+TEST_CASE("interleaved and zero-bubble schedules run on nodes and train like plain libtorch") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto settings = every_schedule();
+  settings.push_back({schedule_kind::interleaved, 3});
+  for (auto [schedule, chunks] : settings) {
+    CAPTURE(to_string(schedule));
+    CAPTURE(chunks);
+    auto o = remote_options({n1.address(), n2.address()});
+    o.schedule = schedule;
+    o.chunks = chunks;
+    pipeline remote(sys, tiny_remote(), partition_uniform(6, 2 * chunks), o);
+    CHECK(remote.stages() == 2);
+    CHECK(n1.stages() == 1);
+    plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = batch(step);
+      auto r = remote.train_step(x, y);
+      CAPTURE(step);
+      CHECK(r.loss == doctest::Approx(plain.step(x, y)).epsilon(1e-6));
+      REQUIRE(r.stages.size() == 2);
+      // Every chunk's forward and backward of 4 micro-batches (B and W apart in zero-bubble).
+      bool split = schedule == schedule_kind::zb_h1 || schedule == schedule_kind::zb_h2;
+      CHECK(r.stages[0].actions.size() == (split ? 12 : 8 * chunks));
+    }
+    check_close(remote.named_parameters(), named(plain.layers, false));
+    auto [x, y] = batch(9);
+    torch::NoGradGuard no_grad;
+    CHECK(torch::allclose(remote.forward(x), run_layers(plain.layers, x), 1e-5, 1e-7));
+  }
+}
+
+TEST_CASE("a gpt interleaved over two nodes ties its embedding and head across chunks, and a lost "
+          "node's chunks shrink onto the node left") {
+  auto gpt = tiny_gpt();
+  auto options = [] {
+    auto o = local_options();
+    o.loss = builtin_loss("cross_entropy");
+    o.optimizer = adam(1e-2);
+    o.schedule = schedule_kind::interleaved;
+    o.chunks = 2;
+    return o;
+  };
+  node n1(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  engine sys;
+  auto remote_o = options();
+  remote_o.placement.nodes = {n1.address(), n2->address()};
+  remote_o.placement.connect_timeout = 2000ms;
+  // Virtual stages 0 (embedding) and 2 on the first node, 1 and 3 (head) on the second.
+  auto cut = partition_uniform(5, 4);
+  pipeline remote(sys, gpt, cut, remote_o);
+  torch::manual_seed(5);
+  pipeline local(sys, make_model("gpt", gpt.options), cut, options());
+  auto tokens = [](int step) {
+    torch::manual_seed(80 + step);
+    return std::make_pair(torch::randint(11, {4, 8}), torch::randint(11, {4, 8}));
+  };
+  for (int step = 0; step < 2; ++step) {
+    auto [x, t] = tokens(step);
+    CHECK(remote.train_step(x, t).loss ==
+          doctest::Approx(local.train_step(x, t).loss).epsilon(1e-6));
+  }
+  auto trained = remote.named_parameters();
+  check_close(trained, local.named_parameters());
+  std::map<std::string, torch::Tensor> by_name(trained.begin(), trained.end());
+  CHECK(torch::equal(by_name.at("head.weight"), by_name.at("embed.token.weight")));
+
+  // The second node goes: its two chunks' layers move to the first, which then holds the
+  // embedding and the head in one actor (2 parts of one stage actor).
+  remote.snapshot();
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  {
+    auto [x, t] = tokens(2);
+    CHECK_THROWS_AS(remote.train_step(x, t), pipeline_error);
+  }
+  std::vector<std::size_t> asked;
+  auto r = remote.recover([&](std::size_t parts) {
+    asked.push_back(parts);
+    return partition_uniform(5, parts);
+  });
+  CHECK(asked == std::vector<std::size_t>{2});
+  CHECK(r.nodes == std::vector<std::string>{n1.address()});
+  CHECK(remote.stages() == 1);
+  CHECK(n1.stages() == 1);
+  auto one_o = options();
+  auto dir = temp_dir("gpt-interleaved");
+  local.save_state(dir); // the state of the snapshot
+  pipeline reference(sys, make_model("gpt", gpt.options), partition_uniform(5, 2), one_o);
+  reference.load_state(dir);
+  std::filesystem::remove_all(dir);
+  for (int step = 2; step < 4; ++step) {
+    auto [x, t] = tokens(step);
+    CHECK(remote.train_step(x, t).loss ==
+          doctest::Approx(reference.train_step(x, t).loss).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), reference.named_parameters());
+}
+
+TEST_CASE("2 replicas x 2 stages on four nodes step like plain libtorch on the whole batch, "
+          "their stages averaging gradients node to node") {
+  node n1(node_config()), n2(node_config()), n3(node_config()), n4(node_config());
+  engine sys;
+  auto settings =
+    std::vector<schedule_setting>{{schedule_kind::one_f_one_b, 1}, {schedule_kind::interleaved, 2}};
+  for (auto [schedule, chunks] : settings) {
+    CAPTURE(to_string(schedule));
+    auto o = remote_options({n1.address(), n2.address(), n3.address(), n4.address()});
+    o.schedule = schedule;
+    o.chunks = chunks;
+    o.data_parallel.master_port = static_cast<uint16_t>(free_port());
+    o.data_parallel.timeout = 10000ms;
+    replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2 * chunks), o, 2);
+    CHECK(n1.stages() == 1);
+    CHECK(n4.stages() == 1);
+    plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      torch::manual_seed(200 + step);
+      // 9 samples: replica 0 takes 5, replica 1 takes 4, and the mean counts them so.
+      auto x = torch::randn({9, 1, 4, 4});
+      auto t = torch::randn({9, 3});
+      auto r = replicas.train_step(x, t);
+      CHECK(r.loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+    }
+    check_close(replicas.replica(0).named_parameters(), named(plain.layers, false));
+    check_close(replicas.replica(1).named_parameters(), named(plain.layers, false));
+    CHECK_THROWS_WITH_AS(replicas.replica(1).recover(), doctest::Contains("do not recover"),
+                         invalid_argument);
+  }
+}
+
+TEST_CASE("replicas of stages on nodes refuse an in-process rendezvous, BMUF, recover() and a "
+          "node count that is not replicas x stages") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto o = remote_options({n1.address(), n2.address()});
+  o.data_parallel.replicas = 2;
+  o.data_parallel.local = make_local_rendezvous();
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), partition_uniform(6, 2), o),
+                       doctest::Contains("in-process rendezvous"), invalid_argument);
+  o.data_parallel.local = nullptr;
+  o.data_parallel.bmuf.block_steps = 2;
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), partition_uniform(6, 2), o),
+                       doctest::Contains("BMUF"), invalid_argument);
+  auto three = remote_options({n1.address(), n2.address(), n1.address()});
+  CHECK_THROWS_WITH_AS(replicated_pipeline(sys, tiny_remote(), partition_uniform(6, 2), three, 2),
+                       doctest::Contains("3 nodes given for 2 replicas of 2 stages"),
+                       invalid_argument);
+  // A replica whose partner never arrives fails at the rendezvous, naming the missing rank.
+  auto lonely = remote_options({n1.address(), n2.address()});
+  lonely.data_parallel.replicas = 2;
+  lonely.data_parallel.master_port = static_cast<uint16_t>(free_port());
+  lonely.data_parallel.timeout = 1500ms;
+  CHECK_THROWS_WITH_AS(pipeline(sys, tiny_remote(), partition_uniform(6, 2), lonely),
+                       doctest::Contains("rank 1 of 2 did not arrive"), pipeline_error);
 }
 
 // Losing a node (issue 20): recover() moves the stages and restores the newest snapshot, and
