@@ -17,16 +17,9 @@ using namespace actorpipe::test;
 
 namespace {
 
-constexpr int64_t vocabulary = 11;
-
 // embed, block0 .. block<blocks-1>, ln_f, head.
 layer_list tiny_gpt(int64_t blocks = 2, uint64_t seed = 5) {
-  return test_gpt(vocabulary, blocks, 8, 8, seed);
-}
-
-// Token ids [n, t] and their targets.
-std::pair<torch::Tensor, torch::Tensor> tokens(int64_t n, int64_t t, uint64_t seed) {
-  return random_tokens(vocabulary, n, t, seed);
+  return test_gpt(tiny_vocabulary, blocks, 8, 8, seed);
 }
 
 // Plain libtorch: one process, the tied tensor held by both layers (and stepped once).
@@ -145,7 +138,7 @@ TEST_CASE("recomputation gives a gpt with dropout the gradients of keeping every
   auto make = [] {
     torch::manual_seed(5);
     model_options o;
-    o.vocabulary = vocabulary;
+    o.vocabulary = tiny_vocabulary;
     o.layers = 2;
     o.width = 8;
     o.context = 8;

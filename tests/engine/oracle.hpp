@@ -73,6 +73,14 @@ inline std::pair<torch::Tensor, torch::Tensor> random_tokens(int64_t vocabulary,
   return {x, y};
 }
 
+/// The vocabulary of the tests' tiny GPTs.
+constexpr int64_t tiny_vocabulary = 11;
+
+/// Token ids [n, t] over tiny_vocabulary and their targets.
+inline std::pair<torch::Tensor, torch::Tensor> tokens(int64_t n, int64_t t, uint64_t seed) {
+  return random_tokens(tiny_vocabulary, n, t, seed);
+}
+
 /// The parameters of a plain layer list, each once (a tied tensor is one parameter).
 inline std::vector<torch::Tensor> unique_parameters(const layer_list& layers) {
   std::vector<torch::Tensor> parameters;

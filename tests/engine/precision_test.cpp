@@ -19,14 +19,8 @@ using namespace actorpipe::test;
 
 namespace {
 
-constexpr int64_t vocabulary = 11;
-
-layer_list tiny_gpt(uint64_t seed = 5) {
-  return test_gpt(vocabulary, 4, 16, 8, seed);
-}
-
-std::pair<torch::Tensor, torch::Tensor> tokens(int64_t n, int64_t t, uint64_t seed) {
-  return random_tokens(vocabulary, n, t, seed);
+layer_list bf16_test_gpt(uint64_t seed = 5) {
+  return test_gpt(tiny_vocabulary, 4, 16, 8, seed);
 }
 
 pipeline_options options_for(precision_mode precision, std::size_t microbatches) {
@@ -131,10 +125,10 @@ TEST_CASE("bf16: a pipelined gpt trains as plain libtorch does under the same au
         options_for(precision_mode::bf16, kind == schedule_kind::interleaved ? 2 * stages : 3);
       o.schedule = kind;
       o.chunks = chunks;
-      auto layers = tiny_gpt();
+      auto layers = bf16_test_gpt();
       auto cut = partition_uniform(layers.size(), stages * chunks);
       pipeline pipe(sys, layers, cut, o);
-      plain_bf16 plain(tiny_gpt(), cut);
+      plain_bf16 plain(bf16_test_gpt(), cut);
       int step = 0;
       for (int64_t length : {8, 5, 8}) {
         auto [x, t] = tokens(static_cast<int64_t>(o.microbatches) + 1, length, 10 + step++);
@@ -166,7 +160,7 @@ TEST_CASE("bf16 stays close to fp32: the same gpt and data, losses within 0.5% o
   std::vector<std::pair<std::string, torch::Tensor>> parameters[2];
   for (auto precision : {precision_mode::fp32, precision_mode::bf16}) {
     auto i = precision == precision_mode::bf16 ? 1 : 0;
-    auto layers = tiny_gpt();
+    auto layers = bf16_test_gpt();
     pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), options_for(precision, 4));
     for (int step = 0; step < 8; ++step) {
       auto [x, t] = tokens(8, 8, 50 + step % 2);

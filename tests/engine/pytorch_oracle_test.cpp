@@ -21,7 +21,6 @@ using namespace actorpipe::test;
 
 namespace {
 
-constexpr int64_t vocabulary = 11;
 constexpr int64_t batch = 8;
 constexpr int64_t context = 8;
 constexpr int steps = 6;
@@ -32,12 +31,12 @@ nlohmann::json pytorch(const std::string& arguments) {
 
 // The gpt of the oracle, drawn as it draws it: the same seed, then make_model.
 layer_list oracle_gpt() {
-  return test_gpt(vocabulary, 3, 16, context, 5);
+  return test_gpt(tiny_vocabulary, 3, 16, context, 5);
 }
 
 // Step k's tokens and targets, as the oracle draws them.
 std::pair<torch::Tensor, torch::Tensor> oracle_batch(int step) {
-  return random_tokens(vocabulary, batch, context, 100 + static_cast<uint64_t>(step));
+  return random_tokens(tiny_vocabulary, batch, context, 100 + static_cast<uint64_t>(step));
 }
 
 struct trained_pipeline {

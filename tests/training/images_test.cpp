@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path fresh_dir(const std::string& name) {
+fs::path fresh_image_dir(const std::string& name) {
   auto dir = fs::temp_directory_path() /
              ("actorpipe_images_test_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(dir);
@@ -62,7 +62,7 @@ void truncate_file(const fs::path& path) {
 } // namespace
 
 TEST_CASE("an image folder is a class per sub-folder in name order, or train/ and val/ splits") {
-  auto root = fresh_dir("layout");
+  auto root = fresh_image_dir("layout");
   write_marked(root / "flat" / "zebra" / "b.png", 0, 0);
   write_marked(root / "flat" / "zebra" / "a.png", 1, 0);
   write_marked(root / "flat" / "ant" / "c.png", 2, 0);
@@ -105,7 +105,7 @@ TEST_CASE("an image folder is a class per sub-folder in name order, or train/ an
 }
 
 TEST_CASE("decoding crops, flips and normalises as torchvision's transforms") {
-  auto root = fresh_dir("decode");
+  auto root = fresh_image_dir("decode");
   // Pixel (x, y) of an 8 x 6 image is (30 x, 40 y, 100): every crop says where it came from.
   auto png = root / "grid.png";
   write_png(png, 8, 6, rgb_image(8, 6, [](int x, int y) {
@@ -217,7 +217,7 @@ TEST_CASE("decoding crops, flips and normalises as torchvision's transforms") {
 }
 
 TEST_CASE("a file that is not an image is named: fail stops, skip leaves it out with the reason") {
-  auto root = fresh_dir("bad");
+  auto root = fresh_image_dir("bad");
   write_marked(root / "a" / "1.png", 1, 0);
   write_marked(root / "a" / "2.png", 2, 0);
   write_marked(root / "b" / "3.png", 3, 1);
@@ -255,7 +255,7 @@ TEST_CASE("a file that is not an image is named: fail stops, skip leaves it out 
 
 TEST_CASE("the loader's workers give every batch as the training thread would, each epoch visits "
           "every image once, and waits have a deadline") {
-  auto root = fresh_dir("loader");
+  auto root = fresh_image_dir("loader");
   // 30 images, 3 classes: image i is marked i.
   for (int i = 0; i < 30; ++i) {
     write_marked(root / ("class" + std::to_string(i % 3)) / ("img" + std::to_string(i) + ".png"), i,
