@@ -39,8 +39,12 @@ install_missing() {
   fi
 }
 
+# A unity build (four sources to a translation unit, CMake's UNITY_BUILD): libtorch's templates
+# are parsed and instantiated a quarter as often. Cold, on 2 cores: 14.5 min against ~25 for one
+# source at a time. For edit-compile cycles, configure a build of your own without it (cmake -S .
+# -B build-dev): there a change recompiles one source, not four.
 build() {
-  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=4
   cmake --build build -j"$(nproc)"
 }
 

@@ -184,6 +184,7 @@ int main(int argc, char** argv) {
   int64_t kill_every = 1000;
   int64_t kill_offset = -1;
   int64_t snapshot_repeats = 5;
+  int64_t snapshot_steps = 5;
   std::size_t threads = 1;
   std::string json;
   app.add_option("--model", model_name, "Built-in model")->capture_default_str();
@@ -204,7 +205,11 @@ int main(int argc, char** argv) {
     ->capture_default_str();
   app
     .add_option("--snapshot-repeats", snapshot_repeats,
-                "Snapshots timed on their own before training (median)")
+                "Rounds of snapshot timing before training (medians)")
+    ->capture_default_str();
+  app
+    .add_option("--snapshot-steps", snapshot_steps,
+                "Steps timed after each snapshot (and after none) in the snapshot rounds")
     ->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads per stage")->capture_default_str();
   app.add_option("--json", json, "Write the figures to this JSON file");
@@ -242,13 +247,36 @@ int main(int argc, char** argv) {
             << " parameters), 2 stages on nodes " << a.address() << ", " << b.address()
             << ", spare " << c.address() << "\n";
 
-  // What a snapshot costs, on its own (each copies every stage's state into this process).
-  std::vector<double> snapshot_ms;
-  for (int64_t i = 0; i < snapshot_repeats; ++i) {
-    auto t0 = clock_type::now();
-    pipe.snapshot();
-    snapshot_ms.push_back(
-      std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+  // What a snapshot costs the steps, side by side in rounds: --snapshot-steps steps after none,
+  // after one waited for (pipeline::snapshot), and after one in the background
+  // (snapshot_in_background, then newest_snapshot: all of it counted, overlapped or not).
+  std::vector<double> snapshot_ms, plain_ms, waited_ms, background_ms;
+  {
+    auto x = torch::randn({batch, model.options.in_channels, image, image});
+    auto y = torch::randn({batch, classes});
+    auto run_steps = [&] {
+      for (int64_t i = 0; i < snapshot_steps; ++i) {
+        pipe.train_step(x, y);
+      }
+    };
+    auto ms_of = [](auto&& f) {
+      auto t0 = clock_type::now();
+      f();
+      return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+    };
+    run_steps(); // warm
+    for (int64_t i = 0; i < snapshot_repeats; ++i) {
+      plain_ms.push_back(ms_of(run_steps));
+      waited_ms.push_back(ms_of([&] {
+        snapshot_ms.push_back(ms_of([&] { pipe.snapshot(); }));
+        run_steps();
+      }));
+      background_ms.push_back(ms_of([&] {
+        pipe.snapshot_in_background();
+        run_steps();
+        pipe.newest_snapshot();
+      }));
+    }
   }
 
   actorpipe::synthetic_source synthetic(model.options.in_channels, image, classes);
@@ -284,6 +312,9 @@ int main(int argc, char** argv) {
   }
   auto step_ms = median(report.step_ms);
   auto snap = median(snapshot_ms);
+  auto plain = median(plain_ms);
+  auto waited = median(waited_ms) - plain;
+  auto background = median(background_ms) - plain;
   std::cout << std::fixed << std::setprecision(2);
   std::cout << "steps completed " << report.steps.size() << " of " << steps << " in " << seconds
             << " s (median step " << step_ms << " ms)\n"
@@ -300,6 +331,9 @@ int main(int argc, char** argv) {
             << " ms per step at --snapshot-every " << snapshot_every << " ("
             << 100.0 * snap / static_cast<double>(snapshot_every) / std::max(1e-9, step_ms)
             << "% of a step)\n"
+            << "a snapshot's cost to the " << snapshot_steps << " steps after it (median " << plain
+            << " ms without): waited for +" << waited << " ms, in the background +" << background
+            << " ms (" << 100.0 * background / std::max(1e-9, waited) << "% of waiting)\n"
             << "RSS driver " << driver_start << " -> " << driver_end << " MiB (" << std::showpos
             << 100 * (driver_end - driver_start) / driver_start << std::noshowpos
             << "%), node never killed " << node_start << " -> " << node_end << " MiB ("
@@ -318,6 +352,10 @@ int main(int argc, char** argv) {
                      {"kill_to_next_step_s", data.loss_to_step()},
                      {"snapshot_ms", snapshot_ms},
                      {"snapshot_every", snapshot_every},
+                     {"snapshot_steps", snapshot_steps},
+                     {"steps_plain_ms", plain_ms},
+                     {"steps_after_waited_snapshot_ms", waited_ms},
+                     {"steps_after_background_snapshot_ms", background_ms},
                      {"rss_driver_mib", {driver_start, driver_end}},
                      {"rss_node_mib", {node_start, node_end}}};
     std::ofstream(json) << j.dump(2) << "\n";

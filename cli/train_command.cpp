@@ -75,6 +75,13 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "fp32, or bf16 mixed precision: each stage computes under CPU autocast to bfloat16, "
       "activations and their gradients cross stages in bf16, parameters and the optimizer stay "
       "fp32 (fast only on CPUs with avx512_bf16 or amx_bf16; docs/transformers.md)");
+  opt("--after-forward", a.after_forward,
+      "A hook on every stage's activation before it is sent on: clamp:V (clamp to [-V, V]), "
+      "check_finite (a NaN or an infinity fails the step), or a TorchScript file whose "
+      "forward(x) returns the tensor to send (in process and on nodes; docs/api.md#hooks)");
+  opt("--after-backward", a.after_backward,
+      "A hook on every stage's input gradient before it is sent back: clamp:V, check_finite or "
+      "a TorchScript file, as --after-forward");
   opt("--wait-timeout", a.wait_timeout_ms,
       "Milliseconds a stage waits for an input before failing the step");
   cmd->add_flag("--augment", a.augment,
@@ -223,14 +230,29 @@ nlohmann::json config_json(const train_args& a, const model_setup& setup, const 
           {"stage_parameters", stage_parameter_counts(setup.layers, c.cut)}};
 }
 
+// --after-forward and --after-backward: built-ins or TorchScript files.
+hook_specs hooks_of(const train_args& a) {
+  hook_specs hooks;
+  if (!a.after_forward.empty()) {
+    hooks.after_forward = hook_from_text(a.after_forward, "--after-forward");
+  }
+  if (!a.after_backward.empty()) {
+    hooks.after_backward = hook_from_text(a.after_backward, "--after-backward");
+  }
+  return hooks;
+}
+
 // In this process, or on nodes when --nodes is given.
 std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
                                         const plan_choice& choice, pipeline_options po,
                                         const std::string& loss, optimizer_spec optimizer) {
+  auto hooks = hooks_of(a);
   if (a.nodes.empty()) {
+    po.hooks = make_hooks(hooks);
     return std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po));
   }
   remote_model model;
+  model.hooks = std::move(hooks);
   model.name = setup.name;
   model.options = setup.options;
   model.seed = a.model.seed;
@@ -652,6 +674,7 @@ int run_train(const train_args& given) {
   po.max_grad_norm = a.max_grad_norm;
   po.recompute = parse_recompute_mode(a.recompute);
   po.precision = parse_precision(a.precision);
+  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 
   auto& dp = po.data_parallel;
   dp = data_parallel_from_env();

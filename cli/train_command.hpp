@@ -80,6 +80,9 @@ struct train_args {
   double max_grad_norm = 0;
   /// --recompute: never, except_last or always.
   std::string recompute = "never";
+  /// --after-forward, --after-backward: a built-in hook or a TorchScript file (hook_from_text).
+  std::string after_forward;
+  std::string after_backward;
   /// --precision: fp32 or bf16.
   std::string precision = "fp32";
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.

@@ -109,6 +109,20 @@ void write_all(int fd, std::vector<iovec> parts, const std::string& peer) {
   }
 }
 
+std::string random_bytes(std::size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
+    throw comm_error("no random bytes for the handshake challenge");
+  }
+  return out;
+}
+
+} // namespace
+
+// Types the hub's own members hold: in a named namespace, since a unity build includes this file
+// into another and GCC then warns of a class whose members' types are in an anonymous one.
+namespace hub_parts {
+
 // One connection's byte stream, plain or TLS over the same blocking socket.
 struct channel {
   int fd = -1;
@@ -133,14 +147,6 @@ struct channel {
     }
   }
 };
-
-std::string random_bytes(std::size_t n) {
-  std::string out(n, '\0');
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
-    throw comm_error("no random bytes for the handshake challenge");
-  }
-  return out;
-}
 
 // Payload buffers that outlive their frames: a tensor's deleter gives its buffer back.
 class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
@@ -197,7 +203,11 @@ private:
 
 constexpr uint64_t pooled_from_bytes = 1u << 20;
 
-} // namespace
+} // namespace hub_parts
+
+using hub_parts::buffer_pool;
+using hub_parts::channel;
+using hub_parts::pooled_from_bytes;
 
 std::string handshake_answer(const std::string& secret, const std::string& challenge) {
   unsigned char out[EVP_MAX_MD_SIZE];

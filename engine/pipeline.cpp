@@ -16,6 +16,7 @@
 #include <caf/openssl/manager.hpp>
 
 #include <actorpipe/batch_norm.hpp>
+#include <actorpipe/hooks.hpp>
 #include <actorpipe/memory.hpp>
 #include <actorpipe/torchscript.hpp>
 
@@ -103,6 +104,9 @@ struct pipeline::impl {
   std::shared_ptr<const stages::tensor_map> snapshot;
   uint64_t snapshot_number = 0;
   uint64_t snapshots_taken = 0;
+  // A snapshot still arriving (snapshot_in_background), and its number.
+  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> pending_snapshot;
+  uint64_t pending_number = 0;
 
   impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
@@ -180,6 +184,11 @@ struct pipeline::impl {
     }
     return future.get();
   }
+
+  // Queues a fetch of every stage's state (pipeline::snapshot), in the background or not.
+  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> submit_fetch(bool background);
+  // Waits for a snapshot still arriving and, when all of it came, makes it the newest.
+  void settle_snapshot();
 
   // Checks and queues a training step on micro-batches.
   std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
@@ -440,8 +449,10 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
                     "BMUF (bmuf.block_steps > 0) runs with stages in process only");
   }
   ACTORPIPE_CHECK(!options.hooks.after_forward && !options.hooks.after_backward,
-                  "pipeline: hooks cannot run on stages on nodes (functions do not cross "
-                  "processes)");
+                  "pipeline: stages on nodes run remote_model::hooks (built-ins by name or "
+                  "TorchScript); options.hooks are functions, which do not cross processes");
+  // Checked here, before any node is reached: an unknown built-in or TorchScript that is no hook.
+  make_hooks(model.hooks);
   ACTORPIPE_CHECK(!options.loss_with_inputs,
                   "pipeline: stages on nodes compute remote_model::loss (a built-in loss by name); "
                   "loss_with_inputs is a function, which does not cross processes");
@@ -460,12 +471,11 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
     // Every node builds its stage from the spec: the replicas start equal only if their drivers
     // give the same model, cut and chunks.
     nodes::stage_spec spec;
-    spec.model = *self.remote;
-    spec.model.torchscript = nodes::model_digest(spec.model.torchscript);
+    spec.model = nodes::by_digest(*self.remote);
     spec.bounds = self.cut.bounds;
     spec.chunks = self.options.chunks;
     spec.count = self.cut.stages() / self.options.chunks;
-    self.replicas->agree("the model on nodes (its spec, seed, cut and chunks)",
+    self.replicas->agree("the model on nodes (its spec, seed, hooks, cut and chunks)",
                          static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
   }
   self.place_on_nodes();
@@ -589,6 +599,7 @@ void pipeline::save_state(const std::string& dir) {
 
 void pipeline::load_state(const std::string& dir) {
   auto& self = *impl_;
+  self.settle_snapshot(); // a snapshot still arriving must not replace what is loaded here
   // All-or-nothing: every stage's needs and every file's tensors are checked before any loads.
   auto all = std::make_shared<stages::tensor_map>(stages::read_checkpoint(dir));
   stages::check_checkpoint(*all, self.stages, dir);
@@ -605,17 +616,59 @@ void pipeline::load_state(const std::string& dir) {
   }
 }
 
-uint64_t pipeline::snapshot() {
-  auto& self = *impl_;
+std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
+pipeline::impl::submit_fetch(bool background) {
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::fetch;
-  auto future = self.submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
+  request->background = background;
+  return submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
     std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
+}
+
+void pipeline::impl::settle_snapshot() {
+  if (!pending_snapshot.valid()) {
+    return;
+  }
+  auto number = pending_number;
+  try {
+    auto state = wait(pending_snapshot, "snapshot");
+    snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
+    snapshot_number = number;
+  } catch (const std::exception& e) {
+    // A node lost while its state was on the way: the step after it fails too, and recover()
+    // restores the newest snapshot that did arrive.
+    log::get()->warn("snapshot {} did not arrive ({}); {} stays the newest", number, e.what(),
+                     snapshot_number == 0 ? std::string("the starting state")
+                                          : detail::concat("snapshot ", snapshot_number));
+  }
+  pending_snapshot = {};
+  // The frames and the snapshot this one replaced were megabytes of heap.
+  memory::release_free_heap();
+}
+
+uint64_t pipeline::snapshot() {
+  auto& self = *impl_;
+  self.settle_snapshot();
+  auto future = self.submit_fetch(false);
   auto state = self.wait(future, "snapshot");
   self.snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
   self.snapshot_number = ++self.snapshots_taken;
-  // The frames, pickles and the snapshot this one replaced were megabytes of heap.
+  // The frames and the snapshot this one replaced were megabytes of heap.
   memory::release_free_heap();
+  return self.snapshot_number;
+}
+
+uint64_t pipeline::snapshot_in_background() {
+  auto& self = *impl_;
+  self.settle_snapshot();
+  self.pending_snapshot = self.submit_fetch(true);
+  self.pending_number = ++self.snapshots_taken;
+  return self.pending_number;
+}
+
+uint64_t pipeline::newest_snapshot() {
+  auto& self = *impl_;
+  self.settle_snapshot();
   return self.snapshot_number;
 }
 
@@ -628,6 +681,8 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
                   "; replicas of stages on nodes do not recover a lost node yet (restart them "
                   "from a checkpoint)");
   auto started = std::chrono::steady_clock::now();
+  // A snapshot still on its way arrives (or fails) before the newest is chosen.
+  self.settle_snapshot();
   auto& actor_system = self.sys->internals().system;
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
   self.stop_actors();

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <future>
 #include <optional>
 #include <thread>
@@ -55,6 +56,18 @@ std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::millis
   return values;
 }
 
+// R pipelines built side by side, since each waits at the rendezvous for the others; `build(r)`
+// makes replica r's. The rendezvous and the initial broadcast are bounded by `deadline`.
+std::vector<std::unique_ptr<pipeline>>
+build_replicas(std::size_t replicas, std::chrono::milliseconds deadline,
+               const std::function<std::unique_ptr<pipeline>(std::size_t)>& build) {
+  std::vector<std::future<std::unique_ptr<pipeline>>> building;
+  for (std::size_t r = 0; r < replicas; ++r) {
+    building.push_back(std::async(std::launch::async, [&build, r] { return build(r); }));
+  }
+  return get_all(building, deadline, "replicated_pipeline");
+}
+
 } // namespace
 
 data_parallel_options data_parallel_from_env(data_parallel_options o) {
@@ -86,23 +99,17 @@ replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_
   ACTORPIPE_CHECK(static_cast<bool>(make_model), "replicated_pipeline: no model factory");
   options.data_parallel.replicas = replicas;
   options.data_parallel.local = comm::make_local_store();
-  // Models are made here, in rank order (factories usually seed the global generator); the
-  // pipelines are then built side by side, since each waits at the rendezvous for the others.
+  // Models are made here, in rank order (factories usually seed the global generator).
   std::vector<layer_list> models;
   for (std::size_t r = 0; r < replicas; ++r) {
     models.push_back(make_model());
   }
-  std::vector<std::future<std::unique_ptr<pipeline>>> building;
-  for (std::size_t r = 0; r < replicas; ++r) {
-    auto o = options;
-    o.data_parallel.rank = r;
-    building.push_back(std::async(std::launch::async, [&sys, &models, r, cut, o] {
-      return std::make_unique<pipeline>(sys, std::move(models[r]), cut, o);
-    }));
-  }
-  // The rendezvous and the initial broadcast are bounded by the data-parallel timeout.
-  replicas_ = get_all(building, 2 * options.data_parallel.timeout + std::chrono::seconds(30),
-                      "replicated_pipeline");
+  replicas_ = build_replicas(replicas, 2 * options.data_parallel.timeout + std::chrono::seconds(30),
+                             [&](std::size_t r) {
+                               auto o = options;
+                               o.data_parallel.rank = r;
+                               return std::make_unique<pipeline>(sys, std::move(models[r]), cut, o);
+                             });
   deadline_ = options.step_timeout + std::chrono::seconds(30);
 }
 
@@ -120,20 +127,15 @@ replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model,
   options.data_parallel.replicas = replicas;
   // The nodes reach the rendezvous over TCP: rank 0 serves it here, the others are its clients.
   options.data_parallel.local = nullptr;
-  std::vector<std::future<std::unique_ptr<pipeline>>> building;
-  for (std::size_t r = 0; r < replicas; ++r) {
+  auto deadline = 2 * options.data_parallel.timeout + 2 * options.placement.connect_timeout +
+                  std::chrono::seconds(30);
+  replicas_ = build_replicas(replicas, deadline, [&](std::size_t r) {
     auto o = options;
     o.data_parallel.rank = r;
     o.placement.nodes.assign(all.begin() + static_cast<std::ptrdiff_t>(r * stages),
                              all.begin() + static_cast<std::ptrdiff_t>((r + 1) * stages));
-    building.push_back(std::async(std::launch::async, [&sys, &model, cut, o] {
-      return std::make_unique<pipeline>(sys, model, cut, o);
-    }));
-  }
-  replicas_ = get_all(building,
-                      2 * options.data_parallel.timeout + 2 * options.placement.connect_timeout +
-                        std::chrono::seconds(30),
-                      "replicated_pipeline");
+    return std::make_unique<pipeline>(sys, model, cut, o);
+  });
   deadline_ = options.step_timeout + std::chrono::seconds(30);
 }
 

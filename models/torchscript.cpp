@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <sstream>
 
@@ -316,6 +317,36 @@ layer_list load_torchscript_bytes(const std::string& bytes, const std::string& w
     }
   }
   return layers;
+}
+
+std::function<torch::Tensor(const torch::Tensor&)>
+load_torchscript_function(const std::string& bytes, const std::string& what) {
+  auto module = load_module(bytes, what);
+  auto found = module.find_method("forward");
+  ACTORPIPE_CHECK(found.has_value(), what, ": the module (", short_type(module),
+                  ") has no forward method");
+  const auto& schema = found->function().getSchema();
+  auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
+  std::size_t taken = 0;
+  bool tensors_only = true;
+  for (std::size_t i = 1; i < schema.arguments().size(); ++i) {
+    if (!schema.arguments()[i].default_value()) {
+      ++taken;
+      tensors_only = tensors_only && is_tensor(schema.arguments()[i].type());
+    }
+  }
+  ACTORPIPE_CHECK(taken == 1 && tensors_only && schema.returns().size() == 1 &&
+                    is_tensor(schema.returns()[0].type()),
+                  what, ": the module (", short_type(module), ") has ", schema,
+                  ", but a hook's forward(x: Tensor) -> Tensor takes one tensor and returns one");
+  module.eval();
+  auto method = *found;
+  return [method, what](const torch::Tensor& x) {
+    torch::NoGradGuard no_grad;
+    auto y = method({x});
+    ACTORPIPE_CHECK(y.isTensor(), what, " returned a ", y.tagKind(), ", not a tensor");
+    return y.toTensor();
+  };
 }
 
 layer_list load_torchscript(const std::string& path) {

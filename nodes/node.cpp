@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -17,6 +18,7 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 
+#include <actorpipe/hooks.hpp>
 #include <actorpipe/losses.hpp>
 #include <actorpipe/memory.hpp>
 #include <actorpipe/models.hpp>
@@ -36,12 +38,10 @@
 
 namespace actorpipe {
 namespace nodes {
-namespace {
-
-using namespace actorpipe::actors;
 
 // Where frames for this node's stages go; read by the hub's reader threads. Weak: the hub
-// (owned by the node actor) must not keep the actors alive.
+// (owned by the node actor) must not keep the actors alive. Not in the anonymous namespace:
+// node::impl holds one, and GCC warns of that when a unity build includes this file into another.
 struct routes {
   std::mutex mutex;
   std::map<uint32_t, caf::weak_actor_ptr> stages;
@@ -67,14 +67,14 @@ struct routes {
     return it->second;
   }
 
-  stage_peer_actor stage(uint32_t index) {
+  actors::stage_peer_actor stage(uint32_t index) {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = stages.find(index);
     auto strong = it == stages.end() ? caf::strong_actor_ptr{} : it->second.lock();
     if (!strong) {
       throw comm::frame_error(detail::concat("no stage ", index, " on this node"));
     }
-    return caf::actor_cast<stage_peer_actor>(strong);
+    return caf::actor_cast<actors::stage_peer_actor>(strong);
   }
 
   caf::actor host() {
@@ -82,6 +82,10 @@ struct routes {
     return caf::actor_cast<caf::actor>(host_ptr.lock());
   }
 };
+
+namespace {
+
+using namespace actorpipe::actors;
 
 using link_failed_atom = caf::atom_constant<caf::atom("linkfail")>;
 using label_atom = caf::atom_constant<caf::atom("label")>;
@@ -157,6 +161,10 @@ struct node_state {
   // TorchScript models received, by digest, newest last (a few are kept).
   std::size_t max_model_bytes = 0;
   std::vector<std::pair<std::string, std::string>> models;
+  // The state frame being sent beside the node's stages (send_state), one at a time, and the
+  // buffer it was packed into.
+  std::shared_ptr<stages::packed_bytes> packed;
+  std::future<void> sending;
 
   static inline const char* name = "actorpipe.node";
 };
@@ -198,6 +206,14 @@ void release(node_actor* self, uint32_t index) {
     caf::anon_send_exit(link, caf::exit_reason::user_shutdown);
   }
   s.stages.erase(it);
+  if (s.stages.empty()) {
+    // The state buffer goes with the last stage (after its frame, if one is on its way).
+    if (s.sending.valid()) {
+      s.sending.wait();
+    }
+    s.packed.reset();
+    memory::release_free_heap();
+  }
   log::get()->info("node {}: released stage {}", s.label, index);
 }
 
@@ -258,6 +274,15 @@ comm::tie_group::sender tie_sender(std::shared_ptr<comm::tensor_hub> hub,
   };
 }
 
+// The bytes of a TorchScript file this node was sent, by digest.
+const std::string& received(const node_state& s, const std::string& digest, const char* what) {
+  auto it = std::find_if(s.models.begin(), s.models.end(),
+                         [&](const auto& m) { return m.first == digest; });
+  ACTORPIPE_CHECK(it != s.models.end(), "no TorchScript ", what, " ", digest,
+                  " was sent to this node");
+  return it->second;
+}
+
 std::string build(node_actor* self, const std::string& text) {
   auto& s = self->state;
   auto spec = stage_spec_from_json(text);
@@ -267,11 +292,15 @@ std::string build(node_actor* self, const std::string& text) {
   if (spec.model.torchscript.empty()) {
     layers = make_seeded_model(spec.model.name, spec.model.options, spec.model.seed);
   } else {
-    auto it = std::find_if(s.models.begin(), s.models.end(),
-                           [&](const auto& m) { return m.first == spec.model.torchscript; });
-    ACTORPIPE_CHECK(it != s.models.end(), "no TorchScript model ", spec.model.torchscript,
-                    " was sent to this node");
-    layers = load_torchscript_bytes(it->second, "the TorchScript model " + spec.model.name);
+    layers = load_torchscript_bytes(received(s, spec.model.torchscript, "model"),
+                                    "the TorchScript model " + spec.model.name);
+  }
+  // Hooks arrive as TorchScript digests or built-in names.
+  auto hooks = spec.model.hooks;
+  for (auto* hook : {&hooks.after_forward, &hooks.after_backward}) {
+    if (!hook->torchscript.empty()) {
+      hook->torchscript = received(s, hook->torchscript, "hook");
+    }
   }
   ACTORPIPE_CHECK(spec.bounds.front() == 0 && spec.bounds.back() == layers.size(), "partition of ",
                   spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
@@ -307,6 +336,7 @@ std::string build(node_actor* self, const std::string& text) {
   options.reduction = spec.reduction;
   options.recompute = spec.recompute;
   options.report_gradient_norm = spec.report_gradient_norm;
+  options.hooks = make_hooks(hooks);
   if (spec.data_parallel.replicas > 1) {
     // Gradients averaged with the same stage of the other replicas, on their nodes. Every
     // replica builds the model from the same seed or bytes: they start equal without a
@@ -349,14 +379,14 @@ std::string receive_model(node_actor* self, const std::string& digest, const std
   auto& s = self->state;
   if (bytes.size() > s.max_model_bytes) {
     ++s.route->rejected;
-    return detail::concat("node ", s.label, ": the TorchScript model is ", bytes.size(),
+    return detail::concat("node ", s.label, ": the TorchScript file is ", bytes.size(),
                           " bytes, more than this node takes (", s.max_model_bytes,
                           "; start it with a larger --max-model-bytes)");
   }
   if (model_digest(bytes) != digest) {
     ++s.route->rejected;
     return detail::concat("node ", s.label,
-                          ": the TorchScript model arrived damaged (its "
+                          ": the TorchScript file arrived damaged (its "
                           "SHA-256 is not ",
                           digest, ")");
   }
@@ -644,21 +674,41 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
   if (h == nullptr || !allowed(self, "save")) {
     return missing_stage(self, index);
   }
+  auto& s = self->state;
+  if (s.sending.valid()) {
+    s.sending.wait(); // the previous state first, in order; its buffer is then free again
+  }
+  // One buffer, packed into again at every snapshot: faulting in fresh pages for it cost as much
+  // as the copy. Released with the node's last stage.
+  if (!s.packed) {
+    s.packed = std::make_shared<stages::packed_bytes>();
+  }
+  auto bytes = s.packed;
   try {
+    // The state as it is now, between two steps (the stage's next plan comes after this
+    // message), packed: one copy, all the next step waits for. Sending it runs beside the node,
+    // so that the next steps need not wait (a snapshot in the background); the scheduler's side
+    // completes its request when the frame has come.
     stages::stage::tensor_map all;
     for (auto& chunk : h->chunks) {
-      all.merge(chunk->state());
+      all.merge(chunk->state(/*copy=*/false));
     }
-    auto bytes = stages::pack_tensors(all);
-    auto blob = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-    const auto& to = h->peers.scheduler;
-    self->state.hub->send(to.host, to.port,
-                          comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
+    stages::pack_tensors_into(all, *bytes);
   } catch (const std::exception& e) {
-    return detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
+    return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
   }
-  // The copy and its packed bytes were megabytes of short-lived heap: hand their pages back.
-  memory::release_free_heap();
+  s.sending = std::async(
+    std::launch::async, [bytes, hub = s.hub, label = s.label, to = h->peers.scheduler, index, id] {
+      try {
+        auto blob =
+          torch::from_blob(bytes->data(), {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
+        hub->send(to.host, to.port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob),
+                  blob);
+      } catch (const std::exception& e) {
+        // The scheduler's request for it then ends at its deadline, naming this stage.
+        log::get()->error("node {}: stage {} could not send its state: {}", label, index, e.what());
+      }
+    });
   return {};
 }
 

@@ -66,6 +66,16 @@ std::string model_digest(const std::string& bytes) {
   return to_hex(std::string(reinterpret_cast<const char*>(digest), length));
 }
 
+remote_model by_digest(remote_model model) {
+  for (auto* text : {&model.torchscript, &model.hooks.after_forward.torchscript,
+                     &model.hooks.after_backward.torchscript}) {
+    if (!text->empty()) {
+      *text = model_digest(*text);
+    }
+  }
+  return model;
+}
+
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what) {
   auto colon = text.rfind(':');
   ACTORPIPE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < text.size(), what, " '",
@@ -82,6 +92,22 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const 
   }
   return {host, static_cast<uint16_t>(port)};
 }
+
+namespace {
+
+json hook_json(const hook_spec& h) {
+  return {{"builtin", h.builtin}, {"torchscript", h.torchscript}, {"name", h.name}};
+}
+
+hook_spec hook_from_json(const json& j, const char* what) {
+  hook_spec h;
+  h.builtin = field<std::string>(j, "builtin", what);
+  h.torchscript = field<std::string>(j, "torchscript", what);
+  h.name = field<std::string>(j, "name", what);
+  return h;
+}
+
+} // namespace
 
 std::string to_json(const stage_spec& s) {
   const auto& m = s.model;
@@ -101,6 +127,9 @@ std::string to_json(const stage_spec& s) {
               {"dropout", m.options.dropout},
               {"seed", m.seed},
               {"torchscript", m.torchscript},
+              {"hooks",
+               {{"after_forward", hook_json(m.hooks.after_forward)},
+                {"after_backward", hook_json(m.hooks.after_backward)}}},
               {"loss", m.loss},
               {"optimizer",
                {{"name", m.optimizer.name},
@@ -153,6 +182,9 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.options.dropout = field<double>(m, "dropout", what);
   s.model.seed = field<uint64_t>(m, "seed", what);
   s.model.torchscript = field<std::string>(m, "torchscript", what);
+  auto hooks = field<json>(m, "hooks", what);
+  s.model.hooks.after_forward = hook_from_json(field<json>(hooks, "after_forward", what), what);
+  s.model.hooks.after_backward = hook_from_json(field<json>(hooks, "after_backward", what), what);
   s.model.loss = field<std::string>(m, "loss", what);
   auto o = field<json>(m, "optimizer", what);
   s.model.optimizer.name = field<std::string>(o, "name", what);

@@ -62,7 +62,8 @@ using state_atom = caf::atom_constant<caf::atom("state")>;
 
 /// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
 /// model (chunk c is virtual stage c * count + index, as in process). For a TorchScript model,
-/// `model.torchscript` holds the model's digest (model_digest), not its bytes.
+/// `model.torchscript` holds the model's digest (model_digest), not its bytes, and so does a
+/// TorchScript hook's (by_digest).
 struct stage_spec {
   remote_model model;
   std::vector<std::size_t> bounds;
@@ -114,6 +115,10 @@ std::string to_hex(const std::string& bytes);
 
 /// SHA-256 of `bytes`, hex: how a TorchScript model is named between scheduler and node.
 std::string model_digest(const std::string& bytes);
+
+/// `model` with each TorchScript (the model's, the hooks') replaced by its digest, as a stage
+/// spec carries it: the bytes go to each node once (the node's model message).
+remote_model by_digest(remote_model model);
 
 /// An error_kind as rfailed carries it, and back; an unknown number reads as error_kind::other.
 inline uint8_t error_kind_to_wire(error_kind kind) {

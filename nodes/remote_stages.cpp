@@ -487,13 +487,18 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     }
     nodes.push_back(it->second);
   }
-  // A TorchScript model goes once to every node, which keeps it by its digest for the builds.
-  auto described = model;
-  if (!model.torchscript.empty()) {
-    described.torchscript = model_digest(model.torchscript);
+  // Each TorchScript file (the model's, the hooks') goes once to every node, which keeps it by
+  // its digest for the builds.
+  auto described = by_digest(model);
+  for (const auto* bytes : {&model.torchscript, &model.hooks.after_forward.torchscript,
+                            &model.hooks.after_backward.torchscript}) {
+    if (bytes->empty()) {
+      continue;
+    }
+    auto digest = model_digest(*bytes);
     for (const auto& [address, handle] : handles) {
-      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
-                       described.torchscript, model.torchscript);
+      auto error =
+        ask(self, handle, "node " + address, timeout, "model", model_atom::value, digest, *bytes);
       if (!error.empty()) {
         throw pipeline_error(error);
       }

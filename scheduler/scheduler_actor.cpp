@@ -160,16 +160,20 @@ void run_state_request(scheduler_actor_type self) {
     if (!error.empty()) {
       *errors += (errors->empty() ? "" : "; ") + error;
     }
-    if (--*pending == 0) {
-      if (errors->empty()) {
-        step_outcome outcome;
-        if (request->kind == request_kind::fetch) {
-          outcome.state = fetched;
-        }
-        finish(self, std::move(outcome));
-      } else {
-        finish_with_error(self, failure{{*kind}, *errors});
-      }
+    if (--*pending != 0) {
+      return;
+    }
+    step_outcome outcome;
+    if (!errors->empty()) {
+      outcome.error = std::make_exception_ptr(pipeline_error(*errors, error_details{*kind}));
+    } else if (request->kind == request_kind::fetch) {
+      outcome.state = fetched;
+    }
+    if (request->background) {
+      // The requests after it went on meanwhile.
+      request->finish(std::move(outcome));
+    } else {
+      finish(self, std::move(outcome));
     }
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
@@ -205,6 +209,12 @@ void run_state_request(scheduler_actor_type self) {
       self->request(s.stages[i], s.options.step_timeout, load_atom::value, request->state)
         .then([=](const std::string& error) { one_done(error); }, on_error);
     }
+  }
+  if (request->background) {
+    // Every stage has the fetch in its mailbox before anything the next request sends it, so
+    // each copies its state as it is now; the copies travel while the next steps run.
+    s.current.reset();
+    start_next(self);
   }
 }
 

@@ -71,6 +71,10 @@ struct step_request {
   std::string path;
   /// load: tensors keyed model-wide.
   std::shared_ptr<const std::map<std::string, torch::Tensor>> state;
+  /// fetch: the next request starts once every stage was asked (each copies its state before it
+  /// runs anything after), not once every copy arrived; `finish` is then called later, from the
+  /// scheduler's thread, with the state or the error.
+  bool background = false;
   std::function<void(step_outcome)> finish;
 
   bool train() const { return kind == request_kind::train; }

@@ -73,7 +73,13 @@ bool packable(c10::ScalarType t) {
 
 } // namespace
 
-std::vector<char> pack_tensors(const tensor_map& tensors) {
+packed_bytes pack_tensors(const tensor_map& tensors) {
+  packed_bytes out;
+  pack_tensors_into(tensors, out);
+  return out;
+}
+
+void pack_tensors_into(const tensor_map& tensors, packed_bytes& out) {
   std::vector<torch::Tensor> dense;
   std::size_t size = sizeof pack_magic + 4;
   for (const auto& [name, t] : tensors) {
@@ -83,7 +89,9 @@ std::vector<char> pack_tensors(const tensor_map& tensors) {
     size = aligned(size + 4 + name.size() + 2 + 8 * static_cast<std::size_t>(t.dim()) + 8) +
            static_cast<std::size_t>(t.nbytes());
   }
-  std::vector<char> out(size);
+  // Not zeroed: every byte is written below (zeroing hundreds of megabytes first costs about as
+  // much as the copy). The padding is zeroed where it is skipped.
+  out.resize(size);
   std::size_t at = 0;
   auto put = [&](const void* p, std::size_t n) {
     std::memcpy(out.data() + at, p, n);
@@ -108,12 +116,13 @@ std::vector<char> pack_tensors(const tensor_map& tensors) {
     }
     auto bytes = static_cast<uint64_t>(t.nbytes());
     put(&bytes, 8);
-    at = aligned(at);
+    auto padded = aligned(at);
+    std::memset(out.data() + at, 0, padded - at);
+    at = padded;
     if (bytes > 0) {
       put(t.data_ptr(), bytes);
     }
   }
-  return out;
 }
 
 tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what) {

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -31,13 +32,38 @@ std::vector<char> pickle_tensors(const tensor_map& tensors);
 /// Tensors from pickle_tensors' bytes; throws pipeline_error (io) naming `what` on bad input.
 tensor_map unpickle_tensors(std::vector<char> bytes, const std::string& what);
 
+/// An allocator whose elements start uninitialised (a vector<char> would zero them first).
+template <class T>
+struct default_init_allocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = default_init_allocator<U>;
+  };
+  using std::allocator<T>::allocator;
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+/// pack_tensors' bytes: every one written once, none zeroed first.
+using packed_bytes = std::vector<char, default_init_allocator<char>>;
+
 /// State as it crosses between processes (a state frame's payload): the tensors one after the
 /// other without pickling, each payload 64-byte aligned. "APS1", uint32 count, then per tensor
 /// uint32 name length, the name, uint8 dtype (c10::ScalarType), uint8 ndim, int64 shape[ndim],
 /// uint64 payload bytes, padding to 64, the payload. A pickle goes through libtorch's own
 /// buffers at about 110 MB/s (BENCHMARKS.md); this is one copy on the sender and none on the
 /// receiver.
-std::vector<char> pack_tensors(const tensor_map& tensors);
+packed_bytes pack_tensors(const tensor_map& tensors);
+
+/// The same into `out`, resized to fit: a buffer packed into again is not allocated again (nor
+/// are its pages faulted in again), which for hundreds of megabytes costs as much as the copy.
+void pack_tensors_into(const tensor_map& tensors, packed_bytes& out);
 
 /// The tensors of pack_tensors' bytes held by `bytes` (a uint8 tensor, 64-byte aligned), as
 /// views of its memory that keep it alive: no copy. Everything is checked before it is read;

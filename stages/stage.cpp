@@ -819,10 +819,11 @@ void stage::set_learning_rate(double lr) {
   }
 }
 
-stage::tensor_map stage::state() const {
+stage::tensor_map stage::state(bool copy) const {
   std::lock_guard<std::mutex> guard{mutex_};
   torch::NoGradGuard no_grad;
   tensor_map result;
+  auto take = [copy](const torch::Tensor& t) { return copy ? t.detach().clone() : t.detach(); };
   auto save_optimizer = [&](const std::string& name, const torch::Tensor& p) {
     if (!optimizer_) {
       return;
@@ -834,36 +835,35 @@ stage::tensor_map stage::state() const {
     auto prefix = "optimizer/" + name + "/";
     if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
       if (sgd->momentum_buffer().defined()) {
-        result[prefix + "momentum_buffer"] = sgd->momentum_buffer().clone();
+        result[prefix + "momentum_buffer"] = take(sgd->momentum_buffer());
       }
     } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
       result[prefix + "step"] = torch::tensor(adam->step(), torch::kInt64);
-      result[prefix + "exp_avg"] = adam->exp_avg().clone();
-      result[prefix + "exp_avg_sq"] = adam->exp_avg_sq().clone();
+      result[prefix + "exp_avg"] = take(adam->exp_avg());
+      result[prefix + "exp_avg_sq"] = take(adam->exp_avg_sq());
       if (adam->max_exp_avg_sq().defined()) {
-        result[prefix + "max_exp_avg_sq"] = adam->max_exp_avg_sq().clone();
+        result[prefix + "max_exp_avg_sq"] = take(adam->max_exp_avg_sq());
       }
     } else {
       throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
     }
   };
-  for_each_named(
-    layers_, false, config_.tied, [&](const std::string& name, const torch::Tensor& p) {
-      if (is_copy(name)) {
-        return; // the stage of the tie's first holder stores it, once
-      }
-      result[name] = p.detach().clone();
-      save_optimizer(name, p);
-      if (auto it = block_states_.find(name); it != block_states_.end()) {
-        result["optimizer/" + name + "/block_momentum"] = it->second.momentum.clone();
-        if (it->second.previous.defined()) {
-          result["optimizer/" + name + "/block_previous"] = it->second.previous.clone();
-        }
-      }
-    });
-  for_each_named(layers_, true, config_.tied, [&](const std::string& name, const torch::Tensor& b) {
-    result[name] = b.detach().clone();
-  });
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (is_copy(name)) {
+                     return; // the stage of the tie's first holder stores it, once
+                   }
+                   result[name] = take(p);
+                   save_optimizer(name, p);
+                   if (auto it = block_states_.find(name); it != block_states_.end()) {
+                     result["optimizer/" + name + "/block_momentum"] = take(it->second.momentum);
+                     if (it->second.previous.defined()) {
+                       result["optimizer/" + name + "/block_previous"] = take(it->second.previous);
+                     }
+                   }
+                 });
+  for_each_named(layers_, true, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& b) { result[name] = take(b); });
   return result;
 }
 

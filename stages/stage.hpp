@@ -179,8 +179,10 @@ public:
 
   /// Copies of everything a checkpoint holds, keyed model-wide so that another partition can
   /// load it: "<layer>.<name>" for parameters and buffers, "optimizer/<layer>.<name>/<field>"
-  /// for optimizer state (SGD momentum; Adam step, averages).
-  tensor_map state() const;
+  /// for optimizer state (SGD momentum; Adam step, averages). With `copy` false, the stage's own
+  /// tensors instead (detached, not copied): for a caller that copies them itself (packing
+  /// them into a frame, say) before the stage runs again.
+  tensor_map state(bool copy = true) const;
 
   /// The parameter and buffer keys of state(), with their shapes.
   std::map<std::string, std::vector<int64_t>> required_keys() const;

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -326,8 +327,9 @@ start_point resume(pipeline& pipe, const batch_source& data, const train_options
 // A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
 // forgets what it did after the snapshot it goes back to. `done` steps were complete when the
 // next failed.
-void recover_from(pipeline& pipe, const pipeline_error& failure, const train_options& o,
-                  uint64_t done, const start_point& snapshot_at, train_report& report) {
+start_point recover_from(pipeline& pipe, const pipeline_error& failure, const train_options& o,
+                         uint64_t done, const std::map<uint64_t, start_point>& snapshots,
+                         train_report& report) {
   if (report.recoveries.size() >= o.max_recoveries) {
     throw pipeline_error(detail::concat(failure.what(),
                                         " (no recovery left: ", report.recoveries.size(),
@@ -339,6 +341,11 @@ void recover_from(pipeline& pipe, const pipeline_error& failure, const train_opt
             << "): " << failure.what() << "\n"
             << std::flush;
   auto r = pipe.recover(o.repartition);
+  // Where in the data the snapshot it restored was taken.
+  auto at = snapshots.find(r.snapshot);
+  ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
+                  ", which this run did not take");
+  const auto& snapshot_at = at->second;
   std::size_t kept = 0;
   while (kept < report.steps.size() && report.steps[kept].first <= snapshot_at.step) {
     ++kept;
@@ -376,6 +383,7 @@ void recover_from(pipeline& pipe, const pipeline_error& failure, const train_opt
             << (replayed.size() == 1 ? "" : "s") << "\n"
             << std::flush;
   report.recoveries.push_back(std::move(r));
+  return snapshot_at;
 }
 
 } // namespace
@@ -440,16 +448,17 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
   };
   // Lost nodes: the newest snapshot's position in the data, where a recovered run goes on; the
   // first is the run's start (whatever the pipeline did before train()).
-  start_point snapshot_at = start;
+  // Snapshots by number: where in the data each was taken.
+  std::map<uint64_t, start_point> snapshots;
   if (o.recover_lost_nodes) {
-    pipe.snapshot();
+    snapshots[pipe.snapshot()] = start;
   }
   auto take_snapshot = [&](int64_t epoch, int64_t next_batch) {
     if (!o.recover_lost_nodes || step % static_cast<uint64_t>(o.snapshot_every) != 0) {
       return;
     }
-    pipe.snapshot();
-    snapshot_at = {step, epoch, next_batch};
+    auto number = o.snapshot_in_background ? pipe.snapshot_in_background() : pipe.snapshot();
+    snapshots[number] = {step, epoch, next_batch};
   };
   auto run_from = [&](const start_point& from) {
     for (int64_t epoch = from.epoch; epoch < epochs; ++epoch) {
@@ -556,10 +565,9 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
           (e.kind() != error_kind::node_lost && e.kind() != error_kind::timeout)) {
         throw;
       }
-      recover_from(pipe, e, o, step, snapshot_at, report);
+      // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
+      start = recover_from(pipe, e, o, step, snapshots, report);
     }
-    // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
-    start = snapshot_at;
     step = start.step;
   }
 }

@@ -132,6 +132,29 @@ struct stage_hooks {
   std::function<void(const hook_context&, torch::Tensor& input_gradient)> after_backward;
 };
 
+/// A hook described by value, as stages on nodes need it (functions do not cross processes): a
+/// built-in by name, or a TorchScript module. make_hook (<actorpipe/hooks.hpp>) turns it into a
+/// stage_hooks function, which in-process stages may use too.
+struct hook_spec {
+  /// A built-in: "clamp:V" (every value clamped to [-V, V]) or "check_finite" (a NaN or an
+  /// infinity fails the step, naming stage, micro-batch and tensor). Empty: see `torchscript`.
+  std::string builtin;
+  /// The bytes of a TorchScript file (torch.jit.save of a scripted nn.Module whose
+  /// forward(x: Tensor) -> Tensor returns the tensor to send on, of x's shape); runs without
+  /// autograd. `name` names it in messages (a file name, say).
+  std::string torchscript;
+  std::string name;
+
+  /// No hook: neither a built-in nor TorchScript.
+  bool empty() const { return builtin.empty() && torchscript.empty(); }
+};
+
+/// stage_hooks described by value (remote_model::hooks).
+struct hook_specs {
+  hook_spec after_forward;
+  hook_spec after_backward;
+};
+
 /// How the loss function reduces over a micro-batch, which decides how micro-batch losses are
 /// scaled so that accumulated gradients equal the full batch's.
 enum class loss_reduction {
@@ -231,6 +254,8 @@ struct remote_model {
   /// them once and builds its stage from them (`options` and `seed` are then unused, `name`
   /// only names the model in messages).
   std::string torchscript;
+  /// Hooks every stage runs on its node (as pipeline_options::hooks in process).
+  hook_specs hooks;
 };
 
 /// Where stage actors live when they are not in this process: `actorpipe node` processes.

@@ -60,9 +60,11 @@ public:
   /// Places stage actor i on options.placement.nodes[i], an `actorpipe node` process, which
   /// builds its stage from `model` (so no model code ships); activations and gradients go from
   /// node to node, never through this process. The loss and optimizer come from `model`
-  /// (options.loss and options.optimizer are ignored). One chunk per stage, no replicas, no
-  /// hooks, CPU only. Throws pipeline_error naming the node that cannot be reached, refuses the
-  /// secret or cannot build its stage. named_gradients() is not available; named_parameters()
+  /// (options.loss and options.optimizer are ignored), and so do the hooks (model.hooks, run on
+  /// the nodes; options.hooks, functions of this process, are refused). Every schedule and chunk
+  /// count; replicas meet at rank 0's store (options.data_parallel); CPU only. Throws
+  /// pipeline_error naming the node that cannot be reached, refuses the secret or cannot build
+  /// its stage. named_gradients() is not available; named_parameters()
   /// fetches the parameters from the nodes.
   pipeline(engine& sys, remote_model model, partition cut, pipeline_options options);
   ~pipeline();
@@ -110,6 +112,19 @@ public:
   /// this one is complete. Returns the snapshot's number (1, 2, ...; 0 stands for the state the
   /// pipeline was built with or last loaded by load_state). Throws pipeline_error as a step.
   uint64_t snapshot();
+
+  /// As snapshot(), without waiting for the copies: every stage copies its state between the
+  /// step before and the step after (on its thread, a copy of the tensors), and the copies come
+  /// to this process while the next steps run (stages on nodes pack and send theirs beside their
+  /// work). The snapshot becomes the newest once all of it has come; the next snapshot, recover(),
+  /// load_state() and newest_snapshot() wait for it first (within the step deadline). One that
+  /// fails (a node lost before its state came; the steps after it then fail too) leaves the
+  /// previous one the newest, with a warning in the log. Returns the snapshot's number.
+  uint64_t snapshot_in_background();
+
+  /// The number of the newest complete snapshot (0: the state the pipeline was built with or
+  /// last loaded), after waiting for one still arriving: what recover() restores.
+  uint64_t newest_snapshot();
 
   /// After a step of stages on nodes failed (error_kind::node_lost, or a timeout: a node that
   /// stopped answering), puts the pipeline back together: asks every node of the placement

@@ -4,6 +4,7 @@
 /// back as TorchScript (docs/from-pytorch.md).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 
@@ -27,6 +28,13 @@ layer_list load_torchscript(const std::string& path);
 
 /// The same from the bytes of such a file (as nodes receive it); `what` names them in errors.
 layer_list load_torchscript_bytes(const std::string& bytes, const std::string& what);
+
+/// A function of one tensor from the bytes of a TorchScript file: a scripted nn.Module whose
+/// forward(x: Tensor) -> Tensor it calls without autograd, in eval mode (a hook: hook_spec).
+/// Throws invalid_argument naming `what` when the bytes are no TorchScript file or forward does
+/// not take one tensor and return one.
+std::function<torch::Tensor(const torch::Tensor&)>
+load_torchscript_function(const std::string& bytes, const std::string& what);
 
 /// True when `layers` are the layers one load_torchscript gave (in order, all of them).
 bool is_torchscript(const layer_list& layers);

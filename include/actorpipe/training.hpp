@@ -315,6 +315,9 @@ struct train_options {
   /// A snapshot (pipeline::snapshot()) every this many steps, with recover_lost_nodes; the run's
   /// start is the first.
   int64_t snapshot_every = 100;
+  /// The snapshots after the first arrive while the next steps run
+  /// (pipeline::snapshot_in_background); false: each step after one waits for it.
+  bool snapshot_in_background = true;
 };
 
 struct epoch_result {

@@ -36,13 +36,14 @@ const std::string synthetic_mlp =
   " --data synthetic --model mlp --batch 16 --microbatches 4 --stages 2 --threads 1 --lr 0.1 "
   "--seed 3";
 
-// Trains `steps` steps on nodes a and b (scheduler flags `flags`) and in process: the losses of
-// every step agree.
+// Trains `steps` steps on nodes a and b (scheduler flags `flags`) and in process, both with
+// `both`: the losses of every step agree.
 void check_remote_equals_local(const node_process& a, const node_process& b,
-                               const std::string& flags, int steps, const std::string& tag) {
+                               const std::string& flags, int steps, const std::string& tag,
+                               const std::string& both = "") {
   auto remote_json = temp_file(tag + "-remote.json");
   auto local_json = temp_file(tag + "-local.json");
-  auto n = " --steps " + std::to_string(steps);
+  auto n = " --steps " + std::to_string(steps) + both;
   auto remote = run("train" + synthetic_mlp + n + " --nodes " + a.address() + "," + b.address() +
                     flags + " --json " + remote_json.string());
   auto local = run("train" + synthetic_mlp + n + " --json " + local_json.string());
@@ -74,6 +75,26 @@ TEST_CASE("a scheduler and two node processes train with the in-process losses")
   CHECK(a.process->stop(SIGTERM) == 0);
   CHECK(b.process->stop(SIGINT) == 0);
   std::filesystem::remove(secret);
+}
+
+TEST_CASE("hooks given on the command line run on the node processes as in process") {
+  node_process a("", "hooks-a");
+  node_process b("", "hooks-b");
+  check_remote_equals_local(a, b, "", 3, "hooks",
+                            " --after-forward clamp:0.5 --after-backward check_finite");
+  auto refused = run("train" + synthetic_mlp + " --steps 1 --after-backward clip:1 --nodes " +
+                     a.address() + "," + b.address());
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.output.find("--after-backward 'clip:1' is neither a built-in hook") !=
+        std::string::npos);
+  auto bound = run("train" + synthetic_mlp + " --steps 1 --after-forward clamp:-1");
+  CHECK(bound.exit_code == 2);
+  CHECK(bound.output.find("after_forward hook 'clamp:-1': the bound after clamp: must be a number "
+                          "above 0") != std::string::npos);
+  auto missing = run("train" + synthetic_mlp + " --steps 1 --after-forward /no/such.pt");
+  CHECK(missing.exit_code == 2);
+  CHECK(missing.output.find("--after-forward '/no/such.pt' is neither a built-in hook") !=
+        std::string::npos);
 }
 
 TEST_CASE("killing a node mid-run ends the run with an error naming it, within the deadline") {

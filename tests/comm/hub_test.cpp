@@ -18,6 +18,7 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "../ports.hpp"
 #include "comm/tensor_hub.hpp"
 #include "comm/test_certificates.hpp"
 
@@ -178,25 +179,18 @@ TEST_CASE("connecting has a deadline and names the peer") {
   tensor_hub a(options("", 300ms), [](frame&&) {});
   auto t = torch::ones({1});
   // Nobody listens.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
-  auto port = ntohs(sa.sin_port);
+  actorpipe::test::bound_socket silent;
+  auto port = silent.port;
   CHECK_THROWS_WITH_AS(
     a.send("127.0.0.1", port, describe(frame_kind::activation, 0, 1, 0, 0, t), t),
     doctest::Contains((std::string("127.0.0.1:") + std::to_string(port)).c_str()), comm_error);
   // Listening but silent (never sends its challenge): the handshake times out.
-  REQUIRE(::listen(fd, 4) == 0);
+  REQUIRE(::listen(silent.fd, 4) == 0);
   auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH_AS(
     a.send("127.0.0.1", port, describe(frame_kind::activation, 0, 1, 0, 0, t), t),
     doctest::Contains("timed out"), comm_error);
   CHECK(std::chrono::steady_clock::now() - start < 3s);
-  ::close(fd);
 }
 
 TEST_CASE("secrets come from private files only") {

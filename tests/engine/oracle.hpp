@@ -4,12 +4,14 @@
 #include <array>
 #include <cstdio>
 #include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
+#include <torch/script.h>
 #include <torch/torch.h>
 
 #include <actorpipe/actorpipe.hpp>
@@ -176,6 +178,16 @@ inline void check_close(const std::vector<std::pair<std::string, torch::Tensor>>
       CHECK(torch::allclose(a[i].second, b[i].second, rtol, atol));
     }
   }
+}
+
+/// The bytes of a TorchScript file holding a module whose methods are `source` (TorchScript, as
+/// Python's torch.jit.script would write them), made in C++: a hook for hook_spec::torchscript.
+inline std::string script_module_bytes(const std::string& source) {
+  torch::jit::Module m("HookModule");
+  m.define(source);
+  std::ostringstream out;
+  m.save(out);
+  return out.str();
 }
 
 } // namespace actorpipe::test

@@ -1,5 +1,6 @@
-# Included by install_test.cmake: every ```cpp block of README.md and docs/*.md, compiled against
-# the installed package as an application would. A block is a snippet: its #include lines go to
+# Included by install_test.cmake: every ```cpp block of README.md and docs/*.md, written as a
+# project (${doc_dir}) that install_test.cmake compiles against the installed package as an
+# application would. A block is a snippet: its #include lines go to
 # the top of the file, the rest into a function of its own whose parameters are the names the
 # docs use without declaring them (sys, layers, x, y, ...). #line directives make a compile error
 # name the Markdown file and line.
@@ -58,6 +59,3 @@ find_package(ActorPipe REQUIRED)
 add_library(doc_blocks OBJECT doc_blocks.cpp)
 target_link_libraries(doc_blocks PRIVATE actorpipe::actorpipe)
 ")
-run_step("configure the docs' ${count} C++ blocks" ${CMAKE_COMMAND} -S ${doc_dir}
-  -B ${doc_dir}/build -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} ${launcher})
-run_step("compile the docs' ${count} C++ blocks" ${CMAKE_COMMAND} --build ${doc_dir}/build)

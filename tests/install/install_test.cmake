@@ -23,10 +23,22 @@ if(CCACHE)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
 endif()
 include(${CMAKE_CURRENT_LIST_DIR}/doc_blocks.cmake)
-foreach(example embed custom_model data_parallel distributed)
-  run_step("configure examples/${example}" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/${example}
-    -B ${WORK_DIR}/build-${example} -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
-    ${launcher})
-  run_step("build examples/${example}" ${CMAKE_COMMAND} --build ${WORK_DIR}/build-${example} -j2)
-  run_step("run examples/${example}" ${WORK_DIR}/build-${example}/${example})
+# One build of the examples and the docs' blocks, side by side (-j2): each is an application of
+# its own (its own project() and find_package(ActorPipe)), added as a subdirectory.
+set(examples embed custom_model data_parallel distributed)
+set(all_dir ${WORK_DIR}/all)
+set(lists "cmake_minimum_required(VERSION 3.16)\nproject(actorpipe_install_test LANGUAGES CXX)\n")
+foreach(example ${examples})
+  string(APPEND lists "add_subdirectory(${SOURCE_DIR}/examples/${example} ${example})\n")
+endforeach()
+string(APPEND lists "add_subdirectory(${doc_dir} doc-blocks)\n")
+file(MAKE_DIRECTORY ${all_dir})
+file(WRITE ${all_dir}/CMakeLists.txt "${lists}")
+string(REPLACE ";" "," names "${examples}")
+run_step("configure examples/{${names}} and the docs' ${count} C++ blocks"
+  ${CMAKE_COMMAND} -S ${all_dir} -B ${all_dir}/build -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_PREFIX_PATH=${prefix} ${launcher})
+run_step("build them" ${CMAKE_COMMAND} --build ${all_dir}/build -j2)
+foreach(example ${examples})
+  run_step("run examples/${example}" ${all_dir}/build/${example}/${example})
 endforeach()

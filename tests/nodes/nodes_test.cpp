@@ -2,6 +2,7 @@
 // loopback TCP exactly as separate processes do).
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -82,6 +83,16 @@ actorpipe::node_options node_config(const std::string& secret = "") {
 std::pair<torch::Tensor, torch::Tensor> batch(int step) {
   torch::manual_seed(100 + step);
   return {torch::randn({10, 1, 4, 4}), torch::randn({10, 3})};
+}
+
+// Plain libtorch's loss at each of the first `steps` batches (batch(step)), trained in order.
+std::vector<double> plain_losses(plain_model& plain, int steps) {
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step);
+    losses.push_back(plain.step(x, y));
+  }
+  return losses;
 }
 
 std::string temp_dir(const std::string& name) {
@@ -184,6 +195,49 @@ TEST_CASE("recomputation reaches the stages on nodes and trains as in process") 
   spec.count = 2;
   spec.recompute = recompute_mode::except_last;
   CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).recompute == recompute_mode::except_last);
+}
+
+TEST_CASE("hooks run on the nodes, a TorchScript module and a built-in, as in process") {
+  node n1(node_config()), n2(node_config()), n3(node_config());
+  engine sys;
+  auto cut = partition_uniform(6, 3);
+  auto model = tiny_remote();
+  model.hooks.after_forward.torchscript =
+    script_module_bytes("def forward(self, x):\n    return x * 0.5\n");
+  model.hooks.after_forward.name = "halve.pt";
+  model.hooks.after_backward.builtin = "clamp:0.01";
+  pipeline remote(sys, model, cut, remote_options({n1.address(), n2.address(), n3.address()}));
+  auto o = local_options();
+  o.hooks.after_forward = [](const hook_context&, torch::Tensor& t) { t = t * 0.5; };
+  o.hooks.after_backward = [](const hook_context&, torch::Tensor& t) { t = t.clamp(-0.01, 0.01); };
+  pipeline local(sys, tiny_mlp(1), cut, o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(step);
+    auto r = remote.train_step(x, y).loss;
+    CAPTURE(step);
+    CHECK(r == doctest::Approx(local.train_step(x, y).loss).epsilon(1e-6));
+    CHECK(r != doctest::Approx(plain.step(x, y)).epsilon(1e-3)); // the hooks ran
+  }
+  check_close(remote.named_parameters(), local.named_parameters());
+  // A hook that fails on a node fails the step naming the stage; nothing changes.
+  auto failing = tiny_remote();
+  failing.hooks.after_backward.builtin = "check_finite";
+  pipeline checked(sys, failing, cut, remote_options({n1.address(), n2.address(), n3.address()}));
+  auto [x, y] = batch(7);
+  y[9][0] = std::numeric_limits<float>::quiet_NaN(); // micro-batch 3's loss and gradients
+  auto before = checked.named_parameters();
+  CHECK_THROWS_WITH_AS(checked.train_step(x, y),
+                       doctest::Contains("stage 2, microbatch 3: the after_backward hook failed "
+                                         "on tensor 0: check_finite"),
+                       pipeline_error);
+  check_close(checked.named_parameters(), before, 0, 0);
+  // Refused before any node is reached (nobody listens at the address given).
+  auto unknown = tiny_remote();
+  unknown.hooks.after_forward.builtin = "clip:1";
+  auto nowhere = "127.0.0.1:" + std::to_string(free_port());
+  CHECK_THROWS_WITH_AS(pipeline(sys, unknown, partition_uniform(6, 1), remote_options({nowhere})),
+                       doctest::Contains("unknown after_forward hook 'clip:1'"), invalid_argument);
 }
 
 TEST_CASE("bf16 reaches the stages on nodes and trains as in process, recomputing") {
@@ -732,11 +786,7 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
   o.placement.connect_timeout = 2000ms;
   pipeline remote(sys, tiny_remote(), cut, o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
-  std::vector<double> expected;
-  for (int step = 0; step < 4; ++step) {
-    auto [x, y] = batch(step);
-    expected.push_back(plain.step(x, y));
-  }
+  auto expected = plain_losses(plain, 4);
   for (int step = 0; step < 2; ++step) {
     auto [x, y] = batch(step);
     CHECK(remote.train_step(x, y).loss == doctest::Approx(expected[step]).epsilon(1e-6));
@@ -775,6 +825,42 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
   check_close(remote.named_parameters(), named(plain.layers, false));
 }
 
+TEST_CASE("a snapshot taken in the background holds the state between its steps, while the next "
+          "steps run, and recover() restores it") {
+  auto n1 = std::make_unique<node>(node_config());
+  auto n2 = std::make_unique<node>(node_config());
+  node spare(node_config());
+  engine sys;
+  auto cut = partition_uniform(6, 2);
+  auto o = remote_options({n1->address(), n2->address()});
+  o.placement.spares = {spare.address()};
+  pipeline remote(sys, tiny_remote(), cut, o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 5);
+  auto train = [&](int step) {
+    auto [x, y] = batch(step);
+    return remote.train_step(x, y).loss;
+  };
+  train(0);
+  CHECK(remote.snapshot_in_background() == 1);
+  // The steps after it change every parameter and momentum while the copies travel.
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  CHECK(train(2) == doctest::Approx(expected[2]).epsilon(1e-6));
+  CHECK(remote.newest_snapshot() == 1);
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(3), pipeline_error);
+  auto r = remote.recover();
+  CHECK(r.snapshot == 1);
+  CHECK(r.spares_used == std::vector<std::string>{spare.address()});
+  // Replayed from snapshot 1, taken after step 0 (not after the steps that ran beside it).
+  for (int step = 1; step < 5; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+}
+
 TEST_CASE("without a spare the pipeline shrinks onto the nodes left and equals a run resumed "
           "there from the same snapshot") {
   node n1(node_config()), n3(node_config());
@@ -784,11 +870,7 @@ TEST_CASE("without a spare the pipeline shrinks onto the nodes left and equals a
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 3),
                   remote_options({n1.address(), n2->address(), n3.address()}));
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
-  std::vector<double> expected;
-  for (int step = 0; step < 5; ++step) {
-    auto [x, y] = batch(step);
-    expected.push_back(plain.step(x, y));
-  }
+  auto expected = plain_losses(plain, 5);
   for (int step = 0; step < 2; ++step) {
     auto [x, y] = batch(step);
     remote.train_step(x, y);
