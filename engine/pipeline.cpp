@@ -189,6 +189,9 @@ struct pipeline::impl {
   std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> submit_fetch(bool background);
   // Waits for a snapshot still arriving and, when all of it came, makes it the newest.
   void settle_snapshot();
+  // Makes `state` the newest snapshot, number `number`.
+  void install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
+                        uint64_t number);
 
   // Checks and queues a training step on micro-batches.
   std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
@@ -631,17 +634,22 @@ void pipeline::impl::settle_snapshot() {
   }
   auto number = pending_number;
   try {
-    auto state = wait(pending_snapshot, "snapshot");
-    snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
-    snapshot_number = number;
+    install_snapshot(wait(pending_snapshot, "snapshot"), number);
   } catch (const std::exception& e) {
     // A node lost while its state was on the way: the step after it fails too, and recover()
     // restores the newest snapshot that did arrive.
     log::get()->warn("snapshot {} did not arrive ({}); {} stays the newest", number, e.what(),
                      snapshot_number == 0 ? std::string("the starting state")
                                           : detail::concat("snapshot ", snapshot_number));
+    memory::release_free_heap(); // whatever of it did arrive
   }
   pending_snapshot = {};
+}
+
+void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
+                                      uint64_t number) {
+  snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
+  snapshot_number = number;
   // The frames and the snapshot this one replaced were megabytes of heap.
   memory::release_free_heap();
 }
@@ -650,11 +658,7 @@ uint64_t pipeline::snapshot() {
   auto& self = *impl_;
   self.settle_snapshot();
   auto future = self.submit_fetch(false);
-  auto state = self.wait(future, "snapshot");
-  self.snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
-  self.snapshot_number = ++self.snapshots_taken;
-  // The frames and the snapshot this one replaced were megabytes of heap.
-  memory::release_free_heap();
+  self.install_snapshot(self.wait(future, "snapshot"), ++self.snapshots_taken);
   return self.snapshot_number;
 }
 

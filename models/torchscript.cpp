@@ -103,6 +103,10 @@ struct forward_signature {
   bool one_tensor() const { return inputs == input_kind::tensor && !tuple_out; }
 };
 
+bool is_tensor(const c10::TypePtr& t) {
+  return t->kind() == c10::TypeKind::TensorType;
+}
+
 forward_signature signature_of(const torch::jit::Module& child, const std::string& name,
                                const std::string& what) {
   forward_signature sig;
@@ -112,7 +116,6 @@ forward_signature signature_of(const torch::jit::Module& child, const std::strin
                   "order, so each must be callable");
   sig.method = *method;
   const auto& schema = sig.method->function().getSchema();
-  auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
   auto tensor_tuple = [&](const c10::TypePtr& t) -> std::size_t {
     auto tuple = t->cast<c10::TupleType>();
     if (!tuple) {
@@ -326,7 +329,6 @@ load_torchscript_function(const std::string& bytes, const std::string& what) {
   ACTORPIPE_CHECK(found.has_value(), what, ": the module (", short_type(module),
                   ") has no forward method");
   const auto& schema = found->function().getSchema();
-  auto is_tensor = [](const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; };
   std::size_t taken = 0;
   bool tensors_only = true;
   for (std::size_t i = 1; i < schema.arguments().size(); ++i) {

@@ -66,9 +66,18 @@ std::string model_digest(const std::string& bytes) {
   return to_hex(std::string(reinterpret_cast<const char*>(digest), length));
 }
 
+std::array<std::string*, 3> torchscript_fields(remote_model& model) {
+  return {&model.torchscript, &model.hooks.after_forward.torchscript,
+          &model.hooks.after_backward.torchscript};
+}
+
+std::array<const std::string*, 3> torchscript_fields(const remote_model& model) {
+  return {&model.torchscript, &model.hooks.after_forward.torchscript,
+          &model.hooks.after_backward.torchscript};
+}
+
 remote_model by_digest(remote_model model) {
-  for (auto* text : {&model.torchscript, &model.hooks.after_forward.torchscript,
-                     &model.hooks.after_backward.torchscript}) {
+  for (auto* text : torchscript_fields(model)) {
     if (!text->empty()) {
       *text = model_digest(*text);
     }

@@ -29,6 +29,7 @@
 ///   microbatch -1 when none, node the node concerned when it is not the stage's own.
 #pragma once
 
+#include <array>
 #include <string>
 
 #include <caf/atom.hpp>
@@ -115,6 +116,10 @@ std::string to_hex(const std::string& bytes);
 
 /// SHA-256 of `bytes`, hex: how a TorchScript model is named between scheduler and node.
 std::string model_digest(const std::string& bytes);
+
+/// The TorchScript fields of `model`, empty or not: the model's, then each hook's.
+std::array<std::string*, 3> torchscript_fields(remote_model& model);
+std::array<const std::string*, 3> torchscript_fields(const remote_model& model);
 
 /// `model` with each TorchScript (the model's, the hooks') replaced by its digest, as a stage
 /// spec carries it: the bytes go to each node once (the node's model message).

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/udp.hpp>
@@ -490,15 +491,15 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   // Each TorchScript file (the model's, the hooks') goes once to every node, which keeps it by
   // its digest for the builds.
   auto described = by_digest(model);
-  for (const auto* bytes : {&model.torchscript, &model.hooks.after_forward.torchscript,
-                            &model.hooks.after_backward.torchscript}) {
-    if (bytes->empty()) {
+  auto files = torchscript_fields(model);
+  auto digests = torchscript_fields(std::as_const(described));
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    if (files[f]->empty()) {
       continue;
     }
-    auto digest = model_digest(*bytes);
     for (const auto& [address, handle] : handles) {
-      auto error =
-        ask(self, handle, "node " + address, timeout, "model", model_atom::value, digest, *bytes);
+      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
+                       *digests[f], *files[f]);
       if (!error.empty()) {
         throw pipeline_error(error);
       }

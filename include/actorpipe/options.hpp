@@ -144,9 +144,6 @@ struct hook_spec {
   /// autograd. `name` names it in messages (a file name, say).
   std::string torchscript;
   std::string name;
-
-  /// No hook: neither a built-in nor TorchScript.
-  bool empty() const { return builtin.empty() && torchscript.empty(); }
 };
 
 /// stage_hooks described by value (remote_model::hooks).
