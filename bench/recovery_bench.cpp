@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include <arpa/inet.h>
@@ -141,6 +142,9 @@ public:
       restart_ = nullptr;
     }
     if (kill_every_ > 0 && index % kill_every_ == kill_offset_ && index > done_) {
+      // Memory before each loss: a leak grows it loss after loss, a warm-up only once.
+      node_rss_.push_back(rss_mib(watched_));
+      driver_rss_.push_back(rss_mib(0));
       auto* victim = victims_[kills_ % victims_.size()];
       victim->kill();
       ++kills_;
@@ -155,6 +159,10 @@ public:
 
   std::size_t kills() const { return kills_; }
   const std::vector<double>& loss_to_step() const { return loss_to_step_; }
+  // The resident memory of the node never killed (`watch`) and of this process at each loss.
+  void watch(pid_t pid) { watched_ = pid; }
+  const std::vector<double>& node_rss() const { return node_rss_; }
+  const std::vector<double>& driver_rss() const { return driver_rss_; }
 
 private:
   const actorpipe::batch_source& data_;
@@ -168,7 +176,18 @@ private:
   mutable clock_type::time_point kill_time_;
   mutable node_process* restart_ = nullptr;
   mutable std::vector<double> loss_to_step_;
+  pid_t watched_ = 0;
+  mutable std::vector<double> node_rss_;
+  mutable std::vector<double> driver_rss_;
 };
+
+// "a -> b MiB (+x%)"
+std::string growth(double from, double to) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << from << " -> " << to << " MiB (" << std::showpos
+      << 100 * (to - from) / from << "%)";
+  return out.str();
+}
 
 } // namespace
 
@@ -300,6 +319,7 @@ int main(int argc, char** argv) {
   actorpipe::train(pipe, no_kills, warm_options);
   auto driver_start = rss_mib(0);
   auto node_start = rss_mib(a.pid());
+  data.watch(a.pid());
   auto t0 = clock_type::now();
   auto report = actorpipe::train(pipe, data, to);
   auto seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
@@ -334,11 +354,18 @@ int main(int argc, char** argv) {
             << "a snapshot's cost to the " << snapshot_steps << " steps after it (median " << plain
             << " ms without): waited for +" << waited << " ms, in the background +" << background
             << " ms (" << 100.0 * background / std::max(1e-9, waited) << "% of waiting)\n"
-            << "RSS driver " << driver_start << " -> " << driver_end << " MiB (" << std::showpos
-            << 100 * (driver_end - driver_start) / driver_start << std::noshowpos
-            << "%), node never killed " << node_start << " -> " << node_end << " MiB ("
-            << std::showpos << 100 * (node_end - node_start) / node_start << std::noshowpos
-            << "%)\n";
+            << "RSS after the warm-up and at the end: driver " << growth(driver_start, driver_end)
+            << ", node never killed " << growth(node_start, node_end) << "\n";
+  if (!data.node_rss().empty()) {
+    // The first loss comes after the first snapshot's buffers and the first rebuild of stages.
+    std::cout << "RSS at the first loss and at the end: driver "
+              << growth(data.driver_rss().front(), driver_end) << ", node never killed "
+              << growth(data.node_rss().front(), node_end) << "\nnode RSS at each loss (MiB):";
+    for (auto v : data.node_rss()) {
+      std::cout << ' ' << std::setprecision(1) << v;
+    }
+    std::cout << std::setprecision(2) << "\n";
+  }
   if (!json.empty()) {
     nlohmann::json j{{"model", model_name},
                      {"steps", steps},
@@ -357,7 +384,9 @@ int main(int argc, char** argv) {
                      {"steps_after_waited_snapshot_ms", waited_ms},
                      {"steps_after_background_snapshot_ms", background_ms},
                      {"rss_driver_mib", {driver_start, driver_end}},
-                     {"rss_node_mib", {node_start, node_end}}};
+                     {"rss_node_mib", {node_start, node_end}},
+                     {"rss_node_at_losses_mib", data.node_rss()},
+                     {"rss_driver_at_losses_mib", data.driver_rss()}};
     std::ofstream(json) << j.dump(2) << "\n";
   }
   return report.steps.size() == static_cast<std::size_t>(steps) ? 0 : 1;

@@ -189,7 +189,8 @@ void print_plan(const model_setup& setup, const plan_choice& choice) {
   std::cout << std::flush;
 }
 
-std::string replicas_note(const data_parallel_options& dp) {
+// `in_process`: the replicas are this process's (--replicas), not processes of their own.
+std::string replicas_note(const data_parallel_options& dp, bool in_process) {
   if (dp.replicas <= 1) {
     return {};
   }
@@ -197,7 +198,7 @@ std::string replicas_note(const data_parallel_options& dp) {
   auto momentum =
     b.block_momentum < 0 ? 1.0 - 1.0 / static_cast<double>(dp.replicas) : b.block_momentum;
   return detail::concat(
-    ", ", dp.replicas, " replicas (", dp.local ? "in this process" : "processes", ", ",
+    ", ", dp.replicas, " replicas (", in_process ? "in this process" : "processes", ", ",
     dp.master_addr, ":", dp.master_port, ")",
     b.block_steps > 0
       ? detail::concat(", BMUF: blocks of ", b.block_steps, " steps, block lr ", b.block_lr,
@@ -243,13 +244,23 @@ hook_specs hooks_of(const train_args& a) {
 }
 
 // In this process, or on nodes when --nodes is given.
-std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
-                                        const plan_choice& choice, pipeline_options po,
-                                        const std::string& loss, optimizer_spec optimizer) {
+// The pipeline of one replica (or of the run), or, with --replicas and --nodes, every
+// replica's (one loop feeds them: they recover a lost node together).
+struct run_pipeline {
+  std::unique_ptr<pipeline> single;
+  std::unique_ptr<replicated_pipeline> replicated;
+
+  // Replica 0 (its parameters are every replica's). After a recovery it may be another object.
+  pipeline& lead() { return single ? *single : replicated->replica(0); }
+};
+
+run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
+                           const plan_choice& choice, pipeline_options po, const std::string& loss,
+                           optimizer_spec optimizer) {
   auto hooks = hooks_of(a);
   if (a.nodes.empty()) {
     po.hooks = make_hooks(hooks);
-    return std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po));
+    return {std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po)), nullptr};
   }
   remote_model model;
   model.hooks = std::move(hooks);
@@ -259,10 +270,7 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   model.torchscript = setup.torchscript;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
-  if (po.placement.nodes.empty()) {
-    // Replicas in this process were each given their share of --nodes.
-    po.placement.nodes = a.nodes;
-  }
+  po.placement.nodes = a.nodes;
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
@@ -270,7 +278,12 @@ std::unique_ptr<pipeline> make_pipeline(engine& sys, const train_args& a, const 
   ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
   po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
   po.placement.spares = a.spare_nodes;
-  return std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
+  if (a.replicas > 1) {
+    auto replicas = po.data_parallel.replicas;
+    return {nullptr,
+            std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas)};
+  }
+  return {std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po)), nullptr};
 }
 
 optimizer_spec sgd_spec(double lr, double momentum) {
@@ -526,7 +539,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
               << ", schedule " << choice.schedule_name << ", " << choice.microbatches
               << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
-              << replicas_note(dp) << '\n';
+              << replicas_note(dp, a.replicas > 1) << '\n';
     print_plan(setup, choice);
   }
 
@@ -535,9 +548,15 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     memory::map_large_allocations();
   }
   engine sys;
-  auto pipe_ptr = make_pipeline(sys, a, setup, choice, po, loss, optimizer);
-  auto& pipe = *pipe_ptr;
-  auto report = train(pipe, *data, to);
+  auto run = make_pipeline(sys, a, setup, choice, po, loss, optimizer);
+  if (run.replicated) {
+    // One loop takes each batch whole; the replicas split it.
+    to.rank = 0;
+    to.replicas = 1;
+    to.repartition = nullptr;
+  }
+  auto report = run.replicated ? train(*run.replicated, *data, to) : train(*run.single, *data, to);
+  auto& pipe = run.lead();
   if (!lead) {
     return 0;
   }
@@ -571,8 +590,12 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   if (!report.recoveries.empty()) {
     std::cout << "nodes: " << report.recoveries.size() << " lost-node recover"
               << (report.recoveries.size() == 1 ? "y" : "ies") << ", "
-              << report.replayed_steps.size() << " steps replayed; now " << pipe.stages()
-              << " stages, cut " << pipe.cut().to_string() << '\n';
+              << report.replayed_steps.size() << " steps replayed; now "
+              << (run.replicated ? detail::concat(run.replicated->replicas(),
+                                                  run.replicated->replicas() == 1 ? " replica of "
+                                                                                  : " replicas of ")
+                                 : std::string{})
+              << pipe.stages() << " stages, cut " << pipe.cut().to_string() << '\n';
   }
   if (!a.export_path.empty()) {
     pipe.save_torchscript(a.export_path);
@@ -627,7 +650,9 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                                  {"nodes", r.nodes},
                                  {"bounds", r.bounds},
                                  {"snapshot", r.snapshot},
-                                 {"seconds", r.seconds}});
+                                 {"seconds", r.seconds},
+                                 {"replicas_left", r.replicas_left},
+                                 {"replicas", r.replicas}});
     }
     j["replayed_steps"] = report.replayed_steps;
     write_json(a.json, j);
@@ -705,10 +730,10 @@ int run_train(const train_args& given) {
     a.nodes.size(), " nodes for ", choice.stages(), " stages",
     a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
                    : std::string{});
-  ACTORPIPE_CHECK(a.nodes.empty() || a.on_node_loss != "continue" ||
-                    (a.replicas == 1 && dp.replicas == 1),
-                  "--on-node-loss continue: replicas of stages on nodes (--replicas, "
-                  "--world-size) do not recover a lost node yet");
+  ACTORPIPE_CHECK(a.nodes.empty() || a.on_node_loss != "continue" || dp.replicas == 1,
+                  "--on-node-loss continue: replicas in processes of their own (--world-size) do "
+                  "not recover a lost node; run them in one process with --replicas, which "
+                  "recovers them together");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
   dp.sync_batch_norm = a.batch_norm == "sync";
@@ -751,10 +776,18 @@ int run_train(const train_args& given) {
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));
   }
-  // Replicas in this process: one thread each, meeting at an in-process store, or, when their
-  // stages are on nodes, at a store served here that the nodes reach (--master-addr/-port).
+  if (!a.nodes.empty()) {
+    // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
+    // stages at a store served here (--master-addr/-port) and recovers them together.
+    po.data_parallel.replicas = a.replicas;
+    po.data_parallel.rank = 0;
+    po.data_parallel.local = nullptr;
+    po.placement.nodes = a.nodes;
+    return run_rank(setup, std::move(po));
+  }
+  // Replicas of stages in this process: one thread each, meeting at an in-process store.
   dp.replicas = a.replicas;
-  dp.local = a.nodes.empty() ? make_local_rendezvous() : nullptr;
+  dp.local = make_local_rendezvous();
   // Each replica owns its modules; built one after another (they seed the global generator).
   std::vector<model_setup> models{setup};
   for (std::size_t r = 1; r < a.replicas; ++r) {
@@ -764,11 +797,6 @@ int run_train(const train_args& given) {
   for (std::size_t r = 0; r < a.replicas; ++r) {
     auto o = po;
     o.data_parallel.rank = r;
-    if (!a.nodes.empty()) {
-      auto stages = static_cast<std::ptrdiff_t>(choice.stages());
-      o.placement.nodes.assign(a.nodes.begin() + static_cast<std::ptrdiff_t>(r) * stages,
-                               a.nodes.begin() + static_cast<std::ptrdiff_t>(r + 1) * stages);
-    }
     ranks.push_back(std::async(std::launch::async,
                                [&run_rank, &models, r, o] { return run_rank(models[r], o); }));
   }

@@ -18,6 +18,7 @@
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/memory.hpp>
+#include <actorpipe/replicas.hpp>
 #include <actorpipe/torchscript.hpp>
 
 #include "actors/linger.hpp"
@@ -127,6 +128,15 @@ struct pipeline::impl {
   // checkpoints and count parameters), the scheduler and the stages on options.placement.nodes
   // cut by `cut`.
   void place_on_nodes();
+
+  // Stages on nodes with replicas: meets the other replicas' drivers (options.data_parallel's
+  // rank and world) and agrees with them on the model their nodes build.
+  void meet_replicas();
+
+  // Every stage takes its tensors from `state` (a snapshot, number `number`; null: nothing to
+  // restore). `what` names the caller in errors.
+  void restore(const std::shared_ptr<const stages::tensor_map>& state, uint64_t number,
+               const char* what);
 
   // Splits along dimension 0 into m parts differing by at most one sample; forward-only passes
   // take fewer parts when the batch is smaller than m (`at_most`).
@@ -306,6 +316,80 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   return stage_count;
 }
 
+// "a, b, c" or "none": a recovery's lists in the log.
+template <class T>
+std::string list_or_none(const std::vector<T>& items) {
+  return items.empty() ? std::string("none") : fmt::format("{}", fmt::join(items, ", "));
+}
+
+// After a step failed on nodes: which nodes answer, and a spare for each that does not.
+struct node_census {
+  // The nodes that did not answer, in placement order.
+  std::vector<std::string> lost;
+  // A spare per lost node, in order, among those that answer and hold no stage yet.
+  std::map<std::string, std::string> replacement;
+  std::vector<std::string> spares_used;
+
+  bool is_lost(const std::string& node) const {
+    return std::find(lost.begin(), lost.end(), node) != lost.end();
+  }
+  // `nodes` with each lost node replaced by its spare, or left out when none took it.
+  std::vector<std::string> placed(const std::vector<std::string>& nodes) const {
+    std::vector<std::string> result;
+    for (const auto& n : nodes) {
+      if (!is_lost(n)) {
+        result.push_back(n);
+      } else if (auto it = replacement.find(n); it != replacement.end()) {
+        result.push_back(it->second);
+      }
+    }
+    return result;
+  }
+};
+
+// Asks every node of `nodes` (repeats asked once) and the spares, each within the placement's
+// connect timeout, all at once.
+node_census take_census(caf::actor_system& sys, const std::vector<std::string>& nodes,
+                        const std::map<std::string, caf::actor>& known,
+                        const node_placement& placement) {
+  std::vector<std::string> distinct;
+  for (const auto& n : nodes) {
+    if (std::find(distinct.begin(), distinct.end(), n) == distinct.end()) {
+      distinct.push_back(n);
+    }
+  }
+  auto alive = nodes::answering(sys, distinct, known, placement);
+  node_census census;
+  for (std::size_t i = 0; i < distinct.size(); ++i) {
+    if (!alive[i]) {
+      census.lost.push_back(distinct[i]);
+    }
+  }
+  if (census.lost.empty()) {
+    return census;
+  }
+  std::vector<std::string> candidates;
+  for (const auto& spare : placement.spares) {
+    if (std::find(distinct.begin(), distinct.end(), spare) == distinct.end() &&
+        std::find(candidates.begin(), candidates.end(), spare) == candidates.end()) {
+      candidates.push_back(spare);
+    }
+  }
+  auto ready = nodes::answering(sys, candidates, {}, placement);
+  std::size_t next = 0;
+  for (const auto& gone : census.lost) {
+    while (next < candidates.size() && !ready[next]) {
+      ++next;
+    }
+    if (next == candidates.size()) {
+      break;
+    }
+    census.replacement[gone] = candidates[next];
+    census.spares_used.push_back(candidates[next++]);
+  }
+  return census;
+}
+
 scheduler::scheduler_options scheduler_options_of(const pipeline_options& options) {
   scheduler::scheduler_options so;
   so.schedule = options.schedule;
@@ -468,20 +552,38 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   auto& self = *impl_;
   self.remote = std::move(model);
   self.sys = &sys;
-  if (self.options.data_parallel.replicas > 1) {
-    // The rendezvous of the replicas' drivers; the stages' groups form on their nodes.
-    self.replicas = std::make_unique<comm::replica_group>(self.options.data_parallel, 0);
-    // Every node builds its stage from the spec: the replicas start equal only if their drivers
-    // give the same model, cut and chunks.
-    nodes::stage_spec spec;
-    spec.model = nodes::by_digest(*self.remote);
-    spec.bounds = self.cut.bounds;
-    spec.chunks = self.options.chunks;
-    spec.count = self.cut.stages() / self.options.chunks;
-    self.replicas->agree("the model on nodes (its spec, seed, hooks, cut and chunks)",
-                         static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
-  }
+  self.meet_replicas();
   self.place_on_nodes();
+}
+
+void pipeline::impl::meet_replicas() {
+  if (options.data_parallel.replicas <= 1) {
+    return;
+  }
+  // The rendezvous of the replicas' drivers; the stages' groups form on their nodes.
+  replicas = std::make_unique<comm::replica_group>(options.data_parallel, 0);
+  // Every node builds its stage from the spec: the replicas start equal only if their drivers
+  // give the same model, cut and chunks.
+  nodes::stage_spec spec;
+  spec.model = nodes::by_digest(*remote);
+  spec.bounds = cut.bounds;
+  spec.chunks = options.chunks;
+  spec.count = cut.stages() / options.chunks;
+  replicas->agree("the model on nodes (its spec, seed, hooks, cut and chunks)",
+                  static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
+}
+
+void pipeline::impl::restore(const std::shared_ptr<const stages::tensor_map>& state,
+                             uint64_t number, const char* what) {
+  if (!state) {
+    return;
+  }
+  stages::check_checkpoint(*state, stages, detail::concat("snapshot ", number));
+  auto request = std::make_shared<scheduler::step_request>();
+  request->kind = scheduler::request_kind::load;
+  request->state = state;
+  auto future = submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
+  wait(future, what);
 }
 
 void pipeline::impl::place_on_nodes() {
@@ -682,8 +784,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
                                "recover() places stages on nodes again");
   ACTORPIPE_CHECK(!self.replicas, "recover: this pipeline is replica ",
                   self.options.data_parallel.rank, " of ", self.options.data_parallel.replicas,
-                  "; replicas of stages on nodes do not recover a lost node yet (restart them "
-                  "from a checkpoint)");
+                  "; the replicas recover together, through replicated_pipeline::recover()");
   auto started = std::chrono::steady_clock::now();
   // A snapshot still on its way arrives (or fails) before the newest is chosen.
   self.settle_snapshot();
@@ -691,52 +792,11 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
   self.stop_actors();
   auto& placement = self.options.placement;
-  std::vector<std::string> distinct;
-  for (const auto& n : placement.nodes) {
-    if (std::find(distinct.begin(), distinct.end(), n) == distinct.end()) {
-      distinct.push_back(n);
-    }
-  }
-  auto alive = nodes::answering(actor_system, distinct, self.nodes, placement);
+  auto census = take_census(actor_system, placement.nodes, self.nodes, placement);
   recovery_report report;
-  std::set<std::string> lost;
-  for (std::size_t i = 0; i < distinct.size(); ++i) {
-    if (!alive[i]) {
-      lost.insert(distinct[i]);
-      report.lost.push_back(distinct[i]);
-    }
-  }
-  // A spare per lost node, in order, among those that answer and hold no stage yet.
-  std::map<std::string, std::string> replacement;
-  if (!lost.empty()) {
-    std::vector<std::string> candidates;
-    for (const auto& spare : placement.spares) {
-      if (std::find(distinct.begin(), distinct.end(), spare) == distinct.end() &&
-          std::find(candidates.begin(), candidates.end(), spare) == candidates.end()) {
-        candidates.push_back(spare);
-      }
-    }
-    auto ready = nodes::answering(actor_system, candidates, {}, placement);
-    std::size_t next = 0;
-    for (const auto& gone : report.lost) {
-      while (next < candidates.size() && !ready[next]) {
-        ++next;
-      }
-      if (next == candidates.size()) {
-        break;
-      }
-      replacement[gone] = candidates[next];
-      report.spares_used.push_back(candidates[next++]);
-    }
-  }
-  std::vector<std::string> placed;
-  for (const auto& n : placement.nodes) {
-    if (lost.count(n) == 0) {
-      placed.push_back(n);
-    } else if (auto it = replacement.find(n); it != replacement.end()) {
-      placed.push_back(it->second);
-    }
-  }
+  report.lost = census.lost;
+  report.spares_used = census.spares_used;
+  auto placed = census.placed(placement.nodes);
   if (placed.empty()) {
     throw pipeline_error(
       detail::concat("recover: no node is left (", report.lost.size(), " lost, no spare answered)"),
@@ -755,16 +815,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   self.cut = cut;
   placement.nodes = placed;
   self.place_on_nodes();
-  if (self.snapshot) {
-    stages::check_checkpoint(*self.snapshot, self.stages,
-                             detail::concat("snapshot ", self.snapshot_number));
-    auto request = std::make_shared<scheduler::step_request>();
-    request->kind = scheduler::request_kind::load;
-    request->state = self.snapshot;
-    auto future =
-      self.submit<bool>(std::move(request), [](scheduler::step_outcome&) { return true; });
-    self.wait(future, "recover");
-  }
+  self.restore(self.snapshot, self.snapshot_number, "recover");
   // The failed pipeline's actors, the local model built again, the snapshot's frames.
   memory::release_free_heap();
   report.nodes = placed;
@@ -772,12 +823,126 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   report.snapshot = self.snapshot_number;
   report.seconds =
     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  log::get()->info("pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
+                   "{} cut {}, restored snapshot {}",
+                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
+                   placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot);
+  return report;
+}
+
+// replicated_pipeline::recover() lives here: it re-places each replica's stages through its
+// pipeline::impl, as pipeline::recover() does one pipeline's.
+recovery_report replicated_pipeline::recover() {
+  auto& first = *replicas_.front()->impl_;
+  ACTORPIPE_CHECK(first.remote, "recover: these replicas' stages are in this process; recover() "
+                                "places stages on nodes again");
+  auto started = std::chrono::steady_clock::now();
+  // Replica 0 keeps the snapshots (a snapshot still on its way arrives, or fails, first).
+  first.settle_snapshot();
+  auto state = first.snapshot;
+  auto number = first.snapshot_number;
+  auto taken = first.snapshots_taken;
+  const auto dp = first.options.data_parallel;
+  const auto placement = first.options.placement;
+  std::vector<std::string> all;
+  std::map<std::string, caf::actor> known;
+  for (auto& p : replicas_) {
+    auto& r = *p->impl_;
+    // The failed step's proxies go first: a node drops the stages of a proxy that went.
+    r.stop_actors();
+    all.insert(all.end(), r.options.placement.nodes.begin(), r.options.placement.nodes.end());
+    known.insert(r.nodes.begin(), r.nodes.end());
+  }
+  auto census = take_census(first.sys->internals().system, all, known, placement);
+  recovery_report report;
+  report.lost = census.lost;
+  report.spares_used = census.spares_used;
+  // A replica goes on when a spare replaced each node it lost; the others leave.
+  std::vector<std::size_t> whole;
+  std::vector<std::vector<std::string>> layouts;
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    const auto& nodes = replicas_[r]->impl_->options.placement.nodes;
+    auto placed = census.placed(nodes);
+    if (placed.size() == nodes.size()) {
+      whole.push_back(r);
+      layouts.push_back(std::move(placed));
+    } else {
+      report.replicas_left.push_back(r);
+    }
+  }
+  if (whole.empty()) {
+    throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
+                                        list_or_none(census.lost), "; ", census.spares_used.size(),
+                                        " spares answered)"),
+                         error_details{error_kind::node_lost});
+  }
+  // Every driver's rendezvous goes before any meets again (rank 0's serves the store that the
+  // next rank 0 serves anew), all at once: each waits at its end for the others'.
+  std::vector<std::future<void>> leaving;
+  for (auto& p : replicas_) {
+    leaving.push_back(
+      std::async(std::launch::async, [&group = p->impl_->replicas] { group.reset(); }));
+  }
+  for (auto& f : leaving) {
+    f.get(); // each bounded by data_parallel.timeout; the destructor throws nothing
+  }
+  std::vector<std::unique_ptr<pipeline>> kept;
+  for (auto r : whole) {
+    kept.push_back(std::move(replicas_[r]));
+  }
+  replicas_ = std::move(kept);
+  const auto world = replicas_.size();
+  for (std::size_t k = 0; k < world; ++k) {
+    auto& r = *replicas_[k]->impl_;
+    r.options.data_parallel.rank = k;
+    r.options.data_parallel.replicas = world;
+    r.options.placement.nodes = layouts[k];
+  }
+  auto& lead = *replicas_.front()->impl_;
+  lead.snapshot = state;
+  lead.snapshot_number = number;
+  lead.snapshots_taken = std::max(lead.snapshots_taken, taken);
+  // Each replica on a thread of its own: each waits for the others at the rendezvous and at its
+  // stages' first collective.
+  std::vector<std::future<void>> placing;
+  for (auto& p : replicas_) {
+    placing.push_back(std::async(std::launch::async, [&r = *p->impl_, &state, number] {
+      r.meet_replicas();
+      r.place_on_nodes();
+      r.restore(state, number, "recover");
+    }));
+  }
+  auto deadline = 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30);
+  std::exception_ptr error;
+  for (std::size_t k = 0; k < placing.size(); ++k) {
+    try {
+      if (placing[k].wait_for(deadline) != std::future_status::ready) {
+        throw pipeline_error(detail::concat("recover: replica ", k, " was not placed again within ",
+                                            std::chrono::milliseconds(deadline).count(), " ms"),
+                             error_details{error_kind::timeout});
+      }
+      placing[k].get();
+    } catch (...) {
+      error = error ? error : std::current_exception();
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  memory::release_free_heap();
+  for (const auto& nodes : layouts) {
+    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
+  }
+  report.bounds = lead.cut.bounds;
+  report.snapshot = number;
+  report.replicas = world;
+  report.seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   log::get()->info(
-    "pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
-    "{} cut {}, restored snapshot {}",
-    report.seconds, report.lost.empty() ? "none" : fmt::format("{}", fmt::join(report.lost, ", ")),
-    report.spares_used.empty() ? "none" : fmt::format("{}", fmt::join(report.spares_used, ", ")),
-    placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot);
+    "replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, now {} "
+    "replicas on {}, restored snapshot {}",
+    report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
+    list_or_none(report.replicas_left), world, fmt::join(report.nodes, ", "), report.snapshot);
   return report;
 }
 

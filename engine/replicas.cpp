@@ -29,8 +29,21 @@ std::optional<uint64_t> number_from_env(const char* name, uint64_t min, uint64_t
   return value;
 }
 
+// How much an error says of what went wrong: a lost node names the node, where the other
+// replicas' failed all-reduce or timeout only follows from it.
+int telling(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const pipeline_error& e) {
+    return e.kind() == error_kind::node_lost ? 2 : 1;
+  } catch (...) {
+    return 1;
+  }
+}
+
 // Every future's value, in order; each waited for at most `deadline`. All are waited for before
-// the first error is rethrown, so no replica is left running unobserved.
+// an error is rethrown (a lost node's before the others'), so no replica is left running
+// unobserved.
 template <class T>
 std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::milliseconds deadline,
                        const char* what) {
@@ -45,7 +58,7 @@ std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::millis
       }
       values.push_back(futures[r].get());
     } catch (...) {
-      if (!error) {
+      if (!error || telling(std::current_exception()) > telling(error)) {
         error = std::current_exception();
       }
     }
@@ -139,7 +152,17 @@ replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model,
   deadline_ = options.step_timeout + std::chrono::seconds(30);
 }
 
-replicated_pipeline::~replicated_pipeline() = default;
+replicated_pipeline::~replicated_pipeline() {
+  // The replicas go all at once: each one's rendezvous waits at its end for the others' (rank
+  // 0's serves the store until all are done, within data_parallel.timeout).
+  std::vector<std::future<void>> leaving;
+  for (auto& p : replicas_) {
+    leaving.push_back(std::async(std::launch::async, [&p] { p.reset(); }));
+  }
+  for (auto& f : leaving) {
+    f.wait();
+  }
+}
 
 step_result replicated_pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
   auto r = static_cast<int64_t>(replicas_.size());
@@ -223,6 +246,18 @@ torch::Tensor replicated_pipeline::forward(torch::Tensor inputs) {
 
 torch::Tensor replicated_pipeline::forward(const std::vector<torch::Tensor>& parts) {
   return torch::cat(forward_scattered(parts), 0);
+}
+
+uint64_t replicated_pipeline::snapshot() {
+  return replicas_.front()->snapshot();
+}
+
+uint64_t replicated_pipeline::snapshot_in_background() {
+  return replicas_.front()->snapshot_in_background();
+}
+
+uint64_t replicated_pipeline::newest_snapshot() {
+  return replicas_.front()->newest_snapshot();
 }
 
 std::size_t replicated_pipeline::replicas() const {

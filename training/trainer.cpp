@@ -304,7 +304,46 @@ struct start_point {
   int64_t batch = 0;
 };
 
-start_point resume(pipeline& pipe, const batch_source& data, const train_options& o, bool lead) {
+// One loop trains a pipeline, or replicas in this process (replicated_pipeline) that split each
+// batch among themselves: what differs between the two.
+pipeline& lead_of(pipeline& pipe) {
+  return pipe;
+}
+pipeline& lead_of(replicated_pipeline& pipe) {
+  return pipe.replica(0);
+}
+void agree(pipeline& pipe, const std::string& what, int64_t value) {
+  pipe.replicas_agree(what, value);
+}
+void agree(replicated_pipeline&, const std::string&, int64_t) {
+  // One loop feeds every replica: nothing to agree on.
+}
+void load(pipeline& pipe, const std::string& dir) {
+  pipe.load_state(dir);
+}
+void load(replicated_pipeline& pipe, const std::string& dir) {
+  for (std::size_t r = 0; r < pipe.replicas(); ++r) {
+    pipe.replica(r).load_state(dir);
+  }
+}
+recovery_report recover(pipeline& pipe, const train_options& o) {
+  return pipe.recover(o.repartition);
+}
+recovery_report recover(replicated_pipeline& pipe, const train_options&) {
+  return pipe.recover();
+}
+// The failures a recovery answers: a node lost or silent; with replicas also a replica whose
+// partner stage went (its gradients' all-reduce failed).
+bool recoverable(const pipeline&, error_kind kind) {
+  return kind == error_kind::node_lost || kind == error_kind::timeout;
+}
+bool recoverable(const replicated_pipeline&, error_kind kind) {
+  return kind == error_kind::node_lost || kind == error_kind::timeout ||
+         kind == error_kind::replica_failure;
+}
+
+template <class Pipe>
+start_point resume(Pipe& pipe, const batch_source& data, const train_options& o, bool lead) {
   if (o.resume.empty()) {
     return {};
   }
@@ -316,7 +355,7 @@ start_point resume(pipeline& pipe, const batch_source& data, const train_options
                   "checkpoint '", dir, "' was written with batch ", m.batch_size, ", seed ", m.seed,
                   ", data ", m.dataset, "; this run has batch ", o.batch, ", seed ", o.seed,
                   ", data ", data.name(), ": resuming would not continue the same run");
-  pipe.load_state(dir);
+  load(pipe, dir);
   if (lead) {
     std::cerr << "resumed from " << dir << " at step " << m.step << " (epoch " << m.epoch + 1
               << ", batch " << m.batch_in_epoch << ")\n";
@@ -327,7 +366,8 @@ start_point resume(pipeline& pipe, const batch_source& data, const train_options
 // A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
 // forgets what it did after the snapshot it goes back to. `done` steps were complete when the
 // next failed.
-start_point recover_from(pipeline& pipe, const pipeline_error& failure, const train_options& o,
+template <class Pipe>
+start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_options& o,
                          uint64_t done, const std::map<uint64_t, start_point>& snapshots,
                          train_report& report) {
   if (report.recoveries.size() >= o.max_recoveries) {
@@ -340,7 +380,7 @@ start_point recover_from(pipeline& pipe, const pipeline_error& failure, const tr
             << (failure.node().empty() ? std::string{} : ", node " + failure.node())
             << "): " << failure.what() << "\n"
             << std::flush;
-  auto r = pipe.recover(o.repartition);
+  auto r = recover(pipe, o);
   // Where in the data the snapshot it restored was taken.
   auto at = snapshots.find(r.snapshot);
   ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
@@ -374,9 +414,21 @@ start_point recover_from(pipeline& pipe, const pipeline_error& failure, const tr
   };
   std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
             << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
-            << join(r.lost) << ", spares used " << join(r.spares_used) << "; now " << r.nodes.size()
-            << " stages on " << join(r.nodes) << ", cut " << partition{r.bounds}.to_string()
-            << "; restored "
+            << join(r.lost) << ", spares used " << join(r.spares_used)
+            << (r.replicas_left.empty() ? std::string{}
+                                        : detail::concat(", replicas left (no spare) ", join([&] {
+                                                           std::vector<std::string> ranks;
+                                                           for (auto rank : r.replicas_left) {
+                                                             ranks.push_back(std::to_string(rank));
+                                                           }
+                                                           return ranks;
+                                                         }())))
+            << "; now "
+            << (r.replicas > 1 || !r.replicas_left.empty()
+                  ? detail::concat(r.replicas, " replica", r.replicas == 1 ? "" : "s", " of ")
+                  : std::string{})
+            << r.nodes.size() / r.replicas << " stages on " << join(r.nodes) << ", cut "
+            << partition{r.bounds}.to_string() << "; restored "
             << (r.snapshot == 0 ? std::string("the run's starting state")
                                 : detail::concat("snapshot ", r.snapshot))
             << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
@@ -386,9 +438,8 @@ start_point recover_from(pipeline& pipe, const pipeline_error& failure, const tr
   return snapshot_at;
 }
 
-} // namespace
-
-train_report train(pipeline& pipe, const batch_source& data, const train_options& o) {
+template <class Pipe>
+train_report train_loop(Pipe& pipe, const batch_source& data, const train_options& o) {
   ACTORPIPE_CHECK(o.epochs >= 1, "epochs (", o.epochs, ") must be >= 1");
   ACTORPIPE_CHECK(o.batch >= 1, "batch (", o.batch, ") must be >= 1");
   ACTORPIPE_CHECK(o.lr > 0, "learning rate (", o.lr, ") must be > 0");
@@ -418,7 +469,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
   cosine_schedule lr{o.lr, o.min_lr, o.warmup_steps, epochs * steps_per_epoch};
   auto start = resume(pipe, data, o, lead);
   // Every rank resumed from the same step, or none goes on (a rank that read another folder).
-  pipe.replicas_agree("the step to resume from", static_cast<int64_t>(start.step));
+  agree(pipe, "the step to resume from", static_cast<int64_t>(start.step));
   uint64_t step = start.step;
   metrics_writer metrics(lead ? o.metrics : std::string{});
   train_report report;
@@ -433,18 +484,18 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     }
     checkpoint_manifest m;
     m.model = o.model;
-    m.bounds = pipe.cut().bounds;
+    m.bounds = lead_of(pipe).cut().bounds;
     m.step = step;
     m.epoch = epoch;
     m.batch_in_epoch = next_batch;
     m.seed = o.seed;
     m.batch_size = o.batch;
     m.dataset = data.name();
-    write_checkpoint(pipe, o.checkpoint_dir, m, o.keep);
+    write_checkpoint(lead_of(pipe), o.checkpoint_dir, m, o.keep);
   };
   // The ranks meet at each epoch's end (rank 0 after its evaluation), as the DDP script's barrier.
   auto end_of_epoch = [&](int64_t epoch) {
-    pipe.replicas_agree(detail::concat("the end of epoch ", epoch), epoch);
+    agree(pipe, detail::concat("the end of epoch ", epoch), epoch);
   };
   // Lost nodes: the newest snapshot's position in the data, where a recovered run goes on; the
   // first is the run's start (whatever the pipeline did before train()).
@@ -534,7 +585,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
         end_of_epoch(e.epoch);
         continue;
       }
-      if (auto test = data.evaluate(pipe, o.eval_batch)) {
+      if (auto test = data.evaluate(lead_of(pipe), o.eval_batch)) {
         e.test = *test;
         std::cout << "epoch " << e.epoch << "/" << epochs << "  train loss " << e.train_loss;
         if (e.test.tokens) {
@@ -561,8 +612,7 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
       run_from(start);
       return report;
     } catch (const pipeline_error& e) {
-      if (!o.recover_lost_nodes ||
-          (e.kind() != error_kind::node_lost && e.kind() != error_kind::timeout)) {
+      if (!o.recover_lost_nodes || !recoverable(pipe, e.kind())) {
         throw;
       }
       // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
@@ -570,6 +620,24 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
     }
     step = start.step;
   }
+}
+
+} // namespace
+
+train_report train(pipeline& pipe, const batch_source& data, const train_options& o) {
+  return train_loop(pipe, data, o);
+}
+
+train_report train(replicated_pipeline& pipe, const batch_source& data, const train_options& o) {
+  ACTORPIPE_CHECK(o.rank == 0 && o.replicas == 1,
+                  "train: replicas in this process take each "
+                  "batch whole and split it themselves; train_options rank (",
+                  o.rank, ") and replicas (", o.replicas, ") are for one replica per process");
+  ACTORPIPE_CHECK(!o.repartition,
+                  "train: replicas keep their cut when a node is lost (a spare "
+                  "takes its stages, or its replica leaves); train_options::repartition is for "
+                  "one pipeline");
+  return train_loop(pipe, data, o);
 }
 
 train_report train_classifier(pipeline& pipe, const dataset& train_set, const dataset& test_set,

@@ -177,6 +177,8 @@ public:
   struct impl;
 
 private:
+  // Its recover() re-places every replica's stages and meets the replicas again.
+  friend class replicated_pipeline;
   std::unique_ptr<impl> impl_;
 };
 

@@ -89,6 +89,29 @@ public:
   torch::Tensor forward(const std::vector<torch::Tensor>& parts);
   std::vector<torch::Tensor> forward_scattered(const std::vector<torch::Tensor>& parts);
 
+  /// Replicas on nodes, as pipeline::snapshot(): replica 0's stages send their state to this
+  /// process, where the loss of a node cannot take it (every replica holds the same parameters
+  /// and optimizer state after a step; with buffer_sync::none, replica 0's buffers stand for
+  /// all). Returns the snapshot's number (0: the state the replicas were built with).
+  uint64_t snapshot();
+  /// As pipeline::snapshot_in_background(): the copies come while the next steps run.
+  uint64_t snapshot_in_background();
+  /// The number of the newest complete snapshot, after waiting for one still arriving.
+  uint64_t newest_snapshot();
+
+  /// After a step failed on nodes (error_kind::node_lost, or replica_failure or timeout: a
+  /// replica whose partner stage went), puts the replicas back together: every node of every
+  /// replica is asked whether it answers (each within placement.connect_timeout, all at once);
+  /// a spare that answers (placement.spares, in order) takes each lost node's stages, so the
+  /// world stays as it was; a replica that lost a node no spare replaces leaves, and the world
+  /// shrinks to the replicas left, renumbered in their order (a batch is then split among
+  /// fewer). The replicas meet again at the store of the (new) rank 0, their stages form new
+  /// groups on their nodes, and every stage is restored from the newest snapshot. Later steps
+  /// equal those of the new world resumed from that snapshot; the caller replays its data from
+  /// the snapshot's step. Throws pipeline_error (node_lost) when no replica is left whole,
+  /// invalid_argument for replicas in process. Call it from the thread that runs the steps.
+  recovery_report recover();
+
   std::size_t replicas() const;
   pipeline& replica(std::size_t rank);
 

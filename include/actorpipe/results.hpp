@@ -64,14 +64,14 @@ struct step_result {
   std::vector<stage_stats> stages;
 };
 
-/// What pipeline::recover() did after a step failed on nodes.
+/// What pipeline::recover() (or replicated_pipeline::recover()) did after a step failed on nodes.
 struct recovery_report {
   /// The nodes ("host:port") that did not answer, in placement order.
   std::vector<std::string> lost;
   /// The spares that took over a lost node's stages.
   std::vector<std::string> spares_used;
-  /// One node per stage actor now, and the partition now (another stage count when the
-  /// pipeline shrank onto the survivors).
+  /// One node per stage actor now (with replicas: every replica's, replica after replica), and
+  /// the partition now (another stage count when the pipeline shrank onto the survivors).
   std::vector<std::string> nodes;
   std::vector<std::size_t> bounds;
   /// Which snapshot every stage was restored from: pipeline::snapshot()'s number (0: the state
@@ -79,6 +79,11 @@ struct recovery_report {
   uint64_t snapshot = 0;
   /// From the call to the restored pipeline, in seconds.
   double seconds = 0;
+  /// Replicas (replicated_pipeline::recover()): the ranks, as they were numbered before, that
+  /// lost a node no spare replaced and left, and how many replicas train now (the others
+  /// renumbered 0, 1, ... in their old order). Without replicas: none left, 1.
+  std::vector<std::size_t> replicas_left;
+  std::size_t replicas = 1;
 };
 
 } // namespace actorpipe

@@ -20,6 +20,7 @@
 #include <actorpipe/data.hpp>
 #include <actorpipe/images.hpp>
 #include <actorpipe/pipeline.hpp>
+#include <actorpipe/replicas.hpp>
 
 namespace actorpipe {
 
@@ -356,6 +357,16 @@ struct train_report {
 /// data_parallel_options::timeout is a pipeline_error (replica_failure) on every rank. With BMUF
 /// a block also ends (pipeline::end_block) at each epoch's end and before each checkpoint.
 train_report train(pipeline& pipe, const batch_source& data, const train_options& options);
+
+/// train() on replicas in this process: one loop takes each batch of options.batch samples
+/// whole and the replicas split it among themselves (options.rank 0 of 1 replicas); evaluation
+/// and checkpoints use replica 0 (all hold the same parameters). With stages on nodes and
+/// recover_lost_nodes, a lost node is recovered with replicated_pipeline::recover(): a spare
+/// takes its stages, or its replica leaves and the others go on (options.repartition does not
+/// apply: the replicas keep their cut). Throws invalid_argument for another rank or replica
+/// count in options, or a repartition; otherwise as the other train().
+train_report train(replicated_pipeline& pipe, const batch_source& data,
+                   const train_options& options);
 
 /// train() on dataset_source("fashion-mnist"-style `options.dataset`, train, test): a classifier
 /// whose loss should be cross-entropy over class indices.

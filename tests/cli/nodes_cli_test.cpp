@@ -301,10 +301,56 @@ TEST_CASE("replicas of pipelines on four node processes train with the in-proces
   CHECK(three.exit_code == 2);
   CHECK(three.output.find("--nodes lists 3 nodes for 2 stages of each of 2 replicas") !=
         std::string::npos);
-  auto recovering =
-    run("train" + synthetic_mlp + steps + " --replicas 2" + four + " --on-node-loss continue");
+  auto recovering = run("train" + synthetic_mlp + steps + " --world-size 2 --rank 0 --nodes " +
+                        a.address() + "," + b.address() + " --on-node-loss continue");
   CHECK(recovering.exit_code == 2);
-  CHECK(recovering.output.find("do not recover a lost node yet") != std::string::npos);
+  CHECK(recovering.output.find("(--world-size) do not recover a lost node; run them in one "
+                               "process with --replicas") != std::string::npos);
+}
+
+TEST_CASE("replicas on node processes lose a node mid-run: a spare takes its stages, or without "
+          "one the world shrinks, and the losses are the uninterrupted run's") {
+  for (bool with_spare : {true, false}) {
+    CAPTURE(with_spare);
+    auto tag = std::string(with_spare ? "dp-spare" : "dp-shrink");
+    node_process a("", tag + "-a"), b("", tag + "-b"), c("", tag + "-c"), d("", tag + "-d");
+    std::unique_ptr<node_process> spare;
+    auto flags = " --stages 2 --replicas 2 --wait-timeout 5000 --dp-timeout 5000 --master-port " +
+                 std::to_string(free_port()) + " --nodes " + a.address() + "," + b.address() + "," +
+                 c.address() + "," + d.address();
+    if (with_spare) {
+      spare = std::make_unique<node_process>("", tag + "-s");
+      flags += " --spare-nodes " + spare->address();
+    }
+    auto json = temp_file(tag + ".json");
+    // Replica 1's second stage goes.
+    auto output =
+      run_losing_a_node(flags, json, [&] { CHECK(d.process->stop(SIGKILL) == 128 + SIGKILL); });
+    CAPTURE(output);
+    CHECK(output.find("2 replicas (in this process") != std::string::npos);
+    CHECK(output.find("(node_lost, node " + d.address() + ")") != std::string::npos);
+    CHECK(output.find("recovery 1 of at most 3") != std::string::npos);
+    if (with_spare) {
+      CHECK(output.find("lost " + d.address() + ", spares used " + spare->address() +
+                        "; now 2 replicas of 2 stages on " + a.address() + ", " + b.address() +
+                        ", " + c.address() + ", " + spare->address()) != std::string::npos);
+      CHECK(output.find("now 2 replicas of 2 stages, cut") != std::string::npos);
+    } else {
+      CHECK(output.find("lost " + d.address() +
+                        ", spares used none, replicas left (no spare) 1; "
+                        "now 1 replica of 2 stages on " +
+                        a.address() + ", " + b.address()) != std::string::npos);
+      CHECK(output.find("now 1 replica of 2 stages, cut") != std::string::npos);
+    }
+    auto recoveries = nlohmann::json::parse(std::ifstream(json)).at("recoveries");
+    REQUIRE(recoveries.size() == 1);
+    CHECK(recoveries[0].at("replicas") == (with_spare ? 2 : 1));
+    CHECK(recoveries[0].at("replicas_left") ==
+          (with_spare ? nlohmann::json::array() : nlohmann::json::array({1})));
+    // Each step is the whole batch's, with two replicas or one.
+    check_losses_equal_in_process(json, 2);
+    std::filesystem::remove(json);
+  }
 }
 
 TEST_CASE("the flags of lost-node recovery are refused where they do not apply") {

@@ -740,8 +740,8 @@ TEST_CASE("2 replicas x 2 stages on four nodes step like plain libtorch on the w
     }
     check_close(replicas.replica(0).named_parameters(), named(plain.layers, false));
     check_close(replicas.replica(1).named_parameters(), named(plain.layers, false));
-    CHECK_THROWS_WITH_AS(replicas.replica(1).recover(), doctest::Contains("do not recover"),
-                         invalid_argument);
+    CHECK_THROWS_WITH_AS(replicas.replica(1).recover(),
+                         doctest::Contains("replicated_pipeline::recover()"), invalid_argument);
   }
 }
 
@@ -823,6 +823,75 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
     CHECK(result.step > 4); // numbered after the failed step
   }
   check_close(remote.named_parameters(), named(plain.layers, false));
+}
+
+TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or its replica leaves "
+          "and the world shrinks, and the replayed steps equal plain libtorch") {
+  for (bool with_spare : {true, false}) {
+    CAPTURE(with_spare);
+    node n1(node_config()), n2(node_config()), n3(node_config()), spare(node_config());
+    auto n4 = std::make_unique<node>(node_config());
+    auto lost = n4->address();
+    engine sys;
+    auto o = remote_options({n1.address(), n2.address(), n3.address(), n4->address()});
+    o.data_parallel.master_port = static_cast<uint16_t>(free_port());
+    o.data_parallel.timeout = 5000ms;
+    o.placement.connect_timeout = 2000ms;
+    if (with_spare) {
+      o.placement.spares = {spare.address()};
+    }
+    replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
+    plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+    auto expected = plain_losses(plain, 5);
+    auto train = [&](int step) {
+      auto [x, y] = batch(step);
+      return replicas.train_step(x, y).loss;
+    };
+    CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+    CHECK(replicas.snapshot() == 1);
+    CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6)); // lost with the node: replayed
+    // Replica 1's second stage goes: its step fails at once, replica 0's when its stages'
+    // all-reduce with replica 1's passes the deadline.
+    n4.reset();
+    std::this_thread::sleep_for(200ms);
+    try {
+      train(2);
+      FAIL("a step of a replica on a lost node succeeded");
+    } catch (const pipeline_error& e) {
+      // Of the replicas' errors, the one that names the lost node.
+      CHECK(e.kind() == error_kind::node_lost);
+      CHECK(e.node() == lost);
+    }
+    auto r = replicas.recover();
+    CHECK(r.lost == std::vector<std::string>{lost});
+    CHECK(r.snapshot == 1);
+    CHECK(r.bounds == partition_uniform(6, 2).bounds);
+    if (with_spare) {
+      CHECK(r.spares_used == std::vector<std::string>{spare.address()});
+      CHECK(r.replicas_left.empty());
+      CHECK(r.replicas == 2);
+      CHECK(r.nodes ==
+            std::vector<std::string>{n1.address(), n2.address(), n3.address(), spare.address()});
+      CHECK(spare.stages() == 1);
+    } else {
+      CHECK(r.spares_used.empty());
+      CHECK(r.replicas_left == std::vector<std::size_t>{1});
+      CHECK(r.replicas == 1);
+      CHECK(r.nodes == std::vector<std::string>{n1.address(), n2.address()});
+    }
+    CHECK(replicas.replicas() == r.replicas);
+    // Replayed from the snapshot taken after step 0; each step still the whole batch's.
+    for (int step = 1; step < 5; ++step) {
+      CAPTURE(step);
+      CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+    }
+    for (std::size_t k = 0; k < replicas.replicas(); ++k) {
+      check_close(replicas.replica(k).named_parameters(), named(plain.layers, false));
+    }
+    if (!with_spare) {
+      CHECK(n3.stages() == 0); // the replica that left holds nothing on its node left
+    }
+  }
 }
 
 TEST_CASE("a snapshot taken in the background holds the state between its steps, while the next "
@@ -919,6 +988,10 @@ TEST_CASE("recover() refuses stages in process, a repartition of another stage c
   engine sys;
   pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
   CHECK_THROWS_WITH_AS(local.recover(), doctest::Contains("in this process"), invalid_argument);
+  replicated_pipeline in_process(
+    sys, [] { return tiny_mlp(1); }, partition_uniform(6, 2), local_options(), 2);
+  CHECK_THROWS_WITH_AS(in_process.recover(), doctest::Contains("in this process"),
+                       invalid_argument);
   auto n1 = std::make_unique<node>(node_config());
   auto n2 = std::make_unique<node>(node_config());
   auto o = remote_options({n1->address(), n2->address()});

@@ -43,6 +43,17 @@ pipeline_options sgd_options(std::size_t microbatches) {
   return o;
 }
 
+// train() on the toy data sets below: batches of 8, no progress bar.
+train_options toy_options() {
+  train_options o;
+  o.batch = 8;
+  o.model = "mlp";
+  o.progress = false;
+  o.warmup_steps = 1;
+  o.eval_batch = 8;
+  return o;
+}
+
 } // namespace
 
 TEST_CASE("Fashion-MNIST loads as normalised 1x28x28 images with labels 0..9") {
@@ -182,12 +193,7 @@ TEST_CASE("replicas that resumed from different steps stop with both steps named
   auto run = [&](const std::string& dir0, const std::string& dir1) {
     std::vector<std::future<train_report>> ranks;
     for (int64_t r = 0; r < 2; ++r) {
-      train_options o;
-      o.batch = 8;
-      o.model = "mlp";
-      o.progress = false;
-      o.warmup_steps = 1;
-      o.eval_batch = 8;
+      auto o = toy_options();
       o.rank = r;
       o.replicas = 2;
       o.resume = r == 0 ? dir0 : dir1;
@@ -224,6 +230,41 @@ TEST_CASE("replicas that resumed from different steps stop with both steps named
   test::check_close(replicas.replica(0).named_parameters(), replicas.replica(1).named_parameters(),
                     0, 0);
   fs::remove_all(root);
+}
+
+TEST_CASE("train() feeds replicas in this process from one loop: the losses and parameters of one "
+          "pipeline on the whole batch, and per-process options refused") {
+  engine sys;
+  torch::manual_seed(4);
+  dataset train_set{torch::randn({32, 1, 4, 4}), torch::randint(3, {32})};
+  dataset test_set{torch::randn({8, 1, 4, 4}), torch::randint(3, {8})};
+  dataset_source data("toy", train_set, test_set);
+  auto o = toy_options();
+  pipeline one(sys, test::tiny_mlp(1), partition_uniform(6, 2), sgd_options(2));
+  auto expected = train(one, data, o);
+  replicated_pipeline replicas(
+    sys, [] { return test::tiny_mlp(1); }, partition_uniform(6, 2), sgd_options(2), 2);
+  auto got = train(replicas, data, o);
+  REQUIRE(got.steps.size() == expected.steps.size());
+  REQUIRE(got.steps.size() == 4);
+  for (std::size_t i = 0; i < got.steps.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got.steps[i].first == expected.steps[i].first);
+    CHECK(got.steps[i].second == doctest::Approx(expected.steps[i].second).epsilon(1e-6));
+  }
+  REQUIRE(got.epochs.size() == 1);
+  CHECK(got.epochs[0].test.loss == doctest::Approx(expected.epochs[0].test.loss).epsilon(1e-5));
+  for (std::size_t r = 0; r < 2; ++r) {
+    test::check_close(replicas.replica(r).named_parameters(), one.named_parameters());
+  }
+  auto per_process = o;
+  per_process.replicas = 2;
+  CHECK_THROWS_WITH_AS(train(replicas, data, per_process),
+                       doctest::Contains("take each batch whole"), invalid_argument);
+  auto cut_anew = o;
+  cut_anew.repartition = [](std::size_t parts) { return partition_uniform(6, parts); };
+  CHECK_THROWS_WITH_AS(train(replicas, data, cut_anew), doctest::Contains("keep their cut"),
+                       invalid_argument);
 }
 
 TEST_CASE("evaluation counts top-1 and top-5 hits") {
