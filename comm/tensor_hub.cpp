@@ -182,6 +182,19 @@ public:
       at::TensorOptions().dtype(h.dtype));
   }
 
+  // Frees the buffers kept for reuse (the ones in use come back, and are kept, as before).
+  void clear() {
+    std::multimap<std::size_t, void*> kept;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      kept.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& [bytes, p] : kept) {
+      std::free(p);
+    }
+  }
+
 private:
   void give(void* p, std::size_t bytes) {
     {
@@ -263,10 +276,28 @@ struct tensor_hub::impl {
   std::shared_ptr<buffer_pool> pool;
   std::unique_ptr<tls_context> tls;
 
-  // Inbound connections: their sockets (to shut down) and reader threads.
+  // Inbound connections by number: their sockets (to shut down) and reader threads; a reader
+  // that returned (its peer went) lists its number in `finished`, and the next accept joins it
+  // and closes its socket, so that a long-lived node does not keep a thread and a descriptor for
+  // every connection it ever had.
   std::mutex readers_mutex;
-  std::vector<std::shared_ptr<tcp::socket>> inbound;
-  std::vector<std::thread> readers;
+  std::map<uint64_t, std::shared_ptr<tcp::socket>> inbound;
+  std::map<uint64_t, std::thread> readers;
+  std::vector<uint64_t> finished;
+  uint64_t next_reader = 0;
+
+  // Joins the readers that returned; with readers_mutex held.
+  void reap_finished() {
+    for (auto id : finished) {
+      auto it = readers.find(id);
+      if (it != readers.end()) {
+        it->second.join();
+        readers.erase(it);
+      }
+      inbound.erase(id);
+    }
+    finished.clear();
+  }
 
   // Outbound connections by "host:port", each written under its own lock.
   struct connection {
@@ -293,8 +324,14 @@ struct tensor_hub::impl {
         continue;
       }
       std::lock_guard<std::mutex> lock(readers_mutex);
-      inbound.push_back(socket);
-      readers.emplace_back([this, socket] { serve(socket); });
+      reap_finished();
+      auto id = next_reader++;
+      inbound.emplace(id, socket);
+      readers.emplace(id, std::thread([this, socket, id] {
+                        serve(socket);
+                        std::lock_guard<std::mutex> done(readers_mutex);
+                        finished.push_back(id);
+                      }));
     }
   }
 
@@ -491,11 +528,12 @@ tensor_hub::~tensor_hub() {
   }
   {
     std::lock_guard<std::mutex> lock(self.readers_mutex);
-    for (auto& socket : self.inbound) {
+    for (auto& [id, socket] : self.inbound) {
       impl::close(socket);
     }
   }
-  for (auto& t : self.readers) {
+  // The accept thread is gone: nothing adds readers now (each takes the lock once, to finish).
+  for (auto& [id, t] : self.readers) {
     t.join();
   }
   std::lock_guard<std::mutex> lock(self.outbound_mutex);
@@ -510,6 +548,17 @@ const std::string& tensor_hub::host() const {
 
 uint16_t tensor_hub::port() const {
   return impl_->port;
+}
+
+void tensor_hub::release_cached_buffers() {
+  if (impl_->pool) {
+    impl_->pool->clear();
+  }
+}
+
+std::size_t tensor_hub::inbound_connections() const {
+  std::lock_guard<std::mutex> lock(impl_->readers_mutex);
+  return impl_->readers.size() - impl_->finished.size();
 }
 
 uint64_t tensor_hub::frames_received() const {

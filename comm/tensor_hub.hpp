@@ -75,6 +75,15 @@ public:
   /// address a peer there can use to reach us.
   std::string local_address_towards(const std::string& host, uint16_t port);
 
+  /// Frees the receive buffers kept for reuse (frames of 1 MB and more come into buffers that go
+  /// back to a pool when their tensors die): after a frame that will not come again soon, such as
+  /// a stage's state restored on a node.
+  void release_cached_buffers();
+
+  /// Inbound connections whose reader still runs (a reader of a closed connection is joined at
+  /// the next accept).
+  std::size_t inbound_connections() const;
+
   /// Frames received and rejected so far (tests and logs).
   uint64_t frames_received() const;
   uint64_t frames_rejected() const;

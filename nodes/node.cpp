@@ -212,6 +212,8 @@ void release(node_actor* self, uint32_t index) {
       s.sending.wait();
     }
     s.packed.reset();
+    // The buffers of frames that came for the stages that were here.
+    s.hub->release_cached_buffers();
     memory::release_free_heap();
   }
   log::get()->info("node {}: released stage {}", s.label, index);
@@ -719,18 +721,24 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
     return;
   }
   auto rp = h->loads.at(id);
-  auto blob = h->states.at(id);
-  h->loads.erase(id);
-  h->states.erase(id);
-  try {
-    auto all = stages::unpack_tensors(blob, "checkpoint state");
-    for (auto& chunk : h->chunks) {
-      chunk->load_state(all);
+  std::string outcome;
+  {
+    auto blob = h->states.at(id);
+    h->loads.erase(id);
+    h->states.erase(id);
+    try {
+      auto all = stages::unpack_tensors(blob, "checkpoint state");
+      for (auto& chunk : h->chunks) {
+        chunk->load_state(all);
+      }
+    } catch (const std::exception& e) {
+      outcome = detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
     }
-    rp.deliver(std::string{});
-  } catch (const std::exception& e) {
-    rp.deliver(detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
   }
+  // The state frame came once (a restore, a resume): its buffer is not kept for reuse.
+  self->state.hub->release_cached_buffers();
+  memory::release_free_heap();
+  rp.deliver(std::move(outcome));
 }
 
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,

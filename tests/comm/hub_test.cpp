@@ -113,6 +113,38 @@ TEST_CASE("a 64 MB activation crosses intact") {
   CHECK(torch::equal(frames[0].tensor, t));
 }
 
+TEST_CASE("a hub joins the reader of a connection its peer closed: peers that come and go leave "
+          "no thread behind") {
+  inbox received;
+  tensor_hub b(options("k"), received.sink());
+  auto t = torch::randn({300, 1024}); // 1.2 MB: received into a pooled buffer
+  for (int peer = 0; peer < 6; ++peer) {
+    // A peer (a driver's hub of one placement, a node that was lost) sends, then goes.
+    tensor_hub a(options("k"), [](frame&&) {});
+    a.send(b.host(), b.port(), describe(frame_kind::activation, 0, 1, peer, 0, t), t);
+    REQUIRE(received.wait_for(static_cast<std::size_t>(peer + 1)).size() ==
+            static_cast<std::size_t>(peer + 1));
+  }
+  // The last peer's reader may still be finishing; each accept joins those before it.
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (b.inbound_connections() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK(b.inbound_connections() == 0);
+  tensor_hub last(options("k"), [](frame&&) {});
+  last.send(b.host(), b.port(), describe(frame_kind::activation, 0, 2, 0, 0, t), t);
+  auto frames = received.wait_for(7);
+  REQUIRE(frames.size() == 7);
+  CHECK(torch::equal(frames.back().tensor, t));
+  CHECK(b.inbound_connections() == 1);
+  // Buffers kept for reuse go when asked; a frame received after that gets a new one.
+  frames.clear();
+  received.frames.clear();
+  b.release_cached_buffers();
+  last.send(b.host(), b.port(), describe(frame_kind::activation, 0, 3, 0, 0, t), t);
+  REQUIRE(received.wait_for(1).size() == 1);
+}
+
 TEST_CASE("a wrong secret is refused before any frame is read") {
   inbox received;
   tensor_hub b(options("right"), received.sink());
