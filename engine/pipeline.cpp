@@ -329,6 +329,8 @@ struct node_census {
   // A spare per lost node, in order, among those that answer and hold no stage yet.
   std::map<std::string, std::string> replacement;
   std::vector<std::string> spares_used;
+  // The spares that answered, in order (replicas hand them out their own way).
+  std::vector<std::string> spares;
 
   bool is_lost(const std::string& node) const {
     return std::find(lost.begin(), lost.end(), node) != lost.end();
@@ -376,16 +378,14 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
     }
   }
   auto ready = nodes::answering(sys, candidates, {}, placement);
-  std::size_t next = 0;
-  for (const auto& gone : census.lost) {
-    while (next < candidates.size() && !ready[next]) {
-      ++next;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    if (ready[i]) {
+      census.spares.push_back(candidates[i]);
     }
-    if (next == candidates.size()) {
-      break;
-    }
-    census.replacement[gone] = candidates[next];
-    census.spares_used.push_back(candidates[next++]);
+  }
+  for (std::size_t i = 0; i < census.lost.size() && i < census.spares.size(); ++i) {
+    census.replacement[census.lost[i]] = census.spares[i];
+    census.spares_used.push_back(census.spares[i]);
   }
   return census;
 }
@@ -856,23 +856,41 @@ recovery_report replicated_pipeline::recover() {
   auto census = take_census(first.sys->internals().system, all, known, placement);
   recovery_report report;
   report.lost = census.lost;
-  report.spares_used = census.spares_used;
-  // A replica goes on when a spare replaced each node it lost; the others leave.
+  // A replica goes on when spares replace every node it lost, the replicas served in rank order
+  // (a replica is given spares only when there are enough for all its lost nodes); the others
+  // leave.
   std::vector<std::size_t> whole;
   std::vector<std::vector<std::string>> layouts;
+  std::size_t next_spare = 0;
   for (std::size_t r = 0; r < replicas_.size(); ++r) {
     const auto& nodes = replicas_[r]->impl_->options.placement.nodes;
-    auto placed = census.placed(nodes);
-    if (placed.size() == nodes.size()) {
-      whole.push_back(r);
-      layouts.push_back(std::move(placed));
-    } else {
-      report.replicas_left.push_back(r);
+    std::map<std::string, std::string> replacement;
+    for (const auto& n : nodes) {
+      if (census.is_lost(n) && replacement.count(n) == 0) {
+        auto index = next_spare + replacement.size();
+        replacement.emplace(n, index < census.spares.size() ? census.spares[index] : std::string{});
+      }
     }
+    bool enough = std::all_of(replacement.begin(), replacement.end(),
+                              [](const auto& kv) { return !kv.second.empty(); });
+    if (!enough) {
+      report.replicas_left.push_back(r);
+      continue;
+    }
+    std::vector<std::string> placed;
+    for (const auto& n : nodes) {
+      auto it = replacement.find(n);
+      placed.push_back(it == replacement.end() ? n : it->second);
+    }
+    for (std::size_t k = 0; k < replacement.size(); ++k) {
+      report.spares_used.push_back(census.spares[next_spare++]);
+    }
+    whole.push_back(r);
+    layouts.push_back(std::move(placed));
   }
   if (whole.empty()) {
     throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
-                                        list_or_none(census.lost), "; ", census.spares_used.size(),
+                                        list_or_none(census.lost), "; ", census.spares.size(),
                                         " spares answered)"),
                          error_details{error_kind::node_lost});
   }

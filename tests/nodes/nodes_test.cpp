@@ -827,17 +827,26 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
 
 TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or its replica leaves "
           "and the world shrinks, and the replayed steps equal plain libtorch") {
-  for (bool with_spare : {true, false}) {
-    CAPTURE(with_spare);
-    node n1(node_config()), n2(node_config()), n3(node_config()), spare(node_config());
-    auto n4 = std::make_unique<node>(node_config());
-    auto lost = n4->address();
+  // 0: replica 1's second node goes and a spare takes it; 1: the same without a spare; 2: both
+  // of replica 0's nodes and replica 1's second go, and the one spare goes to replica 1, which it
+  // makes whole (not to replica 0, which it would not).
+  for (int scenario : {0, 1, 2}) {
+    CAPTURE(scenario);
+    std::vector<std::unique_ptr<node>> n;
+    for (int k = 0; k < 4; ++k) {
+      n.push_back(std::make_unique<node>(node_config()));
+    }
+    node spare(node_config());
+    std::vector<std::string> address;
+    for (const auto& k : n) {
+      address.push_back(k->address());
+    }
     engine sys;
-    auto o = remote_options({n1.address(), n2.address(), n3.address(), n4->address()});
+    auto o = remote_options(address);
     o.data_parallel.master_port = static_cast<uint16_t>(free_port());
     o.data_parallel.timeout = 5000ms;
     o.placement.connect_timeout = 2000ms;
-    if (with_spare) {
+    if (scenario != 1) {
       o.placement.spares = {spare.address()};
     }
     replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
@@ -852,32 +861,43 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
     CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6)); // lost with the node: replayed
     // Replica 1's second stage goes: its step fails at once, replica 0's when its stages'
     // all-reduce with replica 1's passes the deadline.
-    n4.reset();
+    auto lost = scenario == 2 ? std::vector<std::string>{address[0], address[1], address[3]}
+                              : std::vector<std::string>{address[3]};
+    n[3].reset();
+    if (scenario == 2) {
+      n[0].reset();
+      n[1].reset();
+    }
     std::this_thread::sleep_for(200ms);
     try {
       train(2);
       FAIL("a step of a replica on a lost node succeeded");
     } catch (const pipeline_error& e) {
-      // Of the replicas' errors, the one that names the lost node.
+      // Of the replicas' errors, one that names a lost node.
       CHECK(e.kind() == error_kind::node_lost);
-      CHECK(e.node() == lost);
+      CHECK(std::find(lost.begin(), lost.end(), e.node()) != lost.end());
     }
     auto r = replicas.recover();
-    CHECK(r.lost == std::vector<std::string>{lost});
+    CHECK(r.lost == lost);
     CHECK(r.snapshot == 1);
     CHECK(r.bounds == partition_uniform(6, 2).bounds);
-    if (with_spare) {
+    if (scenario == 0) {
       CHECK(r.spares_used == std::vector<std::string>{spare.address()});
       CHECK(r.replicas_left.empty());
       CHECK(r.replicas == 2);
       CHECK(r.nodes ==
-            std::vector<std::string>{n1.address(), n2.address(), n3.address(), spare.address()});
+            std::vector<std::string>{address[0], address[1], address[2], spare.address()});
       CHECK(spare.stages() == 1);
-    } else {
+    } else if (scenario == 1) {
       CHECK(r.spares_used.empty());
       CHECK(r.replicas_left == std::vector<std::size_t>{1});
       CHECK(r.replicas == 1);
-      CHECK(r.nodes == std::vector<std::string>{n1.address(), n2.address()});
+      CHECK(r.nodes == std::vector<std::string>{address[0], address[1]});
+    } else {
+      CHECK(r.spares_used == std::vector<std::string>{spare.address()});
+      CHECK(r.replicas_left == std::vector<std::size_t>{0});
+      CHECK(r.replicas == 1);
+      CHECK(r.nodes == std::vector<std::string>{address[2], spare.address()});
     }
     CHECK(replicas.replicas() == r.replicas);
     // Replayed from the snapshot taken after step 0; each step still the whole batch's.
@@ -888,8 +908,8 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
     for (std::size_t k = 0; k < replicas.replicas(); ++k) {
       check_close(replicas.replica(k).named_parameters(), named(plain.layers, false));
     }
-    if (!with_spare) {
-      CHECK(n3.stages() == 0); // the replica that left holds nothing on its node left
+    if (scenario == 1) {
+      CHECK(n[2]->stages() == 0); // the replica that left holds nothing on its node left
     }
   }
 }
