@@ -782,7 +782,6 @@ int run_train(const train_args& given) {
     po.data_parallel.replicas = a.replicas;
     po.data_parallel.rank = 0;
     po.data_parallel.local = nullptr;
-    po.placement.nodes = a.nodes;
     return run_rank(setup, std::move(po));
   }
   // Replicas of stages in this process: one thread each, meeting at an in-process store.

@@ -28,6 +28,7 @@
 #include "comm/tensor_hub.hpp"
 #include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
+#include "engine/futures.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
@@ -922,31 +923,17 @@ recovery_report replicated_pipeline::recover() {
   lead.snapshots_taken = std::max(lead.snapshots_taken, taken);
   // Each replica on a thread of its own: each waits for the others at the rendezvous and at its
   // stages' first collective.
-  std::vector<std::future<void>> placing;
+  std::vector<std::future<bool>> placing;
   for (auto& p : replicas_) {
     placing.push_back(std::async(std::launch::async, [&r = *p->impl_, &state, number] {
       r.meet_replicas();
       r.place_on_nodes();
       r.restore(state, number, "recover");
+      return true;
     }));
   }
-  auto deadline = 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30);
-  std::exception_ptr error;
-  for (std::size_t k = 0; k < placing.size(); ++k) {
-    try {
-      if (placing[k].wait_for(deadline) != std::future_status::ready) {
-        throw pipeline_error(detail::concat("recover: replica ", k, " was not placed again within ",
-                                            std::chrono::milliseconds(deadline).count(), " ms"),
-                             error_details{error_kind::timeout});
-      }
-      placing[k].get();
-    } catch (...) {
-      error = error ? error : std::current_exception();
-    }
-  }
-  if (error) {
-    std::rethrow_exception(error);
-  }
+  detail::get_all(
+    placing, 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30), "recover");
   memory::release_free_heap();
   for (const auto& nodes : layouts) {
     report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());

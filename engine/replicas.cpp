@@ -10,9 +10,12 @@
 #include <thread>
 
 #include "comm/replica_group.hpp"
+#include "engine/futures.hpp"
 
 namespace actorpipe {
 namespace {
+
+using detail::get_all;
 
 // The value of `name` as a number in [min, max], or nothing when unset.
 std::optional<uint64_t> number_from_env(const char* name, uint64_t min, uint64_t max) {
@@ -27,46 +30,6 @@ std::optional<uint64_t> number_from_env(const char* name, uint64_t min, uint64_t
                   "environment variable ", name, "='", text, "' is not a number in [", min, ", ",
                   max, "]");
   return value;
-}
-
-// How much an error says of what went wrong: a lost node names the node, where the other
-// replicas' failed all-reduce or timeout only follows from it.
-int telling(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const pipeline_error& e) {
-    return e.kind() == error_kind::node_lost ? 2 : 1;
-  } catch (...) {
-    return 1;
-  }
-}
-
-// Every future's value, in order; each waited for at most `deadline`. All are waited for before
-// an error is rethrown (a lost node's before the others'), so no replica is left running
-// unobserved.
-template <class T>
-std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::milliseconds deadline,
-                       const char* what) {
-  std::exception_ptr error;
-  std::vector<T> values;
-  for (std::size_t r = 0; r < futures.size(); ++r) {
-    try {
-      if (futures[r].wait_for(deadline) != std::future_status::ready) {
-        throw pipeline_error(
-          detail::concat(what, ": replica ", r, " did not answer within ", deadline.count(), " ms"),
-          error_details{error_kind::timeout});
-      }
-      values.push_back(futures[r].get());
-    } catch (...) {
-      if (!error || telling(std::current_exception()) > telling(error)) {
-        error = std::current_exception();
-      }
-    }
-  }
-  if (error) {
-    std::rethrow_exception(error);
-  }
-  return values;
 }
 
 // R pipelines built side by side, since each waits at the rendezvous for the others; `build(r)`

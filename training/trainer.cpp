@@ -405,24 +405,19 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
     std::remove_if(report.epochs.begin(), report.epochs.end(),
                    [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
     report.epochs.end());
-  auto join = [](const std::vector<std::string>& xs) {
+  auto join = [](const auto& xs) {
     std::string text;
     for (const auto& x : xs) {
-      text += (text.empty() ? "" : ", ") + x;
+      text += (text.empty() ? "" : ", ") + detail::concat(x);
     }
     return text.empty() ? std::string("none") : text;
   };
   std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
             << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
             << join(r.lost) << ", spares used " << join(r.spares_used)
-            << (r.replicas_left.empty() ? std::string{}
-                                        : detail::concat(", replicas left (no spare) ", join([&] {
-                                                           std::vector<std::string> ranks;
-                                                           for (auto rank : r.replicas_left) {
-                                                             ranks.push_back(std::to_string(rank));
-                                                           }
-                                                           return ranks;
-                                                         }())))
+            << (r.replicas_left.empty()
+                  ? std::string{}
+                  : detail::concat(", replicas left (no spare) ", join(r.replicas_left)))
             << "; now "
             << (r.replicas > 1 || !r.replicas_left.empty()
                   ? detail::concat(r.replicas, " replica", r.replicas == 1 ? "" : "s", " of ")
