@@ -86,7 +86,8 @@ struct stage_state {
 
   std::size_t actor_count() const { return options.count; }
   std::size_t virtual_index(int32_t chunk) const {
-    return static_cast<std::size_t>(chunk) * options.count + options.index;
+    return virtual_stage_of(options.placement, options.count, options.index,
+                            static_cast<std::size_t>(chunk));
   }
   std::size_t virtual_count() const { return options.count * chunks.size(); }
 
@@ -135,9 +136,9 @@ void fail(stage_actor_type self, const std::exception& e,
 
 // "stage 2" or, with chunks, "stage 2 chunk 1".
 std::string name_of_virtual(const stage_state& s, std::size_t virtual_stage) {
-  return s.chunks.size() == 1 ? detail::concat("stage ", virtual_stage % s.actor_count())
-                              : detail::concat("stage ", virtual_stage % s.actor_count(), " chunk ",
-                                               virtual_stage / s.actor_count());
+  auto holder = holder_of(s.options.placement, s.actor_count(), virtual_stage);
+  return s.chunks.size() == 1 ? detail::concat("stage ", holder.stage)
+                              : detail::concat("stage ", holder.stage, " chunk ", holder.chunk);
 }
 
 std::string describe_wait(const stage_state& s, const action& a) {
@@ -156,8 +157,9 @@ template <class Atom>
 void send_to_virtual(stage_actor_type self, std::size_t virtual_stage, Atom atom,
                      int32_t microbatch, bundle t) {
   auto& s = self->state;
-  self->send(s.stages[virtual_stage % s.actor_count()], atom, s.plan.step, microbatch,
-             static_cast<int32_t>(virtual_stage / s.actor_count()), std::move(t));
+  auto holder = holder_of(s.options.placement, s.actor_count(), virtual_stage);
+  self->send(s.stages[holder.stage], atom, s.plan.step, microbatch,
+             static_cast<int32_t>(holder.chunk), std::move(t));
 }
 
 // Runs a user hook on each tensor of `b`; a replacement must keep the shape, and keeps the flag
@@ -291,7 +293,7 @@ void sync_replicas(stage_actor_type self, clock_type::time_point origin) {
   // sum-reduced ones are summed. The loss (known on the last stage) is combined alike.
   bool mean = s.options.reduction == loss_reduction::mean;
   double weight = mean ? static_cast<double>(s.plan.samples) : 1.0;
-  bool last = s.chunks.back()->is_last();
+  bool last = s.chunks.back()->is_last(); // the last virtual stage is its holder's last chunk
   auto total = sync.sum(weight, last ? s.report.loss * weight : 0.0);
   if (last) {
     s.report.loss = mean ? total.weighted_loss / total.weight : total.weighted_loss;

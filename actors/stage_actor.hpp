@@ -1,10 +1,11 @@
 /// \file
 /// The stage actor: runs one stage's program per step on a thread of its own.
 ///
-/// A stage actor holds one or more model chunks (virtual stages): chunk c of actor i of p is
-/// virtual stage c * p + i. Activations of virtual stage k go to the actor holding k + 1,
-/// gradients to the one holding k - 1; with one chunk these are simply the next and previous
-/// actors.
+/// A stage actor holds one or more model chunks (virtual stages): which virtual stage chunk c of
+/// actor i is the options' chunk_placement says (looped: c * p + i; a V: stage 0 holds the first
+/// and the last). Activations of virtual stage k go to the actor holding k + 1, gradients to the
+/// one holding k - 1 (in a V the last stage sends its first chunk's output to itself); with one
+/// chunk these are simply the next and previous actors.
 ///
 /// Protocol
 /// The protocol is the typed interface `local_stage_actor` (actors/messages.hpp): a message it
@@ -69,6 +70,8 @@ struct stage_actor_options {
   /// This actor's index among the stage actors.
   std::size_t index = 0;
   std::size_t count = 1;
+  /// Which virtual stage each local chunk is.
+  chunk_placement placement = chunk_placement::looped;
   std::chrono::milliseconds wait_timeout{60000};
   /// After each step message, how long the actor's thread polls for the next one before it
   /// sleeps (actors/linger.hpp); 0: sleep at once. As pipeline_options::linger (nodes too).

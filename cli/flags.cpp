@@ -148,11 +148,14 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
                  "Micro-batches per batch, >= 1 (0 with --schedule auto: let it choose; with "
                  "--stages auto chosen unless given)")
     ->capture_default_str();
-  cmd->add_option("--chunks", a.chunks, "Model chunks per stage (interleaved schedule)")
+  cmd
+    ->add_option("--chunks", a.chunks,
+                 "Model chunks per stage (interleaved schedule; zb-v and v-half hold 2)")
     ->capture_default_str();
   cmd
     ->add_option("--schedule", a.schedule,
-                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, auto (fastest simulated with "
+                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, auto (fastest "
+                 "simulated with "
                  "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
                  "with --stages auto chosen unless given")
     ->capture_default_str();

@@ -179,9 +179,10 @@ void print_plan(const model_setup& setup, const plan_choice& choice) {
   auto counts = stage_parameter_counts(setup.layers, cut);
   auto p = cut.stages() / choice.chunks;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    std::cout << "  stage " << k % p;
+    auto holder = holder_of(choice.placement(), p, k);
+    std::cout << "  stage " << holder.stage;
     if (choice.chunks > 1) {
-      std::cout << " chunk " << k / p;
+      std::cout << " chunk " << holder.chunk;
     }
     std::cout << ": layers " << setup.layers[cut.begin(k)].name() << ".."
               << setup.layers[cut.end(k) - 1].name() << ", " << counts[k] << " parameters\n";
@@ -382,6 +383,11 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   ACTORPIPE_CHECK(choice.kind != schedule_kind::interleaved || choice.chunks > 1,
                   "--schedule interleaved with --chunks ", choice.chunks,
                   " interleaves nothing: give --chunks 2 or more, or --schedule 1f1b");
+  ACTORPIPE_CHECK(!choice.custom.empty() || placement_of(choice.kind) != chunk_placement::v_shape ||
+                    choice.chunks == 2,
+                  "--schedule ", choice.schedule_name,
+                  " runs two chunks per stage in a V: --chunks ", choice.chunks,
+                  " does not apply (leave it out, or give 2)");
 }
 
 // One loop for every kind of data (training/: train), then the reports.

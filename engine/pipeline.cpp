@@ -299,6 +299,12 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   ACTORPIPE_CHECK(cut.stages() % options.chunks == 0, "pipeline: a partition of ", cut.stages(),
                   " parts cannot be spread over stage actors of ", options.chunks, " chunks each");
   auto stage_count = cut.stages() / options.chunks;
+  if (options.custom_schedule.empty() &&
+      placement_of(options.schedule) == chunk_placement::v_shape) {
+    ACTORPIPE_CHECK(options.chunks == 2, "pipeline: schedule ", to_string(options.schedule),
+                    " runs two chunks per stage in a V: set chunks to 2 (it is ", options.chunks,
+                    ") and cut the model into twice as many parts as stages");
+  }
   ACTORPIPE_CHECK(options.devices.empty() || options.devices.size() == stage_count,
                   "pipeline: ", options.devices.size(), " devices given for ", stage_count,
                   " stages");
@@ -395,6 +401,7 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   scheduler::scheduler_options so;
   so.schedule = options.schedule;
   so.chunks = options.chunks;
+  so.placement = options.chunk_layout();
   so.custom = options.custom_schedule;
   so.step_timeout = options.step_timeout;
   so.abort_timeout = options.wait_timeout;
@@ -456,10 +463,12 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   }
   auto& actor_system = sys.internals().system;
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
-  // Virtual stage k (model order) lives on actor k % stage_count as its chunk k / stage_count.
+  // Virtual stage k (model order) lives on the actor and chunk the placement says.
+  auto placement = options.chunk_layout();
   for (std::size_t k = 0; k < cut.stages(); ++k) {
-    auto device =
-      options.devices.empty() ? c10::Device(c10::kCPU) : options.devices[k % stage_count];
+    auto device = options.devices.empty()
+                    ? c10::Device(c10::kCPU)
+                    : options.devices[holder_of(placement, stage_count, k).stage];
     self.stages.push_back(
       stages::make_stage(layers, cut, k, device, options.optimizer, options.precision));
   }
@@ -467,7 +476,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   std::set<std::size_t> holders;
   for (std::size_t k = 0; k < cut.stages(); ++k) {
     if (!self.stages[k]->config().shared_ties.empty()) {
-      holders.insert(k % stage_count);
+      holders.insert(holder_of(placement, stage_count, k).stage);
     }
   }
   auto ties = holders.empty() ? nullptr : std::make_shared<comm::tie_group>(holders);
@@ -475,11 +484,12 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
     for (std::size_t c = 0; c < options.chunks; ++c) {
-      chunks.push_back(self.stages[c * stage_count + i]);
+      chunks.push_back(self.stages[virtual_stage_of(placement, stage_count, i, c)]);
     }
     actors::stage_actor_options actor_options;
     actor_options.index = i;
     actor_options.count = stage_count;
+    actor_options.placement = placement;
     actor_options.wait_timeout = options.wait_timeout;
     actor_options.linger = options.linger;
     actor_options.threads = threads;
@@ -569,6 +579,7 @@ void pipeline::impl::meet_replicas() {
   spec.model = nodes::by_digest(*remote);
   spec.bounds = cut.bounds;
   spec.chunks = options.chunks;
+  spec.placement = options.chunk_layout();
   spec.count = cut.stages() / options.chunks;
   replicas->agree("the model on nodes (its spec, seed, hooks, cut and chunks)",
                   static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
@@ -1010,7 +1021,8 @@ const partition& pipeline::cut() const {
 std::vector<int64_t> pipeline::stage_parameter_counts() const {
   std::vector<int64_t> counts(stages(), 0);
   for (std::size_t k = 0; k < impl_->stages.size(); ++k) {
-    counts[k % counts.size()] += impl_->stages[k]->parameter_count();
+    counts[holder_of(impl_->options.chunk_layout(), counts.size(), k).stage] +=
+      impl_->stages[k]->parameter_count();
   }
   return counts;
 }

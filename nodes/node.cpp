@@ -131,8 +131,9 @@ struct hosted {
   // How long the node waits for its stage actor to answer an abort or an update: the stage's
   // wait deadline, which the scheduler's own requests also use.
   std::chrono::milliseconds deadline{60000};
-  // The actor's chunks: chunk c is virtual stage c * count + index.
+  // The actor's chunks: chunk c is virtual stage virtual_stage_of(placement, count, index, c).
   std::vector<std::shared_ptr<stages::stage>> chunks;
+  chunk_placement placement = chunk_placement::looped;
   caf::actor proxy;
   peer_table peers;
   // Parameters tied to other stages: the group summing their gradients, and where the other
@@ -311,10 +312,11 @@ std::string build(node_actor* self, const std::string& text) {
   // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
   auto ties = tied_parameters(layers);
   hosted h;
+  h.placement = spec.placement;
   std::set<std::size_t> tie_holders;
   std::string layer_ranges;
   for (std::size_t c = 0; c < spec.chunks; ++c) {
-    auto k = c * spec.count + spec.index;
+    auto k = virtual_stage_of(spec.placement, spec.count, spec.index, c);
     auto begin = cut.begin(k);
     auto end = cut.end(k);
     ACTORPIPE_CHECK(begin < end, "stage ", k, " would be empty");
@@ -322,7 +324,7 @@ std::string build(node_actor* self, const std::string& text) {
                                           make_optimizer(spec.model.optimizer), spec.precision));
     // The tie group's members are stage actors: a virtual stage's holder is the actor of it.
     for (auto holder : h.chunks.back()->config().tie_holders) {
-      tie_holders.insert(holder % spec.count);
+      tie_holders.insert(holder_of(spec.placement, spec.count, holder).stage);
     }
     layer_ranges += detail::concat(layer_ranges.empty() ? "" : ", ", end - begin, " layers ", begin,
                                    "..", end - 1);
@@ -332,6 +334,7 @@ std::string build(node_actor* self, const std::string& text) {
   stage_actor_options options;
   options.index = spec.index;
   options.count = spec.count;
+  options.placement = spec.placement;
   options.wait_timeout = std::chrono::milliseconds(spec.wait_timeout_ms);
   options.threads = spec.threads;
   options.loss = builtin_loss(spec.model.loss);
@@ -508,11 +511,15 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
       *h->tie_peers = h->peers.stages;
     }
     std::vector<stage_peer_actor> neighbours(count);
-    // The actors next to this one; with chunks the last actor's next is the first's next
-    // chunk, and the first's previous the last's previous chunk.
+    // The actors next to this one; with looped chunks the last actor's next is the first's next
+    // chunk, and the first's previous the last's previous chunk. In a V the chunks turn on the
+    // last actor, which sends to itself.
     std::set<std::size_t> next_to;
+    if (h->placement == chunk_placement::v_shape) {
+      next_to.insert(index);
+    }
     for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
-      if (h->chunks.size() > 1) {
+      if (h->chunks.size() > 1 && h->placement == chunk_placement::looped) {
         next_to.insert(static_cast<std::size_t>((j + static_cast<int64_t>(count)) %
                                                 static_cast<int64_t>(count)));
       } else if (j >= 0 && j < static_cast<int64_t>(count)) {

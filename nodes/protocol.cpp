@@ -150,6 +150,7 @@ std::string to_json(const stage_spec& s) {
             {"index", s.index},
             {"count", s.count},
             {"chunks", s.chunks},
+            {"placement", to_string(s.placement)},
             {"threads", s.threads},
             {"wait_timeout_ms", s.wait_timeout_ms},
             {"report_gradient_norm", s.report_gradient_norm},
@@ -205,6 +206,10 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.index = field<std::size_t>(j, "index", what);
   s.count = field<std::size_t>(j, "count", what);
   s.chunks = field<std::size_t>(j, "chunks", what);
+  auto placement = field<std::string>(j, "placement", what);
+  ACTORPIPE_CHECK(placement == "looped" || placement == "v", what, ": unknown placement '",
+                  placement, "' (looped or v)");
+  s.placement = placement == "v" ? chunk_placement::v_shape : chunk_placement::looped;
   s.threads = field<std::size_t>(j, "threads", what);
   s.wait_timeout_ms = field<int64_t>(j, "wait_timeout_ms", what);
   s.report_gradient_norm = field<bool>(j, "report_gradient_norm", what);

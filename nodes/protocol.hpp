@@ -62,15 +62,17 @@ using output_atom = caf::atom_constant<caf::atom("output")>;
 using state_atom = caf::atom_constant<caf::atom("state")>;
 
 /// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
-/// model (chunk c is virtual stage c * count + index, as in process). For a TorchScript model,
-/// `model.torchscript` holds the model's digest (model_digest), not its bytes, and so does a
-/// TorchScript hook's (by_digest).
+/// model (chunk c is virtual stage virtual_stage_of(placement, count, index, c), as in process).
+/// For a TorchScript model, `model.torchscript` holds the model's digest (model_digest), not its
+/// bytes, and so does a TorchScript hook's (by_digest).
 struct stage_spec {
   remote_model model;
   std::vector<std::size_t> bounds;
   std::size_t index = 0;
   std::size_t count = 1;
   std::size_t chunks = 1;
+  /// Which virtual stage each chunk is ("placement": "looped" or "v").
+  chunk_placement placement = chunk_placement::looped;
   std::size_t threads = 1;
   int64_t wait_timeout_ms = 60000;
   bool report_gradient_norm = false;

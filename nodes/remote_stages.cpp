@@ -524,6 +524,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       spec.index = i;
       spec.count = count;
       spec.chunks = options.chunks;
+      spec.placement = options.chunk_layout();
       spec.threads = threads;
       spec.wait_timeout_ms = options.wait_timeout.count();
       spec.report_gradient_norm = options.max_grad_norm > 0;

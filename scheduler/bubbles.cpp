@@ -24,7 +24,7 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
   busy.assign(p, 0);
   for (std::size_t s = 0; s < p; ++s) {
     for (const auto& a : measured.stages[s].actions) {
-      auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
+      auto vs = planned.virtual_stage(s, static_cast<std::size_t>(a.what.chunk));
       durations[{vs, a.what.kind}].push_back(a.end_ms - a.start_ms);
       first = std::min(first, a.start_ms);
       last = std::max(last, a.end_ms);

@@ -35,7 +35,7 @@ bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t 
   if (stages == 1) { // every schedule is plain accumulation on one stage: keep one of them
     return kind == schedule_kind::one_f_one_b;
   }
-  auto v = kind == schedule_kind::interleaved ? chunks : 1;
+  auto v = kind == schedule_kind::interleaved ? chunks : chunks_for(kind, 1);
   if (stages * v > layers) {
     return false;
   }
@@ -150,7 +150,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
         }
-        std::size_t v = kind == schedule_kind::interleaved ? space.chunks : 1;
+        std::size_t v = kind == schedule_kind::interleaved ? space.chunks : chunks_for(kind, 1);
         for (const auto& spec : space.partitions) {
           layout l;
           l.stages = s;
@@ -189,7 +189,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
             double kept = 0; // activation bytes per micro-batch on actor a, over its chunks
             double parameters = 0;
             for (std::size_t c = 0; c < v; ++c) {
-              auto part = c * s + a;
+              auto part = plan.virtual_stage(a, c);
               for (auto i = l.cut.begin(part); i < l.cut.end(part); ++i) {
                 kept += static_cast<double>(measured.layers[i].output_bytes) * samples_scale;
                 parameters += static_cast<double>(measured.layers[i].parameters);

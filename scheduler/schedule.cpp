@@ -1,6 +1,8 @@
 #include <actorpipe/schedule.hpp>
 
 #include <algorithm>
+#include <array>
+#include <deque>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -149,7 +151,125 @@ schedule make_zb_h2(std::size_t p, std::size_t m) {
   return result;
 }
 
+// ZB-V and V-Half (Qi et al.): two chunks per stage in a V (stage 0 holds the first and the last
+// virtual stage), backward split into B and W, built by list scheduling with unit costs. Whenever
+// a stage is free it runs, of what is ready then, the oldest input-gradient B (the critical
+// path), else a forward (of the chunk nearer the loss first) while its stash stays within `cap`
+// chunk activations, one of them kept for the second chunk (whose forwards lead to the loss and
+// so to the backwards that free the stash), else the oldest W. Stages decide in the order of
+// the time they can start, so no later decision could have made an earlier one's input ready
+// sooner. ZB-V's cap is 2p chunk activations (1F1B's p micro-batches), V-Half's p + 1.
+schedule make_v(std::size_t p, std::size_t m, std::size_t cap) {
+  constexpr std::size_t v = 2;
+  auto virtual_stages = p * v;
+  // When each (virtual stage, micro-batch)'s F and B end, -1 until they are placed.
+  std::vector<double> f_end(virtual_stages * m, -1.0);
+  std::vector<double> b_end(virtual_stages * m, -1.0);
+  auto slot = [&](std::vector<double>& ends, std::size_t vs, std::size_t mb) -> double& {
+    return ends[vs * m + mb];
+  };
+  struct stage_state {
+    double clock = 0;
+    std::size_t stash = 0;
+    std::array<std::size_t, v> next_f{};
+    std::array<std::size_t, v> next_b{};
+    std::deque<action> weights;
+  };
+  struct candidate {
+    action what;
+    double ready = 0;
+  };
+  // B before F before W; then the older micro-batch; then the chunk nearer the loss.
+  auto rank = [](const action& a) {
+    auto kind = a.kind == action_kind::backward ? 0 : a.kind == action_kind::forward ? 1 : 2;
+    return std::make_tuple(kind, a.microbatch, -a.chunk);
+  };
+  std::vector<stage_state> stages(p);
+  schedule result(p, chunk_placement::v_shape);
+  auto remaining = virtual_stages * m * 3;
+  std::vector<candidate> candidates;
+  while (remaining > 0) {
+    double best_start = std::numeric_limits<double>::infinity();
+    std::size_t best_stage = p;
+    action best{};
+    for (std::size_t i = 0; i < p; ++i) {
+      auto& st = stages[i];
+      candidates.clear();
+      for (std::size_t c = 0; c < v; ++c) {
+        auto vs = virtual_stage_of(chunk_placement::v_shape, p, i, c);
+        auto mb = st.next_b[c];
+        if (mb < m && slot(f_end, vs, mb) >= 0) {
+          auto ready = vs + 1 == virtual_stages ? slot(f_end, vs, mb) : slot(b_end, vs + 1, mb);
+          if (ready >= 0) {
+            candidates.push_back({B(mb, c), ready});
+          }
+        }
+        mb = st.next_f[c];
+        auto limit = c + 1 == v ? cap : cap - 1;
+        if (mb < m && st.stash + 1 <= limit) {
+          auto ready = vs == 0 ? 0.0 : slot(f_end, vs - 1, mb);
+          if (ready >= 0) {
+            candidates.push_back({F(mb, c), ready});
+          }
+        }
+      }
+      if (!st.weights.empty()) {
+        candidates.push_back({st.weights.front(), 0.0});
+      }
+      if (candidates.empty()) {
+        continue;
+      }
+      auto earliest = std::min_element(candidates.begin(), candidates.end(), [](auto& a, auto& b) {
+                        return a.ready < b.ready;
+                      })->ready;
+      auto start = std::max(st.clock, earliest);
+      if (start >= best_start) {
+        continue;
+      }
+      const candidate* pick = nullptr;
+      for (const auto& cand : candidates) {
+        if (cand.ready <= start && (pick == nullptr || rank(cand.what) < rank(pick->what))) {
+          pick = &cand;
+        }
+      }
+      best_start = start;
+      best_stage = i;
+      best = pick->what;
+    }
+    ACTORPIPE_CHECK(best_stage < p, "the V schedule for ", p, " stages and ", m,
+                    " micro-batches deadlocks with a stash of ", cap, " chunk activations");
+    auto& st = stages[best_stage];
+    auto c = static_cast<std::size_t>(best.chunk);
+    auto mb = static_cast<std::size_t>(best.microbatch);
+    auto vs = virtual_stage_of(chunk_placement::v_shape, p, best_stage, c);
+    st.clock = best_start + 1;
+    switch (best.kind) {
+    case action_kind::forward:
+      slot(f_end, vs, mb) = st.clock;
+      ++st.next_f[c];
+      ++st.stash;
+      break;
+    case action_kind::backward:
+      slot(b_end, vs, mb) = st.clock;
+      ++st.next_b[c];
+      st.weights.push_back(W(mb, c));
+      break;
+    case action_kind::weight:
+      st.weights.pop_front();
+      --st.stash;
+      break;
+    }
+    result[best_stage].push_back(best);
+    --remaining;
+  }
+  return result;
+}
+
 } // namespace
+
+std::size_t chunks_for(schedule_kind kind, std::size_t chunks) {
+  return placement_of(kind) == chunk_placement::v_shape ? 2 : chunks;
+}
 
 schedule_kind parse_schedule_kind(const std::string& name) {
   if (name == "gpipe") {
@@ -167,8 +287,14 @@ schedule_kind parse_schedule_kind(const std::string& name) {
   if (name == "zb-h2") {
     return schedule_kind::zb_h2;
   }
-  throw invalid_argument(detail::concat("unknown schedule '", name,
-                                        "' (known: gpipe, 1f1b, interleaved, zb-h1, zb-h2)"));
+  if (name == "zb-v") {
+    return schedule_kind::zb_v;
+  }
+  if (name == "v-half") {
+    return schedule_kind::v_half;
+  }
+  throw invalid_argument(detail::concat(
+    "unknown schedule '", name, "' (known: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half)"));
 }
 
 std::string to_string(schedule_kind kind) {
@@ -183,6 +309,10 @@ std::string to_string(schedule_kind kind) {
     return "zb-h1";
   case schedule_kind::zb_h2:
     return "zb-h2";
+  case schedule_kind::zb_v:
+    return "zb-v";
+  case schedule_kind::v_half:
+    return "v-half";
   }
   return "?";
 }
@@ -190,8 +320,13 @@ std::string to_string(schedule_kind kind) {
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks) {
   check_sizes(stages, microbatches, chunks);
-  ACTORPIPE_CHECK(chunks == 1 || kind == schedule_kind::interleaved, "schedule ", to_string(kind),
-                  " runs one chunk per stage, not ", chunks, " (use interleaved for more)");
+  if (placement_of(kind) == chunk_placement::v_shape) {
+    ACTORPIPE_CHECK(chunks == 2, "schedule ", to_string(kind),
+                    " runs two chunks per stage in a V, not ", chunks);
+  } else {
+    ACTORPIPE_CHECK(chunks == 1 || kind == schedule_kind::interleaved, "schedule ", to_string(kind),
+                    " runs one chunk per stage, not ", chunks, " (use interleaved for more)");
+  }
   switch (kind) {
   case schedule_kind::gpipe:
     return make_gpipe(stages, microbatches);
@@ -203,13 +338,18 @@ schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t micro
     return make_zb_h1(stages, microbatches);
   case schedule_kind::zb_h2:
     return make_zb_h2(stages, microbatches);
+  case schedule_kind::zb_v:
+    return make_v(stages, microbatches, 2 * stages);
+  case schedule_kind::v_half:
+    return make_v(stages, microbatches, stages + 1);
   }
   return {};
 }
 
-schedule make_forward_schedule(std::size_t stages, std::size_t microbatches, std::size_t chunks) {
+schedule make_forward_schedule(std::size_t stages, std::size_t microbatches, std::size_t chunks,
+                               chunk_placement placement) {
   check_sizes(stages, microbatches, chunks);
-  schedule result(stages);
+  schedule result(stages, placement);
   for (auto& program : result) {
     for (std::size_t c = 0; c < chunks; ++c) {
       for (std::size_t mb = 0; mb < microbatches; ++mb) {
@@ -237,6 +377,21 @@ bool splits_backward(const schedule& s) {
         return true;
       }
     }
+  }
+  return false;
+}
+
+bool splits_backward(schedule_kind kind) {
+  switch (kind) {
+  case schedule_kind::gpipe:
+  case schedule_kind::one_f_one_b:
+  case schedule_kind::interleaved:
+    return false;
+  case schedule_kind::zb_h1:
+  case schedule_kind::zb_h2:
+  case schedule_kind::zb_v:
+  case schedule_kind::v_half:
+    return true;
   }
   return false;
 }
@@ -279,10 +434,16 @@ schedule load_schedule(const std::string& path) {
   schedule result;
   try {
     auto j = nlohmann::json::parse(in);
+    if (j.contains("placement")) {
+      auto placement = j.at("placement").get<std::string>();
+      ACTORPIPE_CHECK(placement == "looped" || placement == "v", "placement '", placement,
+                      "' is neither \"looped\" nor \"v\"");
+      result.placement = placement == "v" ? chunk_placement::v_shape : chunk_placement::looped;
+    }
     for (const auto& program : j.at("programs")) {
-      result.emplace_back();
+      result.programs.emplace_back();
       for (const auto& item : program) {
-        result.back().push_back(parse_action(item.get<std::string>()));
+        result.programs.back().push_back(parse_action(item.get<std::string>()));
       }
     }
   } catch (const nlohmann::json::exception& e) {
@@ -419,7 +580,7 @@ simulation simulate(const schedule& s, std::size_t microbatches,
   std::vector<double> clock(p, 0);
   // The time an action's cross-stage input is there, or -1 while it is not known yet.
   auto input_ready = [&](std::size_t st, const action& a) -> double {
-    auto vs = static_cast<std::size_t>(a.chunk) * p + st;
+    auto vs = s.virtual_stage(st, static_cast<std::size_t>(a.chunk));
     if (a.kind == action_kind::forward) {
       if (vs == 0) {
         return 0;
@@ -442,7 +603,7 @@ simulation simulate(const schedule& s, std::size_t microbatches,
         if (ready < 0) {
           break;
         }
-        auto vs = static_cast<std::size_t>(a.chunk) * p + st;
+        auto vs = s.virtual_stage(st, static_cast<std::size_t>(a.chunk));
         auto start = std::max(clock[st], ready);
         auto end = start + cost_of(a, vs);
         slot(a.kind, a.microbatch, vs) = end;
@@ -458,12 +619,12 @@ simulation simulate(const schedule& s, std::size_t microbatches,
     if (pc[st] < s[st].size()) {
       const auto& a = s[st][pc[st]];
       bool fwd = a.kind == action_kind::forward;
-      auto vs = static_cast<std::size_t>(a.chunk) * p + st;
-      auto from = fwd ? vs - 1 : vs + 1;
+      auto vs = s.virtual_stage(st, static_cast<std::size_t>(a.chunk));
+      auto from = holder_of(s.placement, p, fwd ? vs - 1 : vs + 1);
       throw invalid_argument(detail::concat(
         "schedule deadlocks: stage ", st, " waits at action ", pc[st], " (", to_string(a),
         ") for the ", fwd ? "activation" : "gradient", " of micro-batch ", a.microbatch,
-        " from stage ", from % p, from / p > 0 ? detail::concat(" chunk ", from / p) : "",
+        " from stage ", from.stage, from.chunk > 0 ? detail::concat(" chunk ", from.chunk) : "",
         ", which never sends it"));
     }
     result.makespan = std::max(result.makespan, clock[st]);

@@ -129,13 +129,16 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   if (it == s.schedules.end()) {
     schedule plan;
     if (!train) {
-      plan = make_forward_schedule(s.stages.size(), microbatches, s.options.chunks);
+      plan =
+        make_forward_schedule(s.stages.size(), microbatches, s.options.chunks, s.options.placement);
     } else if (!s.options.custom.empty()) {
       plan = s.options.custom;
       ACTORPIPE_CHECK(plan.size() == s.stages.size(), "the custom schedule has ", plan.size(),
                       " programs for ", s.stages.size(), " stages");
       ACTORPIPE_CHECK(chunks_of(plan) == s.options.chunks, "the custom schedule uses ",
                       chunks_of(plan), " chunks per stage, the pipeline has ", s.options.chunks);
+      ACTORPIPE_CHECK(plan.placement == s.options.placement, "the custom schedule places chunks ",
+                      to_string(plan.placement), ", the pipeline ", to_string(s.options.placement));
     } else {
       plan = make_schedule(s.options.schedule, s.stages.size(), microbatches, s.options.chunks);
     }
@@ -251,7 +254,9 @@ void start_next(scheduler_actor_type self) {
     finish(self, std::move(outcome));
     return;
   }
-  auto last = s.stages.size() - 1;
+  // The stage holding the last virtual stage takes the targets (stage 0 in a V).
+  auto last =
+    holder_of(s.options.placement, s.stages.size(), s.stages.size() * s.options.chunks - 1).stage;
   auto origin =
     std::chrono::duration_cast<std::chrono::nanoseconds>(s.started.time_since_epoch()).count();
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
@@ -283,14 +288,17 @@ void on_all_reported(scheduler_actor_type self) {
   auto make_outcome = [&] {
     step_outcome outcome;
     outcome.result.step = s.step;
-    outcome.result.loss = s.reports.back().loss;
+    auto last =
+      holder_of(s.options.placement, s.stages.size(), s.stages.size() * s.options.chunks - 1).stage;
+    outcome.result.loss = s.reports[last].loss;
     outcome.result.grad_norm = s.grad_norm;
     outcome.result.wall_ms =
       std::chrono::duration<double, std::milli>(clock_type::now() - s.started).count();
+    outcome.result.placement = s.options.placement;
     for (auto& r : s.reports) {
       outcome.result.stages.push_back(r.stats);
     }
-    outcome.outputs = std::move(s.reports.back().outputs);
+    outcome.outputs = std::move(s.reports[last].outputs);
     log::get()->debug("step {} ({}) done in {:.1f} ms, loss {}", s.step,
                       s.current->train() ? "train" : "forward", outcome.result.wall_ms,
                       outcome.result.loss);

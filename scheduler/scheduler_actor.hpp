@@ -83,6 +83,9 @@ struct step_request {
 struct scheduler_options {
   schedule_kind schedule = schedule_kind::one_f_one_b;
   std::size_t chunks = 1;
+  /// Which virtual stage each stage's chunks are (the V schedules: v_shape); a custom schedule
+  /// must place its chunks the same way.
+  chunk_placement placement = chunk_placement::looped;
   /// Used for training instead of `schedule` when not empty.
   actorpipe::schedule custom;
   std::chrono::milliseconds step_timeout{600000};

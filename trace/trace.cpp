@@ -90,7 +90,7 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
       placed;
     for (std::size_t s = 0; s < p; ++s) {
       for (const auto& a : step.stages[s].actions) {
-        auto vs = static_cast<std::size_t>(a.what.chunk) * p + s;
+        auto vs = virtual_stage_of(step.placement, p, s, static_cast<std::size_t>(a.what.chunk));
         placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
         events.push_back({{"ph", "X"},
                           {"name", to_string(a.what)},

@@ -322,9 +322,8 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
 std::vector<measured_costs> measure_costs(const layer_list& layers, const torch::Tensor& batch,
                                           const layout_space& space, const planning_args& a,
                                           bool progress) {
-  bool split = std::any_of(space.schedules.begin(), space.schedules.end(), [](schedule_kind k) {
-    return k == schedule_kind::zb_h1 || k == schedule_kind::zb_h2;
-  });
+  bool split = std::any_of(space.schedules.begin(), space.schedules.end(),
+                           [](schedule_kind k) { return splits_backward(k); });
   auto needed = costs_needed(layers, space);
   std::vector<measured_costs> costs;
   std::map<std::size_t, double> update_ms; // per thread count, measured once each
@@ -418,11 +417,6 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   if (!automatic) {
     auto threads = threads_per_stage(a.stages, a.threads);
     choice.profiled_samples = largest_microbatch(batch_size, a.microbatches);
-    if (always_profile || a.partition == "time") {
-      choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
-                                  a.profile_repeats, a.schedule.rfind("zb-", 0) == 0,
-                                  std::min(cores(), a.stages * threads));
-    }
     if (a.schedule.rfind("file:", 0) == 0) {
       choice.custom = load_schedule(a.schedule.substr(5));
       choice.schedule_name = a.schedule;
@@ -430,6 +424,16 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
     } else {
       choice.kind = parse_schedule_kind(a.schedule);
       choice.schedule_name = a.schedule;
+      // The V schedules hold two chunks per stage by construction (--chunks 2 is implied).
+      if (a.chunks == 1) {
+        choice.chunks = chunks_for(choice.kind, a.chunks);
+      }
+    }
+    if (always_profile || a.partition == "time") {
+      bool split =
+        choice.custom.empty() ? splits_backward(choice.kind) : splits_backward(choice.custom);
+      choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
+                                  a.profile_repeats, split, std::min(cores(), a.stages * threads));
     }
     choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
     return choice;

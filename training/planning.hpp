@@ -110,7 +110,7 @@ struct planning_args {
   /// 0: chosen by the planner (--schedule auto, --stages auto).
   std::size_t microbatches = 4;
   std::size_t chunks = 1;
-  /// gpipe, 1f1b, interleaved, zb-h1, zb-h2, auto, or file:PATH.
+  /// gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, auto, or file:PATH.
   std::string schedule = "1f1b";
   /// uniform, params, time, or cut:I,J.
   std::string partition = "uniform";
@@ -158,6 +158,10 @@ struct plan_choice {
   std::vector<layout> ranking;
 
   std::size_t stages() const { return cut.stages() / std::max<std::size_t>(1, chunks); }
+  /// Which part of the cut each stage's chunks hold.
+  chunk_placement placement() const {
+    return custom.empty() ? placement_of(kind) : custom.placement;
+  }
 };
 
 /// The planner's space for `layers`, a batch of `batch` samples and the flags.

@@ -4,7 +4,9 @@
 /// validating and simulating schedules is <actorpipe/schedule.hpp>.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -27,8 +29,8 @@ enum class action_kind : uint8_t {
 struct action {
   action_kind kind;
   int32_t microbatch;
-  /// The stage's model chunk (0 unless the schedule is interleaved). Chunk c of stage i is
-  /// virtual stage c * stages + i of the model.
+  /// The stage's model chunk (0 unless the stage holds several). Which part of the model (virtual
+  /// stage) chunk c of stage i is depends on the schedule's chunk_placement.
   int32_t chunk = 0;
 
   friend bool operator==(const action& a, const action& b) {
@@ -47,8 +49,78 @@ inline std::string to_string(const action& a) {
 /// The ordered actions of one stage.
 using stage_program = std::vector<action>;
 
-/// One program per stage, index = stage index.
-using schedule = std::vector<stage_program>;
+/// How the model's consecutive parts (virtual stages) are dealt to the chunks of p stage actors.
+enum class chunk_placement : uint8_t {
+  /// Chunk c of stage i is virtual stage c * p + i: the model loops over the stages once per
+  /// chunk (Megatron's interleaved schedule).
+  looped,
+  /// Even chunks go down the stages and odd ones come back up: chunk c of stage i is virtual stage
+  /// c * p + i for even c, c * p + p - 1 - i for odd c. With two chunks the model runs down and
+  /// back in a V, stage 0 holding the first and the last part (ZB-V, V-Half): the loss is computed
+  /// where the inputs enter, a tied embedding and head sit on one actor, and the last stage hands
+  /// its activation to itself.
+  v_shape,
+};
+
+/// The virtual stage (model part) that chunk `chunk` of stage `stage` of `stages` holds.
+inline std::size_t virtual_stage_of(chunk_placement placement, std::size_t stages,
+                                    std::size_t stage, std::size_t chunk) {
+  bool up = placement == chunk_placement::v_shape && chunk % 2 == 1;
+  return chunk * stages + (up ? stages - 1 - stage : stage);
+}
+
+/// Which stage actor holds a virtual stage, as which of its chunks.
+struct chunk_holder {
+  std::size_t stage = 0;
+  std::size_t chunk = 0;
+};
+
+/// The inverse of virtual_stage_of.
+inline chunk_holder holder_of(chunk_placement placement, std::size_t stages,
+                              std::size_t virtual_stage) {
+  auto chunk = virtual_stage / stages;
+  auto offset = virtual_stage % stages;
+  bool up = placement == chunk_placement::v_shape && chunk % 2 == 1;
+  return {up ? stages - 1 - offset : offset, chunk};
+}
+
+/// "looped" or "v".
+inline std::string to_string(chunk_placement placement) {
+  return placement == chunk_placement::v_shape ? "v" : "looped";
+}
+
+/// One program per stage (index = stage index) and how the stages' chunks map onto the model.
+/// Reads like the vector of programs it holds.
+struct schedule {
+  std::vector<stage_program> programs;
+  chunk_placement placement = chunk_placement::looped;
+
+  schedule() = default;
+  explicit schedule(std::size_t stages, chunk_placement placement = chunk_placement::looped)
+    : programs(stages), placement(placement) {}
+  schedule(std::initializer_list<stage_program> programs,
+           chunk_placement placement = chunk_placement::looped)
+    : programs(programs), placement(placement) {}
+
+  std::size_t size() const noexcept { return programs.size(); }
+  bool empty() const noexcept { return programs.empty(); }
+  stage_program& operator[](std::size_t stage) { return programs[stage]; }
+  const stage_program& operator[](std::size_t stage) const { return programs[stage]; }
+  auto begin() noexcept { return programs.begin(); }
+  auto end() noexcept { return programs.end(); }
+  auto begin() const noexcept { return programs.begin(); }
+  auto end() const noexcept { return programs.end(); }
+
+  /// The virtual stage of chunk `chunk` of stage `stage`.
+  std::size_t virtual_stage(std::size_t stage, std::size_t chunk) const {
+    return virtual_stage_of(placement, programs.size(), stage, chunk);
+  }
+
+  friend bool operator==(const schedule& a, const schedule& b) {
+    return a.placement == b.placement && a.programs == b.programs;
+  }
+  friend bool operator!=(const schedule& a, const schedule& b) { return !(a == b); }
+};
 
 /// The built-in schedules.
 enum class schedule_kind {
@@ -66,9 +138,21 @@ enum class schedule_kind {
   /// Zero-bubble ZB-H2 (Qi et al.): ZB-H1 with p - 1 - i more warm-up forwards on stage i, which
   /// fill the wait for the first input gradient; stage i stashes up to 2p - 1 - i micro-batches.
   zb_h2,
+  /// Zero-bubble ZB-V (Qi et al.): two chunks per stage in a V (chunk_placement::v_shape), B and
+  /// W split, built greedily under 1F1B's activation memory (p micro-batches per stage).
+  zb_v,
+  /// V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory"): ZB-V's V and split
+  /// backward under half of 1F1B's activation memory.
+  v_half,
 };
 
-/// Cost of each action on one virtual stage (chunk c of stage i is virtual stage c * p + i), in
+/// How the schedules of `kind` place chunks: v_shape for zb_v and v_half, looped otherwise.
+inline chunk_placement placement_of(schedule_kind kind) {
+  return kind == schedule_kind::zb_v || kind == schedule_kind::v_half ? chunk_placement::v_shape
+                                                                      : chunk_placement::looped;
+}
+
+/// Cost of each action on one virtual stage (schedule::virtual_stage), in
 /// any unit. `backward` is the input-gradient part; a schedule without weight actions charges
 /// `fused` for its B, or backward + weight when `fused` is negative (a split backward walks the
 /// graph twice and may cost more than one fused pass); `send` is added to every dependency that

@@ -41,9 +41,10 @@ struct layout_space {
   /// charged the oversubscription (its costs times stages / cores).
   std::size_t cores = 0;
   std::vector<std::size_t> microbatch_counts{1, 2, 4, 8};
-  std::vector<schedule_kind> schedules{schedule_kind::gpipe, schedule_kind::one_f_one_b,
-                                       schedule_kind::zb_h1, schedule_kind::zb_h2,
-                                       schedule_kind::interleaved};
+  std::vector<schedule_kind> schedules{schedule_kind::gpipe,       schedule_kind::one_f_one_b,
+                                       schedule_kind::zb_h1,       schedule_kind::zb_h2,
+                                       schedule_kind::interleaved, schedule_kind::zb_v,
+                                       schedule_kind::v_half};
   /// Model chunks per stage of the interleaved schedule.
   std::size_t chunks = 2;
   /// How to cut: "uniform", "params", "time" or "cut:I,J" (the last only where it has as many
@@ -77,7 +78,7 @@ struct layout {
   std::size_t stages = 1;
   std::size_t threads = 1;
   std::size_t microbatches = 1;
-  /// Model chunks per stage (interleaved), else 1.
+  /// Model chunks per stage (interleaved: the space's; zb-v, v-half: 2), else 1.
   std::size_t chunks = 1;
   schedule_kind schedule = schedule_kind::one_f_one_b;
   /// The partition specs the cut came from ("time", "uniform,params", ...), and the cut

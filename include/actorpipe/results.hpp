@@ -61,6 +61,8 @@ struct step_result {
   /// train(): how long the loop waited for this step's batch before asking for the step, in
   /// milliseconds (about 0 when a loader prepared it ahead); empty when not measured.
   std::optional<double> data_wait_ms;
+  /// How the step's schedule placed the stages' chunks (which virtual stage each chunk was).
+  chunk_placement placement = chunk_placement::looped;
   std::vector<stage_stats> stages;
 };
 

@@ -14,27 +14,36 @@
 
 namespace actorpipe {
 
-/// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2"; throws invalid_argument naming the known
-/// ones.
+/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" or "v-half"; throws
+/// invalid_argument naming the known ones.
 schedule_kind parse_schedule_kind(const std::string& name);
 
 std::string to_string(schedule_kind kind);
 
+/// The chunks per stage a pipeline of `kind` runs when asked for `chunks`: 2 for the V
+/// schedules (they hold two by construction), `chunks` otherwise.
+std::size_t chunks_for(schedule_kind kind, std::size_t chunks);
+
 /// The training schedule of `kind` for `stages` stages, `microbatches` micro-batches and
-/// `chunks` model chunks per stage (only interleaved takes chunks > 1). Throws
-/// invalid_argument for zero sizes or sizes the schedule cannot take.
+/// `chunks` model chunks per stage (interleaved takes any, zb-v and v-half exactly 2, the others
+/// 1). Throws invalid_argument for zero sizes or sizes the schedule cannot take.
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks = 1);
 
-/// Forward-only (evaluation): every stage forwards micro-batches 0..m-1 through its chunks.
-schedule make_forward_schedule(std::size_t stages, std::size_t microbatches,
-                               std::size_t chunks = 1);
+/// Forward-only (evaluation): every stage forwards micro-batches 0..m-1 through its chunks, in
+/// chunk order, placed as `placement`.
+schedule make_forward_schedule(std::size_t stages, std::size_t microbatches, std::size_t chunks = 1,
+                               chunk_placement placement = chunk_placement::looped);
 
 /// Model chunks per stage of `s` (1 + the largest chunk index).
 std::size_t chunks_of(const schedule& s);
 
 /// True when `s` splits backward into B and W actions.
 bool splits_backward(const schedule& s);
+
+/// True when the schedules of `kind` split backward (the zero-bubble ones: zb-h1, zb-h2, zb-v,
+/// v-half).
+bool splits_backward(schedule_kind kind);
 
 /// Checks that `s` can run: on every stage and chunk, each micro-batch is forwarded exactly
 /// once, and in training backed up exactly once after its forward (and, when the schedule
@@ -52,8 +61,9 @@ std::string to_string(const stage_program& program);
 /// Parses one action as to_string writes it ("F3", "B0", "W2", "F1@1").
 action parse_action(const std::string& text);
 
-/// Reads a schedule from JSON: {"programs": [["F0", "F1", "B0", ...], ...]}, one list per stage.
-/// Throws invalid_argument naming the file and the bad entry. Validate before running it.
+/// Reads a schedule from JSON: {"programs": [["F0", "F1", "B0", ...], ...]}, one list per stage,
+/// and optionally "placement": "looped" (the default) or "v". Throws invalid_argument naming the
+/// file and the bad entry. Validate before running it.
 schedule load_schedule(const std::string& path);
 
 /// What a schedule does with given costs.

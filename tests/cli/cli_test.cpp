@@ -471,6 +471,43 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
   std::filesystem::remove(file);
 }
 
+TEST_CASE("--schedule zb-v and v-half run a gpt in a V: the losses of one stage, and stage 0 holds "
+          "the embedding and the head") {
+  auto trace = temp_file("v_trace.json");
+  auto out =
+    same_losses("--data synthetic --model gpt --layers 2 --width 32 --heads 2 "
+                "--context 8 --classes 9 --batch 16 --steps 3 --lr 0.01 --seed 2 "
+                "--no-progress",
+                {"train --stages 1 --microbatches 1",
+                 "train --stages 2 --microbatches 4 --schedule zb-v --trace " + trace.string(),
+                 "train --stages 2 --microbatches 4 --schedule v-half --chunks 2"},
+                3);
+  for (std::size_t i : {1, 2}) {
+    CAPTURE(out[i]);
+    // Down the stages and back: the turn on stage 1, the head back on stage 0.
+    CHECK(out[i].find("  stage 0 chunk 0: layers embed..") != std::string::npos);
+    CHECK(out[i].find("  stage 1 chunk 0: layers ") != std::string::npos);
+    CHECK(out[i].find("  stage 1 chunk 1: layers ") != std::string::npos);
+    CHECK(out[i].find("  stage 0 chunk 1: layers ") != std::string::npos);
+    CHECK(out[i].find("..head, ") > out[i].find("  stage 0 chunk 1: layers "));
+    CHECK(out[i].find("  stage 1 chunk 1: layers ") < out[i].find("  stage 0 chunk 1: layers "));
+  }
+  // The trace follows the V: per step, 4 micro-batches x 3 hops each way (the turn on stage 1
+  // included, a send to itself), and 2 stages x 2 chunks x 4 micro-batches x (F, B, W).
+  CHECK(out[1].find("planned against measured") != std::string::npos);
+  std::ifstream in(trace);
+  auto j = nlohmann::json::parse(in);
+  std::map<std::string, int> phases;
+  for (const auto& e : j["traceEvents"]) {
+    phases[e["ph"].get<std::string>()]++;
+  }
+  CHECK(phases["s"] == 3 * 24);
+  CHECK(phases["X"] == 3 * 48 + 3);
+  std::filesystem::remove(trace);
+  refused("train --data synthetic --model mlp --schedule zb-v --chunks 3 --steps 1",
+          "--schedule zb-v runs two chunks per stage in a V: --chunks 3 does not apply");
+}
+
 TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a plot") {
   auto json = temp_file("bench.json");
   auto csv = temp_file("bench.csv");

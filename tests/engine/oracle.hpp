@@ -155,14 +155,12 @@ struct schedule_setting {
   std::size_t chunks;
 };
 
-/// Every built-in schedule: GPipe, 1F1B, ZB-H1, ZB-H2 (one chunk) and interleaved 1F1B (two
-/// chunks).
+/// Every built-in schedule: GPipe, 1F1B, ZB-H1, ZB-H2 (one chunk), interleaved 1F1B, ZB-V and
+/// V-Half (two chunks; the last two in a V).
 inline std::vector<schedule_setting> every_schedule() {
-  return {{schedule_kind::gpipe, 1},
-          {schedule_kind::one_f_one_b, 1},
-          {schedule_kind::zb_h1, 1},
-          {schedule_kind::zb_h2, 1},
-          {schedule_kind::interleaved, 2}};
+  return {{schedule_kind::gpipe, 1}, {schedule_kind::one_f_one_b, 1}, {schedule_kind::zb_h1, 1},
+          {schedule_kind::zb_h2, 1}, {schedule_kind::interleaved, 2}, {schedule_kind::zb_v, 2},
+          {schedule_kind::v_half, 2}};
 }
 
 /// Every tensor of `a` allclose to its namesake in `b`.

@@ -612,7 +612,7 @@ TEST_CASE("a gpt on one node trains as in process, and so does a gpt cut across 
   }
 }
 
-TEST_CASE("interleaved and zero-bubble schedules run on nodes and train like plain libtorch") {
+TEST_CASE("interleaved, zero-bubble and V schedules run on nodes and train like plain libtorch") {
   node n1(node_config()), n2(node_config());
   engine sys;
   auto settings = every_schedule();
@@ -634,8 +634,7 @@ TEST_CASE("interleaved and zero-bubble schedules run on nodes and train like pla
       CHECK(r.loss == doctest::Approx(plain.step(x, y)).epsilon(1e-6));
       REQUIRE(r.stages.size() == 2);
       // Every chunk's forward and backward of 4 micro-batches (B and W apart in zero-bubble).
-      bool split = schedule == schedule_kind::zb_h1 || schedule == schedule_kind::zb_h2;
-      CHECK(r.stages[0].actions.size() == (split ? 12 : 8 * chunks));
+      CHECK(r.stages[0].actions.size() == (splits_backward(schedule) ? 12 : 8) * chunks);
     }
     check_close(remote.named_parameters(), named(plain.layers, false));
     auto [x, y] = batch(9);

@@ -246,3 +246,145 @@ TEST_CASE("ZB-H2: valid, more warm-up forwards, and faster than ZB-H1 when the f
     }
   }
 }
+
+TEST_CASE("a V places chunks down the stages and back up: stage 0 holds the first and the last") {
+  for (std::size_t p = 1; p <= 5; ++p) {
+    for (std::size_t v = 1; v <= 4; ++v) {
+      for (auto placement : {chunk_placement::looped, chunk_placement::v_shape}) {
+        std::vector<int> seen(p * v, 0);
+        for (std::size_t i = 0; i < p; ++i) {
+          for (std::size_t c = 0; c < v; ++c) {
+            auto k = virtual_stage_of(placement, p, i, c);
+            REQUIRE(k < p * v);
+            ++seen[k];
+            auto back = holder_of(placement, p, k);
+            CHECK(back.stage == i);
+            CHECK(back.chunk == c);
+          }
+        }
+        CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+      }
+    }
+    // Two chunks: virtual stage k and 2p - 1 - k on one stage; the turn on the last stage.
+    for (std::size_t i = 0; i < p; ++i) {
+      CHECK(virtual_stage_of(chunk_placement::v_shape, p, i, 0) == i);
+      CHECK(virtual_stage_of(chunk_placement::v_shape, p, i, 1) == 2 * p - 1 - i);
+    }
+    CHECK(holder_of(chunk_placement::v_shape, p, 2 * p - 1).stage == 0);
+    CHECK(holder_of(chunk_placement::v_shape, p, p).stage == p - 1);
+  }
+}
+
+TEST_CASE("ZB-V and V-Half: valid V schedules for any size, within their memory, and ZB-V faster "
+          "than ZB-H1 and 1F1B at 1F1B's memory") {
+  for (auto kind : {schedule_kind::zb_v, schedule_kind::v_half}) {
+    for (std::size_t p = 1; p <= 8; ++p) {
+      for (std::size_t m = 1; m <= 20; ++m) {
+        CAPTURE(to_string(kind));
+        CAPTURE(p);
+        CAPTURE(m);
+        auto s = make_schedule(kind, p, m, 2);
+        CHECK(s.placement == chunk_placement::v_shape);
+        CHECK(chunks_of(s) == 2);
+        CHECK(splits_backward(s));
+        REQUIRE_NOTHROW(validate(s, m, true));
+        // In micro-batches (a chunk's activation counts a half): ZB-V stays within 1F1B's p
+        // (stage 0's), V-Half within half of it plus half a micro-batch.
+        auto cap =
+          kind == schedule_kind::zb_v ? static_cast<double>(p) : (static_cast<double>(p) + 1) / 2;
+        for (std::size_t i = 0; i < p; ++i) {
+          CHECK(peak_stash(s[i], 2) <= cap);
+        }
+      }
+    }
+  }
+  CHECK(parse_schedule_kind("zb-v") == schedule_kind::zb_v);
+  CHECK(parse_schedule_kind("v-half") == schedule_kind::v_half);
+  CHECK(to_string(schedule_kind::v_half) == "v-half");
+  CHECK(chunks_for(schedule_kind::zb_v, 1) == 2);
+  CHECK(chunks_for(schedule_kind::interleaved, 3) == 3);
+  CHECK_THROWS_WITH_AS(make_schedule(schedule_kind::zb_v, 2, 4, 1),
+                       doctest::Contains("zb-v runs two chunks per stage in a V, not 1"),
+                       actorpipe::invalid_argument);
+  CHECK_THROWS_WITH_AS(make_schedule(schedule_kind::zb_h1, 2, 4, 2),
+                       doctest::Contains("zb-h1 runs one chunk per stage, not 2"),
+                       actorpipe::invalid_argument);
+  // Equal costs: a V chunk is half a stage, so one F, B or W of it costs 1 where the whole
+  // stage's costs 2.
+  for (std::size_t p : {2, 4, 8}) {
+    for (std::size_t m : {8, 16, 32}) {
+      if (m < p) {
+        continue;
+      }
+      CAPTURE(p);
+      CAPTURE(m);
+      auto work = 6.0 * static_cast<double>(m); // per stage: 2 chunks x m x (F + B + W)
+      auto whole = simulate(make_schedule(schedule_kind::zb_h1, p, m), m, {{2, 2, 2}});
+      auto ofob = simulate(make_schedule(schedule_kind::one_f_one_b, p, m), m, {{2, 2, 2}});
+      auto zbv = simulate(make_schedule(schedule_kind::zb_v, p, m, 2), m, {{1, 1, 1}});
+      auto half = simulate(make_schedule(schedule_kind::v_half, p, m, 2), m, {{1, 1, 1}});
+      CHECK(whole.makespan == doctest::Approx(work + 2 * static_cast<double>(p - 1)));
+      // Up to 4 stages ZB-V's only bubble is the first micro-batch's way down (p - 1 chunk
+      // forwards); beyond, the greedy order leaves a little more, never over 3/4 of ZB-H1's.
+      if (p <= 4) {
+        CHECK(zbv.makespan == doctest::Approx(work + static_cast<double>(p - 1)));
+      }
+      CHECK(zbv.makespan - work <= 0.75 * (whole.makespan - work));
+      // V-Half trades time for memory, and from 4 stages still beats 1F1B.
+      CHECK(half.makespan >= zbv.makespan);
+      if (p >= 4) {
+        CHECK(half.makespan < ofob.makespan);
+      }
+    }
+  }
+}
+
+TEST_CASE("V schedules load from JSON with their placement, and the simulator and validation "
+          "follow it") {
+  char path[] = "/tmp/actorpipe-vschedule-XXXXXX";
+  int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  auto zbv = make_schedule(schedule_kind::zb_v, 2, 3, 2);
+  std::string programs = "[";
+  for (std::size_t i = 0; i < zbv.size(); ++i) {
+    programs += i == 0 ? "[" : ", [";
+    for (std::size_t k = 0; k < zbv[i].size(); ++k) {
+      programs += (k == 0 ? "\"" : ", \"") + to_string(zbv[i][k]) + "\"";
+    }
+    programs += "]";
+  }
+  programs += "]";
+  write("{\"placement\": \"v\", \"programs\": " + programs + "}");
+  CHECK(load_schedule(path) == zbv);
+  // The same programs looped are another schedule, which deadlocks: stage 1 chunk 1 now follows
+  // stage 0 chunk 1 in the model, and stage 0 waits for it first.
+  write("{\"programs\": " + programs + "}");
+  auto looped = load_schedule(path);
+  CHECK(looped.placement == chunk_placement::looped);
+  CHECK_THROWS_WITH_AS(validate(looped, 3, true), doctest::Contains("schedule deadlocks"),
+                       actorpipe::invalid_argument);
+  write("{\"placement\": \"w\", \"programs\": " + programs + "}");
+  CHECK_THROWS_WITH_AS(load_schedule(path),
+                       doctest::Contains("placement 'w' is neither \"looped\" nor \"v\""),
+                       actorpipe::invalid_argument);
+  std::remove(path);
+  // In a V, stage 1 (the last of 2) turns: its chunk 0 waits for stage 0's chunk 0, its chunk 1
+  // for itself; a deadlock names the right holder.
+  action f0{action_kind::forward, 0, 0};
+  action f1{action_kind::forward, 0, 1};
+  action b0{action_kind::backward, 0, 0};
+  action b1{action_kind::backward, 0, 1};
+  schedule bad({{f1, f0, b0, b1}, {f0, f1, b1, b0}}, chunk_placement::v_shape);
+  CHECK_THROWS_WITH_AS(validate(bad, 1, true),
+                       doctest::Contains("stage 0 waits at action 0 (F0@1) for the activation of "
+                                         "micro-batch 0 from stage 1 chunk 1"),
+                       actorpipe::invalid_argument);
+  schedule good({{f0, f1, b1, b0}, {f0, f1, b1, b0}}, chunk_placement::v_shape);
+  CHECK_NOTHROW(validate(good, 1, true));
+  auto sim = simulate(good, 1, {{1, 1, 1}});
+  // Down (stage 0, 1), back (1, 0), the loss on stage 0, then the backwards the same way back
+  // (B + W, 2 units each, unsplit): 4 + 8 in a row.
+  CHECK(sim.makespan == doctest::Approx(12.0));
+}
