@@ -109,6 +109,13 @@ struct step_plan {
   std::vector<torch::Tensor> loss_inputs;
   /// Samples in this replica's batch (weights the replica's gradients in the replica sync).
   int64_t samples = 0;
+  /// Training: the learning rate the step sets (< 0: unchanged), and whether the stage steps its
+  /// optimizers as soon as its program has run, before the scheduler has seen every stage's
+  /// gradients (optimizer post-validation): it keeps its state from before, drops it when the
+  /// update confirms the step (gradient scale 1, the same rate), and restores it (then steps
+  /// again) when clipping changed the step, or when the step fails.
+  double learning_rate = -1;
+  bool optimistic = false;
 };
 
 /// What a stage reports when its program has run.

@@ -78,6 +78,13 @@ struct stage_state {
   // The running wait's deadline (one timer at most pending: actors/deadline.hpp).
   deadline_timer deadline;
 
+  // Optimizer post-validation: the step whose optimizer step ran before its update (0: none),
+  // the chunks' state from before it, the learning rate it set and how long it took.
+  uint64_t stepped_early = 0;
+  std::vector<stages::stage::tensor_map> before_update;
+  double early_learning_rate = -1;
+  double early_ms = 0;
+
   // BMUF: optimizer steps since the running block (or the warm-up) began, and whether the
   // warm-up is over.
   int64_t block_position = 0;
@@ -390,6 +397,42 @@ void sum_tied_gradients(stage_state& s) {
   }
 }
 
+// Puts back the chunks' state from before an early optimizer step.
+void restore_before_update(stage_state& s) {
+  for (std::size_t c = 0; c < s.before_update.size(); ++c) {
+    s.chunks[c]->load_state(s.before_update[c]);
+  }
+  s.before_update.clear();
+  s.stepped_early = 0;
+}
+
+// Post-validation: the optimizer step right after the program, while the other stages still
+// work (and the scheduler waits for them), from gradients not yet scaled by a global clip. The
+// update that follows confirms it or has it undone (update()); an abort undoes it.
+void step_early(stage_state& s) {
+  auto start = clock_type::now();
+  try {
+    for (auto& chunk : s.chunks) {
+      s.before_update.push_back(chunk->state(/*copy=*/true, /*tie_copies=*/true));
+    }
+    for (auto& chunk : s.chunks) {
+      if (s.plan.learning_rate >= 0) {
+        chunk->set_learning_rate(s.plan.learning_rate);
+      }
+      chunk->optimizer_step(1.0);
+    }
+    s.stepped_early = s.plan.step;
+    s.early_learning_rate = s.plan.learning_rate;
+  } catch (const std::exception& e) {
+    // The update steps again, and reports what fails then.
+    log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
+                      s.options.index, s.plan.step, e.what());
+    s.stepped_early = s.plan.step;
+    restore_before_update(s);
+  }
+  s.early_ms = ms_since(start);
+}
+
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type self) {
   auto& s = self->state;
@@ -461,7 +504,12 @@ void advance(stage_actor_type self) {
     for (const auto& chunk : s.chunks) {
       s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
     }
+    bool early = s.plan.train && s.plan.optimistic && !s.bmuf();
+    s.report.stats.early_update = early;
     self->send(s.scheduler, done_atom::value, std::move(s.report));
+    if (early) {
+      step_early(s);
+    }
   }
 }
 
@@ -469,6 +517,23 @@ void advance(stage_actor_type self) {
 std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
                                       double gradient_scale) {
   auto start = clock_type::now();
+  if (s.stepped_early != 0) {
+    bool same = s.stepped_early == step && gradient_scale == 1.0 &&
+                (learning_rate < 0 || learning_rate == s.early_learning_rate);
+    if (same) {
+      s.before_update.clear();
+      s.stepped_early = 0;
+      return {s.early_ms, std::string{}};
+    }
+    // Clipping scaled the gradients (or another rate came): the step from the state before.
+    try {
+      restore_before_update(s);
+    } catch (const std::exception& e) {
+      return {ms_since(start),
+              detail::concat("stage ", s.options.index, ", step ", step,
+                             ": undoing the early optimizer step failed: ", e.what())};
+    }
+  }
   // A block's last step: the state before it, restored if the block sync fails.
   bool block_end = s.bmuf() && ends_block(s);
   std::vector<stages::stage::tensor_map> before;
@@ -555,6 +620,13 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     [=](plan_atom, step_plan& plan) {
       auto& s = self->state;
       set_threads(s);
+      if (s.stepped_early != 0 && s.stepped_early < plan.step) {
+        // Neither an update nor an abort came for it: the step did not complete.
+        log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
+                         "optimizer step is undone",
+                         s.options.index, s.stepped_early);
+        restore_before_update(s);
+      }
       drop_older_than(s.activations, plan.step);
       drop_older_than(s.gradients, plan.step);
       s.report = stage_report{};
@@ -643,6 +715,14 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       if (step == s.plan.step) {
         s.active = false;
         abort_chunks(s);
+      }
+      if (s.stepped_early != 0 && s.stepped_early <= step) {
+        try {
+          restore_before_update(s); // a failed step changes no parameter
+        } catch (const std::exception& e) {
+          log::get()->error("stage {}: undoing the early optimizer step of step {} failed: {}",
+                            s.options.index, step, e.what());
+        }
       }
       return true;
     },

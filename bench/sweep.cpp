@@ -371,6 +371,7 @@ struct pipeline_setting {
   std::string precision = "fp32";
   std::string recompute = "never";
   std::string memory;
+  std::string update = "wait";
 };
 
 // Every setting of `all` with each of `values` (set by `set`): the sweep's product, one
@@ -388,12 +389,13 @@ void expand(std::vector<pipeline_setting>& all, const std::vector<T>& values, Se
 }
 
 // A pipeline per stage count x partition x schedule x split x memory mode x precision x
-// recomputation.
+// recomputation x optimizer update.
 std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
                                            const training::model_setup& setup) {
   auto memory_modes = memory_modes_of(o);
   auto precisions = precisions_of(o);
   auto recompute_modes = recompute_modes_of(o);
+  auto updates = o.updates.empty() ? std::vector<std::string>{"wait"} : o.updates;
   std::vector<contender> contenders;
   auto add = [&](const pipeline_setting& s, const training::plan_choice& choice,
                  const std::string& prefix) {
@@ -402,6 +404,7 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
     po.optimizer = sgd(o.lr);
     po.precision = parse_precision(s.precision);
     po.recompute = parse_recompute_mode(s.recompute);
+    po.optimistic_update = s.update == "early";
     contender c;
     c.loss_fn = po.loss;
     c.precision = po.precision;
@@ -413,7 +416,8 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
       detail::concat(prefix, choice.schedule_name, " ", partition_name, " ", choice.stages(), "p",
                      choice.threads > 0 ? detail::concat(" ", choice.threads, "t") : std::string{},
                      memory_modes.size() > 1 ? " " + s.memory : "", suffix(precisions, s.precision),
-                     suffix(recompute_modes, s.recompute, "never", "rc "));
+                     suffix(recompute_modes, s.recompute, "never", "rc "),
+                     suffix(updates, s.update, "wait", "update "));
     c.row.partition = partition_name;
     c.row.splits = choice.microbatches;
     c.row.stages = choice.cut.stages();
@@ -452,6 +456,8 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
          [](pipeline_setting& s, const std::string& precision) { s.precision = precision; });
   expand(settings, recompute_modes,
          [](pipeline_setting& s, const std::string& recompute) { s.recompute = recompute; });
+  expand(settings, updates,
+         [](pipeline_setting& s, const std::string& update) { s.update = update; });
 
   for (const auto& s : settings) {
     add(s, training::choose_plan(setup.layers, setup.sample(), s.plan), "");

@@ -42,6 +42,13 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
     ->delimiter(',')
     ->check(CLI::IsMember({"never", "except_last", "always"}));
   cmd
+    ->add_option("--updates", o.updates,
+                 "Pipelines' optimizer updates side by side: early (a stage steps as soon as its "
+                 "program has run, undone if clipping or a failure says so), wait, e.g. "
+                 "early,wait")
+    ->delimiter(',')
+    ->check(CLI::IsMember({"early", "wait"}));
+  cmd
     ->add_option("--schedules", o.schedules,
                  "Pipelines' schedules side by side, e.g. 1f1b,zb-h1 (default: --schedule)")
     ->delimiter(',')

@@ -406,6 +406,7 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   so.step_timeout = options.step_timeout;
   so.abort_timeout = options.wait_timeout;
   so.max_grad_norm = options.max_grad_norm;
+  so.optimistic_update = options.optimistic_update;
   so.linger = options.linger;
   so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
   return so;

@@ -275,9 +275,14 @@ std::string to_json(const actors::step_plan& plan, std::size_t targets) {
   for (const auto& a : plan.program) {
     program.push_back({static_cast<int>(a.kind), a.microbatch, a.chunk});
   }
-  return json{{"step", plan.step},       {"train", plan.train},
-              {"program", program},      {"loss_scales", plan.loss_scales},
-              {"samples", plan.samples}, {"targets", targets}}
+  return json{{"step", plan.step},
+              {"train", plan.train},
+              {"program", program},
+              {"loss_scales", plan.loss_scales},
+              {"samples", plan.samples},
+              {"targets", targets},
+              {"learning_rate", plan.learning_rate},
+              {"optimistic", plan.optimistic}}
     .dump();
 }
 
@@ -296,6 +301,8 @@ actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targ
   }
   plan.loss_scales = field<std::vector<double>>(j, "loss_scales", what);
   plan.samples = field<int64_t>(j, "samples", what);
+  plan.learning_rate = field<double>(j, "learning_rate", what);
+  plan.optimistic = field<bool>(j, "optimistic", what);
   targets = field<std::size_t>(j, "targets", what);
   ACTORPIPE_CHECK(targets <= (1u << 20) && (targets == 0 || targets == plan.loss_scales.size()),
                   what, ": ", targets, " targets for ", plan.loss_scales.size(), " loss scales");
@@ -320,6 +327,7 @@ std::string to_json(const actors::stage_report& r) {
               {"peak_stash", s.peak_stash},
               {"peak_stash_bytes", s.peak_stash_bytes},
               {"recomputed", s.recomputed},
+              {"early_update", s.early_update},
               {"actions", actions}}
     .dump();
 }
@@ -340,6 +348,7 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   s.peak_stash = field<double>(j, "peak_stash", what);
   s.peak_stash_bytes = field<int64_t>(j, "peak_stash_bytes", what);
   s.recomputed = field<std::size_t>(j, "recomputed", what);
+  s.early_update = field<bool>(j, "early_update", what);
   for (const auto& a : field<json>(j, "actions", what)) {
     action_record rec;
     rec.what = {static_cast<action_kind>(a.at(0).get<int>()), a.at(1).get<int32_t>(),

@@ -36,6 +36,10 @@ struct scheduler_state {
   std::size_t reported = 0;
   std::size_t updated = 0;
   double grad_norm = 0;
+  // The stage that reported last in the previous training step (none yet: every stage).
+  std::size_t last_reporter = SIZE_MAX;
+  // Whether clipping scaled the previous training step's gradients.
+  bool last_clipped = false;
   bool aborting = false;
   failure abort_failure;
   std::size_t aborts_pending = 0;
@@ -265,6 +269,12 @@ void start_next(scheduler_actor_type self) {
     plan.train = request.train();
     plan.origin_ns = origin;
     plan.program = (*programs)[i];
+    plan.learning_rate = request.learning_rate;
+    // Post-validation: every stage but the one that reported last the step before (whose
+    // early step would only delay its report's confirmation) steps its optimizer at once,
+    // unless the step before was clipped (this one likely is too, and would be stepped twice).
+    plan.optimistic =
+      request.train() && s.options.optimistic_update && !s.last_clipped && i != s.last_reporter;
     if (i == 0) {
       plan.inputs = request.inputs;
     }
@@ -318,7 +328,18 @@ void on_all_reported(scheduler_actor_type self) {
       sum += r.gradient_square_sum;
     }
     s.grad_norm = std::sqrt(sum);
+    if (!std::isfinite(s.grad_norm)) {
+      // Stepping would write NaNs into every parameter: the step fails, and the stages' early
+      // optimizer steps are undone with it.
+      fail(self, failure{{error_kind::stage_failure, std::nullopt, std::nullopt, step},
+                         detail::concat("step ", step, ": the global gradient norm is ",
+                                        std::isnan(s.grad_norm) ? "NaN" : "infinite",
+                                        " (a NaN or an infinity in the gradients); no parameter "
+                                        "changed")});
+      return;
+    }
     gradient_scale = std::min(1.0, s.options.max_grad_norm / (s.grad_norm + 1e-6));
+    s.last_clipped = gradient_scale < 1.0;
   }
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     self
@@ -394,6 +415,7 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
       auto index = report.stats.stage;
       s.reports[index] = std::move(report);
       if (++s.reported == s.stages.size()) {
+        s.last_reporter = index;
         on_all_reported(self);
       }
       linger(self, s.options.linger);

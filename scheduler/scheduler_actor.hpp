@@ -93,6 +93,8 @@ struct scheduler_options {
   std::chrono::milliseconds abort_timeout{60000};
   /// Global gradient-norm clipping when > 0 (stages then report their squared gradient sums).
   double max_grad_norm = 0;
+  /// Optimizer post-validation (pipeline_options::optimistic_update).
+  bool optimistic_update = false;
   /// The last stage also gets each micro-batch's inputs (a loss that sees them).
   bool inputs_to_loss = false;
   /// Per stage actor, the node ("host:port") that hosts it; empty when stages are in process. A

@@ -819,7 +819,7 @@ void stage::set_learning_rate(double lr) {
   }
 }
 
-stage::tensor_map stage::state(bool copy) const {
+stage::tensor_map stage::state(bool copy, bool tie_copies) const {
   std::lock_guard<std::mutex> guard{mutex_};
   torch::NoGradGuard no_grad;
   tensor_map result;
@@ -850,7 +850,7 @@ stage::tensor_map stage::state(bool copy) const {
   };
   for_each_named(layers_, false, config_.tied,
                  [&](const std::string& name, const torch::Tensor& p) {
-                   if (is_copy(name)) {
+                   if (is_copy(name) && !tie_copies) {
                      return; // the stage of the tie's first holder stores it, once
                    }
                    result[name] = take(p);

@@ -181,8 +181,10 @@ public:
   /// load it: "<layer>.<name>" for parameters and buffers, "optimizer/<layer>.<name>/<field>"
   /// for optimizer state (SGD momentum; Adam step, averages). With `copy` false, the stage's own
   /// tensors instead (detached, not copied): for a caller that copies them itself (packing
-  /// them into a frame, say) before the stage runs again.
-  tensor_map state(bool copy = true) const;
+  /// them into a frame, say) before the stage runs again. A tied parameter's copy (on a later
+  /// holder) is the first holder's to store; `tie_copies` includes it too (and its optimizer
+  /// state), for a state this stage alone restores (load_state takes either).
+  tensor_map state(bool copy = true, bool tie_copies = false) const;
 
   /// The parameter and buffer keys of state(), with their shapes.
   std::map<std::string, std::vector<int64_t>> required_keys() const;

@@ -386,8 +386,20 @@ struct pipeline_options {
   std::chrono::microseconds linger{50};
   /// Global gradient-norm clipping: when > 0, all gradients of all stages (after the replica
   /// sync, hence of all replicas) are scaled by max_grad_norm / (norm + 1e-6) when that is
-  /// below 1, as torch::nn::utils::clip_grad_norm_ does on one model.
+  /// below 1, as torch::nn::utils::clip_grad_norm_ does on one model. A NaN or infinite norm
+  /// fails the step (no parameter changes).
   double max_grad_norm = 0;
+  /// Optimizer post-validation (Qi et al.): a stage steps its optimizers as soon as its program
+  /// has run, keeping its state from before, instead of waiting until every stage has its
+  /// gradients; the scheduler's update then confirms the step, or has it undone and stepped
+  /// again with the clipped gradients, and a failed step undoes it. The stage that finished
+  /// last in the previous step waits as before (its early step could only delay the
+  /// confirmation), and so does every stage after a clipped step. Parameters are those of the
+  /// waiting path bit for bit. Off by default: the copy doubles what a stage holds of
+  /// parameters and optimizer state, and the step it saves is the optimizer time of the
+  /// stages that finish early (1% of the ResNet-50 bench step, below its noise:
+  /// docs/schedules.md, BENCHMARKS.md).
+  bool optimistic_update = false;
   /// Replicas of this pipeline (off by default).
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).

@@ -30,6 +30,9 @@ struct stage_stats {
   /// Time spent waiting for inputs (activations or gradients) while the program was not done.
   double wait_ms = 0;
   double optimizer_ms = 0;
+  /// The stage stepped its optimizers as soon as its program had run, before the update
+  /// confirmed the step (pipeline_options::optimistic_update).
+  bool early_update = false;
   /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
   double peak_stash = 0;
   /// Most bytes stashed at once during the step (summed over an actor's chunks): the inputs of

@@ -867,11 +867,11 @@ TEST_CASE("bench sweeps stage counts side by side and reports a language model's
   }
 }
 
-TEST_CASE("bench measures schedules side by side, with the same losses") {
+TEST_CASE("bench measures schedules and optimizer updates side by side, with the same losses") {
   auto rows = bench_rows("--model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
-                         "--splits 4 --schedules 1f1b,zb-h1,gpipe --steps 2 --no-progress "
-                         "--no-baselines");
-  REQUIRE(rows.size() == 3);
+                         "--splits 4 --schedules 1f1b,zb-h1,gpipe,zb-v --steps 2 --no-progress "
+                         "--no-baselines --updates wait,early");
+  REQUIRE(rows.size() == 8);
   std::vector<std::string> names;
   for (const auto& row : rows) {
     CAPTURE(row.dump());
@@ -880,8 +880,12 @@ TEST_CASE("bench measures schedules side by side, with the same losses") {
     CHECK(row["loss_difference"].get<double>() < 1e-5);
   }
   CHECK(names[0].rfind("1f1b", 0) == 0);
-  CHECK(names[1].rfind("zb-h1", 0) == 0);
-  CHECK(names[2].rfind("gpipe", 0) == 0);
+  CHECK(names[0].find("update wait") != std::string::npos);
+  CHECK(names[1].rfind("1f1b", 0) == 0);
+  CHECK(names[1].find("update early") != std::string::npos);
+  CHECK(names[2].rfind("zb-h1", 0) == 0);
+  CHECK(names[4].rfind("gpipe", 0) == 0);
+  CHECK(names[6].rfind("zb-v", 0) == 0);
 
   auto both = run("bench --model mlp --schedule gpipe --schedules 1f1b,zb-h1 --steps 1");
   CHECK(both.exit_code == 2);

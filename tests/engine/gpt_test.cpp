@@ -1,10 +1,12 @@
 // The built-in GPT through the pipeline: tied embedding and head on different stages, every
 // schedule and stage count, replicas, clipping, checkpoints and failures, against plain libtorch
 // training the same model in one process.
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <set>
 
 #include <actorpipe/losses.hpp>
@@ -264,4 +266,111 @@ TEST_CASE("a step that fails while a tied holder waits for the others fails at o
   fail = false;
   CHECK(pipe.train_step(x, t).loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
   check_close(pipe.named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
+}
+
+TEST_CASE("optimizer post-validation: stages step before the update and keep or redo the step, "
+          "bit for bit the parameters of waiting for it, clipped or not, every schedule") {
+  engine sys;
+  for (auto [kind, chunks] : every_schedule()) {
+    // Off; clipping every step (each early step is undone and redone); never clipping.
+    for (double clip : {0.0, 0.05, 1e9}) {
+      CAPTURE(to_string(kind));
+      CAPTURE(clip);
+      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> trained;
+      std::vector<std::vector<double>> losses;
+      for (bool optimistic : {true, false}) {
+        CAPTURE(optimistic);
+        auto o = gpt_options(kind == schedule_kind::interleaved ? 6 : 3);
+        o.schedule = kind;
+        o.chunks = chunks;
+        o.max_grad_norm = clip;
+        o.optimistic_update = optimistic;
+        o.optimizer = adam(1e-2); // its state appears at the first step: undone, it must go
+        auto layers = tiny_gpt(6);
+        pipeline pipe(sys, layers, partition_uniform(layers.size(), 3 * chunks), o);
+        losses.emplace_back();
+        for (int step = 0; step < 3; ++step) {
+          auto [x, t] = tokens(static_cast<int64_t>(o.microbatches) + 1, 6, 40 + step);
+          auto r = pipe.train_step(x, t);
+          losses.back().push_back(r.loss);
+          if (clip == 0.05) {
+            CHECK(r.grad_norm > clip);
+          }
+          // Every stage but the one that reported last the step before steps early (all at
+          // the first step), unless the step before was clipped.
+          std::size_t early = 0;
+          for (const auto& st : r.stages) {
+            early += st.early_update ? 1 : 0;
+          }
+          CHECK(early == (!optimistic ? 0 : step == 0 ? 3 : clip == 0.05 ? 0 : 2));
+        }
+        auto named = pipe.named_parameters();
+        for (auto& [name, t] : named) {
+          t = t.clone();
+        }
+        trained.push_back(std::move(named));
+      }
+      CHECK(losses[0] == losses[1]);
+      REQUIRE(trained[0].size() == trained[1].size());
+      for (std::size_t i = 0; i < trained[0].size(); ++i) {
+        CAPTURE(trained[0][i].first);
+        CHECK(torch::equal(trained[0][i].second, trained[1][i].second));
+      }
+    }
+  }
+}
+
+TEST_CASE("a NaN or infinite gradient norm fails the step naming it, and no parameter or optimizer "
+          "state changes: the stages' early optimizer steps are undone") {
+  engine sys;
+  std::atomic<bool> poison{false};
+  auto options = [&] {
+    auto o = gpt_options(3);
+    o.max_grad_norm = 1e9; // the norm is checked, never clips (a clipped step is not stepped early)
+    o.optimizer = sgd(0.1, 0.9);
+    o.optimistic_update = true; // the failed step's early optimizer steps must be undone
+    // Stage 0's output scaled by infinity: the loss and every gradient are no longer finite.
+    o.hooks.after_forward = [&](const hook_context& c, torch::Tensor& t) {
+      if (poison && c.stage == 0) {
+        t = t * std::numeric_limits<float>::infinity();
+      }
+    };
+    return o;
+  };
+  auto layers = tiny_gpt();
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 3), options());
+  auto reference_layers = tiny_gpt();
+  pipeline reference(sys, reference_layers, partition_uniform(reference_layers.size(), 3),
+                     options());
+  // Momentum buffers exist from here on.
+  auto [x, t] = tokens(4, 6, 60);
+  auto first = pipe.train_step(x, t);
+  CHECK(first.loss == reference.train_step(x, t).loss);
+  CHECK(first.stages[0].early_update); // and two stages step early in the failing step
+  auto before = pipe.named_parameters();
+  for (auto& [name, p] : before) {
+    p = p.clone();
+  }
+  poison = true;
+  auto [bad_x, bad_t] = tokens(4, 6, 61);
+  CHECK_THROWS_WITH_AS(pipe.train_step(bad_x, bad_t),
+                       doctest::Contains("step 2: the global gradient norm is "), pipeline_error);
+  poison = false;
+  auto after = pipe.named_parameters();
+  REQUIRE(after.size() == before.size());
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    CAPTURE(after[i].first);
+    CHECK(torch::equal(after[i].second, before[i].second));
+  }
+  // The momentum too: the next steps are those of a pipeline that never saw the bad batch.
+  for (int step = 0; step < 2; ++step) {
+    auto [nx, nt] = tokens(4, 6, 62 + step);
+    CHECK(pipe.train_step(nx, nt).loss == reference.train_step(nx, nt).loss);
+  }
+  auto trained = pipe.named_parameters();
+  auto expected = reference.named_parameters();
+  for (std::size_t i = 0; i < trained.size(); ++i) {
+    CAPTURE(trained[i].first);
+    CHECK(torch::equal(trained[i].second, expected[i].second));
+  }
 }
