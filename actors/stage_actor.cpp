@@ -397,13 +397,20 @@ void sum_tied_gradients(stage_state& s) {
   }
 }
 
-// Puts back the chunks' state from before an early optimizer step.
-void restore_before_update(stage_state& s) {
-  for (std::size_t c = 0; c < s.before_update.size(); ++c) {
-    s.chunks[c]->load_state(s.before_update[c]);
+// Puts back the chunks' state from before an early optimizer step; what failed, or empty.
+std::string restore_before_update(stage_state& s) {
+  std::string error;
+  try {
+    for (std::size_t c = 0; c < s.before_update.size(); ++c) {
+      s.chunks[c]->load_state(s.before_update[c]);
+    }
+  } catch (const std::exception& e) {
+    error = detail::concat("stage ", s.options.index, ": undoing the early optimizer step of step ",
+                           s.stepped_early, " failed: ", e.what());
   }
   s.before_update.clear();
   s.stepped_early = 0;
+  return error;
 }
 
 // Post-validation: the optimizer step right after the program, while the other stages still
@@ -428,7 +435,9 @@ void step_early(stage_state& s) {
     log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
                       s.options.index, s.plan.step, e.what());
     s.stepped_early = s.plan.step;
-    restore_before_update(s);
+    if (auto error = restore_before_update(s); !error.empty()) {
+      log::get()->error("{}", error);
+    }
   }
   s.early_ms = ms_since(start);
 }
@@ -526,12 +535,8 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
       return {s.early_ms, std::string{}};
     }
     // Clipping scaled the gradients (or another rate came): the step from the state before.
-    try {
-      restore_before_update(s);
-    } catch (const std::exception& e) {
-      return {ms_since(start),
-              detail::concat("stage ", s.options.index, ", step ", step,
-                             ": undoing the early optimizer step failed: ", e.what())};
+    if (auto error = restore_before_update(s); !error.empty()) {
+      return {ms_since(start), error};
     }
   }
   // A block's last step: the state before it, restored if the block sync fails.
@@ -625,7 +630,9 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
                          "optimizer step is undone",
                          s.options.index, s.stepped_early);
-        restore_before_update(s);
+        if (auto error = restore_before_update(s); !error.empty()) {
+          log::get()->error("{}", error);
+        }
       }
       drop_older_than(s.activations, plan.step);
       drop_older_than(s.gradients, plan.step);
@@ -717,11 +724,9 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         abort_chunks(s);
       }
       if (s.stepped_early != 0 && s.stepped_early <= step) {
-        try {
-          restore_before_update(s); // a failed step changes no parameter
-        } catch (const std::exception& e) {
-          log::get()->error("stage {}: undoing the early optimizer step of step {} failed: {}",
-                            s.options.index, step, e.what());
+        // A failed step changes no parameter.
+        if (auto error = restore_before_update(s); !error.empty()) {
+          log::get()->error("{}", error);
         }
       }
       return true;
