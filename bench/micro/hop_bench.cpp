@@ -96,7 +96,8 @@ void BM_schedule_step(benchmark::State& state) {
   auto p = static_cast<std::size_t>(state.range(0));
   auto m = static_cast<std::size_t>(state.range(1));
   auto kind = static_cast<actorpipe::schedule_kind>(state.range(2));
-  std::size_t v = kind == actorpipe::schedule_kind::interleaved ? 2 : 1;
+  std::size_t v =
+    kind == actorpipe::schedule_kind::interleaved ? 2 : actorpipe::chunks_for(kind, 1);
   std::vector<actorpipe::action_costs> costs(p * v, actorpipe::action_costs{1, 2, 1});
   for (auto _ : state) {
     auto plan = actorpipe::make_schedule(kind, p, m, v);
@@ -112,7 +113,8 @@ BENCHMARK(BM_schedule_step)
                  {64, 512},
                  {static_cast<int64_t>(actorpipe::schedule_kind::one_f_one_b),
                   static_cast<int64_t>(actorpipe::schedule_kind::zb_h1),
-                  static_cast<int64_t>(actorpipe::schedule_kind::interleaved)}})
+                  static_cast<int64_t>(actorpipe::schedule_kind::interleaved),
+                  static_cast<int64_t>(actorpipe::schedule_kind::zb_v)}})
   ->Unit(benchmark::kMillisecond)
   ->UseRealTime();
 
