@@ -5,6 +5,8 @@
 #include <caf/actor_system_config.hpp>
 #include <nlohmann/json.hpp>
 
+#include <actorpipe/schedule.hpp>
+
 namespace actorpipe::nodes {
 
 using json = nlohmann::json;
@@ -206,10 +208,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.index = field<std::size_t>(j, "index", what);
   s.count = field<std::size_t>(j, "count", what);
   s.chunks = field<std::size_t>(j, "chunks", what);
-  auto placement = field<std::string>(j, "placement", what);
-  ACTORPIPE_CHECK(placement == "looped" || placement == "v", what, ": unknown placement '",
-                  placement, "' (looped or v)");
-  s.placement = placement == "v" ? chunk_placement::v_shape : chunk_placement::looped;
+  s.placement = parse_chunk_placement(field<std::string>(j, "placement", what));
   s.threads = field<std::size_t>(j, "threads", what);
   s.wait_timeout_ms = field<int64_t>(j, "wait_timeout_ms", what);
   s.report_gradient_norm = field<bool>(j, "report_gradient_norm", what);

@@ -30,12 +30,17 @@ std::vector<std::size_t> threads_for(const layout_space& space, std::size_t stag
   return fit;
 }
 
+// Model chunks per stage of `kind`: the space's for interleaved, 2 for the V schedules, else 1.
+std::size_t chunks_in(schedule_kind kind, std::size_t interleaved_chunks) {
+  return kind == schedule_kind::interleaved ? interleaved_chunks : chunks_for(kind, 1);
+}
+
 bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t chunks,
              std::size_t layers) {
   if (stages == 1) { // every schedule is plain accumulation on one stage: keep one of them
     return kind == schedule_kind::one_f_one_b;
   }
-  auto v = kind == schedule_kind::interleaved ? chunks : chunks_for(kind, 1);
+  auto v = chunks_in(kind, chunks);
   if (stages * v > layers) {
     return false;
   }
@@ -150,7 +155,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
         }
-        std::size_t v = kind == schedule_kind::interleaved ? space.chunks : chunks_for(kind, 1);
+        auto v = chunks_in(kind, space.chunks);
         for (const auto& spec : space.partitions) {
           layout l;
           l.stages = s;

@@ -320,6 +320,12 @@ schedule_kind parse_schedule_kind(const std::string& name) {
     "unknown schedule '", name, "' (known: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half)"));
 }
 
+chunk_placement parse_chunk_placement(const std::string& name) {
+  ACTORPIPE_CHECK(name == "looped" || name == "v", "placement '", name,
+                  "' is neither \"looped\" nor \"v\"");
+  return name == "v" ? chunk_placement::v_shape : chunk_placement::looped;
+}
+
 std::string to_string(schedule_kind kind) {
   switch (kind) {
   case schedule_kind::gpipe:
@@ -458,10 +464,7 @@ schedule load_schedule(const std::string& path) {
   try {
     auto j = nlohmann::json::parse(in);
     if (j.contains("placement")) {
-      auto placement = j.at("placement").get<std::string>();
-      ACTORPIPE_CHECK(placement == "looped" || placement == "v", "placement '", placement,
-                      "' is neither \"looped\" nor \"v\"");
-      result.placement = placement == "v" ? chunk_placement::v_shape : chunk_placement::looped;
+      result.placement = parse_chunk_placement(j.at("placement").get<std::string>());
     }
     for (const auto& program : j.at("programs")) {
       result.programs.emplace_back();

@@ -127,6 +127,13 @@ void fail(scheduler_actor_type self, failure why) {
   }
 }
 
+// The stage actor holding the last virtual stage: it takes the targets and computes the loss, or
+// the outputs (stage 0 in a V).
+std::size_t last_stage(const scheduler_state& s) {
+  return holder_of(s.options.placement, s.stages.size(), s.stages.size() * s.options.chunks - 1)
+    .stage;
+}
+
 const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool train) {
   auto k = std::make_pair(microbatches, train);
   auto it = s.schedules.find(k);
@@ -258,9 +265,7 @@ void start_next(scheduler_actor_type self) {
     finish(self, std::move(outcome));
     return;
   }
-  // The stage holding the last virtual stage takes the targets (stage 0 in a V).
-  auto last =
-    holder_of(s.options.placement, s.stages.size(), s.stages.size() * s.options.chunks - 1).stage;
+  auto last = last_stage(s);
   auto origin =
     std::chrono::duration_cast<std::chrono::nanoseconds>(s.started.time_since_epoch()).count();
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
@@ -298,8 +303,7 @@ void on_all_reported(scheduler_actor_type self) {
   auto make_outcome = [&] {
     step_outcome outcome;
     outcome.result.step = s.step;
-    auto last =
-      holder_of(s.options.placement, s.stages.size(), s.stages.size() * s.options.chunks - 1).stage;
+    auto last = last_stage(s);
     outcome.result.loss = s.reports[last].loss;
     outcome.result.grad_norm = s.grad_norm;
     outcome.result.wall_ms =

@@ -20,6 +20,9 @@ schedule_kind parse_schedule_kind(const std::string& name);
 
 std::string to_string(schedule_kind kind);
 
+/// "looped" or "v" (as to_string(chunk_placement) writes them); throws invalid_argument otherwise.
+chunk_placement parse_chunk_placement(const std::string& name);
+
 /// The chunks per stage a pipeline of `kind` runs when asked for `chunks`: 2 for the V
 /// schedules (they hold two by construction), `chunks` otherwise.
 std::size_t chunks_for(schedule_kind kind, std::size_t chunks);
