@@ -116,6 +116,11 @@ struct step_plan {
   /// again) when clipping changed the step, or when the step fails.
   double learning_rate = -1;
   bool optimistic = false;
+  /// Overlapping steps (pipeline_options::overlap_steps, in process): the scheduler may send the
+  /// next step's plan before this step's update. The stage keeps it until its optimizer step for
+  /// this step is done: right after its early step when nothing validates it (no clipping), or
+  /// when the update comes; a next plan that arrives while this one runs waits its turn.
+  bool overlapped = false;
 };
 
 /// What a stage reports when its program has run.

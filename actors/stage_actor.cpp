@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <deque>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -82,8 +83,15 @@ struct stage_state {
   // the chunks' state from before it, the learning rate it set and how long it took.
   uint64_t stepped_early = 0;
   std::vector<stages::stage::tensor_map> before_update;
+  // The chunks' buffers as that step began, which an abort puts back.
+  std::vector<std::vector<torch::Tensor>> early_buffers;
   double early_learning_rate = -1;
   double early_ms = 0;
+
+  // Overlapping steps: plans that came before this stage was done with the running one, and
+  // whether the running step's optimizer step is still to come (from the update).
+  std::deque<step_plan> queued;
+  bool awaiting_update = false;
 
   // BMUF: optimizer steps since the running block (or the warm-up) began, and whether the
   // warm-up is over.
@@ -409,6 +417,7 @@ std::string restore_before_update(stage_state& s) {
                            s.stepped_early, " failed: ", e.what());
   }
   s.before_update.clear();
+  s.early_buffers.clear();
   s.stepped_early = 0;
   return error;
 }
@@ -421,6 +430,7 @@ void step_early(stage_state& s) {
   try {
     for (auto& chunk : s.chunks) {
       s.before_update.push_back(chunk->state(/*copy=*/true, /*tie_copies=*/true));
+      s.early_buffers.push_back(chunk->step_start_buffers());
     }
     for (auto& chunk : s.chunks) {
       if (s.plan.learning_rate >= 0) {
@@ -441,6 +451,8 @@ void step_early(stage_state& s) {
   }
   s.early_ms = ms_since(start);
 }
+
+void start_queued(stage_actor_type self);
 
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type self) {
@@ -513,11 +525,19 @@ void advance(stage_actor_type self) {
     for (const auto& chunk : s.chunks) {
       s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
     }
-    bool early = s.plan.train && s.plan.optimistic && !s.bmuf();
+    // One early step at a time: with overlapping steps the one before may be unconfirmed yet.
+    bool early = s.plan.train && s.plan.optimistic && !s.bmuf() && s.stepped_early == 0;
     s.report.stats.early_update = early;
     self->send(s.scheduler, done_atom::value, std::move(s.report));
     if (early) {
       step_early(s);
+    }
+    if (s.plan.train && s.plan.overlapped) {
+      // The next step may start on the parameters of an early step that nothing validates (no
+      // clipping: the update can only confirm it, or a failure undo both steps); otherwise the
+      // update steps or confirms first.
+      s.awaiting_update = !(s.stepped_early == s.plan.step && !s.options.report_gradient_norm);
+      start_queued(self);
     }
   }
 }
@@ -531,8 +551,14 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
                 (learning_rate < 0 || learning_rate == s.early_learning_rate);
     if (same) {
       s.before_update.clear();
+      s.early_buffers.clear();
       s.stepped_early = 0;
       return {s.early_ms, std::string{}};
+    }
+    if (s.plan.step != step) {
+      return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                              ": its early optimizer step cannot be redone, step ",
+                                              s.plan.step, " already runs on its parameters")};
     }
     // Clipping scaled the gradients (or another rate came): the step from the state before.
     if (auto error = restore_before_update(s); !error.empty()) {
@@ -588,6 +614,79 @@ void set_threads(stage_state& s) {
   }
 }
 
+// Starts a step's plan: its inputs join those that came before it, and the program runs as far
+// as they allow.
+void start_plan(stage_actor_type self, step_plan plan) {
+  auto& s = self->state;
+  set_threads(s);
+  // Overlapping steps: the step before may still wait for its confirmation.
+  bool follows = s.plan.overlapped && s.stepped_early == s.plan.step;
+  if (s.stepped_early != 0 && s.stepped_early < plan.step && !follows) {
+    // Neither an update nor an abort came for it: the step did not complete.
+    log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
+                     "optimizer step is undone",
+                     s.options.index, s.stepped_early);
+    if (auto error = restore_before_update(s); !error.empty()) {
+      log::get()->error("{}", error);
+    }
+  }
+  drop_older_than(s.activations, plan.step);
+  drop_older_than(s.gradients, plan.step);
+  s.report = stage_report{};
+  s.report.step = plan.step;
+  s.report.stats.stage = s.options.index;
+  s.report.stats.overlapped = follows;
+  if (s.chunks.back()->is_last() && !plan.train) {
+    std::size_t m = 0;
+    for (const auto& a : plan.program) {
+      m = std::max(m, static_cast<std::size_t>(a.microbatch) + 1);
+    }
+    s.report.outputs.resize(m);
+  }
+  for (std::size_t position = 0; position < plan.inputs.size(); ++position) {
+    s.activations[key{plan.step, static_cast<int32_t>(position), 0}] =
+      std::move(plan.inputs[position]);
+  }
+  plan.inputs.clear();
+  s.plan = std::move(plan);
+  if (s.batch_norm_sync) {
+    // Mean-reduced losses weight a replica's gradients by its samples (sync_replicas).
+    s.batch_norm_sync->weight = s.options.reduction == loss_reduction::mean
+                                  ? static_cast<double>(std::max<int64_t>(1, s.plan.samples))
+                                  : 1.0;
+  }
+  s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
+                        [](const action& a) { return a.kind == action_kind::weight; });
+  s.microbatches = 0;
+  for (const auto& a : s.plan.program) {
+    s.microbatches = std::max(s.microbatches, a.microbatch + 1);
+  }
+  s.next_action = 0;
+  s.live = 0;
+  s.peak_live = 0;
+  s.waiting = false;
+  s.active = true;
+  try {
+    for (auto& chunk : s.chunks) {
+      chunk->begin_step(s.plan.train);
+    }
+  } catch (const std::exception& e) {
+    fail(self, e);
+    return;
+  }
+  advance(self);
+}
+
+// Overlapping steps: the next plan, once this stage is done with the step before it.
+void start_queued(stage_actor_type self) {
+  auto& s = self->state;
+  if (!s.active && !s.awaiting_update && !s.queued.empty()) {
+    auto plan = std::move(s.queued.front());
+    s.queued.pop_front();
+    start_plan(self, std::move(plan));
+  }
+}
+
 // After a step message: the thread polls for the next one before it sleeps.
 void rest(stage_actor_type self) {
   linger(self, self->state.options.linger);
@@ -624,60 +723,12 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     },
     [=](plan_atom, step_plan& plan) {
       auto& s = self->state;
-      set_threads(s);
-      if (s.stepped_early != 0 && s.stepped_early < plan.step) {
-        // Neither an update nor an abort came for it: the step did not complete.
-        log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
-                         "optimizer step is undone",
-                         s.options.index, s.stepped_early);
-        if (auto error = restore_before_update(s); !error.empty()) {
-          log::get()->error("{}", error);
-        }
+      if (!s.queued.empty() || (s.plan.overlapped && (s.active || s.awaiting_update))) {
+        // Overlapping steps: its turn comes when this stage is done with the step before.
+        s.queued.push_back(std::move(plan));
+      } else {
+        start_plan(self, std::move(plan));
       }
-      drop_older_than(s.activations, plan.step);
-      drop_older_than(s.gradients, plan.step);
-      s.report = stage_report{};
-      s.report.step = plan.step;
-      s.report.stats.stage = s.options.index;
-      if (s.chunks.back()->is_last() && !plan.train) {
-        std::size_t m = 0;
-        for (const auto& a : plan.program) {
-          m = std::max(m, static_cast<std::size_t>(a.microbatch) + 1);
-        }
-        s.report.outputs.resize(m);
-      }
-      for (std::size_t position = 0; position < plan.inputs.size(); ++position) {
-        s.activations[key{plan.step, static_cast<int32_t>(position), 0}] =
-          std::move(plan.inputs[position]);
-      }
-      plan.inputs.clear();
-      s.plan = std::move(plan);
-      if (s.batch_norm_sync) {
-        // Mean-reduced losses weight a replica's gradients by its samples (sync_replicas).
-        s.batch_norm_sync->weight = s.options.reduction == loss_reduction::mean
-                                      ? static_cast<double>(std::max<int64_t>(1, s.plan.samples))
-                                      : 1.0;
-      }
-      s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
-                            [](const action& a) { return a.kind == action_kind::weight; });
-      s.microbatches = 0;
-      for (const auto& a : s.plan.program) {
-        s.microbatches = std::max(s.microbatches, a.microbatch + 1);
-      }
-      s.next_action = 0;
-      s.live = 0;
-      s.peak_live = 0;
-      s.waiting = false;
-      s.active = true;
-      try {
-        for (auto& chunk : s.chunks) {
-          chunk->begin_step(s.plan.train);
-        }
-      } catch (const std::exception& e) {
-        fail(self, e);
-        return;
-      }
-      advance(self);
       rest(self);
     },
     [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& x) {
@@ -719,24 +770,46 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       auto& s = self->state;
       drop_step(s.activations, step);
       drop_step(s.gradients, step);
-      if (step == s.plan.step) {
-        s.active = false;
-        abort_chunks(s);
-      }
+      s.queued.erase(std::remove_if(s.queued.begin(), s.queued.end(),
+                                    [&](const step_plan& p) { return p.step == step; }),
+                     s.queued.end());
+      // A failed step changes no parameter: an early optimizer step of it (or of the step before,
+      // which the scheduler aborts next) is undone first, then the running step's buffers go
+      // back to its start, then to the start of the early-stepped one.
+      std::vector<std::vector<torch::Tensor>> buffers;
       if (s.stepped_early != 0 && s.stepped_early <= step) {
-        // A failed step changes no parameter.
+        buffers = std::move(s.early_buffers);
         if (auto error = restore_before_update(s); !error.empty()) {
           log::get()->error("{}", error);
         }
       }
+      if (step == s.plan.step) {
+        s.active = false;
+        s.awaiting_update = false;
+        abort_chunks(s);
+      }
+      try {
+        for (std::size_t c = 0; c < buffers.size(); ++c) {
+          s.chunks[c]->restore_step_start_buffers(buffers[c]);
+        }
+      } catch (const std::exception& e) {
+        log::get()->error("stage {}: restoring the buffers of an aborted step failed: {}",
+                          s.options.index, e.what());
+      }
+      start_queued(self);
       return true;
     },
     [=](update_atom, uint64_t step, double learning_rate,
         double gradient_scale) -> caf::result<double, std::string> {
       // Replied before the actor lingers for the next step's plan.
+      auto& s = self->state;
       auto promise = self->make_response_promise<double, std::string>();
-      auto [ms, error] = update(self->state, step, learning_rate, gradient_scale);
+      auto [ms, error] = update(s, step, learning_rate, gradient_scale);
       promise.deliver(ms, std::move(error));
+      if (s.awaiting_update && step == s.plan.step && !s.active) {
+        s.awaiting_update = false;
+        start_queued(self);
+      }
       rest(self);
       return promise;
     },

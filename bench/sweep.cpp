@@ -80,14 +80,47 @@ struct contender {
     return loss_fn(stages::boundary_cast(out, precision, /*last=*/true), y);
   }
 
+  // Training steps per measured step: 2 when overlapping steps are measured (each configuration
+  // then takes every batch twice, submitted together, and a step's time is half the pair's).
+  std::size_t repeats = 1;
+
   void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
     if (pipe) {
-      auto r = pipe->train_step(x, y);
-      row.losses.push_back(r.loss);
-      if (!record) {
+      if (repeats == 1) {
+        record_step(pipe->train_step(x, y), x, record, /*ms=*/-1);
         return;
       }
-      times.push_back(r.wall_ms);
+      auto start = clock_type::now();
+      std::vector<std::future<step_result>> futures;
+      for (std::size_t i = 0; i < repeats; ++i) {
+        futures.push_back(pipe->train_step_async(x, y));
+      }
+      std::vector<step_result> results;
+      for (auto& f : futures) {
+        results.push_back(f.get());
+      }
+      auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count() /
+                static_cast<double>(repeats);
+      for (auto& r : results) {
+        record_step(std::move(r), x, record, ms);
+      }
+    } else {
+      for (std::size_t i = 0; i < repeats; ++i) {
+        plain_step(x, y, record);
+      }
+    }
+    row.rss_mb = std::max(row.rss_mb, rss_mb());
+  }
+
+  // A pipeline's step: its time (`ms`, or the step's own when < 0), ideals and prediction.
+  void record_step(step_result r, const torch::Tensor& x, bool record, double ms) {
+    row.losses.push_back(r.loss);
+    row.rss_mb = std::max(row.rss_mb, rss_mb());
+    if (!record) {
+      return;
+    }
+    {
+      times.push_back(ms < 0 ? r.wall_ms : ms);
       auto p = r.stages.size();
       auto m = static_cast<double>(row.splits);
       auto report = compare_bubbles(plan, row.splits, r);
@@ -110,7 +143,11 @@ struct contender {
         stash = std::max(stash, s.peak_stash_bytes);
       }
       stash_mb.push_back(static_cast<double>(stash) / 1e6);
-    } else {
+    }
+  }
+
+  void plain_step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
+    {
       auto previous = at::get_num_threads();
       at::set_num_threads(threads);
       auto start = clock_type::now();
@@ -405,6 +442,7 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
     po.precision = parse_precision(s.precision);
     po.recompute = parse_recompute_mode(s.recompute);
     po.optimistic_update = s.update == "early";
+    po.overlap_steps = s.update == "overlap";
     contender c;
     c.loss_fn = po.loss;
     c.precision = po.precision;
@@ -704,6 +742,15 @@ std::vector<sweep_row> run_sweep(const sweep_options& o) {
   }
   std::fflush(stdout);
 
+  if (std::find(o.updates.begin(), o.updates.end(), "overlap") != o.updates.end()) {
+    // Overlapping steps need a step submitted behind the running one: every configuration takes
+    // each batch twice, submitted together (plain libtorch one after the other).
+    for (auto& c : contenders) {
+      c.repeats = 2;
+    }
+    std::printf("--updates overlap: every configuration trains on each batch twice per measured "
+                "step; times are per training step (half the pair's)\n");
+  }
   training::progress_bar bar("bench", static_cast<int64_t>((o.steps + 1) * contenders.size()));
   int64_t done = 0;
   for (std::size_t i = 0; i <= o.steps; ++i) {

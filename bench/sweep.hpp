@@ -32,7 +32,9 @@ struct sweep_options {
   std::vector<std::string> schedules;
   /// The pipelines' optimizer updates side by side: "early" (post-validation: a stage steps as
   /// soon as its program has run, pipeline_options::optimistic_update) or "wait" (every stage
-  /// waits until all have their gradients); empty: wait (the default of pipeline_options).
+  /// waits until all have their gradients) or "overlap" (pipeline_options::overlap_steps; every
+  /// configuration then trains twice per measured step on the batch, the two steps submitted
+  /// together); empty: wait (the default of pipeline_options).
   std::vector<std::string> updates;
   std::size_t steps = 3;
   double lr = 0.05;

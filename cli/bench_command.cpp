@@ -44,10 +44,11 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
   cmd
     ->add_option("--updates", o.updates,
                  "Pipelines' optimizer updates side by side: early (a stage steps as soon as its "
-                 "program has run, undone if clipping or a failure says so), wait, e.g. "
-                 "early,wait")
+                 "program has run, undone if clipping or a failure says so), wait, overlap (each "
+                 "stage starts the next step when done with the one before; every configuration "
+                 "then trains twice per batch), e.g. early,wait,overlap")
     ->delimiter(',')
-    ->check(CLI::IsMember({"early", "wait"}));
+    ->check(CLI::IsMember({"early", "wait", "overlap"}));
   cmd
     ->add_option("--schedules", o.schedules,
                  "Pipelines' schedules side by side, e.g. 1f1b,zb-h1 (default: --schedule)")

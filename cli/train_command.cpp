@@ -60,6 +60,10 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--min-lr", a.min_lr,
       "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
       "e.g. a hundredth of --lr)");
+  cmd->add_flag("--overlap-steps", a.overlap_steps,
+                "Overlap consecutive steps: each stage starts the next step as soon as it is done "
+                "with the one before (its optimizer steps early), the same parameters as without "
+                "(stages in this process; docs/schedules.md#overlapping-steps)");
   cmd->add_flag("--shuffle", a.shuffle,
                 "--data tensors:PATH: visit the file in a new random order (from --seed) on "
                 "every pass instead of in order");
@@ -311,6 +315,14 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
       refuse(flag, "applies to --on-node-loss continue");
     }
   }
+  if (!a.nodes.empty()) {
+    refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
+                              "step at a time");
+  }
+  if (a.replicas > 1) {
+    refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
+                              "take one step at a time");
+  }
   ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
   ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
   if (images) {
@@ -494,6 +506,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.log_steps = stream && !a.no_progress;
   to.progress = !stream && !a.no_progress;
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
+  to.overlap_steps = a.overlap_steps;
   to.recover_lost_nodes = a.on_node_loss == "continue";
   to.snapshot_every = a.snapshot_every;
   to.max_recoveries = a.max_recoveries;
@@ -705,6 +718,7 @@ int run_train(const train_args& given) {
   po.max_grad_norm = a.max_grad_norm;
   po.recompute = parse_recompute_mode(a.recompute);
   po.precision = parse_precision(a.precision);
+  po.overlap_steps = a.overlap_steps;
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 
   auto& dp = po.data_parallel;

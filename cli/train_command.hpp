@@ -48,6 +48,8 @@ struct train_args {
   std::size_t workers = 2;
   /// --data tensors:PATH: a new order for every pass over the file.
   bool shuffle = false;
+  /// pipeline_options::overlap_steps and train_options::overlap_steps.
+  bool overlap_steps = false;
   /// Write the trained TorchScript model here.
   std::string export_path;
   int64_t warmup = 100;

@@ -407,6 +407,7 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   so.abort_timeout = options.wait_timeout;
   so.max_grad_norm = options.max_grad_norm;
   so.optimistic_update = options.optimistic_update;
+  so.overlap_steps = options.overlap_steps;
   so.linger = options.linger;
   so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
   return so;
@@ -556,6 +557,9 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
                   "pipeline: stages on nodes compute remote_model::loss (a built-in loss by name); "
                   "loss_with_inputs is a function, which does not cross processes");
   ACTORPIPE_CHECK(options.devices.empty(), "pipeline: stages on nodes run on their nodes' CPUs");
+  ACTORPIPE_CHECK(!options.overlap_steps,
+                  "pipeline: overlap_steps runs stages in this process; stages on nodes take one "
+                  "step at a time");
   ACTORPIPE_CHECK(!options.placement.nodes.empty(),
                   "pipeline: a remote_model needs options.placement.nodes");
   options.loss = builtin_loss(model.loss);

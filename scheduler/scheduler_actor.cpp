@@ -44,6 +44,16 @@ struct scheduler_state {
   failure abort_failure;
   std::size_t aborts_pending = 0;
   std::map<std::pair<std::size_t, bool>, schedule> schedules;
+  // Overlapping steps: the training step after the running one, whose plans the stages have
+  // already (numbered step + 1), with the reports and the failure that came for it meanwhile.
+  struct ahead_step {
+    std::shared_ptr<step_request> request;
+    clock_type::time_point started;
+    std::vector<stage_report> reports;
+    std::size_t reported = 0;
+    std::optional<failure> failed;
+  };
+  std::optional<ahead_step> ahead;
   // The running step's deadline (one timer at most pending: actors/deadline.hpp).
   deadline_timer deadline;
 
@@ -55,6 +65,7 @@ using scheduler_self_actor = scheduler_actor::extend<caf::reacts_to<step_timeout
 using scheduler_actor_type = scheduler_self_actor::stateful_pointer<scheduler_state>;
 
 void start_next(scheduler_actor_type self);
+void on_all_reported(scheduler_actor_type self);
 
 void finish(scheduler_actor_type self, step_outcome outcome) {
   auto& s = self->state;
@@ -102,8 +113,15 @@ void fail(scheduler_actor_type self, failure why) {
   }
   s.abort_failure = std::move(why);
   log::get()->warn("step {} fails: {}", s.step, s.abort_failure.message);
-  s.aborts_pending = s.stages.size();
   auto step = s.step;
+  // Overlapping steps: the step behind it ran on parameters the failed step would have set; it is
+  // aborted first (a stage then undoes both steps' early optimizer steps) and fails with it.
+  std::vector<uint64_t> steps;
+  if (s.ahead) {
+    steps.push_back(step + 1);
+  }
+  steps.push_back(step);
+  s.aborts_pending = s.stages.size() * steps.size();
   auto confirmed = [=](const std::string& note) {
     auto& st = self->state;
     if (!st.current || st.step != step) {
@@ -113,17 +131,31 @@ void fail(scheduler_actor_type self, failure why) {
       st.abort_failure.message += "; " + note;
     }
     if (--st.aborts_pending == 0) {
+      if (st.ahead) {
+        auto behind = std::move(st.ahead->request);
+        st.ahead.reset();
+        step_outcome outcome;
+        outcome.error = std::make_exception_ptr(pipeline_error(
+          detail::concat("step ", step + 1, " did not run: it overlapped step ", step,
+                         ", which failed: ", st.abort_failure.message),
+          error_details{st.abort_failure.details.kind, std::nullopt, std::nullopt, step + 1}));
+        behind->finish(std::move(outcome));
+        // Its number is spent: frames of it still on their way are older than the next step.
+        st.step = step + 1;
+      }
       finish_with_error(self, st.abort_failure);
     }
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
-    self->request(s.stages[i], s.options.abort_timeout, abort_atom::value, step)
-      .then([=](bool) { confirmed({}); },
-            [=](const caf::error& err) {
-              confirmed(detail::concat(
-                "stage ", i, ", asked to abort, ",
-                request_error(self->system(), err, self->state.options.abort_timeout)));
-            });
+    for (auto aborted : steps) {
+      self->request(s.stages[i], s.options.abort_timeout, abort_atom::value, aborted)
+        .then([=](bool) { confirmed({}); },
+              [=](const caf::error& err) {
+                confirmed(detail::concat(
+                  "stage ", i, ", asked to abort step ", aborted, ", ",
+                  request_error(self->system(), err, self->state.options.abort_timeout)));
+              });
+    }
   }
 }
 
@@ -232,9 +264,103 @@ void run_state_request(scheduler_actor_type self) {
   }
 }
 
+// Sends every stage its plan for step `step` of `request`.
+void send_plans(scheduler_actor_type self, step_request& request, uint64_t step,
+                clock_type::time_point started, const schedule& programs) {
+  auto& s = self->state;
+  auto last = last_stage(s);
+  auto origin =
+    std::chrono::duration_cast<std::chrono::nanoseconds>(started.time_since_epoch()).count();
+  bool overlap = request.train() && s.options.overlap_steps;
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    step_plan plan;
+    plan.step = step;
+    plan.train = request.train();
+    plan.origin_ns = origin;
+    plan.program = programs[i];
+    plan.learning_rate = request.learning_rate;
+    // Post-validation: every stage but the one that reported last the step before (whose
+    // early step would only delay its report's confirmation) steps its optimizer at once,
+    // unless the step before was clipped (this one likely is too, and would be stepped twice).
+    // Overlapping steps: every stage, so that it can go on to the next step at once.
+    plan.optimistic = request.train() && (s.options.optimistic_update || overlap) &&
+                      !s.last_clipped && (overlap || i != s.last_reporter);
+    plan.overlapped = overlap;
+    if (i == 0) {
+      plan.inputs = request.inputs;
+    }
+    if (i == last && request.train()) {
+      plan.targets = request.targets;
+      plan.loss_scales = request.loss_scales;
+      if (s.options.inputs_to_loss) {
+        plan.loss_inputs = request.inputs;
+      }
+    }
+    for (const auto& mb : request.inputs) {
+      plan.samples += mb.size(0);
+    }
+    self->send(s.stages[i], plan_atom::value, std::move(plan));
+  }
+}
+
+// Overlapping steps: while a training step runs, the next queued training step goes to the
+// stages at once; each starts it when it is done with the running one (step_plan::overlapped).
+void send_ahead(scheduler_actor_type self) {
+  auto& s = self->state;
+  if (!s.options.overlap_steps || !s.current || !s.current->train() || s.ahead || s.aborting ||
+      s.broken || s.queue.empty() || !s.queue.front()->train()) {
+    return;
+  }
+  const schedule* programs = nullptr;
+  try {
+    programs = &schedule_for(s, s.queue.front()->inputs.size(), /*train=*/true);
+  } catch (const std::exception&) {
+    // It fails with this error when its turn comes.
+    return;
+  }
+  scheduler_state::ahead_step next;
+  next.request = std::move(s.queue.front());
+  s.queue.pop_front();
+  next.started = clock_type::now();
+  next.reports.assign(s.stages.size(), stage_report{});
+  send_plans(self, *next.request, s.step + 1, next.started, *programs);
+  s.ahead = std::move(next);
+}
+
+// Makes the step sent ahead the running one.
+void run_ahead(scheduler_actor_type self) {
+  auto& s = self->state;
+  auto next = std::move(*s.ahead);
+  s.ahead.reset();
+  s.current = std::move(next.request);
+  ++s.step;
+  s.started = next.started;
+  s.reports = std::move(next.reports);
+  s.reported = next.reported;
+  s.updated = 0;
+  s.grad_norm = 0;
+  s.aborting = false;
+  s.deadline.arm(self, s.options.step_timeout, step_timeout_atom::value);
+  if (next.failed) {
+    fail(self, std::move(*next.failed));
+    return;
+  }
+  send_ahead(self);
+  if (s.reported == s.stages.size()) {
+    on_all_reported(self);
+  }
+}
+
 void start_next(scheduler_actor_type self) {
   auto& s = self->state;
-  if (s.current || s.queue.empty()) {
+  if (s.current) {
+    return;
+  }
+  if (s.ahead) {
+    run_ahead(self);
+    return;
+  }
+  if (s.queue.empty()) {
     return;
   }
   s.current = std::move(s.queue.front());
@@ -265,37 +391,9 @@ void start_next(scheduler_actor_type self) {
     finish(self, std::move(outcome));
     return;
   }
-  auto last = last_stage(s);
-  auto origin =
-    std::chrono::duration_cast<std::chrono::nanoseconds>(s.started.time_since_epoch()).count();
-  for (std::size_t i = 0; i < s.stages.size(); ++i) {
-    step_plan plan;
-    plan.step = s.step;
-    plan.train = request.train();
-    plan.origin_ns = origin;
-    plan.program = (*programs)[i];
-    plan.learning_rate = request.learning_rate;
-    // Post-validation: every stage but the one that reported last the step before (whose
-    // early step would only delay its report's confirmation) steps its optimizer at once,
-    // unless the step before was clipped (this one likely is too, and would be stepped twice).
-    plan.optimistic =
-      request.train() && s.options.optimistic_update && !s.last_clipped && i != s.last_reporter;
-    if (i == 0) {
-      plan.inputs = request.inputs;
-    }
-    if (i == last && request.train()) {
-      plan.targets = request.targets;
-      plan.loss_scales = request.loss_scales;
-      if (s.options.inputs_to_loss) {
-        plan.loss_inputs = request.inputs;
-      }
-    }
-    for (const auto& mb : request.inputs) {
-      plan.samples += mb.size(0);
-    }
-    self->send(s.stages[i], plan_atom::value, std::move(plan));
-  }
+  send_plans(self, request, s.step, s.started, *programs);
   s.deadline.arm(self, s.options.step_timeout, step_timeout_atom::value);
+  send_ahead(self);
 }
 
 void on_all_reported(scheduler_actor_type self) {
@@ -409,10 +507,17 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
     [=](run_atom, std::shared_ptr<step_request>& request) {
       self->state.queue.push_back(std::move(request));
       start_next(self);
+      send_ahead(self);
       linger(self, self->state.options.linger);
     },
     [=](done_atom, stage_report& report) {
       auto& s = self->state;
+      if (s.ahead && report.step == s.step + 1) {
+        // Overlapping steps: kept until the step before is done.
+        s.ahead->reports[report.stats.stage] = std::move(report);
+        ++s.ahead->reported;
+        return;
+      }
       if (!s.current || report.step != s.step || s.aborting) {
         return;
       }
@@ -428,6 +533,9 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
       auto& s = self->state;
       if (s.current && step == s.step) {
         fail(self, std::move(why));
+      } else if (s.ahead && step == s.step + 1 && !s.ahead->failed) {
+        // It fails (and is aborted) when its turn comes; the step before goes on meanwhile.
+        s.ahead->failed = std::move(why);
       }
     },
     [=](step_timeout_atom) {

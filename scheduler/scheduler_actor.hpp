@@ -95,6 +95,9 @@ struct scheduler_options {
   double max_grad_norm = 0;
   /// Optimizer post-validation (pipeline_options::optimistic_update).
   bool optimistic_update = false;
+  /// Overlapping steps (pipeline_options::overlap_steps): the next queued training step's plans
+  /// go out while a training step runs.
+  bool overlap_steps = false;
   /// The last stage also gets each micro-batch's inputs (a loss that sees them).
   bool inputs_to_loss = false;
   /// Per stage actor, the node ("host:port") that hosts it; empty when stages are in process. A

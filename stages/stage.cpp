@@ -651,6 +651,18 @@ void stage::abort_step() {
   }
 }
 
+std::vector<torch::Tensor> stage::step_start_buffers() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return buffer_snapshot_;
+}
+
+void stage::restore_step_start_buffers(const std::vector<torch::Tensor>& snapshot) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (!snapshot.empty()) {
+    restore_buffers(snapshot);
+  }
+}
+
 std::vector<torch::Tensor> stage::copy_buffers() const {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> copies;

@@ -128,6 +128,11 @@ public:
   /// Drops the stash and gradients and restores the buffers snapshotted by begin_step.
   void abort_step();
 
+  /// The buffers begin_step snapshotted (empty outside training), and putting such a snapshot
+  /// back: a step undone after the next one began (overlapping steps) returns to its own start.
+  std::vector<torch::Tensor> step_start_buffers() const;
+  void restore_step_start_buffers(const std::vector<torch::Tensor>& snapshot);
+
   /// Steps the optimizer over the gradients accumulated since begin_step, after scaling every
   /// gradient by `gradient_scale` (global norm clipping) when that is not 1.
   void optimizer_step(double gradient_scale = 1.0);

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <fstream>
+#include <future>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -326,6 +328,21 @@ void load(replicated_pipeline& pipe, const std::string& dir) {
     pipe.replica(r).load_state(dir);
   }
 }
+// Starts a step; the replicas in this process take theirs one at a time (train refuses
+// overlap_steps for them).
+std::future<step_result> submit(pipeline& pipe, const torch::Tensor& x, const torch::Tensor& y) {
+  return pipe.train_step_async(x, y);
+}
+std::future<step_result> submit(replicated_pipeline& pipe, const torch::Tensor& x,
+                                const torch::Tensor& y) {
+  std::promise<step_result> done;
+  try {
+    done.set_value(pipe.train_step(x, y));
+  } catch (...) {
+    done.set_exception(std::current_exception());
+  }
+  return done.get_future();
+}
 recovery_report recover(pipeline& pipe, const train_options& o) {
   return pipe.recover(o.repartition);
 }
@@ -514,21 +531,22 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
       int64_t loss_count = 0;
       int64_t start_batch = epoch == from.epoch ? from.batch : 0;
       bool stopped = false;
-      for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
-        if (o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps)) {
-          stopped = true;
-          break;
-        }
-        auto asked = std::chrono::steady_clock::now();
-        auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
-        const double waited =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked)
-            .count();
-        report.data_wait_seconds += waited / 1000.0;
-        auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(step)) : o.lr;
-        pipe.set_learning_rate(current_lr);
-        auto r = pipe.train_step(x, y);
-        r.data_wait_ms = waited;
+      // Overlapping steps (train_options::overlap_steps): the step submitted behind the running
+      // one, with its batch's index and how long its data took.
+      struct in_flight {
+        std::future<step_result> result;
+        int64_t b;
+        double waited;
+      };
+      std::deque<in_flight> flying;
+      // Finishes the oldest step in flight (its log, checkpoint and snapshot); whether the run
+      // stops there.
+      auto complete = [&]() -> bool {
+        auto f = std::move(flying.front());
+        flying.pop_front();
+        const auto b = f.b;
+        auto r = f.result.get();
+        r.data_wait_ms = f.waited;
         ++step;
         report.steps.emplace_back(step, r.loss);
         report.step_ms.push_back(r.wall_ms);
@@ -557,7 +575,36 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
           checkpoint(epoch, b + 1);
         }
         take_snapshot(epoch, b + 1);
-        if (stop && !last) {
+        return stop && !last;
+      };
+      for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
+        const auto submitted = step + flying.size();
+        if (o.max_steps > 0 && submitted >= static_cast<uint64_t>(o.max_steps)) {
+          stopped = true;
+          break;
+        }
+        auto asked = std::chrono::steady_clock::now();
+        auto [x, y] = data.batch(epoch, b, o.batch, o.seed, o.rank, o.replicas);
+        const double waited =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked)
+            .count();
+        report.data_wait_seconds += waited / 1000.0;
+        auto current_lr = o.cosine ? lr.at(static_cast<int64_t>(submitted)) : o.lr;
+        pipe.set_learning_rate(current_lr);
+        flying.push_back({submit(pipe, x, y), b, waited});
+        // A step after which the loop checkpoints, snapshots, stops or ends the epoch finishes
+        // before the next is submitted (which would run before the checkpoint).
+        const auto after = submitted + 1;
+        bool alone =
+          !o.overlap_steps || b + 1 == steps_per_epoch ||
+          (o.max_steps > 0 && after >= static_cast<uint64_t>(o.max_steps)) ||
+          (o.checkpoint_every > 0 && after % static_cast<uint64_t>(o.checkpoint_every) == 0) ||
+          (o.recover_lost_nodes && after % static_cast<uint64_t>(o.snapshot_every) == 0);
+        bool stop = false;
+        while (!stop && flying.size() > (alone ? 0U : 1U)) {
+          stop = complete();
+        }
+        if (stop) {
           stopped = true;
           break;
         }
@@ -632,6 +679,8 @@ train_report train(replicated_pipeline& pipe, const batch_source& data, const tr
                   "train: replicas keep their cut when a node is lost (a spare "
                   "takes its stages, or its replica leaves); train_options::repartition is for "
                   "one pipeline");
+  ACTORPIPE_CHECK(!o.overlap_steps, "train: replicas in this process take one step at a time; "
+                                    "train_options::overlap_steps is for one pipeline");
   return train_loop(pipe, data, o);
 }
 

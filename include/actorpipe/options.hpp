@@ -400,6 +400,18 @@ struct pipeline_options {
   /// stages that finish early (1% of the ResNet-50 bench step, below its noise:
   /// docs/schedules.md, BENCHMARKS.md).
   bool optimistic_update = false;
+  /// Overlapping steps: while a training step runs, the next one already submitted
+  /// (train_step_async) goes to the stages, and each stage starts it as soon as it is done with
+  /// the step before: its program has run and its optimizers stepped (early, as
+  /// optimistic_update, on every stage). Step n+1's first forwards then run while later stages
+  /// still finish step n (the weight-gradient actions of the zero-bubble schedules), and no
+  /// stage waits for the scheduler's round between steps. Parameters are those of steps run one
+  /// after the other, bit for bit. With clipping (max_grad_norm > 0) a stage waits for the
+  /// update before it starts the next step (it may be undone and stepped again), so only the
+  /// round trip is saved. A failed step also fails the step behind it, which ran on parameters
+  /// the failed one would have set; both leave the pipeline as it was before the failed one.
+  /// Stages in this process only (not on nodes). Off by default (docs/schedules.md).
+  bool overlap_steps = false;
   /// Replicas of this pipeline (off by default).
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).

@@ -33,6 +33,9 @@ struct stage_stats {
   /// The stage stepped its optimizers as soon as its program had run, before the update
   /// confirmed the step (pipeline_options::optimistic_update).
   bool early_update = false;
+  /// Overlapping steps (pipeline_options::overlap_steps): the stage started this step before the
+  /// scheduler had confirmed the step before (its first actions ran beside other stages' last).
+  bool overlapped = false;
   /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
   double peak_stash = 0;
   /// Most bytes stashed at once during the step (summed over an actor's chunks): the inputs of

@@ -298,6 +298,10 @@ struct train_options {
   bool log_steps = false;
   /// Keep every step's step_result in the report (timings, per-stage actions: traces).
   bool keep_results = false;
+  /// Submit each step behind the running one (train_step_async), so that a pipeline with
+  /// pipeline_options::overlap_steps overlaps them; a step after which a checkpoint, a snapshot,
+  /// the stop or the epoch's end comes runs alone. One pipeline only (not replicated_pipeline).
+  bool overlap_steps = false;
   /// Data parallelism: this process is replica `rank` of `replicas` (its pipeline has
   /// data_parallel set accordingly). Each rank takes batch / replicas samples of every step
   /// from its distributed_order shard; only rank 0 shows progress, evaluates, writes metrics and

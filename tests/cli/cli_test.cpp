@@ -471,6 +471,45 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
   std::filesystem::remove(file);
 }
 
+TEST_CASE("--overlap-steps trains Fashion-MNIST to the same losses bit for bit, checkpoints after "
+          "the right steps, and is refused where it does not apply") {
+  auto plain = temp_file("overlap_plain.json");
+  auto overlapped = temp_file("overlap_on.json");
+  auto resumed = temp_file("overlap_resumed.json");
+  auto dir = temp_file("overlap_ckpt");
+  std::filesystem::remove_all(dir);
+  const std::string run_args = small_fashion + " --stages 2 --schedule zb-h1";
+  auto a = run(run_args + " --json " + plain.string());
+  auto b = run(run_args + " --overlap-steps --checkpoint-every 7 --keep 10 --checkpoint-dir " +
+               dir.string() + " --json " + overlapped.string());
+  CAPTURE(a.output);
+  CAPTURE(b.output);
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  auto expected = step_losses(plain);
+  REQUIRE(expected.size() == 40);
+  CHECK(step_losses(overlapped) == expected);
+  CHECK(last_top1(overlapped) == last_top1(plain));
+  // The checkpoint after step 14 holds the state after step 14, not after the step submitted
+  // behind it: a run resumed from it continues with the same losses.
+  REQUIRE(std::filesystem::exists(dir / "step-14" / "manifest.json"));
+  auto c =
+    run(run_args + " --resume " + (dir / "step-14").string() + " --json " + resumed.string());
+  CAPTURE(c.output);
+  REQUIRE(c.exit_code == 0);
+  auto continued = step_losses(resumed);
+  REQUIRE(continued.size() == 26);
+  for (std::size_t i = 0; i < continued.size(); ++i) {
+    CHECK(continued[i] == expected[14 + i]);
+  }
+  std::filesystem::remove_all(dir);
+  refused("train --data synthetic --model mlp --replicas 2 --overlap-steps --steps 1",
+          "--overlap-steps applies to one pipeline");
+  refused("train --data synthetic --model mlp --nodes 127.0.0.1:1,127.0.0.1:2 --overlap-steps "
+          "--steps 1",
+          "--overlap-steps runs stages in this process");
+}
+
 TEST_CASE("--schedule zb-v and v-half run a gpt in a V: the losses of one stage, and stage 0 holds "
           "the embedding and the head") {
   auto trace = temp_file("v_trace.json");
@@ -870,8 +909,9 @@ TEST_CASE("bench sweeps stage counts side by side and reports a language model's
 TEST_CASE("bench measures schedules and optimizer updates side by side, with the same losses") {
   auto rows = bench_rows("--model gpt --layers 2 --width 16 --heads 2 --context 8 --batch 8 "
                          "--splits 4 --schedules 1f1b,zb-h1,gpipe,zb-v --steps 2 --no-progress "
-                         "--no-baselines --updates wait,early");
-  REQUIRE(rows.size() == 8);
+                         "--no-baselines --updates wait,early,overlap");
+  // Overlapping steps: every configuration trains twice per batch, and the losses still agree.
+  REQUIRE(rows.size() == 12);
   std::vector<std::string> names;
   for (const auto& row : rows) {
     CAPTURE(row.dump());
@@ -883,9 +923,11 @@ TEST_CASE("bench measures schedules and optimizer updates side by side, with the
   CHECK(names[0].find("update wait") != std::string::npos);
   CHECK(names[1].rfind("1f1b", 0) == 0);
   CHECK(names[1].find("update early") != std::string::npos);
-  CHECK(names[2].rfind("zb-h1", 0) == 0);
-  CHECK(names[4].rfind("gpipe", 0) == 0);
-  CHECK(names[6].rfind("zb-v", 0) == 0);
+  CHECK(names[2].rfind("1f1b", 0) == 0);
+  CHECK(names[2].find("update overlap") != std::string::npos);
+  CHECK(names[3].rfind("zb-h1", 0) == 0);
+  CHECK(names[6].rfind("gpipe", 0) == 0);
+  CHECK(names[9].rfind("zb-v", 0) == 0);
 
   auto both = run("bench --model mlp --schedule gpipe --schedules 1f1b,zb-h1 --steps 1");
   CHECK(both.exit_code == 2);

@@ -374,3 +374,198 @@ TEST_CASE("a NaN or infinite gradient norm fails the step naming it, and no para
     CHECK(torch::equal(trained[i].second, expected[i].second));
   }
 }
+
+namespace {
+
+// Copies of a pipeline's parameters (named_parameters shares nothing, but clones keep them).
+std::vector<std::pair<std::string, torch::Tensor>> parameters_now(const pipeline& pipe) {
+  auto all = pipe.named_parameters();
+  for (auto& [name, t] : all) {
+    t = t.clone();
+  }
+  return all;
+}
+
+void check_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                 const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(a[i].first);
+    CHECK(torch::equal(a[i].second, b[i].second));
+  }
+}
+
+} // namespace
+
+TEST_CASE("overlapping steps: submitted together, each stage starts a step when it is done with "
+          "the one before, and parameters are those of steps one after the other bit for bit, "
+          "every schedule, clipped or not") {
+  engine sys;
+  for (auto [kind, chunks] : every_schedule()) {
+    for (std::size_t stages : {std::size_t{1}, std::size_t{3}}) {
+      // Off; clipping every step (a stage waits for the update first); never clipping.
+      for (double clip : {0.0, 0.05, 1e9}) {
+        CAPTURE(to_string(kind));
+        CAPTURE(stages);
+        CAPTURE(clip);
+        std::vector<std::vector<std::pair<std::string, torch::Tensor>>> trained;
+        std::vector<std::vector<double>> losses;
+        for (bool overlap : {true, false}) {
+          CAPTURE(overlap);
+          auto o = gpt_options(kind == schedule_kind::interleaved ? 6 : 3);
+          o.schedule = kind;
+          o.chunks = chunks;
+          o.max_grad_norm = clip;
+          o.overlap_steps = overlap;
+          auto layers = tiny_gpt(6);
+          pipeline pipe(sys, layers, partition_uniform(layers.size(), stages * chunks), o);
+          std::vector<std::future<step_result>> futures;
+          for (int step = 0; step < 4; ++step) {
+            auto [x, t] = tokens(static_cast<int64_t>(o.microbatches) + 1, 6, 70 + step);
+            futures.push_back(pipe.train_step_async(x, t));
+          }
+          losses.emplace_back();
+          std::size_t overlapped = 0;
+          for (std::size_t step = 0; step < futures.size(); ++step) {
+            auto r = futures[step].get();
+            CHECK(r.step == step + 1);
+            losses.back().push_back(r.loss);
+            for (const auto& st : r.stages) {
+              overlapped += st.overlapped ? 1 : 0;
+              // Without overlap no stage steps early; with it every stage does at the first
+              // step, and none after a clipped step (the second was sent before the first was
+              // clipped).
+              if (!overlap) {
+                CHECK(!st.early_update);
+              } else if (step == 0) {
+                CHECK(st.early_update);
+              } else if (clip == 0.05 && step >= 2) {
+                CHECK(!st.early_update);
+              }
+            }
+          }
+          // Without clipping, the stage that finishes a step last goes on to the next before the
+          // scheduler confirmed it (one stage alone does so every other step: it finishes the
+          // next step before the confirmation comes, and steps that one when it comes); with
+          // clipping, every stage waits for the update.
+          if (overlap && clip == 0) {
+            CHECK(overlapped >= 2);
+          } else {
+            CHECK(overlapped == 0);
+          }
+          trained.push_back(parameters_now(pipe));
+        }
+        CHECK(losses[0] == losses[1]);
+        check_equal(trained[0], trained[1]);
+      }
+    }
+  }
+}
+
+TEST_CASE("overlapping steps: a step that fails behind a running one fails alone, a step that "
+          "fails while the next one runs fails it too, and both leave the parameters as before") {
+  engine sys;
+  // Which step's hook throws, on which stage, in which direction.
+  std::atomic<uint64_t> failing_step{0};
+  std::atomic<std::size_t> failing_stage{0};
+  std::atomic<int32_t> failing_microbatch{0};
+  std::atomic<bool> forward{false};
+  auto options = [&](bool hooked) {
+    auto o = gpt_options(3);
+    o.schedule = schedule_kind::zb_h1;
+    o.optimizer = sgd(0.1, 0.9); // momentum: an undone step must take its momentum along
+    o.overlap_steps = hooked;
+    if (hooked) {
+      auto hook = [&](bool in_forward) {
+        return [&, in_forward](const hook_context& c, torch::Tensor&) {
+          if (in_forward == forward && c.step == failing_step && c.stage == failing_stage &&
+              c.microbatch == failing_microbatch) {
+            throw std::runtime_error("the test's hook fails");
+          }
+        };
+      };
+      o.hooks.after_forward = hook(true);
+      o.hooks.after_backward = hook(false);
+    }
+    return o;
+  };
+  auto batch = [](int step) { return tokens(4, 6, 80 + step); };
+  // The pipeline with the hooks, `count` steps submitted to it together, and a pipeline without
+  // them that takes the steps it is given one at a time.
+  struct trial {
+    std::unique_ptr<pipeline> pipe;
+    std::unique_ptr<pipeline> reference;
+    std::vector<std::future<step_result>> futures;
+  };
+  auto submit = [&](int count) {
+    trial t;
+    auto layers = tiny_gpt();
+    t.pipe =
+      std::make_unique<pipeline>(sys, layers, partition_uniform(layers.size(), 3), options(true));
+    auto reference_layers = tiny_gpt();
+    t.reference = std::make_unique<pipeline>(
+      sys, reference_layers, partition_uniform(reference_layers.size(), 3), options(false));
+    for (int step = 0; step < count; ++step) {
+      auto [x, y] = batch(step);
+      t.futures.push_back(t.pipe->train_step_async(x, y));
+    }
+    return t;
+  };
+  auto reference_loss = [&](trial& t, int step) {
+    auto [x, y] = batch(step);
+    return t.reference->train_step(x, y).loss;
+  };
+  SUBCASE("the step behind fails") {
+    // Step 2 fails at its first forward on stage 0, which stage 0 runs right after its part of
+    // step 1, before its confirmation of step 1: step 1 and step 3 are as without it.
+    failing_step = 2;
+    failing_stage = 0;
+    failing_microbatch = 0;
+    forward = true;
+    auto t = submit(3);
+    CHECK(t.futures[0].get().loss == reference_loss(t, 0));
+    CHECK_THROWS_WITH_AS(t.futures[1].get(), doctest::Contains("the test's hook fails"),
+                         pipeline_error);
+    auto third = t.futures[2].get();
+    CHECK(third.step == 3);
+    CHECK(third.loss == reference_loss(t, 2));
+    check_equal(parameters_now(*t.pipe), parameters_now(*t.reference));
+  }
+  SUBCASE("the step before fails") {
+    // Step 2 fails on stage 1; stage 2 finished its part of it and started step 3, whose early
+    // optimizer step of step 2 and start are undone: steps 2 and 3 fail, step 4 runs as step 2
+    // of a pipeline that never saw them.
+    failing_step = 2;
+    failing_stage = 1;
+    failing_microbatch = 2;
+    forward = false;
+    auto t = submit(4);
+    CHECK(t.futures[0].get().loss == reference_loss(t, 0));
+    CHECK_THROWS_WITH_AS(t.futures[1].get(), doctest::Contains("the test's hook fails"),
+                         pipeline_error);
+    try {
+      t.futures[2].get();
+      FAIL("step 3 ran on the parameters of a failed step");
+    } catch (const pipeline_error& e) {
+      CHECK(std::string(e.what()).find("step 3 did not run: it overlapped step 2, which failed") !=
+            std::string::npos);
+      CHECK(e.details().step == 3u);
+    }
+    auto fourth = t.futures[3].get();
+    CHECK(fourth.step == 4);
+    CHECK(fourth.loss == reference_loss(t, 3));
+    check_equal(parameters_now(*t.pipe), parameters_now(*t.reference));
+  }
+}
+
+TEST_CASE("overlapping steps are refused for stages on nodes") {
+  engine sys;
+  auto o = gpt_options(2);
+  o.overlap_steps = true;
+  o.placement.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  remote_model model;
+  model.name = "gpt";
+  CHECK_THROWS_WITH_AS(pipeline(sys, model, partition_uniform(4, 2), o),
+                       doctest::Contains("overlap_steps runs stages in this process"),
+                       std::invalid_argument);
+}

@@ -267,6 +267,47 @@ TEST_CASE("train() feeds replicas in this process from one loop: the losses and 
                        invalid_argument);
 }
 
+TEST_CASE("train() with overlap_steps submits each step behind the running one: stages start "
+          "steps early, the losses and parameters are those without, replicas refuse it") {
+  engine sys;
+  torch::manual_seed(5);
+  dataset train_set{torch::randn({64, 1, 4, 4}), torch::randint(3, {64})};
+  dataset test_set{torch::randn({8, 1, 4, 4}), torch::randint(3, {8})};
+  dataset_source data("toy", train_set, test_set);
+  auto o = toy_options();
+  o.epochs = 2;
+  o.keep_results = true;
+  pipeline plain(sys, test::tiny_mlp(1), partition_uniform(6, 3), sgd_options(2));
+  auto expected = train(plain, data, o);
+  auto options = sgd_options(2);
+  options.overlap_steps = true;
+  pipeline overlapping(sys, test::tiny_mlp(1), partition_uniform(6, 3), options);
+  auto overlapped = o;
+  overlapped.overlap_steps = true;
+  auto got = train(overlapping, data, overlapped);
+  REQUIRE(got.steps.size() == 16);
+  CHECK(got.steps == expected.steps);
+  test::check_close(overlapping.named_parameters(), plain.named_parameters(), 0, 0);
+  // Every step but each epoch's first started on some stage before the one before was
+  // confirmed (the last of an epoch runs alone: the first of the next does not overlap it).
+  std::size_t overlapping_steps = 0;
+  for (const auto& r : got.results) {
+    overlapping_steps += std::any_of(r.stages.begin(), r.stages.end(),
+                                     [](const stage_stats& st) { return st.overlapped; });
+  }
+  CHECK(overlapping_steps >= 7);
+  for (const auto& r : expected.results) {
+    for (const auto& st : r.stages) {
+      CHECK(!st.overlapped);
+    }
+  }
+  replicated_pipeline replicas(
+    sys, [] { return test::tiny_mlp(1); }, partition_uniform(6, 2), sgd_options(2), 2);
+  CHECK_THROWS_WITH_AS(train(replicas, data, overlapped),
+                       doctest::Contains("train_options::overlap_steps is for one pipeline"),
+                       invalid_argument);
+}
+
 TEST_CASE("evaluation counts top-1 and top-5 hits") {
   // A fixed "model": logits that rank class (label + k) % 10 at position k.
   layer_list layers;
