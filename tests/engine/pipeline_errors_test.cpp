@@ -1,4 +1,5 @@
 #include <atomic>
+#include <limits>
 #include <thread>
 
 #include "oracle.hpp"
@@ -122,6 +123,49 @@ TEST_CASE("a step that fails mid-way leaves parameters and batch-norm statistics
   check_close(pipe.named_parameters(), clean.named_parameters(), 1e-6, 1e-7);
   CHECK(torch::allclose(bn->named_buffers()["running_mean"],
                         clean_layers[1].module()->named_buffers()["running_mean"], 1e-6, 1e-7));
+}
+
+TEST_CASE("a failed step whose stages stepped their optimizers early puts back their batch-norm "
+          "statistics too, with and without overlapping steps") {
+  for (bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    std::atomic<bool> poison{false};
+    torch::manual_seed(4);
+    layer_list layers;
+    layers.emplace_back("fc1", torch::nn::AnyModule(torch::nn::Linear(4, 6)));
+    layers.emplace_back("bn", torch::nn::AnyModule(torch::nn::BatchNorm1d(6)));
+    layers.emplace_back("fc2", torch::nn::AnyModule(torch::nn::Linear(6, 2)));
+    auto o = step_options(2);
+    o.optimizer = sgd(0.1, 0.9);
+    o.max_grad_norm = 1e9; // checked, never clipping
+    o.optimistic_update = !overlap;
+    o.overlap_steps = overlap;
+    // Stage 0's output scaled by infinity: batch norm's statistics on stage 1 and the gradient
+    // norm are no longer finite.
+    o.hooks.after_forward = [&](const hook_context& c, torch::Tensor& t) {
+      if (poison && c.stage == 0) {
+        t = t * std::numeric_limits<float>::infinity();
+      }
+    };
+    engine sys;
+    pipeline pipe(sys, layers, partition_at(3, {1, 2}), o);
+    auto bn = layers[1].module();
+    auto x = torch::randn({8, 4});
+    auto t = torch::randn({8, 2});
+    auto first = pipe.train_step(x, t);
+    // Stage 0 reported last: stages 1 and 2 step early in the next step.
+    CHECK(first.stages[0].early_update);
+    auto mean = bn->named_buffers()["running_mean"].clone();
+    auto variance = bn->named_buffers()["running_var"].clone();
+    auto parameters = pipe.named_parameters();
+    poison = true;
+    CHECK_THROWS_WITH_AS(pipe.train_step(x, t),
+                         doctest::Contains("step 2: the global gradient norm is "), pipeline_error);
+    poison = false;
+    CHECK(torch::equal(bn->named_buffers()["running_mean"], mean));
+    CHECK(torch::equal(bn->named_buffers()["running_var"], variance));
+    CHECK(all_equal(pipe.named_parameters(), parameters));
+  }
 }
 
 TEST_CASE("a stage that waits past its deadline says who waits for what") {
