@@ -490,14 +490,14 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
     return o;
   };
   auto batch = [](int step) { return tokens(4, 6, 80 + step); };
-  // The pipeline with the hooks, `count` steps submitted to it together, and a pipeline without
-  // them that takes the steps it is given one at a time.
+  // The pipeline with the hooks, `count` steps submitted to it together (after the first has
+  // run, when `first_alone`), and a pipeline without them that takes its steps one at a time.
   struct trial {
     std::unique_ptr<pipeline> pipe;
     std::unique_ptr<pipeline> reference;
     std::vector<std::future<step_result>> futures;
   };
-  auto submit = [&](int count) {
+  auto submit = [&](int count, bool first_alone) {
     trial t;
     auto layers = tiny_gpt();
     t.pipe =
@@ -508,6 +508,9 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
     for (int step = 0; step < count; ++step) {
       auto [x, y] = batch(step);
       t.futures.push_back(t.pipe->train_step_async(x, y));
+      if (step == 0 && first_alone) {
+        t.futures.back().wait();
+      }
     }
     return t;
   };
@@ -522,7 +525,7 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
     failing_stage = 0;
     failing_microbatch = 0;
     forward = true;
-    auto t = submit(3);
+    auto t = submit(3, false);
     CHECK(t.futures[0].get().loss == reference_loss(t, 0));
     CHECK_THROWS_WITH_AS(t.futures[1].get(), doctest::Contains("the test's hook fails"),
                          pipeline_error);
@@ -532,14 +535,15 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
     check_equal(parameters_now(*t.pipe), parameters_now(*t.reference));
   }
   SUBCASE("the step before fails") {
-    // Step 2 fails on stage 1; stage 2 finished its part of it and started step 3, whose early
-    // optimizer step of step 2 and start are undone: steps 2 and 3 fail, step 4 runs as step 2
-    // of a pipeline that never saw them.
+    // Step 2 fails on stage 1 while step 3 is behind it (step 2 started alone: it cannot fail
+    // while step 1 runs, and fail alone); stage 2 may have finished its part of step 2 and
+    // started step 3, whose start and early optimizer step of step 2 are undone: steps 2 and 3
+    // fail, step 4 runs as step 2 of a pipeline that never saw them.
     failing_step = 2;
     failing_stage = 1;
     failing_microbatch = 2;
     forward = false;
-    auto t = submit(4);
+    auto t = submit(4, true);
     CHECK(t.futures[0].get().loss == reference_loss(t, 0));
     CHECK_THROWS_WITH_AS(t.futures[1].get(), doctest::Contains("the test's hook fails"),
                          pipeline_error);
