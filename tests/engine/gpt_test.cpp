@@ -399,10 +399,13 @@ void check_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
 
 TEST_CASE("overlapping steps: submitted together, each stage starts a step when it is done with "
           "the one before, and parameters are those of steps one after the other bit for bit, "
-          "every schedule, clipped or not") {
+          "every schedule on 3 stages and 1F1B on one, clipped or not") {
   engine sys;
   for (auto [kind, chunks] : every_schedule()) {
     for (std::size_t stages : {std::size_t{1}, std::size_t{3}}) {
+      if (stages == 1 && kind != schedule_kind::one_f_one_b) {
+        continue; // one stage runs every schedule alike (and costs the sanitizer runs time)
+      }
       // Off; clipping every step (a stage waits for the update first); never clipping.
       for (double clip : {0.0, 0.05, 1e9}) {
         CAPTURE(to_string(kind));
