@@ -21,6 +21,10 @@ void tie_group::start(uint64_t step) {
   sums_.clear();
   collected_ = 0;
   cancelled_by_.reset();
+  if (auto later = cancelled_later_.find(step); later != cancelled_later_.end()) {
+    cancelled_by_ = later->second;
+  }
+  cancelled_later_.erase(cancelled_later_.begin(), cancelled_later_.upper_bound(step));
   auto early = early_.find(step);
   if (early != early_.end()) {
     parts_ = std::move(early->second);
@@ -64,6 +68,11 @@ void tie_group::deliver(uint64_t step, std::size_t from,
 void tie_group::cancel(uint64_t step, std::size_t member) {
   std::lock_guard<std::mutex> guard{mutex_};
   if (started_ && step < step_) {
+    return;
+  }
+  if (started_ && step > step_ && !sums_.empty()) {
+    // The round before is complete and members are still taking their sums from it: it stays.
+    cancelled_later_.emplace(step, member);
     return;
   }
   start(step);

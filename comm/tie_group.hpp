@@ -72,6 +72,10 @@ private:
   std::map<std::string, torch::Tensor> sums_;
   std::size_t collected_ = 0;
   std::optional<std::size_t> cancelled_by_;
+  // Cancellations of steps after a round whose sums members are still taking (overlapping
+  // steps: a member done with step n may fail step n + 1 before the others have copied step n's
+  // sum), applied when their round starts.
+  std::map<uint64_t, std::size_t> cancelled_later_;
 };
 
 } // namespace actorpipe::comm

@@ -107,3 +107,31 @@ TEST_CASE("a tie group drops parts of old steps, fails when its sender fails, an
     CHECK(std::chrono::steady_clock::now() - start < 10s);
   }
 }
+
+TEST_CASE("a member that fails the next step while another still takes this step's sum does not "
+          "abandon it: the cancellation waits for its own round (overlapping steps)") {
+  comm::tie_group group({0, 2});
+  torch::manual_seed(2);
+  auto g0 = torch::randn({4});
+  auto g2 = torch::randn({4});
+  part a{{"w", g0.clone()}};
+  part b{{"w", g2.clone()}};
+  // Member 2 arrives first and waits; member 0 completes the round, takes its sum and fails
+  // step 2 before member 2 has woken to take its own.
+  std::promise<void> waiting;
+  auto second = std::async(std::launch::async, [&] {
+    waiting.set_value();
+    group.sum(1, 2, b, 5s);
+  });
+  waiting.get_future().wait();
+  std::this_thread::sleep_for(20ms);
+  group.sum(1, 0, a, 5s);
+  group.cancel(2, 0);
+  REQUIRE_NOTHROW(second.get());
+  CHECK(torch::equal(b.at("w"), g0 + g2));
+  CHECK(torch::equal(a.at("w"), g0 + g2));
+  // Step 2's round, when member 2 reaches it, is the cancelled one.
+  part c{{"w", g2.clone()}};
+  CHECK_THROWS_WITH_AS(group.sum(2, 2, c, 1s), doctest::Contains("stage 0 failed the step"),
+                       pipeline_error);
+}

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <limits>
 #include <set>
+#include <thread>
 
 #include <actorpipe/losses.hpp>
 #include <actorpipe/models.hpp>
@@ -473,6 +474,10 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
   std::atomic<std::size_t> failing_stage{0};
   std::atomic<int32_t> failing_microbatch{0};
   std::atomic<bool> forward{false};
+  // Closed while the test submits steps that must reach the scheduler together: every hook
+  // waits for it, so no step gets far (or fails) before the others are queued, whatever the
+  // test thread's scheduling.
+  std::atomic<bool> gate_open{true};
   auto options = [&](bool hooked) {
     auto o = gpt_options(3);
     o.schedule = schedule_kind::zb_h1;
@@ -481,6 +486,10 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
     if (hooked) {
       auto hook = [&](bool in_forward) {
         return [&, in_forward](const hook_context& c, torch::Tensor&) {
+          auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          while (!gate_open && std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
           if (in_forward == forward && c.step == failing_step && c.stage == failing_stage &&
               c.microbatch == failing_microbatch) {
             throw std::runtime_error("the test's hook fails");
@@ -510,11 +519,15 @@ TEST_CASE("overlapping steps: a step that fails behind a running one fails alone
       sys, reference_layers, partition_uniform(reference_layers.size(), 3), options(false));
     for (int step = 0; step < count; ++step) {
       auto [x, y] = batch(step);
+      if (step == (first_alone ? 1 : 0)) {
+        gate_open = false;
+      }
       t.futures.push_back(t.pipe->train_step_async(x, y));
       if (step == 0 && first_alone) {
         t.futures.back().wait();
       }
     }
+    gate_open = true;
     return t;
   };
   auto reference_loss = [&](trial& t, int step) {
