@@ -806,7 +806,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       auto promise = self->make_response_promise<double, std::string>();
       auto [ms, error] = update(s, step, learning_rate, gradient_scale);
       promise.deliver(ms, std::move(error));
-      if (s.awaiting_update && step == s.plan.step && !s.active) {
+      if (s.awaiting_update && step == s.plan.step) {
         s.awaiting_update = false;
         start_queued(self);
       }

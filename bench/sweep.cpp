@@ -85,11 +85,9 @@ struct contender {
   std::size_t repeats = 1;
 
   void step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
-    if (pipe) {
-      if (repeats == 1) {
-        record_step(pipe->train_step(x, y), x, record, /*ms=*/-1);
-        return;
-      }
+    if (pipe && repeats == 1) {
+      record_step(pipe->train_step(x, y), x, record, /*ms=*/-1);
+    } else if (pipe) {
       auto start = clock_type::now();
       std::vector<std::future<step_result>> futures;
       for (std::size_t i = 0; i < repeats; ++i) {
@@ -115,69 +113,64 @@ struct contender {
   // A pipeline's step: its time (`ms`, or the step's own when < 0), ideals and prediction.
   void record_step(step_result r, const torch::Tensor& x, bool record, double ms) {
     row.losses.push_back(r.loss);
-    row.rss_mb = std::max(row.rss_mb, rss_mb());
     if (!record) {
       return;
     }
-    {
-      times.push_back(ms < 0 ? r.wall_ms : ms);
-      auto p = r.stages.size();
-      auto m = static_cast<double>(row.splits);
-      auto report = compare_bubbles(plan, row.splits, r);
-      double sum = 0;
-      double slowest = 0;
-      for (auto busy : report.busy_ms) {
-        sum += busy;
-        slowest = std::max(slowest, busy);
-      }
-      double optimizer_ms = 0;
-      for (const auto& s : r.stages) {
-        optimizer_ms = std::max(optimizer_ms, s.optimizer_ms);
-      }
-      lower.push_back(std::max(sum / static_cast<double>(p), slowest) + optimizer_ms);
-      fill_drain.push_back((m + static_cast<double>(p) - 1) * slowest / m + optimizer_ms);
-      predicted.push_back(report.planned_ms + optimizer_ms);
-      per_sample.push_back(sum / static_cast<double>(x.size(0)));
-      int64_t stash = 0;
-      for (const auto& s : r.stages) {
-        stash = std::max(stash, s.peak_stash_bytes);
-      }
-      stash_mb.push_back(static_cast<double>(stash) / 1e6);
+    times.push_back(ms < 0 ? r.wall_ms : ms);
+    auto p = r.stages.size();
+    auto m = static_cast<double>(row.splits);
+    auto report = compare_bubbles(plan, row.splits, r);
+    double sum = 0;
+    double slowest = 0;
+    for (auto busy : report.busy_ms) {
+      sum += busy;
+      slowest = std::max(slowest, busy);
     }
+    double optimizer_ms = 0;
+    for (const auto& s : r.stages) {
+      optimizer_ms = std::max(optimizer_ms, s.optimizer_ms);
+    }
+    lower.push_back(std::max(sum / static_cast<double>(p), slowest) + optimizer_ms);
+    fill_drain.push_back((m + static_cast<double>(p) - 1) * slowest / m + optimizer_ms);
+    predicted.push_back(report.planned_ms + optimizer_ms);
+    per_sample.push_back(sum / static_cast<double>(x.size(0)));
+    int64_t stash = 0;
+    for (const auto& s : r.stages) {
+      stash = std::max(stash, s.peak_stash_bytes);
+    }
+    stash_mb.push_back(static_cast<double>(stash) / 1e6);
   }
 
+  // Plain libtorch's step (accumulating over the micro-batches when row.accumulated > 1).
   void plain_step(const torch::Tensor& x, const torch::Tensor& y, bool record) {
-    {
-      auto previous = at::get_num_threads();
-      at::set_num_threads(threads);
-      auto start = clock_type::now();
-      optimizer->zero_grad();
-      double loss = 0;
-      if (row.accumulated > 1) {
-        // The pipeline's micro-batches (torch::tensor_split) and loss scales.
-        auto parts = static_cast<int64_t>(row.accumulated);
-        auto xs = torch::tensor_split(x, parts, 0);
-        auto ys = torch::tensor_split(y, parts, 0);
-        for (std::size_t i = 0; i < xs.size(); ++i) {
-          auto part = plain_loss(xs[i], ys[i]) *
-                      (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
-          part.backward();
-          loss += part.item<double>();
-        }
-      } else {
-        auto whole = plain_loss(x, y);
-        whole.backward();
-        loss = whole.item<double>();
+    auto previous = at::get_num_threads();
+    at::set_num_threads(threads);
+    auto start = clock_type::now();
+    optimizer->zero_grad();
+    double loss = 0;
+    if (row.accumulated > 1) {
+      // The pipeline's micro-batches (torch::tensor_split) and loss scales.
+      auto parts = static_cast<int64_t>(row.accumulated);
+      auto xs = torch::tensor_split(x, parts, 0);
+      auto ys = torch::tensor_split(y, parts, 0);
+      for (std::size_t i = 0; i < xs.size(); ++i) {
+        auto part = plain_loss(xs[i], ys[i]) *
+                    (static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0)));
+        part.backward();
+        loss += part.item<double>();
       }
-      optimizer->step();
-      auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
-      row.losses.push_back(loss);
-      at::set_num_threads(previous);
-      if (record) {
-        times.push_back(ms);
-      }
+    } else {
+      auto whole = plain_loss(x, y);
+      whole.backward();
+      loss = whole.item<double>();
     }
-    row.rss_mb = std::max(row.rss_mb, rss_mb());
+    optimizer->step();
+    auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+    row.losses.push_back(loss);
+    at::set_num_threads(previous);
+    if (record) {
+      times.push_back(ms);
+    }
   }
 };
 

@@ -272,6 +272,10 @@ void send_plans(scheduler_actor_type self, step_request& request, uint64_t step,
   auto origin =
     std::chrono::duration_cast<std::chrono::nanoseconds>(started.time_since_epoch()).count();
   bool overlap = request.train() && s.options.overlap_steps;
+  int64_t samples = 0;
+  for (const auto& mb : request.inputs) {
+    samples += mb.size(0);
+  }
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     step_plan plan;
     plan.step = step;
@@ -296,9 +300,7 @@ void send_plans(scheduler_actor_type self, step_request& request, uint64_t step,
         plan.loss_inputs = request.inputs;
       }
     }
-    for (const auto& mb : request.inputs) {
-      plan.samples += mb.size(0);
-    }
+    plan.samples = samples;
     self->send(s.stages[i], plan_atom::value, std::move(plan));
   }
 }
@@ -322,9 +324,21 @@ void send_ahead(scheduler_actor_type self) {
   next.request = std::move(s.queue.front());
   s.queue.pop_front();
   next.started = clock_type::now();
-  next.reports.assign(s.stages.size(), stage_report{});
+  next.reports.resize(s.stages.size());
   send_plans(self, *next.request, s.step + 1, next.started, *programs);
   s.ahead = std::move(next);
+}
+
+// The running request becomes the next step, started at `started` with the reports already in.
+void begin_step(scheduler_state& s, clock_type::time_point started,
+                std::vector<stage_report> reports, std::size_t reported) {
+  ++s.step;
+  s.started = started;
+  s.reports = std::move(reports);
+  s.reported = reported;
+  s.updated = 0;
+  s.grad_norm = 0;
+  s.aborting = false;
 }
 
 // Makes the step sent ahead the running one.
@@ -333,13 +347,7 @@ void run_ahead(scheduler_actor_type self) {
   auto next = std::move(*s.ahead);
   s.ahead.reset();
   s.current = std::move(next.request);
-  ++s.step;
-  s.started = next.started;
-  s.reports = std::move(next.reports);
-  s.reported = next.reported;
-  s.updated = 0;
-  s.grad_norm = 0;
-  s.aborting = false;
+  begin_step(s, next.started, std::move(next.reports), next.reported);
   s.deadline.arm(self, s.options.step_timeout, step_timeout_atom::value);
   if (next.failed) {
     fail(self, std::move(*next.failed));
@@ -375,13 +383,7 @@ void start_next(scheduler_actor_type self) {
     run_state_request(self);
     return;
   }
-  ++s.step;
-  s.started = clock_type::now();
-  s.reports.assign(s.stages.size(), stage_report{});
-  s.reported = 0;
-  s.updated = 0;
-  s.grad_norm = 0;
-  s.aborting = false;
+  begin_step(s, clock_type::now(), std::vector<stage_report>(s.stages.size()), 0);
   const schedule* programs = nullptr;
   try {
     programs = &schedule_for(s, request.inputs.size(), request.train());

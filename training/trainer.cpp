@@ -516,8 +516,18 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
   if (o.recover_lost_nodes) {
     snapshots[pipe.snapshot()] = start;
   }
+  // What the loop does after step n (counted from 1): stop, checkpoint on schedule, snapshot.
+  auto stops_after = [&](uint64_t n) {
+    return o.max_steps > 0 && n >= static_cast<uint64_t>(o.max_steps);
+  };
+  auto checkpoints_after = [&](uint64_t n) {
+    return o.checkpoint_every > 0 && n % static_cast<uint64_t>(o.checkpoint_every) == 0;
+  };
+  auto snapshots_after = [&](uint64_t n) {
+    return o.recover_lost_nodes && n % static_cast<uint64_t>(o.snapshot_every) == 0;
+  };
   auto take_snapshot = [&](int64_t epoch, int64_t next_batch) {
-    if (!o.recover_lost_nodes || step % static_cast<uint64_t>(o.snapshot_every) != 0) {
+    if (!snapshots_after(step)) {
       return;
     }
     auto number = o.snapshot_in_background ? pipe.snapshot_in_background() : pipe.snapshot();
@@ -568,10 +578,9 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
                                     " samples/s, loss ",
                                     loss_sum / static_cast<double>(loss_count)));
         }
-        bool stop = o.max_steps > 0 && step >= static_cast<uint64_t>(o.max_steps);
+        bool stop = stops_after(step);
         bool last = b + 1 == steps_per_epoch && epoch + 1 == epochs;
-        if ((stop && !last) ||
-            (o.checkpoint_every > 0 && step % static_cast<uint64_t>(o.checkpoint_every) == 0)) {
+        if ((stop && !last) || checkpoints_after(step)) {
           checkpoint(epoch, b + 1);
         }
         take_snapshot(epoch, b + 1);
@@ -579,7 +588,7 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
       };
       for (int64_t b = start_batch; b < steps_per_epoch; ++b) {
         const auto submitted = step + flying.size();
-        if (o.max_steps > 0 && submitted >= static_cast<uint64_t>(o.max_steps)) {
+        if (stops_after(submitted)) {
           stopped = true;
           break;
         }
@@ -595,11 +604,8 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
         // A step after which the loop checkpoints, snapshots, stops or ends the epoch finishes
         // before the next is submitted (which would run before the checkpoint).
         const auto after = submitted + 1;
-        bool alone =
-          !o.overlap_steps || b + 1 == steps_per_epoch ||
-          (o.max_steps > 0 && after >= static_cast<uint64_t>(o.max_steps)) ||
-          (o.checkpoint_every > 0 && after % static_cast<uint64_t>(o.checkpoint_every) == 0) ||
-          (o.recover_lost_nodes && after % static_cast<uint64_t>(o.snapshot_every) == 0);
+        bool alone = !o.overlap_steps || b + 1 == steps_per_epoch || stops_after(after) ||
+                     checkpoints_after(after) || snapshots_after(after);
         bool stop = false;
         while (!stop && flying.size() > (alone ? 0U : 1U)) {
           stop = complete();
