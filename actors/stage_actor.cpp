@@ -21,6 +21,7 @@
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
 #include "stages/checkpoint.hpp"
+#include "stages/device.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe::actors {
@@ -52,6 +53,8 @@ private:
 
 struct stage_state {
   std::vector<std::shared_ptr<stages::stage>> chunks;
+  // The device the chunks compute on, and its stream (the CPU's: no-ops).
+  std::shared_ptr<stages::device_context> device;
   c10::intrusive_ptr<replica_batch_norm_sync> batch_norm_sync;
   stage_actor_options options;
   stage_listener_actor scheduler;
@@ -146,7 +149,16 @@ void fail(stage_actor_type self, failure why) {
 void fail(stage_actor_type self, const std::exception& e,
           std::optional<int32_t> microbatch = std::nullopt) {
   auto& s = self->state;
-  fail(self, failure_of(e, s.options.index, s.plan.step, microbatch));
+  auto why = failure_of(e, s.options.index, s.plan.step, microbatch);
+  if (auto oom = stages::cuda::out_of_memory(e); !oom.empty()) {
+    // Out of GPU memory in a backward, a weight pass or the replica sync (a layer's forward
+    // says so itself): what was asked for, on which device.
+    why.details.kind = error_kind::out_of_memory;
+    why.message = detail::concat(
+      "stage ", s.options.index, microbatch ? detail::concat(", microbatch ", *microbatch) : "",
+      ", step ", s.plan.step, ": out of memory on ", s.device->device().str(), ": ", oom);
+  }
+  fail(self, std::move(why));
 }
 
 // "stage 2" or, with chunks, "stage 2 chunk 1".
@@ -236,6 +248,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
   case action_kind::forward: {
     auto input = std::move(s.activations[k]);
     s.activations.erase(k);
+    s.device->adopt(input);
     if (s.plan.train) {
       s.peak_live = std::max(s.peak_live, ++s.live);
     }
@@ -265,6 +278,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
       return 0;
     }
     auto bytes = static_cast<int64_t>(output.nbytes());
+    output.set_ready(s.device->record());
     send_to_virtual(self, virtual_stage + 1, forward_atom::value, a.microbatch, std::move(output));
     return bytes;
   }
@@ -273,6 +287,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
     if (!st.is_last()) {
       grad = std::move(s.gradients[k]);
       s.gradients.erase(k);
+      s.device->adopt(grad);
     }
     auto input_grad =
       split ? st.backward_input(a.microbatch, grad) : st.backward(a.microbatch, grad);
@@ -286,6 +301,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
       run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
     }
     auto bytes = static_cast<int64_t>(input_grad.nbytes());
+    input_grad.set_ready(s.device->record());
     send_to_virtual(self, virtual_stage - 1, backward_atom::value, a.microbatch,
                     std::move(input_grad));
     return bytes;
@@ -389,11 +405,13 @@ void sum_tied_gradients(stage_state& s) {
   for (auto& chunk : s.chunks) {
     per_chunk.push_back(chunk->shared_parameters());
     for (const auto& [name, p] : per_chunk.back()) {
+      // Summed on the CPU: the holders may be on different devices and streams (a blocking
+      // copy from a GPU; a copy of the CPU's gradient, as before).
       auto it = local.find(name);
       if (it == local.end()) {
-        local.emplace(name, p.grad().clone());
+        local.emplace(name, p.grad().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
       } else {
-        it->second.add_(p.grad());
+        it->second.add_(p.grad().to(torch::kCPU));
       }
     }
   }
@@ -525,6 +543,8 @@ void advance(stage_actor_type self) {
     for (const auto& chunk : s.chunks) {
       s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
     }
+    // The report's loss and outputs are read by other threads: the stream is done first.
+    s.device->synchronize();
     // One early step at a time: with overlapping steps the one before may be unconfirmed yet.
     bool early = s.plan.train && s.plan.optimistic && !s.bmuf() && s.stepped_early == 0;
     s.report.stats.early_update = early;
@@ -603,6 +623,15 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
   return {ms_since(start), std::string{}};
 }
 
+// Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
+// read onto any devices (on the CPU the same tensors: no copy).
+stages::stage::tensor_map on_cpu(stages::stage::tensor_map all) {
+  for (auto& entry : all) {
+    entry.second = entry.second.cpu();
+  }
+  return all;
+}
+
 void set_threads(stage_state& s) {
   if (!s.threads_set) {
     // With OpenMP this sets the calling (stage) thread's team size.
@@ -610,6 +639,7 @@ void set_threads(stage_state& s) {
     if (s.options.warm_memory) {
       memory::use_warm_memory_on_this_thread();
     }
+    s.device->bind_current_thread();
     s.threads_set = true;
   }
 }
@@ -701,6 +731,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
                                                stage_listener_actor scheduler,
                                                stage_actor_options options) {
   pthread_setname_np(pthread_self(), "ap.stage");
+  self->state.device = stages::make_device_context(chunks.front()->config().device);
   self->state.chunks = std::move(chunks);
   self->state.scheduler = std::move(scheduler);
   self->state.options = std::move(options);
@@ -803,6 +834,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         double gradient_scale) -> caf::result<double, std::string> {
       // Replied before the actor lingers for the next step's plan.
       auto& s = self->state;
+      set_threads(s);
       auto promise = self->make_response_promise<double, std::string>();
       auto [ms, error] = update(s, step, learning_rate, gradient_scale);
       promise.deliver(ms, std::move(error));
@@ -829,23 +861,26 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       return std::string{};
     },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
+      set_threads(self->state);
       try {
         stages::stage::tensor_map all;
         for (auto& chunk : self->state.chunks) {
           all.merge(chunk->state());
         }
-        stages::save_tensors(path, all);
+        stages::save_tensors(path, on_cpu(std::move(all)));
       } catch (const std::exception& e) {
         return detail::concat("stage ", self->state.options.index, ": ", e.what());
       }
       return std::string{};
     },
     [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
+      set_threads(self->state);
       try {
         auto all = std::make_shared<tensor_map>();
         for (auto& chunk : self->state.chunks) {
           all->merge(chunk->state());
         }
+        *all = on_cpu(std::move(*all));
         return {std::string{}, std::shared_ptr<const tensor_map>(std::move(all))};
       } catch (const std::exception& e) {
         return {detail::concat("stage ", self->state.options.index, ": ", e.what()),
@@ -854,6 +889,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
       auto& s = self->state;
+      set_threads(s);
       try {
         for (auto& chunk : s.chunks) {
           chunk->load_state(*all);

@@ -52,6 +52,7 @@
 #include <caf/actor_system.hpp>
 
 #include <actorpipe/options.hpp>
+#include <actorpipe/stage_settings.hpp>
 
 #include "actors/messages.hpp"
 
@@ -66,45 +67,26 @@ class tie_group;
 
 namespace actorpipe::actors {
 
-struct stage_actor_options {
-  /// This actor's index among the stage actors.
-  std::size_t index = 0;
-  std::size_t count = 1;
-  /// Which virtual stage each local chunk is.
-  chunk_placement placement = chunk_placement::looped;
-  std::chrono::milliseconds wait_timeout{60000};
-  /// After each step message, how long the actor's thread polls for the next one before it
-  /// sleeps (actors/linger.hpp); 0: sleep at once. As pipeline_options::linger (nodes too).
-  std::chrono::microseconds linger{50};
-  /// Intra-op threads for this stage's thread.
-  std::size_t threads = 1;
-  /// The stage thread allocates through the warm-memory cache (<actorpipe/memory.hpp>).
-  bool warm_memory = true;
+/// A stage actor's settings (one value, the same in process and on a node) and what cannot
+/// leave the process: functions and the shared objects of its replica sync and tied parameters.
+struct stage_actor_options : stage_settings {
+  stage_actor_options() = default;
+  explicit stage_actor_options(stage_settings settings) : stage_settings(std::move(settings)) {}
+
   /// Used by the last virtual stage in training.
   loss_function loss;
   /// Used instead of `loss` when set: the plan then carries the micro-batches' inputs.
   loss_with_inputs_function loss_with_inputs;
-  loss_reduction reduction = loss_reduction::mean;
-  /// Data parallelism: the collectives of this stage index across replicas (null: none).
+  /// Data parallelism: the collectives of this stage index across replicas (null: none); with
+  /// it, the settings' buffers, sync_batch_norm and bmuf apply.
   std::shared_ptr<comm::stage_sync> sync;
-  buffer_sync buffers = buffer_sync::broadcast;
-  /// With `sync`: the chunks' batch norms normalise over all replicas (SyncBatchNorm).
-  bool sync_batch_norm = false;
-  /// With `sync`: BMUF instead of per-step gradient averaging when bmuf.block_steps > 0
-  /// (block_momentum already resolved, >= 0).
-  bmuf_options bmuf;
-  /// Report the sum of squared gradients (global norm clipping).
-  bool report_gradient_norm = false;
   stage_hooks hooks;
-  recompute_mode recompute = recompute_mode::never;
   /// Parameters tied between stages (a GPT's embedding and head): the group of stage actors
   /// that sum their gradients after the replica sync (null: no ties across actors, or none).
   /// Every actor of the pipeline holds it, so that any failure wakes the holders.
   std::shared_ptr<comm::tie_group> ties;
 };
 
-/// Spawns a stage actor on a dedicated thread, holding `chunks` (local chunk c = element c),
-/// reporting to `scheduler`.
 local_stage_actor spawn_stage(caf::actor_system& sys,
                               std::vector<std::shared_ptr<stages::stage>> chunks,
                               stage_listener_actor scheduler, stage_actor_options options);

@@ -79,6 +79,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "fp32, or bf16 mixed precision: each stage computes under CPU autocast to bfloat16, "
       "activations and their gradients cross stages in bf16, parameters and the optimizer stay "
       "fp32 (fast only on CPUs with avx512_bf16 or amx_bf16; docs/transformers.md)");
+  cmd
+    ->add_option("--devices", a.devices,
+                 "One device per stage, comma-separated: cpu, cuda or cuda:N (e.g. cuda:0,cuda:1; "
+                 "two stages may share a GPU); the CUDA build only (docs/gpu.md)")
+    ->delimiter(',');
   opt("--after-forward", a.after_forward,
       "A hook on every stage's activation before it is sent on: clamp:V (clamp to [-V, V]), "
       "check_finite (a NaN or an infinity fails the step), or a TorchScript file whose "
@@ -144,6 +149,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "--on-node-loss continue: recoveries a run may make before a lost node ends it");
   opt("--dp-timeout", a.dp_timeout_ms,
       "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
+  opt("--dp-backend", a.dp_backend,
+      "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
+    ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   opt("--buffers", a.buffers,
       "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
       "none")
@@ -718,6 +726,16 @@ int run_train(const train_args& given) {
   po.max_grad_norm = a.max_grad_norm;
   po.recompute = parse_recompute_mode(a.recompute);
   po.precision = parse_precision(a.precision);
+  ACTORPIPE_CHECK(a.devices.empty() || !a.plan.layout_auto(),
+                  "--devices names a device per stage: give --stages and --threads, not auto");
+  for (const auto& d : a.devices) {
+    try {
+      po.devices.emplace_back(d);
+    } catch (const std::exception&) {
+      throw invalid_argument(
+        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
+    }
+  }
   po.overlap_steps = a.overlap_steps;
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 
@@ -739,6 +757,9 @@ int run_train(const train_args& given) {
   }
   ACTORPIPE_CHECK(a.dp_timeout_ms >= 1, "--dp-timeout (", a.dp_timeout_ms, ") must be >= 1");
   dp.timeout = std::chrono::milliseconds(a.dp_timeout_ms);
+  dp.backend = a.dp_backend == "gloo"   ? dp_backend::gloo
+               : a.dp_backend == "nccl" ? dp_backend::nccl
+                                        : dp_backend::automatic;
   dp.buffers = a.buffers == "average" ? buffer_sync::average
                : a.buffers == "none"  ? buffer_sync::none
                                       : buffer_sync::broadcast;

@@ -87,6 +87,10 @@ struct train_args {
   std::string after_backward;
   /// --precision: fp32 or bf16.
   std::string precision = "fp32";
+  /// --devices: one device per stage ("cpu", "cuda:0", ...); empty: every stage on the CPU.
+  std::vector<std::string> devices;
+  /// --dp-backend: auto (NCCL for stages on GPUs, else Gloo), gloo or nccl.
+  std::string dp_backend = "auto";
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
   std::vector<std::string> nodes;
   std::string secret_file;

@@ -69,6 +69,8 @@ std::vector<std::pair<frame_header, at::Tensor>> bundle_frames(const frame_heade
 
 void send_bundle(tensor_hub& hub, const std::string& host, uint16_t port, const frame_header& to,
                  const bundle& b) {
+  // Tensors made on a GPU stream are complete before their bytes are copied out.
+  b.synchronize();
   for (auto& [header, tensor] : bundle_frames(to, b)) {
     hub.send(host, port, header, tensor);
   }

@@ -1,9 +1,7 @@
-// c10d's Gloo process group is compiled into Debian's libtorch, but its header is guarded by a
-// macro that Debian's TorchConfig does not define.
-#ifndef USE_C10D_GLOO
-#define USE_C10D_GLOO
-#endif
+// c10d's Gloo and NCCL process groups: their headers are guarded by USE_C10D_GLOO and
+// USE_C10D_NCCL, which CMake defines where the build has them (ACTORPIPE_WITH_GLOO, _NCCL).
 #include <actorpipe/errors.hpp>
+#include <actorpipe/torch_compat.hpp>
 
 #include "comm/replica_group.hpp"
 #include "logging/log.hpp"
@@ -12,13 +10,20 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef ACTORPIPE_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef ACTORPIPE_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace actorpipe {
 
@@ -104,24 +109,12 @@ void barrier(c10d::Store& store, const data_parallel_options& o, const std::stri
   }
 }
 
-std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_options& o) {
-  for (const char* name : {"ACTORPIPE_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    if (const char* ifname = std::getenv(name); ifname && *ifname) {
-      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-    }
-  }
-  if (o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost") {
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
 std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::size_t stage);
 
-c10::intrusive_ptr<c10d::ProcessGroup>
-form_group(const data_parallel_options& o, std::size_t stage,
-           const std::shared_ptr<::gloo::transport::Device>& device,
-           const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix);
+c10::intrusive_ptr<compat::process_group> form_group(const data_parallel_options& o,
+                                                     std::size_t stage, c10::Device device,
+                                                     const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& prefix);
 
 } // namespace
 
@@ -132,12 +125,14 @@ struct replica_group::rendezvous {
 };
 
 struct stage_sync::impl {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<compat::process_group> group;
   // For a stage on a node: forms `group` on first use, on the stage's thread (every replica's
   // stage reaches its first collective at about the same time; forming waits for all of them).
-  std::function<c10::intrusive_ptr<c10d::ProcessGroup>()> form;
+  std::function<c10::intrusive_ptr<compat::process_group>()> form;
+  // Where the stage's tensors are: NCCL's collectives take tensors on it.
+  c10::Device device{c10::kCPU};
 
-  c10d::ProcessGroup& pg() {
+  compat::process_group& pg() {
     if (!group) {
       group = form();
     }
@@ -257,18 +252,97 @@ std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::s
   return self;
 }
 
-// The Gloo group of `stage` over every replica's rank, keyed under `prefix` in `store`.
-c10::intrusive_ptr<c10d::ProcessGroup>
-form_group(const data_parallel_options& o, std::size_t stage,
-           const std::shared_ptr<::gloo::transport::Device>& device,
-           const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix) {
+#ifdef ACTORPIPE_WITH_GLOO
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const data_parallel_options& o) {
+  for (const char* name : {"ACTORPIPE_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    if (const char* ifname = std::getenv(name); ifname && *ifname) {
+      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    }
+  }
+  if (o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost") {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// One transport device serves every group of the process that binds the same way.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_options& o) {
+  static std::mutex mutex;
+  static std::map<bool, std::shared_ptr<::gloo::transport::Device>> devices;
+  bool loopback = o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost";
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& device = devices[loopback];
+  if (!device) {
+    device = make_gloo_device(o);
+  }
+  return device;
+}
+#endif
+
+#ifdef ACTORPIPE_WITH_NCCL
+// A rank that is gone must fail the step at the deadline, not end the process: collectives wait
+// blocking (wait() throws at the timeout) and NCCL's watchdog handles no errors itself. A value
+// the user set stays.
+void nccl_environment() {
+  ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", 0);
+  ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", 0);
+  ::setenv("TORCH_NCCL_ENABLE_MONITORING", "0", 0);
+}
+#endif
+
+// The backend of stage `stage`'s group: the one asked for, or NCCL for a stage on a GPU.
+dp_backend backend_of(const data_parallel_options& o, c10::Device device) {
+  if (o.backend != dp_backend::automatic) {
+    return o.backend;
+  }
+  return device.is_cuda() ? dp_backend::nccl : dp_backend::gloo;
+}
+
+c10::intrusive_ptr<compat::process_group> make_group(const data_parallel_options& o,
+                                                     c10::Device device,
+                                                     const c10::intrusive_ptr<c10d::Store>& store) {
+  auto rank = static_cast<int>(o.rank);
+  auto size = static_cast<int>(o.replicas);
+  if (backend_of(o, device) == dp_backend::nccl) {
+#ifdef ACTORPIPE_WITH_NCCL
+    ACTORPIPE_CHECK(device.is_cuda(), who(o),
+                    ": NCCL moves CUDA tensors only, but the stage is on ", device.str(),
+                    " (--dp-backend gloo for stages on the CPU)");
+    nccl_environment();
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = o.timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+    throw invalid_argument(detail::concat(who(o), ": this build of actorpipe has no NCCL (the CUDA "
+                                                  "line builds it: ./setup.sh build --torch pip)"));
+#endif
+  }
+#ifdef ACTORPIPE_WITH_GLOO
+  ACTORPIPE_CHECK(device.is_cpu(), who(o),
+                  ": Gloo replicas here average tensors on the CPU, but "
+                  "the stage is on ",
+                  device.str(), " (--dp-backend nccl)");
   auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
-  options->devices.push_back(device);
+  options->devices.push_back(gloo_device(o));
   options->threads = 1;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+#else
+  throw invalid_argument(detail::concat(
+    who(o), ": this build of actorpipe has no Gloo replica groups (PyTorch's wheel ships no Gloo "
+            "headers that match its libtorch): use --dp-backend nccl with stages on GPUs, or "
+            "Debian's libtorch (./setup.sh build) for replicas on the CPU"));
+#endif
+}
+
+// The group of `stage` over every replica's rank, keyed under `prefix` in `store`.
+c10::intrusive_ptr<compat::process_group> form_group(const data_parallel_options& o,
+                                                     std::size_t stage, c10::Device device,
+                                                     const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& prefix) {
   try {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>(prefix, store), static_cast<int>(o.rank),
-      static_cast<int>(o.replicas), options);
+    return make_group(o, device, c10::make_intrusive<c10d::PrefixStore>(prefix, store));
+  } catch (const invalid_argument&) {
+    throw;
   } catch (const std::exception& e) {
     throw pipeline_error(detail::concat(who(o), ": the process group of stage ", stage,
                                         " did not form within ", o.timeout.count(),
@@ -288,9 +362,11 @@ void stage_sync::broadcast(std::vector<torch::Tensor> tensors) {
 
 stage_sync::totals stage_sync::sum(double weight, double weighted_loss) {
   auto& s = *self_;
-  std::vector<torch::Tensor> meta{torch::tensor({weight, weighted_loss}, torch::kDouble)};
+  std::vector<torch::Tensor> meta{
+    torch::tensor({weight, weighted_loss}, torch::kDouble).to(s.device)};
   s.wait(s.all_reduce(meta), "all-reduce of sample counts");
-  return {meta[0][0].item<double>(), meta[0][1].item<double>()};
+  auto totals = meta[0].cpu();
+  return {totals[0].item<double>(), totals[1].item<double>()};
 }
 
 void stage_sync::all_reduce_sum(torch::Tensor& sums, const char* what) {
@@ -348,7 +424,8 @@ int64_t stage_sync::average(std::vector<torch::Tensor> tensors, const char* what
     [n](torch::Tensor& flat) { flat.div_(n); });
 }
 
-replica_group::replica_group(const data_parallel_options& o, std::size_t stages) {
+replica_group::replica_group(const data_parallel_options& o, std::size_t stages,
+                             const std::vector<c10::Device>& devices) {
   ACTORPIPE_CHECK(o.replicas >= 1, "data parallel: replicas must be >= 1");
   ACTORPIPE_CHECK(o.rank < o.replicas, "data parallel: rank ", o.rank, " is not below the ",
                   o.replicas, " replicas");
@@ -362,10 +439,10 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages)
   log::get()->info(
     "{}: all ranks arrived at the rendezvous ({}) after {} ms", who(o), rendezvous_of(o),
     std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
-  auto device = gloo_device(o);
   for (std::size_t s = 0; s < stages; ++s) {
     auto self = sync_of(o, s);
-    self->group = form_group(o, s, device, store, detail::concat(o.group, "/stage", s));
+    self->device = s < devices.size() ? devices[s] : c10::Device(c10::kCPU);
+    self->group = form_group(o, s, self->device, store, detail::concat(o.group, "/stage", s));
     stages_.push_back(std::make_shared<stage_sync>(std::move(self)));
   }
 }
@@ -375,18 +452,18 @@ std::string replica_group::fresh_prefix(const std::string& what) {
 }
 
 std::shared_ptr<stage_sync> join_stage_group(const data_parallel_options& o, std::size_t stage,
-                                             const std::string& prefix) {
+                                             const std::string& prefix, c10::Device device) {
   ACTORPIPE_CHECK(o.replicas >= 2 && o.rank < o.replicas, "data parallel: rank ", o.rank, " of ",
                   o.replicas, " replicas");
   ACTORPIPE_CHECK(!o.local, "data parallel: a stage in another process cannot use an in-process "
                             "rendezvous store");
   auto self = sync_of(o, stage);
-  self->form = [o, stage, prefix] {
+  self->device = device;
+  self->form = [o, stage, prefix, device] {
     auto start = clock_type::now();
     // A client of rank 0's store (a node never serves it).
     auto store = connect(o, false);
-    auto group =
-      form_group(o, stage, gloo_device(o), store, detail::concat(prefix, "/stage", stage));
+    auto group = form_group(o, stage, device, store, detail::concat(prefix, "/stage", stage));
     log::get()->info(
       "stage {}, {}: formed its replica group after {} ms", stage, who(o),
       std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());

@@ -1,7 +1,8 @@
 /// \file
 /// Data-parallel replicas over c10d: the rendezvous (a TCPStore served by rank 0, or an
 /// in-process store for replicas of one process), a barrier with a deadline that names missing
-/// ranks, one Gloo process group per stage index, and the per-stage gradient sync.
+/// ranks, one process group per stage index (Gloo on the CPU, NCCL on GPUs), and the per-stage
+/// gradient sync.
 ///
 /// Nothing here knows of actors: a stage actor calls its stage_sync after its last backward.
 /// c10d's headers stay inside replica_group.cpp.
@@ -68,7 +69,10 @@ public:
   /// in-process store is used), every rank checks in, and all wait until all arrived. Throws
   /// pipeline_error naming the ranks that did not arrive within options.timeout, or the master
   /// that could not be reached.
-  replica_group(const data_parallel_options& options, std::size_t stages);
+  /// `devices`: where each stage index computes (CPU when not given); a stage's group uses
+  /// options.backend, or (automatic) NCCL for a stage on a GPU and Gloo on the CPU.
+  replica_group(const data_parallel_options& options, std::size_t stages,
+                const std::vector<c10::Device>& devices = {});
   ~replica_group();
   replica_group(const replica_group&) = delete;
   replica_group& operator=(const replica_group&) = delete;
@@ -98,7 +102,8 @@ private:
 /// within options.timeout (every rank's stage gets there at about the same time). Errors as
 /// replica_group's, from that first collective.
 std::shared_ptr<stage_sync> join_stage_group(const data_parallel_options& options,
-                                             std::size_t stage, const std::string& prefix);
+                                             std::size_t stage, const std::string& prefix,
+                                             c10::Device device = c10::Device(c10::kCPU));
 
 /// A store for replicas that live in one process (no sockets for the rendezvous).
 std::shared_ptr<detail::local_store> make_local_store();

@@ -34,6 +34,7 @@
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
 #include "stages/checkpoint.hpp"
+#include "stages/device.hpp"
 #include "stages/precision.hpp"
 #include "stages/stage.hpp"
 
@@ -141,8 +142,9 @@ struct pipeline::impl {
 
   // Splits along dimension 0 into m parts differing by at most one sample; forward-only passes
   // take fewer parts when the batch is smaller than m (`at_most`).
-  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what,
-                                   bool at_most = false) const {
+  // A part bound for a stage on a GPU comes from pinned host memory (its copy does not block).
+  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what, bool at_most = false,
+                                   bool to_last = false) const {
     ACTORPIPE_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1, what,
                     " must have a batch dimension with at least one sample");
     auto m = static_cast<int64_t>(options.microbatches);
@@ -151,7 +153,12 @@ struct pipeline::impl {
     }
     ACTORPIPE_CHECK(x.size(0) >= m, what, ": batch of ", x.size(0),
                     " samples cannot be split into ", m, " micro-batches");
-    return torch::tensor_split(x, m, 0);
+    bool to_gpu = false;
+    if (auto count = options.devices.size(); count > 0) {
+      auto last = holder_of(options.chunk_layout(), count, count * options.chunks - 1).stage;
+      to_gpu = options.devices[to_last ? last : 0].is_cuda();
+    }
+    return torch::tensor_split(to_gpu ? stages::cuda::pinned(x) : x, m, 0);
   }
 
   // Queues a step; the future holds extract(outcome) or the step's error.
@@ -417,6 +424,10 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
 
 pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
   auto stage_count = check_pipeline(layers.size(), cut, options);
+  // Devices in this process are checked here; a node checks those of its stages itself.
+  for (std::size_t i = 0; i < options.devices.size(); ++i) {
+    stages::check_device(options.devices[i], detail::concat("pipeline: stage ", i));
+  }
   ACTORPIPE_CHECK(options.placement.nodes.empty(),
                   "pipeline: stages on nodes need a "
                   "remote_model (nodes build their stages themselves)");
@@ -461,7 +472,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   auto& self = *impl_;
   self.layers = layers;
   if (dp.replicas > 1) {
-    self.replicas = std::make_unique<comm::replica_group>(dp, stage_count);
+    self.replicas = std::make_unique<comm::replica_group>(dp, stage_count, options.devices);
   }
   auto& actor_system = sys.internals().system;
   self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
@@ -488,27 +499,15 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     for (std::size_t c = 0; c < options.chunks; ++c) {
       chunks.push_back(self.stages[virtual_stage_of(placement, stage_count, i, c)]);
     }
-    actors::stage_actor_options actor_options;
-    actor_options.index = i;
-    actor_options.count = stage_count;
-    actor_options.placement = placement;
-    actor_options.wait_timeout = options.wait_timeout;
-    actor_options.linger = options.linger;
-    actor_options.threads = threads;
-    actor_options.warm_memory = options.warm_memory;
+    actors::stage_actor_options actor_options(
+      stage_settings_for(options, i, stage_count, threads, bmuf));
     actor_options.loss = options.loss;
     actor_options.loss_with_inputs = options.loss_with_inputs;
-    actor_options.reduction = options.reduction;
-    actor_options.report_gradient_norm = options.max_grad_norm > 0;
     actor_options.hooks = options.hooks;
-    actor_options.recompute = options.recompute;
     actor_options.ties = ties;
     if (self.replicas) {
       // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);
-      actor_options.buffers = dp.buffers;
-      actor_options.sync_batch_norm = dp.sync_batch_norm;
-      actor_options.bmuf = bmuf;
       for (auto& chunk : chunks) {
         chunk->with_tensors([&](const std::vector<torch::Tensor>& parameters,
                                 const std::vector<torch::Tensor>& buffers) {
@@ -556,7 +555,6 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   ACTORPIPE_CHECK(!options.loss_with_inputs,
                   "pipeline: stages on nodes compute remote_model::loss (a built-in loss by name); "
                   "loss_with_inputs is a function, which does not cross processes");
-  ACTORPIPE_CHECK(options.devices.empty(), "pipeline: stages on nodes run on their nodes' CPUs");
   ACTORPIPE_CHECK(!options.overlap_steps,
                   "pipeline: overlap_steps runs stages in this process; stages on nodes take one "
                   "step at a time");
@@ -583,9 +581,9 @@ void pipeline::impl::meet_replicas() {
   nodes::stage_spec spec;
   spec.model = nodes::by_digest(*remote);
   spec.bounds = cut.bounds;
-  spec.chunks = options.chunks;
-  spec.placement = options.chunk_layout();
-  spec.count = cut.stages() / options.chunks;
+  spec.settings.chunks = options.chunks;
+  spec.settings.placement = options.chunk_layout();
+  spec.settings.count = cut.stages() / options.chunks;
   replicas->agree("the model on nodes (its spec, seed, hooks, cut and chunks)",
                   static_cast<int64_t>(std::hash<std::string>{}(nodes::to_json(spec))));
 }
@@ -670,7 +668,7 @@ std::future<step_result> pipeline::train_step_async(torch::Tensor inputs, torch:
                   inputs.defined() ? inputs.sizes() : c10::IntArrayRef{}, " and ",
                   targets.defined() ? targets.sizes() : c10::IntArrayRef{});
   return self.submit_train(self.split(inputs, "train_step inputs"),
-                           self.split(targets, "train_step targets"));
+                           self.split(targets, "train_step targets", false, /*to_last=*/true));
 }
 
 step_result pipeline::train_step(std::vector<torch::Tensor> inputs,

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <actorpipe/torch_compat.hpp>
 #include <c10/core/CPUAllocator.h>
 #include <unistd.h>
 #ifdef __GLIBC__
@@ -35,11 +36,11 @@ std::size_t default_limit() {
            : std::size_t{1} << 32;
 }
 
-class warm_allocator final : public c10::Allocator {
+class warm_allocator final : public compat::allocator {
 public:
   explicit warm_allocator(c10::Allocator* fallback) : fallback_(fallback) {}
 
-  c10::DataPtr allocate(std::size_t n) const override {
+  c10::DataPtr allocate_bytes(std::size_t n) const override {
     if (!tally || n == 0) {
       return allocate_untallied(n);
     }

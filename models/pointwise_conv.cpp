@@ -1,5 +1,7 @@
 #include "models/pointwise_conv.hpp"
 
+#include <actorpipe/torch_compat.hpp>
+
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/mkldnn_convolution.h>
@@ -60,7 +62,7 @@ torch::Tensor PointwiseConv2dImpl::forward(const torch::Tensor& x) {
 bool pointwise_fast_path(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
   // The cases libtorch 1.13's ConvParams::use_mkldnn leaves to its native kernel.
   const auto& o = conv.options;
-  const auto* padding = c10::get_if<torch::ExpandingArray<2>>(&o.padding());
+  const auto* padding = compat::get_if<torch::ExpandingArray<2>>(&o.padding());
   return at::hasMKLDNN() && at::globalContext().userEnabledMkldnn() && x.device().is_cpu() &&
          x.scalar_type() == at::kFloat && x.layout() == at::kStrided && x.dim() == 4 &&
          x.size(0) < 16 && at::get_num_threads() == 1 && !conv.bias.defined() &&

@@ -235,11 +235,11 @@ private:
       return forward_(std::move(args));
     } catch (const c10::Error& e) {
       // Still a c10::Error: the stage reads libtorch refusing a tensor as a shape mismatch.
-      throw c10::Error(interpreter_failure(e.what_without_backtrace(), name_), "");
+      throw c10::Error(interpreter_failure(e.what_without_backtrace(), name_), {});
     } catch (const std::exception& e) {
       // The interpreter rethrows what an operation threw as a std::runtime_error with its
       // TorchScript traceback; it is libtorch refusing the input all the same.
-      throw c10::Error(interpreter_failure(e.what(), name_), "");
+      throw c10::Error(interpreter_failure(e.what(), name_), {});
     }
   }
 

@@ -34,6 +34,7 @@
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
 #include "stages/checkpoint.hpp"
+#include "stages/device.hpp"
 #include "stages/stage.hpp"
 
 namespace actorpipe {
@@ -289,7 +290,9 @@ const std::string& received(const node_state& s, const std::string& digest, cons
 std::string build(node_actor* self, const std::string& text) {
   auto& s = self->state;
   auto spec = stage_spec_from_json(text);
-  auto index = static_cast<uint32_t>(spec.index);
+  const auto& settings = spec.settings;
+  auto index = static_cast<uint32_t>(settings.index);
+  stages::check_device(settings.device, detail::concat("node ", s.label, ": stage ", index));
   release(self, index);
   layer_list layers;
   if (spec.model.torchscript.empty()) {
@@ -312,43 +315,36 @@ std::string build(node_actor* self, const std::string& text) {
   // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
   auto ties = tied_parameters(layers);
   hosted h;
-  h.placement = spec.placement;
+  h.placement = settings.placement;
   std::set<std::size_t> tie_holders;
   std::string layer_ranges;
-  for (std::size_t c = 0; c < spec.chunks; ++c) {
-    auto k = virtual_stage_of(spec.placement, spec.count, spec.index, c);
+  for (std::size_t c = 0; c < settings.chunks; ++c) {
+    auto k = virtual_stage_of(settings.placement, settings.count, settings.index, c);
     auto begin = cut.begin(k);
     auto end = cut.end(k);
     ACTORPIPE_CHECK(begin < end, "stage ", k, " would be empty");
-    h.chunks.push_back(stages::make_stage(layers, cut, k, c10::kCPU,
-                                          make_optimizer(spec.model.optimizer), spec.precision));
+    h.chunks.push_back(stages::make_stage(
+      layers, cut, k, settings.device, make_optimizer(spec.model.optimizer), settings.precision));
     // The tie group's members are stage actors: a virtual stage's holder is the actor of it.
     for (auto holder : h.chunks.back()->config().tie_holders) {
-      tie_holders.insert(holder_of(spec.placement, spec.count, holder).stage);
+      tie_holders.insert(holder_of(settings.placement, settings.count, holder).stage);
     }
     layer_ranges += detail::concat(layer_ranges.empty() ? "" : ", ", end - begin, " layers ", begin,
                                    "..", end - 1);
   }
   bool tied = std::any_of(h.chunks.begin(), h.chunks.end(),
                           [](const auto& st) { return !st->config().shared_ties.empty(); });
-  stage_actor_options options;
-  options.index = spec.index;
-  options.count = spec.count;
-  options.placement = spec.placement;
-  options.wait_timeout = std::chrono::milliseconds(spec.wait_timeout_ms);
-  options.threads = spec.threads;
+  // The settings whole, as a stage in the driver's process gets them; then what does not cross
+  // processes as a value: the loss and hooks, built here from their descriptions.
+  stage_actor_options options(settings);
   options.loss = builtin_loss(spec.model.loss);
-  options.reduction = spec.reduction;
-  options.recompute = spec.recompute;
-  options.report_gradient_norm = spec.report_gradient_norm;
   options.hooks = make_hooks(hooks);
   if (spec.data_parallel.replicas > 1) {
     // Gradients averaged with the same stage of the other replicas, on their nodes. Every
     // replica builds the model from the same seed or bytes: they start equal without a
     // broadcast (their drivers agreed on the model).
-    options.sync = comm::join_stage_group(spec.data_parallel, spec.index, spec.group_prefix);
-    options.buffers = spec.data_parallel.buffers;
-    options.sync_batch_norm = spec.data_parallel.sync_batch_norm;
+    options.sync = comm::join_stage_group(spec.data_parallel, settings.index, spec.group_prefix,
+                                          settings.device);
   }
   std::vector<std::string> tie_names;
   if (tied) {
@@ -375,9 +371,16 @@ std::string build(node_actor* self, const std::string& text) {
   s.stages.emplace(index, std::move(h));
   // The whole model was built to keep one stage of it.
   memory::release_free_heap();
-  log::get()->info("node {}: built stage {} of {} ({} of {}, seed {})", s.label, spec.index,
-                   spec.count, layer_ranges, spec.model.name, spec.model.seed);
-  return nlohmann::json{{"data_host", s.hub->host()}, {"data_port", s.hub->port()}}.dump();
+  log::get()->info("node {}: built stage {} of {} ({} of {}, seed {}) on {}", s.label,
+                   settings.index, settings.count, layer_ranges, spec.model.name, spec.model.seed,
+                   settings.device.str());
+  // The settings the stage actor was given, as the node read them: the driver checks them
+  // against what it sent.
+  return nlohmann::json{
+    {"data_host", s.hub->host()},
+    {"data_port", s.hub->port()},
+    {"settings", nlohmann::json::parse(to_json(static_cast<const stage_settings&>(options)))}}
+    .dump();
 }
 
 std::string receive_model(node_actor* self, const std::string& digest, const std::string& bytes) {

@@ -47,6 +47,110 @@ json endpoint_json(const endpoint& e) {
   return {{"host", e.host}, {"port", e.port}, {"node", e.node}};
 }
 
+// A stage setting as JSON, and back (naming the field when it is wrong): one overload per type
+// that stage_settings holds.
+json encode(std::size_t v) {
+  return v;
+}
+json encode(int64_t v) {
+  return v;
+}
+json encode(double v) {
+  return v;
+}
+json encode(bool v) {
+  return v;
+}
+json encode(chunk_placement v) {
+  return to_string(v);
+}
+json encode(const c10::Device& v) {
+  return v.str();
+}
+json encode(std::chrono::milliseconds v) {
+  return v.count();
+}
+json encode(std::chrono::microseconds v) {
+  return v.count();
+}
+json encode(loss_reduction v) {
+  return v == loss_reduction::mean ? "mean" : "sum";
+}
+json encode(recompute_mode v) {
+  return to_string(v);
+}
+json encode(precision_mode v) {
+  return to_string(v);
+}
+json encode(buffer_sync v) {
+  return v == buffer_sync::average ? "average" : v == buffer_sync::none ? "none" : "broadcast";
+}
+
+template <class T>
+void decode(const json& j, T& v) {
+  v = j.get<T>();
+}
+void decode(const json& j, chunk_placement& v) {
+  v = parse_chunk_placement(j.get<std::string>());
+}
+void decode(const json& j, c10::Device& v) {
+  v = c10::Device(j.get<std::string>());
+}
+void decode(const json& j, std::chrono::milliseconds& v) {
+  v = std::chrono::milliseconds(j.get<int64_t>());
+}
+void decode(const json& j, std::chrono::microseconds& v) {
+  v = std::chrono::microseconds(j.get<int64_t>());
+}
+void decode(const json& j, recompute_mode& v) {
+  v = parse_recompute_mode(j.get<std::string>());
+}
+void decode(const json& j, precision_mode& v) {
+  v = parse_precision(j.get<std::string>());
+}
+void decode(const json& j, loss_reduction& v) {
+  auto text = j.get<std::string>();
+  ACTORPIPE_CHECK(text == "mean" || text == "sum", "unknown reduction '", text, "'");
+  v = text == "mean" ? loss_reduction::mean : loss_reduction::sum;
+}
+void decode(const json& j, buffer_sync& v) {
+  auto text = j.get<std::string>();
+  ACTORPIPE_CHECK(text == "broadcast" || text == "average" || text == "none",
+                  "unknown buffer sync '", text, "'");
+  v = text == "average" ? buffer_sync::average
+      : text == "none"  ? buffer_sync::none
+                        : buffer_sync::broadcast;
+}
+
+json settings_json(const stage_settings& s) {
+  json j = {{"version", stage_settings::version}};
+  visit_fields(s, [&](const char* name, const auto& value) { j[name] = encode(value); });
+  return j;
+}
+
+stage_settings settings_from(const json& j, const char* what) {
+  auto version = field<int>(j, "version", what);
+  ACTORPIPE_CHECK(version == stage_settings::version, what, ": settings of version ", version,
+                  ", this node reads version ", stage_settings::version,
+                  " (driver and node are different builds of actorpipe)");
+  stage_settings s;
+  visit_fields(s, [&](const char* name, auto& value) {
+    auto item = field<json>(j, name, what);
+    try {
+      decode(item, value);
+    } catch (const std::exception& e) {
+      throw invalid_argument(
+        detail::concat(what, ": field '", name, "' is malformed: ", detail::first_line(e.what())));
+    }
+  });
+  ACTORPIPE_CHECK(s.chunks >= 1 && s.chunks <= 1024, what, ": chunks ", s.chunks);
+  ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count, what, ": stage ", s.index, " of ", s.count);
+  ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
+  ACTORPIPE_CHECK(s.wait_timeout.count() >= 1, what, ": wait_timeout ", s.wait_timeout.count());
+  ACTORPIPE_CHECK(s.linger.count() >= 0, what, ": linger ", s.linger.count());
+  return s;
+}
+
 } // namespace
 
 std::string to_hex(const std::string& bytes) {
@@ -149,16 +253,7 @@ std::string to_json(const stage_spec& s) {
                 {"weight_decay", m.optimizer.weight_decay},
                 {"nesterov", m.optimizer.nesterov}}}}},
             {"bounds", s.bounds},
-            {"index", s.index},
-            {"count", s.count},
-            {"chunks", s.chunks},
-            {"placement", to_string(s.placement)},
-            {"threads", s.threads},
-            {"wait_timeout_ms", s.wait_timeout_ms},
-            {"report_gradient_norm", s.report_gradient_norm},
-            {"reduction", s.reduction == loss_reduction::mean ? "mean" : "sum"},
-            {"recompute", to_string(s.recompute)},
-            {"precision", to_string(s.precision)}};
+            {"settings", settings_json(s.settings)}};
   const auto& dp = s.data_parallel;
   if (dp.replicas > 1) {
     j["data_parallel"] = {{"rank", dp.rank},
@@ -167,8 +262,6 @@ std::string to_json(const stage_spec& s) {
                           {"master_port", dp.master_port},
                           {"timeout_ms", dp.timeout.count()},
                           {"bucket_bytes", dp.bucket_bytes},
-                          {"buffers", static_cast<int>(dp.buffers)},
-                          {"sync_batch_norm", dp.sync_batch_norm},
                           {"group_prefix", s.group_prefix}};
   }
   return j.dump();
@@ -205,24 +298,10 @@ stage_spec stage_spec_from_json(const std::string& text) {
   s.model.optimizer.weight_decay = field<double>(o, "weight_decay", what);
   s.model.optimizer.nesterov = field<bool>(o, "nesterov", what);
   s.bounds = field<std::vector<std::size_t>>(j, "bounds", what);
-  s.index = field<std::size_t>(j, "index", what);
-  s.count = field<std::size_t>(j, "count", what);
-  s.chunks = field<std::size_t>(j, "chunks", what);
-  s.placement = parse_chunk_placement(field<std::string>(j, "placement", what));
-  s.threads = field<std::size_t>(j, "threads", what);
-  s.wait_timeout_ms = field<int64_t>(j, "wait_timeout_ms", what);
-  s.report_gradient_norm = field<bool>(j, "report_gradient_norm", what);
-  auto reduction = field<std::string>(j, "reduction", what);
-  ACTORPIPE_CHECK(reduction == "mean" || reduction == "sum", what, ": unknown reduction '",
-                  reduction, "'");
-  s.reduction = reduction == "mean" ? loss_reduction::mean : loss_reduction::sum;
-  s.recompute = parse_recompute_mode(field<std::string>(j, "recompute", what));
-  s.precision = parse_precision(field<std::string>(j, "precision", what));
-  ACTORPIPE_CHECK(s.chunks >= 1 && s.chunks <= 1024, what, ": chunks ", s.chunks);
-  ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count && s.bounds.size() == s.count * s.chunks + 1,
-                  what, ": stage ", s.index, " of ", s.count, " with ", s.chunks, " chunks and ",
-                  s.bounds.size(), " bounds");
-  ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
+  s.settings = settings_from(field<json>(j, "settings", what), what);
+  const auto& st = s.settings;
+  ACTORPIPE_CHECK(s.bounds.size() == st.count * st.chunks + 1, what, ": stage ", st.index, " of ",
+                  st.count, " with ", st.chunks, " chunks and ", s.bounds.size(), " bounds");
   if (j.contains("data_parallel")) {
     auto d = field<json>(j, "data_parallel", what);
     auto& dp = s.data_parallel;
@@ -234,11 +313,8 @@ stage_spec stage_spec_from_json(const std::string& text) {
     dp.master_port = static_cast<uint16_t>(port);
     dp.timeout = std::chrono::milliseconds(field<int64_t>(d, "timeout_ms", what));
     dp.bucket_bytes = field<std::size_t>(d, "bucket_bytes", what);
-    auto buffers = field<int64_t>(d, "buffers", what);
-    ACTORPIPE_CHECK(buffers >= 0 && buffers <= static_cast<int64_t>(buffer_sync::none), what,
-                    ": buffers ", buffers);
-    dp.buffers = static_cast<buffer_sync>(buffers);
-    dp.sync_batch_norm = field<bool>(d, "sync_batch_norm", what);
+    dp.buffers = s.settings.buffers;
+    dp.sync_batch_norm = s.settings.sync_batch_norm;
     s.group_prefix = field<std::string>(d, "group_prefix", what);
     ACTORPIPE_CHECK(dp.replicas >= 2 && dp.rank < dp.replicas, what, ": data parallel rank ",
                     dp.rank, " of ", dp.replicas);
@@ -246,8 +322,15 @@ stage_spec stage_spec_from_json(const std::string& text) {
                       !dp.master_addr.empty(),
                     what, ": data parallel timeout, bucket bytes, group prefix or master address");
   }
-  ACTORPIPE_CHECK(s.wait_timeout_ms >= 1, what, ": wait_timeout_ms ", s.wait_timeout_ms);
   return s;
+}
+
+std::string to_json(const stage_settings& settings) {
+  return settings_json(settings).dump();
+}
+
+stage_settings stage_settings_from_json(const std::string& text) {
+  return settings_from(parse(text, "stage settings"), "stage settings");
 }
 
 std::string to_json(const peer_table& peers) {

@@ -37,6 +37,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <actorpipe/options.hpp>
+#include <actorpipe/stage_settings.hpp>
 #include <actorpipe/tls.hpp>
 
 #include "actors/messages.hpp"
@@ -68,20 +69,12 @@ using state_atom = caf::atom_constant<caf::atom("state")>;
 struct stage_spec {
   remote_model model;
   std::vector<std::size_t> bounds;
-  std::size_t index = 0;
-  std::size_t count = 1;
-  std::size_t chunks = 1;
-  /// Which virtual stage each chunk is ("placement": "looped" or "v").
-  chunk_placement placement = chunk_placement::looped;
-  std::size_t threads = 1;
-  int64_t wait_timeout_ms = 60000;
-  bool report_gradient_norm = false;
-  loss_reduction reduction = loss_reduction::mean;
-  recompute_mode recompute = recompute_mode::never;
-  precision_mode precision = precision_mode::fp32;
+  /// Everything the stage actor needs to know, whole, as a stage in process gets it.
+  stage_settings settings;
   /// Replicas (data_parallel.replicas > 1): this stage's rank, where rank 0's driver serves the
-  /// store (master_addr:master_port), deadlines, buckets, buffers and batch norm; the stage
-  /// forms its Gloo group under `group_prefix` (data_parallel.local and bmuf are not used).
+  /// store (master_addr:master_port), its deadline and buckets; the stage forms its group under
+  /// `group_prefix` (data_parallel.local and bmuf are not used; the settings carry buffers and
+  /// batch norm).
   data_parallel_options data_parallel;
   std::string group_prefix;
 };
@@ -100,6 +93,8 @@ struct peer_table {
 };
 
 std::string to_json(const stage_spec& spec);
+/// Stage settings alone, as a spec carries them (with their version).
+std::string to_json(const stage_settings& settings);
 std::string to_json(const peer_table& peers);
 /// The plan without tensors; `targets` is how many target frames the last stage waits for.
 std::string to_json(const actors::step_plan& plan, std::size_t targets);
@@ -107,6 +102,7 @@ std::string to_json(const actors::stage_report& report);
 
 /// The readers throw invalid_argument naming the field that is missing or wrong.
 stage_spec stage_spec_from_json(const std::string& text);
+stage_settings stage_settings_from_json(const std::string& text);
 peer_table peer_table_from_json(const std::string& text);
 actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets);
 actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs);

@@ -521,16 +521,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       stage_spec spec;
       spec.model = described;
       spec.bounds = cut.bounds;
-      spec.index = i;
-      spec.count = count;
-      spec.chunks = options.chunks;
-      spec.placement = options.chunk_layout();
-      spec.threads = threads;
-      spec.wait_timeout_ms = options.wait_timeout.count();
-      spec.report_gradient_norm = options.max_grad_norm > 0;
-      spec.reduction = options.reduction;
-      spec.recompute = options.recompute;
-      spec.precision = options.precision;
+      spec.settings = stage_settings_for(options, i, count, threads, options.data_parallel.bmuf);
       if (options.data_parallel.replicas > 1) {
         spec.data_parallel = options.data_parallel;
         spec.data_parallel.local = nullptr;
@@ -540,6 +531,13 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
         ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
       if (reply.contains("error")) {
         throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
+      }
+      auto sent = nlohmann::json::parse(to_json(spec.settings));
+      auto taken = reply.value("settings", nlohmann::json{});
+      if (taken != sent) {
+        throw pipeline_error(detail::concat("stage ", i, ": the node at ", names[i],
+                                            " built it with other settings than sent (",
+                                            taken.dump(), " for ", sent.dump(), ")"));
       }
       ++built;
       peers.stages.push_back({reply.at("data_host").get<std::string>(),

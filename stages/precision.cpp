@@ -5,8 +5,10 @@
 #include <sstream>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/group_norm.h>
 #include <ATen/ops/layer_norm.h>
+#include <actorpipe/torch_compat.hpp>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -40,6 +42,11 @@ at::Tensor group_norm_fp32(const at::Tensor& input, int64_t groups,
 void register_fp32_norms() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // Later libtorch lines list them in CPU autocast's float32 ops already.
+    auto op = c10::Dispatcher::singleton().findSchema({"aten::layer_norm", ""});
+    if (op && op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU)) {
+      return;
+    }
     static auto* library = new torch::Library(torch::Library::IMPL, "aten",
                                               c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
     library->impl("layer_norm", TORCH_FN(layer_norm_fp32));
@@ -49,23 +56,26 @@ void register_fp32_norms() {
 
 } // namespace
 
-autocast_scope::autocast_scope(precision_mode mode)
-  : was_enabled_(at::autocast::is_cpu_enabled()),
-    was_dtype_(at::autocast::get_autocast_cpu_dtype()), enabled_(mode == precision_mode::bf16) {
+autocast_scope::autocast_scope(precision_mode mode, c10::DeviceType device)
+  : device_(device == c10::DeviceType::CUDA ? device : c10::DeviceType::CPU),
+    was_enabled_(compat::autocast_enabled(device_)), was_dtype_(compat::autocast_dtype(device_)),
+    enabled_(mode == precision_mode::bf16) {
   if (enabled_) {
-    register_fp32_norms();
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    if (device_ == c10::DeviceType::CPU) {
+      register_fp32_norms();
+    }
+    compat::set_autocast_dtype(device_, at::kBFloat16);
     at::autocast::increment_nesting();
   }
-  at::autocast::set_cpu_enabled(enabled_);
+  compat::set_autocast_enabled(device_, enabled_);
 }
 
 autocast_scope::~autocast_scope() {
   if (enabled_ && at::autocast::decrement_nesting() == 0) {
     at::autocast::clear_cache();
   }
-  at::autocast::set_cpu_enabled(was_enabled_);
-  at::autocast::set_autocast_cpu_dtype(was_dtype_);
+  compat::set_autocast_enabled(device_, was_enabled_);
+  compat::set_autocast_dtype(device_, was_dtype_);
 }
 
 at::Tensor boundary_cast(const at::Tensor& t, precision_mode mode, bool last) {

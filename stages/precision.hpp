@@ -11,22 +11,24 @@
 
 namespace actorpipe::stages {
 
-/// Sets libtorch's CPU autocast on the calling thread for its lifetime (autocast state is
-/// thread-local): on, to bfloat16, for precision_mode::bf16; off for fp32, whatever the thread
-/// had. Restores the thread's state and, leaving the outermost scope, drops autocast's cache of
-/// bf16 weight copies (the optimizer changes the weights between scopes).
+/// Sets libtorch's autocast for `device` (CPU, or CUDA for a stage on a GPU) on the calling
+/// thread for its lifetime (autocast state is thread-local): on, to bfloat16, for
+/// precision_mode::bf16; off for fp32, whatever the thread had. Restores the thread's state and,
+/// leaving the outermost scope, drops autocast's cache of bf16 weight copies (the optimizer changes
+/// the weights between scopes).
 ///
 /// The first scope also makes libtorch 1.13's CPU autocast run layer_norm and group_norm in
 /// float32 (as Megatron keeps its LayerNorms): 1.13 leaves them out of autocast's lists, and
 /// their CPU kernels refuse a bf16 input with float32 weights.
 class autocast_scope {
 public:
-  explicit autocast_scope(precision_mode mode);
+  explicit autocast_scope(precision_mode mode, c10::DeviceType device = c10::DeviceType::CPU);
   ~autocast_scope();
   autocast_scope(const autocast_scope&) = delete;
   autocast_scope& operator=(const autocast_scope&) = delete;
 
 private:
+  c10::DeviceType device_;
   bool was_enabled_;
   c10::ScalarType was_dtype_;
   bool enabled_;

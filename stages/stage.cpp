@@ -1,5 +1,6 @@
 #include "stages/stage.hpp"
 
+#include "stages/device.hpp"
 #include "stages/precision.hpp"
 #include "stages/weight_pass.hpp"
 
@@ -18,6 +19,7 @@
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/memory.hpp>
+#include <actorpipe/torch_compat.hpp>
 
 namespace actorpipe::stages {
 namespace {
@@ -34,8 +36,8 @@ std::string shape_of(const bundle& b) {
 }
 
 // The optimizer keeps per-parameter state keyed by the parameter's TensorImpl address.
-std::string optimizer_key(const torch::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
+auto optimizer_key(const torch::Tensor& p) {
+  return compat::optimizer_state_key(p.unsafeGetTensorImpl());
 }
 
 // Parameters (or buffers) of `layers` by model-wide name; a tied parameter under its tie's
@@ -78,14 +80,15 @@ std::shared_mutex& generator_lock() {
   return lock;
 }
 
-torch::Tensor generator_state() {
-  auto generator = at::detail::getDefaultCPUGenerator();
+// The state of the generator the stage's device draws from (the CPU's, or its GPU's).
+torch::Tensor generator_state(c10::Device device) {
+  auto generator = default_generator(device);
   std::lock_guard<std::mutex> lock(generator.mutex());
   return generator.get_state();
 }
 
-void set_generator_state(const torch::Tensor& state) {
-  auto generator = at::detail::getDefaultCPUGenerator();
+void set_generator_state(c10::Device device, const torch::Tensor& state) {
+  auto generator = default_generator(device);
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
 }
@@ -94,13 +97,14 @@ void set_generator_state(const torch::Tensor& state) {
 // that will be recomputed (its generator state kept in `state`), shared for the other forwards
 // of a stage that draws, not at all for a stage that never draws.
 template <class Forward>
-auto drawing(bool draws, bool recompute, torch::Tensor& state, Forward&& forward) {
+auto drawing(bool draws, bool recompute, c10::Device device, torch::Tensor& state,
+             Forward&& forward) {
   if (!draws) {
     return forward();
   }
   if (recompute) {
     std::unique_lock<std::shared_mutex> exclusive(generator_lock());
-    state = generator_state();
+    state = generator_state(device);
     return forward();
   }
   std::shared_lock<std::shared_mutex> shared(generator_lock());
@@ -215,7 +219,7 @@ bundle stage::run(int32_t microbatch, const bundle& input) const {
   {
     // Autocast is thread-local: set here, on the thread that runs the stage, for the layers
     // only (the loss and the boundary casts below run outside it).
-    autocast_scope autocast(config_.precision);
+    autocast_scope autocast(config_.precision, config_.device.type());
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       const auto& l = layers_[i];
       auto source = [&] {
@@ -235,6 +239,12 @@ bundle stage::run(int32_t microbatch, const bundle& input) const {
       try {
         x = l.forward(x);
       } catch (const std::exception& e) {
+        if (auto oom = cuda::out_of_memory(e); !oom.empty()) {
+          throw pipeline_error(detail::concat(where(microbatch), ": layer '", l.name(),
+                                              "' ran out of memory on ", config_.device.str(), ": ",
+                                              oom),
+                               details(microbatch, error_kind::out_of_memory));
+        }
         std::string what = dynamic_cast<const c10::Error*>(&e) != nullptr
                              ? static_cast<const c10::Error&>(e).what_without_backtrace()
                              : e.what();
@@ -265,7 +275,8 @@ bundle stage::receive(const bundle& input, bool train) const {
       continue;
     }
     bool flagged = !is_first() && bundle::needs_gradient(t);
-    t = t.to(config_.device).detach();
+    // From pinned host memory (the batch, for a stage on a GPU) the copy does not block.
+    t = t.to(t.options().device(config_.device), /*non_blocking=*/t.is_pinned()).detach();
     if (train && flagged) {
       t.requires_grad_(true);
     }
@@ -330,7 +341,7 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   // at once: only the input, and where the stage draws random numbers the generator's state,
   // stay until backward.
   memory::allocation_tally tally;
-  auto y = drawing(draws_random_, recompute, entry.generator_state,
+  auto y = drawing(draws_random_, recompute, config_.device, entry.generator_state,
                    [&] { return run(microbatch, entry.input); });
   auto sent = detach_keeping_flags(y);
   entry.recompute = recompute;
@@ -351,7 +362,7 @@ torch::Tensor stage::loss_of(int32_t microbatch, const bundle& outputs, const to
   const auto& y = outputs[0];
   torch::Tensor value;
   try {
-    value = loss(y, target.to(config_.device));
+    value = loss(y, target.to(target.options().device(config_.device), target.is_pinned()));
   } catch (const c10::Error& e) {
     throw pipeline_error(
       detail::concat(where(microbatch), ": the loss function failed on output ", shape_of(y),
@@ -381,7 +392,7 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
     // Recomputed, the forward runs without a graph (the last stage sends no activation whose
     // flags would need one); the loss function and target wait for backward.
     torch::AutoGradMode grad_mode{!recompute};
-    value = drawing(draws_random_, recompute, entry.generator_state, [&] {
+    value = drawing(draws_random_, recompute, config_.device, entry.generator_state, [&] {
       return loss_of(microbatch, run(microbatch, entry.input), target, loss);
     });
   }
@@ -423,15 +434,15 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
     if (entry.generator_state.defined()) {
       // Replay the forward's run of the generator, then leave it where it was.
       std::unique_lock<std::shared_mutex> exclusive(generator_lock());
-      auto now = generator_state();
-      set_generator_state(entry.generator_state);
+      auto now = generator_state(config_.device);
+      set_generator_state(config_.device, entry.generator_state);
       try {
         entry.output = rerun();
       } catch (...) {
-        set_generator_state(now);
+        set_generator_state(config_.device, now);
         throw;
       }
-      set_generator_state(now);
+      set_generator_state(config_.device, now);
     } else {
       entry.output = rerun();
     }

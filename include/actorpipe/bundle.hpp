@@ -21,10 +21,21 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
+#include <ATen/core/Tensor.h> // also std::shared_ptr (<memory>, which layering.py reads as memory/)
 #include <c10/util/ArrayRef.h>
 
 namespace actorpipe {
+
+/// The point in a device's stream after which a bundle's tensors are complete (a CUDA event
+/// recorded by the stage that made them). A stage on another stream makes its own stream wait
+/// for it (no host synchronisation); whoever reads the bytes on the host waits for it first.
+/// Bundles of CPU tensors carry none.
+class ready_event {
+public:
+  virtual ~ready_event() = default;
+  /// Blocks the calling thread until the tensors are complete.
+  virtual void synchronize() const = 0;
+};
 
 class bundle {
 public:
@@ -92,6 +103,17 @@ public:
                                   std::to_string(tensors_.size()) + ": " + describe());
     }
     return tensors_.front();
+  }
+
+  /// The event after which the tensors are complete on their device (null: they are now).
+  const std::shared_ptr<const ready_event>& ready() const noexcept { return ready_; }
+  void set_ready(std::shared_ptr<const ready_event> event) { ready_ = std::move(event); }
+  /// Waits (blocking the calling thread) until the tensors are complete; for code that reads
+  /// them on the host or on a stream of its own.
+  void synchronize() const {
+    if (ready_) {
+      ready_->synchronize();
+    }
   }
 
   /// Bytes of all defined tensors.
@@ -164,6 +186,7 @@ private:
 
   std::vector<std::string> names_;
   std::vector<at::Tensor> tensors_;
+  std::shared_ptr<const ready_event> ready_;
 };
 
 } // namespace actorpipe

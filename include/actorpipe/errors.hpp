@@ -43,6 +43,9 @@ enum class error_kind : uint8_t {
   replica_failure,
   /// A file could not be read or written, or is not what it should be (checkpoints).
   io,
+  /// A stage's device ran out of memory (the message names the stage, the micro-batch and what
+  /// was asked for); the step failed and changed nothing.
+  out_of_memory,
 };
 
 /// "timeout", "shape_mismatch", ... (the enumerator's name).
@@ -62,6 +65,8 @@ inline const char* to_string(error_kind kind) {
     return "replica_failure";
   case error_kind::io:
     return "io";
+  case error_kind::out_of_memory:
+    return "out_of_memory";
   case error_kind::other:
     break;
   }

@@ -204,10 +204,19 @@ struct bmuf_options {
   int64_t warmup_steps = 0;
 };
 
+/// Which c10d backend averages a stage's gradients across replicas.
+enum class dp_backend {
+  /// NCCL for a stage on a GPU, Gloo for one on the CPU.
+  automatic,
+  gloo,
+  nccl,
+};
+
 /// Data parallelism: this pipeline is replica `rank` of `replicas` identical pipelines (each
 /// fed its own part of the batch). After its last backward, each stage averages its gradients
-/// with the same stage of every other replica over c10d (one Gloo process group per stage
-/// index), so R replicas on B/R samples each step exactly like one pipeline on B samples.
+/// with the same stage of every other replica over c10d (one process group per stage index:
+/// Gloo on the CPU, NCCL on GPUs), so R replicas on B/R samples each step exactly like one
+/// pipeline on B samples.
 struct data_parallel_options {
   /// This replica's rank, 0 <= rank < replicas (RANK).
   std::size_t rank = 0;
@@ -231,6 +240,8 @@ struct data_parallel_options {
   bmuf_options bmuf;
   /// Key prefix in the store, so several replicated pipelines can share one rendezvous.
   std::string group = "actorpipe";
+  /// The collectives' backend, chosen per stage group (--dp-backend).
+  dp_backend backend = dp_backend::automatic;
   /// Set by replicated_pipeline for replicas that live in one process; empty for processes.
   std::shared_ptr<detail::local_store> local;
 };

@@ -6,6 +6,7 @@
 #include "../training/image_folders.hpp"
 #include "cli/program.hpp"
 #include "helpers.hpp"
+#include "stages/device.hpp"
 
 using namespace actorpipe::test;
 
@@ -1275,4 +1276,27 @@ TEST_CASE("--data images:DIR trains on a folder of PNG and JPEG images: pipeline
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("--devices puts each stage on a device and --dp-backend picks the replicas' backend, "
+          "and what this build or machine cannot do is refused by name") {
+  // Every stage on the CPU, named: the losses of not naming devices.
+  auto named = temp_file("devices_named.json");
+  auto plain = temp_file("devices_plain.json");
+  auto common = " --data synthetic --model mlp --batch 16 --steps 3 --threads 1 --no-progress";
+  REQUIRE(run(std::string("train --devices cpu,cpu --json ") + named.string() + common).exit_code ==
+          0);
+  REQUIRE(run(std::string("train --json ") + plain.string() + common).exit_code == 0);
+  CHECK(losses(named) == losses(plain));
+  if (!actorpipe::stages::built_with_cuda()) {
+    refused("train --data synthetic --model mlp --steps 1 --devices cpu,cuda:0",
+            "pipeline: stage 1: device cuda:0: this build of actorpipe has no CUDA");
+  }
+  refused("train --data synthetic --model mlp --steps 1 --devices cpu,gpu:1",
+          "--devices: 'gpu:1' is no device (cpu, cuda or cuda:N)");
+  refused("train --data synthetic --model mlp --steps 1 --devices cpu --stages auto",
+          "--devices names a device per stage: give --stages and --threads, not auto");
+  refused("train --data synthetic --model mlp --steps 1 --devices cpu,cpu,cpu",
+          "3 devices given for 2 stages");
+  refused("train --data synthetic --model mlp --steps 1 --replicas 2 --dp-backend nccl", "NCCL");
 }

@@ -10,6 +10,8 @@
 #include <set>
 #include <thread>
 
+#include <unistd.h>
+
 #include <actorpipe/losses.hpp>
 #include <actorpipe/models.hpp>
 

@@ -18,13 +18,18 @@
 
 namespace actorpipe::test {
 
+#ifndef ACTORPIPE_PYTHON
+#define ACTORPIPE_PYTHON "/usr/bin/python3"
+#endif
+
 #ifdef ACTORPIPE_SOURCE_DIR
-/// Runs `/usr/bin/python3 tests/oracle/<script> <arguments>` and parses the last JSON object it
-/// printed. Fails the test, with what Python printed, when Python or torch is missing or the
-/// script fails.
+/// Runs `ACTORPIPE_PYTHON tests/oracle/<script> <arguments>` (Debian's /usr/bin/python3 with its
+/// torch 1.13; the venv's python with the wheel's torch on the 2.x line) and parses the last JSON
+/// object it printed. Fails the test, with what Python printed, when Python or torch is missing or
+/// the script fails.
 inline nlohmann::json python_oracle(const std::string& script, const std::string& arguments) {
-  auto command = "/usr/bin/python3 " + std::string(ACTORPIPE_SOURCE_DIR) + "/tests/oracle/" +
-                 script + " " + arguments + " 2>&1";
+  auto command = std::string(ACTORPIPE_PYTHON) + " " + std::string(ACTORPIPE_SOURCE_DIR) +
+                 "/tests/oracle/" + script + " " + arguments + " 2>&1";
   std::string output;
   FILE* pipe = ::popen(command.c_str(), "r");
   REQUIRE_MESSAGE(pipe != nullptr, "cannot run ", command);
@@ -51,6 +56,21 @@ inline layer_list tiny_mlp(uint64_t seed = 1) {
   o.image_size = 4;
   o.num_classes = 3;
   return make_model("mlp", o);
+}
+
+/// tiny_mlp described by value, as stages on nodes build it: MSE, SGD (lr 0.1, momentum 0.9).
+inline remote_model tiny_remote(uint64_t seed = 1) {
+  remote_model m;
+  m.name = "mlp";
+  m.options.in_channels = 1;
+  m.options.image_size = 4;
+  m.options.num_classes = 3;
+  m.seed = seed;
+  m.loss = "mse";
+  m.optimizer.name = "sgd";
+  m.optimizer.lr = 0.1;
+  m.optimizer.momentum = 0.9;
+  return m;
 }
 
 /// The built-in gpt with test sizes (2 heads), drawn after torch::manual_seed(seed).

@@ -327,3 +327,24 @@ TEST_CASE("a loss function that does not return a scalar fails the step with its
                }),
                error_kind::stage_failure, 1, 0, 2);
 }
+
+TEST_CASE("a stage on a device this build or machine does not have is refused by name") {
+  engine sys;
+  auto layers = tiny_mlp();
+  pipeline_options o;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  o.devices = {c10::Device(c10::kCPU), c10::Device(c10::kCUDA, 7)};
+  try {
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+    FAIL("cuda:7 should have been refused");
+  } catch (const invalid_argument& e) {
+    std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find("pipeline: stage 1: device cuda:7") != std::string::npos);
+    // The CPU build, a CUDA build on a machine without a GPU, or one with fewer GPUs.
+    CHECK((what.find("has no CUDA") != std::string::npos ||
+           what.find("no CUDA device") != std::string::npos ||
+           what.find("CUDA device") != std::string::npos));
+  }
+}

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -38,20 +39,6 @@ remote_model tiny_gpt() {
   gpt.optimizer.name = "adam";
   gpt.optimizer.lr = 1e-2;
   return gpt;
-}
-
-remote_model tiny_remote(uint64_t seed = 1) {
-  remote_model m;
-  m.name = "mlp";
-  m.options.in_channels = 1;
-  m.options.image_size = 4;
-  m.options.num_classes = 3;
-  m.seed = seed;
-  m.loss = "mse";
-  m.optimizer.name = "sgd";
-  m.optimizer.lr = 0.1;
-  m.optimizer.momentum = 0.9;
-  return m;
 }
 
 pipeline_options local_options() {
@@ -134,6 +121,13 @@ struct control_client {
   }
 
   std::string render(const caf::error& e) const { return system->render(e); }
+
+  // Answers the node's challenge with `secret`, as a scheduler does before anything else.
+  void authenticate(const std::string& secret = "") {
+    auto challenge = ask(nodes::hello_atom::value);
+    REQUIRE(
+      ask(nodes::auth_atom::value, nodes::to_hex(comm::handshake_answer(secret, challenge))) == "");
+  }
 };
 
 } // namespace
@@ -192,9 +186,10 @@ TEST_CASE("recomputation reaches the stages on nodes and trains as in process") 
   nodes::stage_spec spec;
   spec.model = tiny_remote();
   spec.bounds = cut.bounds;
-  spec.count = 2;
-  spec.recompute = recompute_mode::except_last;
-  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).recompute == recompute_mode::except_last);
+  spec.settings.count = 2;
+  spec.settings.recompute = recompute_mode::except_last;
+  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).settings.recompute ==
+        recompute_mode::except_last);
 }
 
 TEST_CASE("hooks run on the nodes, a TorchScript module and a built-in, as in process") {
@@ -272,9 +267,10 @@ TEST_CASE("bf16 reaches the stages on nodes and trains as in process, recomputin
   nodes::stage_spec spec;
   spec.model = tiny_remote();
   spec.bounds = cut.bounds;
-  spec.count = 2;
-  spec.precision = precision_mode::bf16;
-  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).precision == precision_mode::bf16);
+  spec.settings.count = 2;
+  spec.settings.precision = precision_mode::bf16;
+  CHECK(nodes::stage_spec_from_json(nodes::to_json(spec)).settings.precision ==
+        precision_mode::bf16);
 }
 
 TEST_CASE("a node can host several stages, and three stages span two nodes") {
@@ -394,15 +390,13 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
   // then asks the node to abort and to step the optimizer while the stage cannot answer.
   node n(node_config());
   control_client scheduler(n.address());
-  auto challenge = scheduler.ask(nodes::hello_atom::value);
-  REQUIRE(scheduler.ask(nodes::auth_atom::value,
-                        nodes::to_hex(comm::handshake_answer("", challenge))) == "");
+  scheduler.authenticate();
   nodes::stage_spec spec;
   spec.model.name = "resnet18";
   spec.model.options.num_classes = 10;
   spec.model.options.image_size = 224;
   spec.bounds = {0, make_model("resnet18", spec.model.options).size()};
-  spec.wait_timeout_ms = 100;
+  spec.settings.wait_timeout = 100ms;
   auto built = nlohmann::json::parse(scheduler.ask(nodes::build_atom::value, nodes::to_json(spec)));
   REQUIRE_MESSAGE(!built.contains("error"), built.dump());
   comm::hub_options hub_options;
@@ -1102,4 +1096,118 @@ TEST_CASE("train() recovers from a node lost mid-run and replays from its newest
   losing_source again(m2, 2);
   to.recover_lost_nodes = false;
   CHECK_THROWS_AS(train(failing, again, to), pipeline_error);
+}
+
+namespace {
+
+// Stage settings with every field away from its default.
+stage_settings unusual_settings() {
+  stage_settings s;
+  s.index = 1;
+  s.count = 3;
+  s.chunks = 2;
+  s.placement = chunk_placement::v_shape;
+  s.device = c10::Device(c10::kCUDA, 1);
+  s.threads = 3;
+  s.warm_memory = false;
+  s.wait_timeout = 1234ms;
+  s.linger = 0us;
+  s.reduction = loss_reduction::sum;
+  s.report_gradient_norm = true;
+  s.recompute = recompute_mode::always;
+  s.precision = precision_mode::bf16;
+  s.buffers = buffer_sync::average;
+  s.sync_batch_norm = true;
+  s.bmuf = {7, 0.5, 0.25, true, true, 2};
+  return s;
+}
+
+// Each field's JSON, by name.
+std::map<std::string, std::string> fields_of(const stage_settings& s) {
+  auto j = nlohmann::json::parse(nodes::to_json(s));
+  std::map<std::string, std::string> out;
+  visit_fields(s, [&](const char* name, const auto&) { out[name] = j.at(name).dump(); });
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("stage settings cross to a node whole: every field, with a version, checked") {
+  // A field added to stage_settings needs its line in visit_fields (the serializer, the parser
+  // and this test walk that list); then update this size.
+  static_assert(sizeof(stage_settings) == 128, "stage_settings changed: list the new field in "
+                                               "visit_fields (stage_settings.hpp), then update");
+  auto sent = unusual_settings();
+  auto defaults = fields_of(stage_settings{});
+  auto unusual = fields_of(sent);
+  REQUIRE(unusual.size() == 21);
+  for (const auto& [name, value] : unusual) {
+    CAPTURE(name);
+    CHECK(value != defaults.at(name));
+  }
+  CHECK(fields_of(nodes::stage_settings_from_json(nodes::to_json(sent))) == unusual);
+  // Another version, a missing field and a malformed one are refused by name.
+  auto j = nlohmann::json::parse(nodes::to_json(sent));
+  auto refused = [](const nlohmann::json& text) {
+    try {
+      nodes::stage_settings_from_json(text.dump());
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto other = j;
+  other["version"] = 99;
+  CHECK(refused(other).find("settings of version 99") != std::string::npos);
+  auto missing = j;
+  missing.erase("linger");
+  CHECK(refused(missing).find("field 'linger' is missing") != std::string::npos);
+  auto malformed = j;
+  malformed["device"] = "gpu:7";
+  CHECK(refused(malformed).find("field 'device' is malformed") != std::string::npos);
+}
+
+TEST_CASE("a node builds its stage with the settings sent, cold memory and linger included") {
+  node n(node_config());
+  control_client scheduler(n.address());
+  scheduler.authenticate();
+  nodes::stage_spec spec;
+  spec.model = tiny_remote();
+  spec.bounds = {0, 3, 6};
+  spec.settings.index = 1;
+  spec.settings.count = 2;
+  spec.settings.threads = 1;
+  spec.settings.warm_memory = false;
+  spec.settings.linger = 0us;
+  spec.settings.wait_timeout = 4321ms;
+  spec.settings.recompute = recompute_mode::always;
+  spec.settings.reduction = loss_reduction::sum;
+  auto built = nlohmann::json::parse(scheduler.ask(nodes::build_atom::value, nodes::to_json(spec)));
+  REQUIRE_MESSAGE(!built.contains("error"), built.dump());
+  // What the stage actor was given, as the node reports it.
+  CHECK(built.at("settings") == nlohmann::json::parse(nodes::to_json(spec.settings)));
+  // A device this node does not have is refused by name.
+  spec.settings.device = c10::Device(c10::kCUDA, 5);
+  auto refused =
+    nlohmann::json::parse(scheduler.ask(nodes::build_atom::value, nodes::to_json(spec)));
+  REQUIRE(refused.contains("error"));
+  CHECK(refused["error"].get<std::string>().find("cuda:5") != std::string::npos);
+}
+
+TEST_CASE("a pipeline with a device its node does not have fails to build, naming node, stage "
+          "and device") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto o = remote_options({n1.address(), n2.address()});
+  o.devices = {c10::Device(c10::kCPU), c10::Device(c10::kCUDA, 3)};
+  try {
+    pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+    FAIL("the node should have refused cuda:3");
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find("stage 1") != std::string::npos);
+    CHECK(what.find(n2.address()) != std::string::npos);
+    CHECK(what.find("device cuda:3") != std::string::npos);
+  }
 }

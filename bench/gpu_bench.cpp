@@ -1,0 +1,226 @@
+// Pipelines on a GPU against plain libtorch on the same GPU, in one process (docs/gpu.md):
+//   1. the seed scenario: ResNet-50, batch 120 of 3x128x128 random images, MSE against one-hot
+//      targets, SGD; plain libtorch, then two stages sharing the device for each split count;
+//   2. the per-hop cost: a pipeline of near-empty stages on the device, against the same layers
+//      as one stage, per activation or gradient handed over;
+//   3. the gpt's tokens per second in fp32 and bf16 (two stages on the device).
+// Medians over the timed steps, after a warm-up step; one JSON object on stdout or --json.
+//
+//   build-cuda/bench/actorpipe_gpu_bench --json gpu.json              # on a GPU
+//   build/bench/actorpipe_gpu_bench --device cpu --batch 8 --image 32 --splits 1,2 --steps 2
+//                                                                     # a smoke run on the CPU
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <actorpipe/actorpipe.hpp>
+#include <actorpipe/torch_compat.hpp>
+
+#include "bench/sweep.hpp"
+
+namespace {
+
+using namespace actorpipe;
+using clock_type = std::chrono::steady_clock;
+
+struct settings {
+  std::string device = "cuda:0";
+  int64_t batch = 120;
+  int64_t image = 128;
+  std::vector<std::size_t> splits{1, 2, 4, 8};
+  int steps = 5;
+  int64_t gpt_width = 512;
+  int64_t gpt_layers = 8;
+  int64_t gpt_context = 256;
+  int64_t gpt_batch = 32;
+};
+
+double ms_since(clock_type::time_point start) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+}
+
+// Median step time of `step` (which returns once the step's work is done) after one warm-up.
+template <class Step>
+double median_step_ms(int steps, Step&& step) {
+  step();
+  std::vector<double> times;
+  for (int i = 0; i < steps; ++i) {
+    auto start = clock_type::now();
+    step();
+    times.push_back(ms_since(start));
+  }
+  return bench::median(times);
+}
+
+layer_list resnet50() {
+  torch::manual_seed(1);
+  model_options o;
+  o.in_channels = 3;
+  o.num_classes = 1000;
+  o.block_layers = true;
+  return make_model("resnet50", o);
+}
+
+double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
+                const torch::Tensor& y, int steps,
+                precision_mode precision = precision_mode::fp32) {
+  std::vector<torch::Tensor> parameters;
+  for (auto& l : layers) {
+    if (auto m = l.module()) {
+      m->to(device);
+      for (auto& p : m->parameters()) {
+        parameters.push_back(p);
+      }
+    }
+  }
+  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(0.05));
+  auto xd = x.to(device);
+  auto yd = y.to(device);
+  auto loss = builtin_loss(y.is_floating_point() ? "mse" : "cross_entropy");
+  return median_step_ms(steps, [&] {
+    optimizer.zero_grad();
+    torch::Tensor out;
+    if (precision == precision_mode::bf16 && device.is_cuda()) {
+      compat::set_autocast_enabled(c10::DeviceType::CUDA, true);
+      compat::set_autocast_dtype(c10::DeviceType::CUDA, at::kBFloat16);
+      out = run_layers(layers, xd);
+      compat::set_autocast_enabled(c10::DeviceType::CUDA, false);
+      at::autocast::clear_cache();
+      out = out.to(torch::kFloat);
+    } else {
+      out = run_layers(layers, xd);
+    }
+    auto l = loss(out, yd);
+    l.backward();
+    optimizer.step();
+    l.item<double>(); // waits for the device
+  });
+}
+
+double pipeline_ms(engine& sys, const layer_list& layers, std::size_t stages, std::size_t splits,
+                   c10::Device device, const torch::Tensor& x, const torch::Tensor& y, int steps,
+                   precision_mode precision = precision_mode::fp32) {
+  pipeline_options o;
+  o.microbatches = splits;
+  o.schedule = schedule_kind::one_f_one_b;
+  o.loss = builtin_loss(y.is_floating_point() ? "mse" : "cross_entropy");
+  o.optimizer = sgd(0.05);
+  o.devices.assign(stages, device);
+  o.precision = precision;
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
+  return median_step_ms(steps, [&] { pipe.train_step(x, y); });
+}
+
+nlohmann::json seed_scenario(engine& sys, const settings& s, c10::Device device) {
+  auto x = torch::randn({s.batch, 3, s.image, s.image});
+  auto y = torch::nn::functional::one_hot(torch::randint(1000, {s.batch}), 1000).to(torch::kFloat);
+  nlohmann::json rows = nlohmann::json::array();
+  double plain = plain_ms(resnet50(), device, x, y, s.steps);
+  std::fprintf(stderr, "seed scenario: plain libtorch %.1f ms\n", plain);
+  for (auto m : s.splits) {
+    double ms = pipeline_ms(sys, resnet50(), 2, m, device, x, y, s.steps);
+    std::fprintf(stderr, "seed scenario: 2 stages, %zu splits: %.1f ms (%.3fx plain)\n", m, ms,
+                 plain / ms);
+    rows.push_back({{"splits", m}, {"ms", ms}, {"plain_over_pipeline", plain / ms}});
+  }
+  return {{"plain_ms", plain}, {"two_stages_one_device", rows}};
+}
+
+// Per hop: near-empty stages (a 16-wide linear layer each), 4 stages against 1, 32 splits.
+nlohmann::json hop_cost(engine& sys, const settings& s, c10::Device device) {
+  torch::manual_seed(2);
+  auto layers = [] {
+    layer_list l;
+    for (int i = 0; i < 4; ++i) {
+      l.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(16, 16)));
+    }
+    return l;
+  };
+  const std::size_t splits = 32, stages = 4;
+  auto x = torch::randn({static_cast<int64_t>(splits), 16});
+  auto y = torch::randn({static_cast<int64_t>(splits), 16});
+  double one = pipeline_ms(sys, layers(), 1, splits, device, x, y, s.steps * 4);
+  double four = pipeline_ms(sys, layers(), stages, splits, device, x, y, s.steps * 4);
+  // Each micro-batch crosses 3 boundaries forward and 3 back.
+  double hops = static_cast<double>(splits * (stages - 1) * 2);
+  double per_hop_us = (four - one) * 1000.0 / hops;
+  std::fprintf(stderr, "per hop: 1 stage %.2f ms, 4 stages %.2f ms: %.1f us per hop\n", one, four,
+               per_hop_us);
+  return {
+    {"one_stage_ms", one}, {"four_stages_ms", four}, {"hops", hops}, {"per_hop_us", per_hop_us}};
+}
+
+nlohmann::json gpt_tokens(engine& sys, const settings& s, c10::Device device) {
+  auto gpt = [&] {
+    torch::manual_seed(3);
+    model_options o;
+    o.vocabulary = 256;
+    o.layers = s.gpt_layers;
+    o.heads = 8;
+    o.width = s.gpt_width;
+    o.context = s.gpt_context;
+    return make_model("gpt", o);
+  };
+  auto x = torch::randint(256, {s.gpt_batch, s.gpt_context});
+  auto y = torch::randint(256, {s.gpt_batch, s.gpt_context});
+  auto tokens = static_cast<double>(s.gpt_batch * s.gpt_context);
+  nlohmann::json out;
+  for (auto precision : {precision_mode::fp32, precision_mode::bf16}) {
+    auto name = precision == precision_mode::bf16 ? "bf16" : "fp32";
+    double ms = pipeline_ms(sys, gpt(), 2, 4, device, x, y, s.steps, precision);
+    double plain = plain_ms(gpt(), device, x, y, s.steps, precision);
+    out[name] = {{"pipeline_ms", ms},
+                 {"pipeline_tokens_per_s", tokens / ms * 1000.0},
+                 {"plain_ms", plain},
+                 {"plain_tokens_per_s", tokens / plain * 1000.0}};
+    std::fprintf(stderr, "gpt %s: pipeline %.0f tokens/s, plain %.0f tokens/s\n", name,
+                 tokens / ms * 1000.0, tokens / plain * 1000.0);
+  }
+  out["bf16_over_fp32"] =
+    out["fp32"]["pipeline_ms"].get<double>() / out["bf16"]["pipeline_ms"].get<double>();
+  return out;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("actorpipe_gpu_bench: pipelines on a GPU against plain libtorch on it");
+  settings s;
+  std::string json_path;
+  app.add_option("--device", s.device, "cuda:N, or cpu for a smoke run")->capture_default_str();
+  app.add_option("--batch", s.batch, "seed scenario: images per batch")->capture_default_str();
+  app.add_option("--image", s.image, "seed scenario: image side")->capture_default_str();
+  app.add_option("--splits", s.splits, "seed scenario: micro-batch counts")->delimiter(',');
+  app.add_option("--steps", s.steps, "timed steps per configuration")->capture_default_str();
+  app.add_option("--gpt-width", s.gpt_width, "gpt: width")->capture_default_str();
+  app.add_option("--gpt-layers", s.gpt_layers, "gpt: blocks")->capture_default_str();
+  app.add_option("--gpt-context", s.gpt_context, "gpt: tokens per sequence")->capture_default_str();
+  app.add_option("--gpt-batch", s.gpt_batch, "gpt: sequences per batch")->capture_default_str();
+  app.add_option("--json", json_path, "write the results here (default: stdout)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    c10::Device device(s.device);
+    if (device.is_cuda()) {
+      ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+    }
+    engine sys;
+    nlohmann::json result{{"device", s.device}, {"steps", s.steps}};
+    result["seed_scenario"] = seed_scenario(sys, s, device);
+    result["hop"] = hop_cost(sys, s, device);
+    result["gpt"] = gpt_tokens(sys, s, device);
+    if (json_path.empty()) {
+      std::cout << result.dump(2) << "\n";
+    } else {
+      std::ofstream(json_path) << result.dump(2) << "\n";
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "actorpipe_gpu_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

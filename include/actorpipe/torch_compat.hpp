@@ -1,0 +1,135 @@
+/// \file
+/// The two libtorch lines actorpipe builds against, in one place: Debian's 1.13 (CPU, the default
+/// build) and the libtorch inside PyTorch 2.11's wheel (a CUDA build, `./setup.sh build --torch
+/// pip`). Every difference between them that the tree meets is spelt here once; nothing else in
+/// the tree tests a libtorch version. Internal: applications need not include it.
+///
+/// | difference                           | 1.13                         | 2.x |
+/// |--------------------------------------|------------------------------|----------------------------|
+/// | c10::Allocator::allocate             | const                        | not const, + copy_data |
+/// | optimizer state keys                 | string of the TensorImpl*    | the TensorImpl* (void*)
+/// | | c10::variant / get_if                | c10::                        | std:: | | autocast
+/// getters and setters         | per device (cpu / gpu)       | by device type (1.13's     | | | |
+/// forms warn on every call)  | | c10d process groups (Gloo, NCCL)     | derive from ProcessGroup
+/// | derive from c10d::Backend  | | c10::Error's second argument         | std::string backtrace |
+/// a lazy backtrace pointer:  | |                                      | | pass `{}` on both lines
+/// |
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <string>
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/StringUtil.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <variant>
+#else
+#include <c10/util/variant.h>
+#endif
+
+/// 1 on PyTorch 2's libtorch (the wheel line), 0 on Debian's 1.13.
+#define ACTORPIPE_TORCH_2 (TORCH_VERSION_MAJOR >= 2)
+
+namespace c10d {
+class Backend;
+class ProcessGroup;
+} // namespace c10d
+
+namespace actorpipe::compat {
+
+/// What c10d's Gloo and NCCL groups derive from, and so what a replica group holds.
+#if ACTORPIPE_TORCH_2
+using process_group = c10d::Backend;
+#else
+using process_group = c10d::ProcessGroup;
+#endif
+
+/// A c10::Allocator written once: derived classes implement allocate_bytes (const on both lines).
+class allocator : public c10::Allocator {
+public:
+  virtual c10::DataPtr allocate_bytes(std::size_t n) const = 0;
+#if ACTORPIPE_TORCH_2
+  c10::DataPtr allocate(std::size_t n) override {
+    return allocate_bytes(n);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+#else
+  c10::DataPtr allocate(std::size_t n) const override {
+    return allocate_bytes(n);
+  }
+#endif
+};
+
+/// The key under which torch::optim keeps a parameter's state.
+#if ACTORPIPE_TORCH_2
+inline void* optimizer_state_key(const void* tensor_impl) {
+  return const_cast<void*>(tensor_impl);
+}
+#else
+inline std::string optimizer_state_key(const void* tensor_impl) {
+  return c10::guts::to_string(tensor_impl);
+}
+#endif
+
+/// std::get_if on 2.x, c10::get_if on 1.13 (options such as Conv2dOptions::padding).
+template <class T, class Variant>
+auto* get_if(Variant* v) {
+#if ACTORPIPE_TORCH_2
+  return std::get_if<T>(v);
+#else
+  return c10::get_if<T>(v);
+#endif
+}
+
+/// Autocast's thread-local state for one device type (CPU or CUDA).
+inline bool autocast_enabled(c10::DeviceType type) {
+#if ACTORPIPE_TORCH_2
+  return at::autocast::is_autocast_enabled(type);
+#else
+  return type == c10::DeviceType::CUDA ? at::autocast::is_enabled()
+                                       : at::autocast::is_cpu_enabled();
+#endif
+}
+
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+#if ACTORPIPE_TORCH_2
+  at::autocast::set_autocast_enabled(type, enabled);
+#else
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+  }
+#endif
+}
+
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+#if ACTORPIPE_TORCH_2
+  return at::autocast::get_autocast_dtype(type);
+#else
+  return type == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype()
+                                       : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+#if ACTORPIPE_TORCH_2
+  at::autocast::set_autocast_dtype(type, dtype);
+#else
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+#endif
+}
+
+} // namespace actorpipe::compat

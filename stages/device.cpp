@@ -1,0 +1,89 @@
+#include "stages/device.hpp"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
+
+#include <actorpipe/errors.hpp>
+
+namespace actorpipe::stages {
+namespace {
+
+class cpu_context final : public device_context {
+public:
+  cpu_context() : device_context(c10::Device(c10::kCPU)) {}
+};
+
+} // namespace
+
+at::Generator default_generator(c10::Device device) {
+  if (device.is_cuda()) {
+    return cuda::default_generator(device.has_index() ? device.index() : 0);
+  }
+  return at::detail::getDefaultCPUGenerator();
+}
+
+bool built_with_cuda() {
+#ifdef ACTORPIPE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+  return built_with_cuda() ? static_cast<int>(torch::cuda::device_count()) : 0;
+}
+
+void check_device(c10::Device device, const std::string& who) {
+  auto invalid = [&](const std::string& why) {
+    return invalid_argument(detail::concat(who, ": device ", device.str(), ": ", why));
+  };
+  if (device.is_cpu()) {
+    return;
+  }
+  if (!device.is_cuda()) {
+    throw invalid("only cpu and cuda devices can hold stages");
+  }
+  if (!built_with_cuda()) {
+    throw invalid("this build of actorpipe has no CUDA (build the CUDA line: ./setup.sh build "
+                  "--torch pip, docs/gpu.md)");
+  }
+  auto count = cuda_device_count();
+  if (count == 0) {
+    throw invalid("this machine has no CUDA device (or its driver is not loaded)");
+  }
+  if (device.has_index() && device.index() >= count) {
+    throw invalid(detail::concat("this machine has ", count, " CUDA device", count == 1 ? "" : "s",
+                                 " (cuda:0",
+                                 count > 1 ? detail::concat(" to cuda:", count - 1) : "", ")"));
+  }
+}
+
+std::shared_ptr<device_context> make_device_context(c10::Device device) {
+  check_device(device, "stage");
+  if (device.is_cpu()) {
+    return std::make_shared<cpu_context>();
+  }
+  return cuda::make_context(device.has_index() ? device : c10::Device(c10::kCUDA, 0));
+}
+
+#ifndef ACTORPIPE_WITH_CUDA
+// The CPU line: check_device refuses CUDA devices before any of these could be reached.
+namespace cuda {
+std::shared_ptr<device_context> make_context(c10::Device device) {
+  check_device(device, "stage");
+  return nullptr;
+}
+at::Generator default_generator(c10::DeviceIndex) {
+  return at::detail::getDefaultCPUGenerator();
+}
+at::Tensor pinned(const at::Tensor& t) {
+  return t;
+}
+std::string out_of_memory(const std::exception&) {
+  return {};
+}
+} // namespace cuda
+#endif
+
+} // namespace actorpipe::stages

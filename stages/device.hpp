@@ -1,0 +1,87 @@
+/// \file
+/// The device a stage actor computes on, and everything device-specific the layers above need:
+/// binding the stage's thread to its device and stream, the events that travel with a hand-off,
+/// the random generator that recomputation replays. On the CPU every operation is a no-op; a
+/// CUDA device (stages/cuda_device.cpp, built with ACTORPIPE_WITH_CUDA) gives each stage a
+/// stream of its own. The scheduler, the actors and comm/ stay device-blind: they call this.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Generator.h>
+#include <c10/core/Device.h>
+
+#include <actorpipe/bundle.hpp>
+
+namespace actorpipe::stages {
+
+class device_context {
+public:
+  virtual ~device_context() = default;
+
+  c10::Device device() const { return device_; }
+  bool is_cuda() const { return device_.is_cuda(); }
+
+  /// Makes the calling thread compute on this device and its stream from now on (a stage
+  /// actor's thread is its own: called once, before its first action).
+  virtual void bind_current_thread() {}
+
+  /// An event recorded on the stream after what it has been given so far (null on the CPU):
+  /// set it on a bundle before the bundle leaves the stage.
+  virtual std::shared_ptr<const ready_event> record() { return nullptr; }
+
+  /// Takes in a bundle made elsewhere: the stream waits for its event (without blocking the
+  /// host), and its device tensors are marked as used on this stream, so that their memory is
+  /// not reused before this stream is done with them. The bundle's event is cleared.
+  virtual void adopt(bundle& b) { b.set_ready(nullptr); }
+
+  /// Blocks until everything queued on the stream is done (before a report leaves the stage:
+  /// once per step, never per hop).
+  virtual void synchronize() {}
+
+  /// Bytes the device's allocator holds for tensors now, and at most since the last reset
+  /// (CUDA's caching allocator; -1 on the CPU, where the allocation tally counts instead).
+  virtual int64_t allocated_bytes() const { return -1; }
+  virtual int64_t peak_allocated_bytes() const { return -1; }
+  virtual void reset_peak() {}
+
+protected:
+  explicit device_context(c10::Device device) : device_(device) {}
+
+private:
+  c10::Device device_;
+};
+
+/// The context of `device`. Throws actorpipe::invalid_argument naming the device when it does not
+/// exist or this build cannot use it ("cuda:1: this machine has 1 CUDA device";
+/// "cuda:0: this build of actorpipe has no CUDA").
+std::shared_ptr<device_context> make_device_context(c10::Device device);
+
+/// Whether this build can bind stages to CUDA devices, and how many there are here (0 when the
+/// build has no CUDA or the machine no GPU).
+bool built_with_cuda();
+int cuda_device_count();
+
+/// The generator random layers on `device` draw from (dropout): the CPU's or the GPU's default.
+at::Generator default_generator(c10::Device device);
+
+/// Checks a device a user named for a stage (as make_device_context does, without making one).
+void check_device(c10::Device device, const std::string& who);
+
+/// CUDA-only operations that leave the CPU as it is (`cuda_device.cpp` defines them in a CUDA
+/// build, `device.cpp` otherwise).
+namespace cuda {
+/// make_device_context's and default_generator's CUDA halves.
+std::shared_ptr<device_context> make_context(c10::Device device);
+at::Generator default_generator(c10::DeviceIndex index);
+/// Copies `t` (a CPU tensor) into pinned host memory, so that a later copy to a GPU can be
+/// non-blocking; `t` itself on the CPU line or when `t` is not on the CPU.
+at::Tensor pinned(const at::Tensor& t);
+/// "CUDA out of memory" in the caching allocator's words, with what was asked for; empty when
+/// `e` is not a CUDA out-of-memory error.
+std::string out_of_memory(const std::exception& e);
+} // namespace cuda
+
+} // namespace actorpipe::stages

@@ -1,0 +1,266 @@
+// Stages on CUDA devices (CTest label `gpu`). Every case needs a GPU: without one (or in the CPU
+// build) the binary exits with 77, which CTest reports as skipped, never as passed.
+//
+// Tolerances: a pipeline accumulates its micro-batches' gradients where plain libtorch computes
+// the full batch's at once, so sums differ in order: rtol 1e-5, atol 1e-6 in float32 (as on the
+// CPU), with cuDNN and cuBLAS deterministic so that a rerun gives the same bits.
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include <torch/cuda.h>
+
+#include <actorpipe/node.hpp>
+
+#include "../engine/oracle.hpp"
+#include "comm/replica_group.hpp"
+#include "stages/device.hpp"
+
+using namespace actorpipe;
+using namespace actorpipe::test;
+
+namespace {
+
+void require_gpu() {
+  if (stages::cuda_device_count() == 0) {
+    std::string why = stages::built_with_cuda() ? "skipped: this machine has no CUDA device"
+                                                : "skipped: this build of actorpipe has no CUDA";
+    MESSAGE(why);
+    std::exit(77);
+  }
+  // cuBLAS reads its workspace setting when it first starts.
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+  at::globalContext().setDeterministicAlgorithms(true, false);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+}
+
+const c10::Device gpu(c10::kCUDA, 0);
+const c10::Device cpu(c10::kCPU);
+
+layer_list on(layer_list layers, c10::Device device) {
+  for (auto& l : layers) {
+    if (auto m = l.module()) {
+      m->to(device);
+    }
+  }
+  return layers;
+}
+
+// Named tensors copied to the CPU, for comparisons across devices.
+std::vector<std::pair<std::string, torch::Tensor>>
+to_cpu(std::vector<std::pair<std::string, torch::Tensor>> all) {
+  for (auto& [name, t] : all) {
+    t = t.defined() ? t.cpu() : t;
+  }
+  return all;
+}
+
+pipeline_options options_for(schedule_setting s, std::vector<c10::Device> devices) {
+  pipeline_options o;
+  o.microbatches = 4;
+  o.schedule = s.kind;
+  o.chunks = s.chunks;
+  o.loss = mse;
+  o.optimizer = sgd(0.1);
+  o.devices = std::move(devices);
+  return o;
+}
+
+} // namespace
+
+TEST_CASE("gpu: every schedule on one GPU (two stage actors sharing it) equals plain libtorch "
+          "on that GPU") {
+  require_gpu();
+  engine sys;
+  auto x = torch::randn({10, 1, 4, 4});
+  auto t = torch::randn({10, 3});
+  for (auto s : every_schedule()) {
+    CAPTURE(to_string(s.kind));
+    auto layers = tiny_mlp();
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2 * s.chunks),
+                  options_for(s, {gpu, gpu}));
+    plain_model plain(on(tiny_mlp(), gpu), sgd(0.1));
+    for (int step = 0; step < 3; ++step) {
+      auto result = pipe.train_step(x, t);
+      auto plain_loss = plain.step(x.to(gpu), t.to(gpu));
+      CHECK(result.loss == doctest::Approx(plain_loss).epsilon(1e-5));
+    }
+    check_close(to_cpu(pipe.named_parameters()), to_cpu(named(plain.layers, false)), 1e-5, 1e-6);
+  }
+}
+
+TEST_CASE("gpu: stages on the CPU and on the GPU in one pipeline train like plain libtorch") {
+  require_gpu();
+  engine sys;
+  auto x = torch::randn({12, 1, 4, 4});
+  auto t = torch::randn({12, 3});
+  for (auto devices : {std::vector<c10::Device>{cpu, gpu}, std::vector<c10::Device>{gpu, cpu}}) {
+    CAPTURE(devices.front().str());
+    auto layers = tiny_mlp();
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2),
+                  options_for({schedule_kind::one_f_one_b, 1}, devices));
+    plain_model plain(tiny_mlp(), sgd(0.1));
+    auto result = pipe.train_step(x, t);
+    CHECK(result.loss == doctest::Approx(plain.step(x, t)).epsilon(1e-5));
+    check_close(to_cpu(pipe.named_parameters()), named(plain.layers, false), 1e-5, 1e-6);
+  }
+}
+
+TEST_CASE("gpu: bf16 on a GPU runs under CUDA autocast and stays near float32") {
+  require_gpu();
+  engine sys;
+  auto x = torch::randn({16, 1, 4, 4});
+  auto t = torch::randn({16, 3});
+  auto layers = tiny_mlp();
+  auto o = options_for({schedule_kind::one_f_one_b, 1}, {gpu, gpu});
+  o.precision = precision_mode::bf16;
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+  plain_model plain(on(tiny_mlp(), gpu), sgd(0.1));
+  auto result = pipe.train_step(x, t);
+  auto reference = plain.step(x.to(gpu), t.to(gpu));
+  CHECK(std::isfinite(result.loss));
+  CHECK(result.loss == doctest::Approx(reference).epsilon(2e-2));
+}
+
+TEST_CASE("gpu: recomputation replays the GPU generator: dropout masks equal those kept") {
+  require_gpu();
+  engine sys;
+  auto x = torch::randn({8, 1, 4, 4});
+  auto t = torch::randn({8, 3});
+  auto train = [&](recompute_mode mode) {
+    auto layers = tiny_mlp(9);
+    layers.insert(layers.begin() + 3,
+                  layer("dropout", torch::nn::AnyModule(torch::nn::Dropout(0.5))));
+    auto o = options_for({schedule_kind::one_f_one_b, 1}, {gpu, gpu});
+    o.recompute = mode;
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+    torch::cuda::manual_seed_all(5);
+    pipe.train_step(x, t);
+    return to_cpu(pipe.named_gradients());
+  };
+  check_close(train(recompute_mode::always), train(recompute_mode::never), 0, 0);
+}
+
+TEST_CASE("gpu: a model scripted in Python trains on the GPU as on the CPU") {
+  require_gpu();
+  engine sys;
+  auto dir = std::filesystem::temp_directory_path() / "actorpipe_gpu_torchscript";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  python_oracle("pytorch_script.py", "make --model cnn --out " + dir.string());
+  auto data = load_tensor_file((dir / "data.pt").string());
+  auto x = data.images.slice(0, 0, 16);
+  auto y = data.labels.slice(0, 0, 16);
+  auto train = [&](std::vector<c10::Device> devices) {
+    auto layers = load_torchscript((dir / "model.pt").string());
+    pipeline_options o;
+    o.microbatches = 4;
+    o.loss = builtin_loss("cross_entropy");
+    o.optimizer = sgd(0.05);
+    o.devices = std::move(devices);
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+    std::vector<double> losses;
+    for (int step = 0; step < 3; ++step) {
+      losses.push_back(pipe.train_step(x, y).loss);
+    }
+    return std::make_pair(losses, to_cpu(pipe.named_parameters()));
+  };
+  auto [gpu_losses, gpu_parameters] = train({gpu, gpu});
+  auto [cpu_losses, cpu_parameters] = train({});
+  for (std::size_t i = 0; i < cpu_losses.size(); ++i) {
+    CHECK(gpu_losses[i] == doctest::Approx(cpu_losses[i]).epsilon(1e-4));
+  }
+  check_close(gpu_parameters, cpu_parameters, 1e-4, 1e-5);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("gpu: a checkpoint written on the GPU loads onto the CPU and back") {
+  require_gpu();
+  engine sys;
+  auto dir = std::filesystem::temp_directory_path() / "actorpipe_gpu_checkpoint";
+  std::filesystem::remove_all(dir);
+  auto x = torch::randn({8, 1, 4, 4});
+  auto t = torch::randn({8, 3});
+  auto o = options_for({schedule_kind::one_f_one_b, 1}, {gpu, gpu});
+  auto layers = tiny_mlp(3);
+  pipeline trained(sys, layers, partition_uniform(layers.size(), 2), o);
+  trained.train_step(x, t);
+  trained.save_state(dir.string());
+  auto cpu_layers = tiny_mlp(4);
+  auto on_cpu = options_for({schedule_kind::one_f_one_b, 1}, {});
+  pipeline restored(sys, cpu_layers, partition_uniform(cpu_layers.size(), 3), on_cpu);
+  restored.load_state(dir.string());
+  check_close(restored.named_parameters(), to_cpu(trained.named_parameters()), 0, 0);
+  auto gpu_layers = tiny_mlp(5);
+  pipeline back(sys, gpu_layers, partition_uniform(gpu_layers.size(), 2), o);
+  back.load_state(dir.string());
+  check_close(to_cpu(back.named_parameters()), to_cpu(trained.named_parameters()), 0, 0);
+  // Both go on alike from there.
+  CHECK(back.train_step(x, t).loss == doctest::Approx(trained.train_step(x, t).loss));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("gpu: a stage out of GPU memory fails the step by name and changes nothing") {
+  require_gpu();
+  engine sys;
+  auto layers = tiny_mlp();
+  // After the first layer: a layer that asks for 4 TiB on the stage's device.
+  layers.insert(layers.begin() + 1, layer("greedy", [](const torch::Tensor& h) {
+                  return h + torch::zeros({int64_t{1} << 40}, h.options()).sum();
+                }));
+  pipeline pipe(sys, layers, partition_uniform(layers.size(), 2),
+                options_for({schedule_kind::one_f_one_b, 1}, {gpu, gpu}));
+  auto before = to_cpu(pipe.named_parameters());
+  try {
+    pipe.train_step(torch::randn({8, 1, 4, 4}), torch::randn({8, 3}));
+    FAIL("the step should have failed");
+  } catch (const pipeline_error& e) {
+    CAPTURE(e.what());
+    CHECK(e.kind() == error_kind::out_of_memory);
+    CHECK(e.stage() == std::optional<std::size_t>(0));
+    CHECK(e.microbatch().has_value());
+    CHECK(std::string(e.what()).find("greedy") != std::string::npos);
+    CHECK(std::string(e.what()).find("cuda:0") != std::string::npos);
+  }
+  check_close(to_cpu(pipe.named_parameters()), before, 0, 0);
+}
+
+TEST_CASE("gpu: stages on a node's GPU train like stages on the GPU in this process") {
+  require_gpu();
+  engine sys;
+  node_options no;
+  node n1(no), n2(no);
+  auto m = tiny_remote(1);
+  auto o = options_for({schedule_kind::one_f_one_b, 1}, {gpu, gpu});
+  o.optimizer = sgd(0.1, 0.9);
+  auto local = tiny_mlp(1);
+  pipeline in_process(sys, local, partition_uniform(local.size(), 2), o);
+  o.placement.nodes = {n1.address(), n2.address()};
+  pipeline on_nodes(sys, m, partition_uniform(local.size(), 2), o);
+  auto x = torch::randn({8, 1, 4, 4});
+  auto t = torch::randn({8, 3});
+  for (int step = 0; step < 3; ++step) {
+    CHECK(on_nodes.train_step(x, t).loss ==
+          doctest::Approx(in_process.train_step(x, t).loss).epsilon(1e-5));
+  }
+  check_close(on_nodes.named_parameters(), to_cpu(in_process.named_parameters()), 1e-5, 1e-6);
+}
+
+TEST_CASE("gpu: an NCCL replica group of one rank all-reduces a stage's gradients on the GPU") {
+  require_gpu();
+  data_parallel_options o;
+  o.replicas = 1;
+  o.backend = dp_backend::nccl;
+  o.local = comm::make_local_store();
+  o.timeout = std::chrono::milliseconds(30000);
+  comm::replica_group group(o, 1, {gpu});
+  auto p = torch::ones({4, 3}, torch::TensorOptions().device(gpu)).requires_grad_(true);
+  p.mutable_grad() = torch::full({4, 3}, 2.0, p.options());
+  auto bytes = group.stage(0)->all_reduce_gradients({p}, 0.5);
+  CHECK(bytes == 4 * 3 * 4);
+  CHECK(torch::allclose(p.grad().cpu(), torch::ones({4, 3})));
+  auto totals = group.stage(0)->sum(8, 4.0);
+  CHECK(totals.weight == 8);
+  CHECK(totals.weighted_loss == 4.0);
+}
