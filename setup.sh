@@ -96,7 +96,7 @@ build_cuda() {
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
     -DCMAKE_UNITY_BUILD_BATCH_SIZE=4 -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake" \
     -DCMAKE_LIBRARY_PATH="$torch_dir/lib" -DACTORPIPE_WITH_CUDA=ON -DACTORPIPE_WITH_NCCL=ON \
-    -DACTORPIPE_PYTHON="$PWD/$venv/bin/python" -DACTORPIPE_BUILD_BENCH=OFF
+    -DACTORPIPE_PYTHON="$PWD/$venv/bin/python"
   cmake --build build-cuda -j"$(nproc)" --target "$@"
 }
 

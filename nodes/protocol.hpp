@@ -11,7 +11,8 @@
 /// - (model_atom, std::string digest, std::string bytes) -> std::string error: a TorchScript
 ///   model, kept by its SHA-256 (hex) for the build requests that name it; refused above the
 ///   node's max_model_bytes or when the bytes do not hash to the digest.
-/// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port"} or {"error"}
+/// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port", "settings":
+///   the stage settings the stage actor was given} or {"error"}
 /// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
 ///   where the other stages and the scheduler receive frames; the proxy gets the reports and is
 ///   monitored (the stage is dropped when it goes).
@@ -128,8 +129,8 @@ inline uint8_t error_kind_to_wire(error_kind kind) {
   return static_cast<uint8_t>(kind);
 }
 inline error_kind error_kind_from_wire(uint8_t value) {
-  return value <= static_cast<uint8_t>(error_kind::io) ? static_cast<error_kind>(value)
-                                                       : error_kind::other;
+  return value <= static_cast<uint8_t>(error_kind::out_of_memory) ? static_cast<error_kind>(value)
+                                                                  : error_kind::other;
 }
 
 /// Control over TLS: the identity CAF's OpenSSL module presents and the CA it checks peers
