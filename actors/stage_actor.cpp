@@ -75,6 +75,9 @@ struct stage_state {
   bool split = false;
   // Micro-batches in the running step.
   int32_t microbatches = 0;
+  // The last stage's losses of this step's micro-batches, in the order computed, and which.
+  std::vector<torch::Tensor> losses;
+  std::vector<std::size_t> loss_positions;
   std::size_t live = 0;
   std::size_t peak_live = 0;
   bool waiting = false;
@@ -263,9 +266,10 @@ int64_t run_action(stage_actor_type self, const action& a) {
         };
       }
       const auto& loss = s.options.loss_with_inputs ? with_inputs : s.options.loss;
-      auto value = st.forward_loss(a.microbatch, input, s.plan.targets.at(position), loss,
-                                   s.plan.loss_scales.at(position), recomputed);
-      s.report.loss += s.plan.loss_scales.at(position) * value;
+      // Read once the program has run (add_losses): on a GPU, reading waits for the device.
+      s.losses.push_back(st.forward_loss(a.microbatch, input, s.plan.targets.at(position), loss,
+                                         s.plan.loss_scales.at(position), recomputed));
+      s.loss_positions.push_back(position);
       return 0;
     }
     auto output = st.forward(a.microbatch, input, recomputed);
@@ -312,6 +316,15 @@ int64_t run_action(stage_actor_type self, const action& a) {
     return 0;
   }
   return 0;
+}
+
+// The report's loss: each micro-batch's loss times its scale, summed in the order computed.
+void add_losses(stage_state& s) {
+  for (std::size_t i = 0; i < s.losses.size(); ++i) {
+    s.report.loss += s.plan.loss_scales.at(s.loss_positions[i]) * s.losses[i].item<double>();
+  }
+  s.losses.clear();
+  s.loss_positions.clear();
 }
 
 // After a training program: average gradients (and buffers) with the other replicas' same
@@ -517,6 +530,7 @@ void advance(stage_actor_type self) {
   if (s.active) {
     if (s.plan.train) {
       try {
+        add_losses(s);
         for (auto& chunk : s.chunks) {
           chunk->end_step();
         }
@@ -663,6 +677,8 @@ void start_plan(stage_actor_type self, step_plan plan) {
   drop_older_than(s.activations, plan.step);
   drop_older_than(s.gradients, plan.step);
   s.report = stage_report{};
+  s.losses.clear();
+  s.loss_positions.clear();
   s.report.step = plan.step;
   s.report.stats.stage = s.options.index;
   s.report.stats.overlapped = follows;
@@ -799,6 +815,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {
       auto& s = self->state;
+      set_threads(s);
       drop_step(s.activations, step);
       drop_step(s.gradients, step);
       s.queued.erase(std::remove_if(s.queued.begin(), s.queued.end(),
@@ -827,6 +844,8 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         log::get()->error("stage {}: restoring the buffers of an aborted step failed: {}",
                           s.options.index, e.what());
       }
+      // The parameters are as before the step once this replies (on a GPU: the stream is done).
+      s.device->synchronize();
       start_queued(self);
       return true;
     },
@@ -837,6 +856,8 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       set_threads(s);
       auto promise = self->make_response_promise<double, std::string>();
       auto [ms, error] = update(s, step, learning_rate, gradient_scale);
+      // The caller may read the parameters once this replies (on a GPU: from another stream).
+      s.device->synchronize();
       promise.deliver(ms, std::move(error));
       if (s.awaiting_update && step == s.plan.step) {
         s.awaiting_update = false;
@@ -847,6 +868,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     },
     [=](block_atom) -> caf::result<std::string> {
       auto& s = self->state;
+      set_threads(s);
       if (!s.bmuf()) {
         return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
       }
@@ -855,6 +877,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
       try {
         end_block(s);
+        s.device->synchronize();
       } catch (const std::exception& e) {
         return detail::concat("stage ", s.options.index, ": BMUF block sync failed: ", e.what());
       }
@@ -905,6 +928,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
         s.warmed_up = true;
         s.block_position = 0;
       }
+      s.device->synchronize();
       return std::string{};
     },
   };

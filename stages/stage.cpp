@@ -379,8 +379,9 @@ torch::Tensor stage::loss_of(int32_t microbatch, const bundle& outputs, const to
   return value;
 }
 
-double stage::forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
-                           const loss_function& loss, double scale, bool recompute) {
+torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
+                                  const torch::Tensor& target, const loss_function& loss,
+                                  double scale, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
   ACTORPIPE_ASSERT(train_ && is_last());
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
@@ -405,7 +406,7 @@ double stage::forward_loss(int32_t microbatch, const bundle& input, const torch:
     entry.output = bundle(value * scale);
   }
   stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
-  return value.item<double>();
+  return value.detach();
 }
 
 void stage::recompute(int32_t microbatch, stash_entry& entry) {

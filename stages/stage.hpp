@@ -89,9 +89,11 @@ public:
   bundle forward(int32_t microbatch, const bundle& input, bool recompute = false);
 
   /// Last stage, training: forward plus loss; stashes `scale * loss` for backward and returns
-  /// the unscaled loss value. The stage's output must be one tensor.
-  double forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
-                      const loss_function& loss, double scale, bool recompute = false);
+  /// the unscaled loss (a detached scalar on the stage's device: reading it waits for the
+  /// device, so a stage on a GPU reads it once its program has run). The stage's output must be
+  /// one tensor.
+  torch::Tensor forward_loss(int32_t microbatch, const bundle& input, const torch::Tensor& target,
+                             const loss_function& loss, double scale, bool recompute = false);
 
   /// Backward of one micro-batch from its output gradients (empty on the last stage, which
   /// starts from its stashed loss). Accumulates parameter gradients, drops the stash entry and

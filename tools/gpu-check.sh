@@ -23,7 +23,7 @@ packages=(
   libboost1.74-dev                                            # Boost.Asio
   libcli11-dev nlohmann-json3-dev doctest-dev libstb-dev libstb0
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
-  zlib1g-dev libssl-dev
+  zlib1g-dev libssl-dev libssl3 # libssl3: what libssl-dev's links point to
 )
 
 gather() {
