@@ -22,6 +22,7 @@
 #include <actorpipe/torch_compat.hpp>
 
 #include "bench/sweep.hpp"
+#include "stages/device.hpp"
 
 namespace {
 
@@ -205,6 +206,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     c10::Device device(s.device);
+    stages::check_device(device, "actorpipe_gpu_bench --device");
     if (device.is_cuda()) {
       ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
     }
@@ -219,7 +221,8 @@ int main(int argc, char** argv) {
       std::ofstream(json_path) << result.dump(2) << "\n";
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "actorpipe_gpu_bench: %s\n", e.what());
+    std::fprintf(stderr, "actorpipe_gpu_bench: %s\n",
+                 actorpipe::detail::first_line(e.what()).c_str());
     return 1;
   }
   return 0;
