@@ -1,13 +1,11 @@
-// A stage on a CUDA device: a stream of its own from libtorch's pool, events for hand-offs, the
-// device's generator and its caching allocator's statistics. Compiled in the CUDA build only
-// (ACTORPIPE_WITH_CUDA); stages/device.cpp is the CPU line's half.
+// A stage on a CUDA device: a stream of its own from libtorch's pool, events for hand-offs and
+// the device's generator. Compiled in the CUDA build only (ACTORPIPE_WITH_CUDA);
+// stages/device.cpp is the CPU line's half.
 #include "stages/device.hpp"
-
-#include <cstdio>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
-#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h> // recordStream
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -76,15 +74,6 @@ public:
   }
 
   void synchronize() override { stream_.synchronize(); }
-
-  // The allocator's aggregate statistic (StatType::AGGREGATE, index 0) of allocated bytes.
-  int64_t allocated_bytes() const override {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0].current;
-  }
-  int64_t peak_allocated_bytes() const override {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0].peak;
-  }
-  void reset_peak() override { c10::cuda::CUDACachingAllocator::resetPeakStats(index_); }
 
 private:
   c10::DeviceIndex index_;

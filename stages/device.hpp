@@ -6,7 +6,6 @@
 /// stream of its own. The scheduler, the actors and comm/ stay device-blind: they call this.
 #pragma once
 
-#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -40,12 +39,6 @@ public:
   /// Blocks until everything queued on the stream is done (before a report leaves the stage:
   /// once per step, never per hop).
   virtual void synchronize() {}
-
-  /// Bytes the device's allocator holds for tensors now, and at most since the last reset
-  /// (CUDA's caching allocator; -1 on the CPU, where the allocation tally counts instead).
-  virtual int64_t allocated_bytes() const { return -1; }
-  virtual int64_t peak_allocated_bytes() const { return -1; }
-  virtual void reset_peak() {}
 
 protected:
   explicit device_context(c10::Device device) : device_(device) {}
