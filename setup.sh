@@ -80,7 +80,13 @@ sanitize() {
 torch_spec='torch==2.11.*'
 venv=.venv-torch
 pip_torch() {
-  [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+  if [[ ! -x $venv/bin/python ]] && ! python3 -m venv "$venv"; then
+    # Debian's python3 makes venvs only with python3-venv.
+    rm -rf "$venv"
+    packages=(python3-venv)
+    install_missing
+    python3 -m venv "$venv"
+  fi
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "setup: installing $torch_spec from PyPI into $venv (the CUDA 13.0 wheel, ~3 GB with its CUDA libraries)"
     "$venv/bin/pip" install -q "$torch_spec" numpy
