@@ -760,9 +760,7 @@ int run_train(const train_args& given) {
   dp.backend = a.dp_backend == "gloo"   ? dp_backend::gloo
                : a.dp_backend == "nccl" ? dp_backend::nccl
                                         : dp_backend::automatic;
-  dp.buffers = a.buffers == "average" ? buffer_sync::average
-               : a.buffers == "none"  ? buffer_sync::none
-                                      : buffer_sync::broadcast;
+  dp.buffers = parse_buffer_sync(a.buffers);
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");

@@ -253,13 +253,18 @@ std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::s
 }
 
 #ifdef ACTORPIPE_WITH_GLOO
+// Whether the replicas meet on this host (Gloo then binds to the loopback interface).
+bool on_loopback(const data_parallel_options& o) {
+  return o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost";
+}
+
 std::shared_ptr<::gloo::transport::Device> make_gloo_device(const data_parallel_options& o) {
   for (const char* name : {"ACTORPIPE_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
     if (const char* ifname = std::getenv(name); ifname && *ifname) {
       return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
     }
   }
-  if (o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost") {
+  if (on_loopback(o)) {
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
@@ -269,9 +274,8 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const data_parallel_
 std::shared_ptr<::gloo::transport::Device> gloo_device(const data_parallel_options& o) {
   static std::mutex mutex;
   static std::map<bool, std::shared_ptr<::gloo::transport::Device>> devices;
-  bool loopback = o.local || o.master_addr == "127.0.0.1" || o.master_addr == "localhost";
   std::lock_guard<std::mutex> lock(mutex);
-  auto& device = devices[loopback];
+  auto& device = devices[on_loopback(o)];
   if (!device) {
     device = make_gloo_device(o);
   }

@@ -83,7 +83,7 @@ json encode(precision_mode v) {
   return to_string(v);
 }
 json encode(buffer_sync v) {
-  return v == buffer_sync::average ? "average" : v == buffer_sync::none ? "none" : "broadcast";
+  return to_string(v);
 }
 
 template <class T>
@@ -114,12 +114,7 @@ void decode(const json& j, loss_reduction& v) {
   v = text == "mean" ? loss_reduction::mean : loss_reduction::sum;
 }
 void decode(const json& j, buffer_sync& v) {
-  auto text = j.get<std::string>();
-  ACTORPIPE_CHECK(text == "broadcast" || text == "average" || text == "none",
-                  "unknown buffer sync '", text, "'");
-  v = text == "average" ? buffer_sync::average
-      : text == "none"  ? buffer_sync::none
-                        : buffer_sync::broadcast;
+  v = parse_buffer_sync(j.get<std::string>());
 }
 
 json settings_json(const stage_settings& s) {

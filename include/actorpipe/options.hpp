@@ -172,6 +172,29 @@ enum class buffer_sync {
   none,
 };
 
+/// "broadcast", "average", "none" (--buffers).
+inline const char* to_string(buffer_sync sync) {
+  switch (sync) {
+  case buffer_sync::average:
+    return "average";
+  case buffer_sync::none:
+    return "none";
+  case buffer_sync::broadcast:
+    break;
+  }
+  return "broadcast";
+}
+
+/// The buffer sync named by to_string; invalid_argument naming the choices otherwise.
+inline buffer_sync parse_buffer_sync(const std::string& text) {
+  for (auto sync : {buffer_sync::broadcast, buffer_sync::average, buffer_sync::none}) {
+    if (text == to_string(sync)) {
+      return sync;
+    }
+  }
+  throw invalid_argument("unknown buffer sync '" + text + "' (choose broadcast, average or none)");
+}
+
 namespace detail {
 /// An in-process rendezvous store shared by replicas of one process (see replicated_pipeline).
 struct local_store;
