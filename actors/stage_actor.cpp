@@ -17,6 +17,7 @@
 #include "actors/deadline.hpp"
 #include "actors/linger.hpp"
 #include "actors/messages.hpp"
+#include "actors/stage_state.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
@@ -25,95 +26,8 @@
 #include "stages/stage.hpp"
 
 namespace actorpipe::actors {
+using namespace stage_parts;
 namespace {
-
-using clock_type = std::chrono::steady_clock;
-/// (step, micro-batch, local chunk)
-using key = std::tuple<uint64_t, int32_t, int32_t>;
-
-double ms_since(clock_type::time_point start) {
-  return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
-}
-
-// Synchronised batch norm's side of the replica sync: the statistics' all-reduces run on the
-// stage's thread through its stage_sync, weighted like the replica's gradients this step.
-class replica_batch_norm_sync final : public batch_norm_sync {
-public:
-  explicit replica_batch_norm_sync(std::shared_ptr<comm::stage_sync> sync)
-    : sync_(std::move(sync)) {}
-  void all_reduce_sum(torch::Tensor& sums) override {
-    sync_->all_reduce_sum(sums, "batch-norm statistics all-reduce");
-  }
-  double gradient_weight() const override { return weight; }
-  double weight = 1;
-
-private:
-  std::shared_ptr<comm::stage_sync> sync_;
-};
-
-struct stage_state {
-  std::vector<std::shared_ptr<stages::stage>> chunks;
-  // The device the chunks compute on, and its stream (the CPU's: no-ops).
-  std::shared_ptr<stages::device_context> device;
-  c10::intrusive_ptr<replica_batch_norm_sync> batch_norm_sync;
-  stage_actor_options options;
-  stage_listener_actor scheduler;
-  std::vector<stage_peer_actor> stages;
-  bool threads_set = false;
-
-  // Inputs that arrived, by (step, micro-batch, chunk).
-  std::map<key, bundle> activations;
-  std::map<key, bundle> gradients;
-
-  // The running step.
-  bool active = false;
-  step_plan plan;
-  // Index of the program's next action.
-  std::size_t next_action = 0;
-  stage_report report;
-  // Zero-bubble programs split backward into B (input gradient) and W (weight gradient).
-  bool split = false;
-  // Micro-batches in the running step.
-  int32_t microbatches = 0;
-  // The last stage's losses of this step's micro-batches, in the order computed, and which.
-  std::vector<torch::Tensor> losses;
-  std::vector<std::size_t> loss_positions;
-  std::size_t live = 0;
-  std::size_t peak_live = 0;
-  bool waiting = false;
-  clock_type::time_point wait_start;
-  // The running wait's deadline (one timer at most pending: actors/deadline.hpp).
-  deadline_timer deadline;
-
-  // Optimizer post-validation: the step whose optimizer step ran before its update (0: none),
-  // the chunks' state from before it, the learning rate it set and how long it took.
-  uint64_t stepped_early = 0;
-  std::vector<stages::stage::tensor_map> before_update;
-  // The chunks' buffers as that step began, which an abort puts back.
-  std::vector<std::vector<torch::Tensor>> early_buffers;
-  double early_learning_rate = -1;
-  double early_ms = 0;
-
-  // Overlapping steps: plans that came before this stage was done with the running one, and
-  // whether the running step's optimizer step is still to come (from the update).
-  std::deque<step_plan> queued;
-  bool awaiting_update = false;
-
-  // BMUF: optimizer steps since the running block (or the warm-up) began, and whether the
-  // warm-up is over.
-  int64_t block_position = 0;
-  bool warmed_up = false;
-  bool bmuf() const { return options.sync && options.bmuf.block_steps > 0; }
-
-  std::size_t actor_count() const { return options.count; }
-  std::size_t virtual_index(int32_t chunk) const {
-    return virtual_stage_of(options.placement, options.count, options.index,
-                            static_cast<std::size_t>(chunk));
-  }
-  std::size_t virtual_count() const { return options.count * chunks.size(); }
-
-  static inline const char* name = "actorpipe.stage";
-};
 
 /// The stage protocol plus the deadline timer the stage sets itself.
 using stage_self_actor = local_stage_actor::extend<caf::reacts_to<timeout_atom>>;
@@ -318,171 +232,6 @@ int64_t run_action(stage_actor_type self, const action& a) {
   return 0;
 }
 
-// The report's loss: each micro-batch's loss times its scale, summed in the order computed.
-void add_losses(stage_state& s) {
-  for (std::size_t i = 0; i < s.losses.size(); ++i) {
-    s.report.loss += s.plan.loss_scales.at(s.loss_positions[i]) * s.losses[i].item<double>();
-  }
-  s.losses.clear();
-  s.loss_positions.clear();
-}
-
-// After a training program: average gradients (and buffers) with the other replicas' same
-// stage. Runs on this stage's thread while earlier stages may still be in backward.
-void sync_replicas(stage_actor_type self, clock_type::time_point origin) {
-  auto& s = self->state;
-  auto& sync = *s.options.sync;
-  auto start = clock_type::now();
-  // Mean-reduced losses: replica r's gradients count n_r / sum(n) (its share of all samples);
-  // sum-reduced ones are summed. The loss (known on the last stage) is combined alike.
-  bool mean = s.options.reduction == loss_reduction::mean;
-  double weight = mean ? static_cast<double>(s.plan.samples) : 1.0;
-  bool last = s.chunks.back()->is_last(); // the last virtual stage is its holder's last chunk
-  auto total = sync.sum(weight, last ? s.report.loss * weight : 0.0);
-  if (last) {
-    s.report.loss = mean ? total.weighted_loss / total.weight : total.weighted_loss;
-  }
-  double scale = mean ? weight / total.weight : 1.0;
-  for (auto it = s.chunks.rbegin(); it != s.chunks.rend(); ++it) {
-    (*it)->with_tensors(
-      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
-        s.report.stats.sync_bytes += sync.all_reduce_gradients(parameters, scale);
-      });
-  }
-  if (s.options.buffers != buffer_sync::none) {
-    for (auto& chunk : s.chunks) {
-      chunk->with_tensors(
-        [&](const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>& buffers) {
-          sync.sync_buffers(buffers, s.options.buffers);
-        });
-    }
-  }
-  s.report.stats.sync_start_ms = std::chrono::duration<double, std::milli>(start - origin).count();
-  s.report.stats.sync_end_ms = ms_since(origin);
-  log::get()->debug("stage {}, step {}: replica sync of {} bytes took {:.1f} ms", s.options.index,
-                    s.plan.step, s.report.stats.sync_bytes,
-                    s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
-}
-
-// BMUF: ends the warm-up (every replica takes rank 0's parameters and buffers) or the running
-// block (parameters averaged and filtered, buffers as options.buffers says), then clears the
-// optimizers' state if asked. The collectives come first and fail with pipeline_error past their
-// deadline, before any chunk's block state changes.
-void end_block(stage_state& s) {
-  auto& sync = *s.options.sync;
-  const auto& b = s.options.bmuf;
-  for (auto& chunk : s.chunks) {
-    chunk->with_tensors(
-      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>& buffers) {
-        if (!s.warmed_up) {
-          auto all = parameters;
-          all.insert(all.end(), buffers.begin(), buffers.end());
-          sync.broadcast(all);
-        } else {
-          sync.average(parameters, "BMUF parameter all-reduce");
-          sync.sync_buffers(buffers, s.options.buffers);
-        }
-      });
-  }
-  for (auto& chunk : s.chunks) {
-    if (!s.warmed_up) {
-      chunk->start_blocks();
-    } else {
-      chunk->end_block(b.block_lr, b.block_momentum);
-    }
-    if (b.reset_momentum) {
-      chunk->reset_optimizer_state();
-    }
-  }
-  log::get()->debug("stage {}: BMUF {} after {} local steps", s.options.index,
-                    s.warmed_up ? "block" : "warm-up", s.block_position);
-  s.warmed_up = true;
-  s.block_position = 0;
-}
-
-// BMUF after an optimizer step: whether this step ends the warm-up or a block.
-bool ends_block(const stage_state& s) {
-  const auto& b = s.options.bmuf;
-  return s.block_position + 1 >= (s.warmed_up ? b.block_steps : b.warmup_steps);
-}
-
-// After the replica sync: the gradients of parameters tied to other stages become the sum over
-// their holders (this actor's chunks first, then the tie group).
-void sum_tied_gradients(stage_state& s) {
-  if (s.options.ties->members().count(s.options.index) == 0) {
-    return;
-  }
-  std::map<std::string, torch::Tensor> local;
-  std::vector<std::map<std::string, torch::Tensor>> per_chunk;
-  torch::NoGradGuard no_grad;
-  for (auto& chunk : s.chunks) {
-    per_chunk.push_back(chunk->shared_parameters());
-    for (const auto& [name, p] : per_chunk.back()) {
-      // Summed on the CPU: the holders may be on different devices and streams (a blocking
-      // copy from a GPU; a copy of the CPU's gradient, as before).
-      auto it = local.find(name);
-      if (it == local.end()) {
-        local.emplace(name, p.grad().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
-      } else {
-        it->second.add_(p.grad().to(torch::kCPU));
-      }
-    }
-  }
-  s.options.ties->sum(s.plan.step, s.options.index, local, s.options.wait_timeout);
-  for (auto& chunk : per_chunk) {
-    for (auto& [name, p] : chunk) {
-      p.mutable_grad().copy_(local.at(name));
-    }
-  }
-}
-
-// Puts back the chunks' state from before an early optimizer step; what failed, or empty.
-std::string restore_before_update(stage_state& s) {
-  std::string error;
-  try {
-    for (std::size_t c = 0; c < s.before_update.size(); ++c) {
-      s.chunks[c]->load_state(s.before_update[c]);
-    }
-  } catch (const std::exception& e) {
-    error = detail::concat("stage ", s.options.index, ": undoing the early optimizer step of step ",
-                           s.stepped_early, " failed: ", e.what());
-  }
-  s.before_update.clear();
-  s.early_buffers.clear();
-  s.stepped_early = 0;
-  return error;
-}
-
-// Post-validation: the optimizer step right after the program, while the other stages still
-// work (and the scheduler waits for them), from gradients not yet scaled by a global clip. The
-// update that follows confirms it or has it undone (update()); an abort undoes it.
-void step_early(stage_state& s) {
-  auto start = clock_type::now();
-  try {
-    for (auto& chunk : s.chunks) {
-      s.before_update.push_back(chunk->state(/*copy=*/true, /*tie_copies=*/true));
-      s.early_buffers.push_back(chunk->step_start_buffers());
-    }
-    for (auto& chunk : s.chunks) {
-      if (s.plan.learning_rate >= 0) {
-        chunk->set_learning_rate(s.plan.learning_rate);
-      }
-      chunk->optimizer_step(1.0);
-    }
-    s.stepped_early = s.plan.step;
-    s.early_learning_rate = s.plan.learning_rate;
-  } catch (const std::exception& e) {
-    // The update steps again, and reports what fails then.
-    log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
-                      s.options.index, s.plan.step, e.what());
-    s.stepped_early = s.plan.step;
-    if (auto error = restore_before_update(s); !error.empty()) {
-      log::get()->error("{}", error);
-    }
-  }
-  s.early_ms = ms_since(start);
-}
-
 void start_queued(stage_actor_type self);
 
 // Runs the program as far as its inputs allow.
@@ -508,12 +257,14 @@ void advance(stage_actor_type self) {
     }
     auto start = clock_type::now();
     int64_t bytes = 0;
+    int first_mark = s.device->mark();
     try {
       bytes = run_action(self, a);
     } catch (const std::exception& e) {
       fail(self, e, a.microbatch);
       return;
     }
+    s.action_marks.emplace_back(first_mark, s.device->mark());
     auto end = clock_type::now();
     auto took = std::chrono::duration<double, std::milli>(end - start).count();
     if (log::get()->should_log(spdlog::level::trace)) {
@@ -535,7 +286,7 @@ void advance(stage_actor_type self) {
           chunk->end_step();
         }
         if (s.options.sync && !s.bmuf()) {
-          sync_replicas(self, origin);
+          sync_replicas(s, origin);
         }
         if (s.options.ties) {
           sum_tied_gradients(s);
@@ -559,6 +310,11 @@ void advance(stage_actor_type self) {
     }
     // The report's loss and outputs are read by other threads: the stream is done first.
     s.device->synchronize();
+    for (std::size_t i = 0; i < s.action_marks.size(); ++i) {
+      auto& record = s.report.stats.actions.at(i);
+      record.device_start_ms = s.device->at_ms(s.action_marks[i].first);
+      record.device_end_ms = s.device->at_ms(s.action_marks[i].second);
+    }
     // One early step at a time: with overlapping steps the one before may be unconfirmed yet.
     bool early = s.plan.train && s.plan.optimistic && !s.bmuf() && s.stepped_early == 0;
     s.report.stats.early_update = early;
@@ -574,76 +330,6 @@ void advance(stage_actor_type self) {
       start_queued(self);
     }
   }
-}
-
-// The optimizer step of a training step: (milliseconds it took, error text or empty).
-std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
-                                      double gradient_scale) {
-  auto start = clock_type::now();
-  if (s.stepped_early != 0) {
-    bool same = s.stepped_early == step && gradient_scale == 1.0 &&
-                (learning_rate < 0 || learning_rate == s.early_learning_rate);
-    if (same) {
-      s.before_update.clear();
-      s.early_buffers.clear();
-      s.stepped_early = 0;
-      return {s.early_ms, std::string{}};
-    }
-    if (s.plan.step != step) {
-      return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                              ": its early optimizer step cannot be redone, step ",
-                                              s.plan.step, " already runs on its parameters")};
-    }
-    // Clipping scaled the gradients (or another rate came): the step from the state before.
-    if (auto error = restore_before_update(s); !error.empty()) {
-      return {ms_since(start), error};
-    }
-  }
-  // A block's last step: the state before it, restored if the block sync fails.
-  bool block_end = s.bmuf() && ends_block(s);
-  std::vector<stages::stage::tensor_map> before;
-  try {
-    for (auto& chunk : s.chunks) {
-      if (block_end) {
-        before.push_back(chunk->state());
-      }
-      if (learning_rate >= 0) {
-        chunk->set_learning_rate(learning_rate);
-      }
-      chunk->optimizer_step(gradient_scale);
-    }
-  } catch (const std::exception& e) {
-    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                            ": optimizer step failed: ", e.what())};
-  }
-  if (!s.bmuf()) {
-    return {ms_since(start), std::string{}};
-  }
-  if (!block_end) {
-    ++s.block_position;
-    return {ms_since(start), std::string{}};
-  }
-  try {
-    ++s.block_position;
-    end_block(s);
-  } catch (const std::exception& e) {
-    --s.block_position;
-    for (std::size_t c = 0; c < before.size(); ++c) {
-      s.chunks[c]->load_state(before[c]);
-    }
-    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                            ": BMUF block sync failed: ", e.what())};
-  }
-  return {ms_since(start), std::string{}};
-}
-
-// Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
-// read onto any devices (on the CPU the same tensors: no copy).
-stages::stage::tensor_map on_cpu(stages::stage::tensor_map all) {
-  for (auto& entry : all) {
-    entry.second = entry.second.cpu();
-  }
-  return all;
 }
 
 void set_threads(stage_state& s) {
@@ -679,6 +365,11 @@ void start_plan(stage_actor_type self, step_plan plan) {
   s.report = stage_report{};
   s.losses.clear();
   s.loss_positions.clear();
+  s.action_marks.clear();
+  s.device->begin_timeline(
+    std::chrono::duration<double, std::milli>(
+      clock_type::now() - clock_type::time_point(std::chrono::nanoseconds(plan.origin_ns)))
+      .count());
   s.report.step = plan.step;
   s.report.stats.stage = s.options.index;
   s.report.stats.overlapped = follows;

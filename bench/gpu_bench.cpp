@@ -1,10 +1,14 @@
 // Pipelines on a GPU against plain libtorch on the same GPU, in one process (docs/gpu.md):
 //   1. the seed scenario: ResNet-50, batch 120 of 3x128x128 random images, MSE against one-hot
 //      targets, SGD; plain libtorch, then two stages sharing the device for each split count;
-//   2. the per-hop cost: a pipeline of near-empty stages on the device, against the same layers
-//      as one stage, per activation or gradient handed over;
-//   3. the gpt's tokens per second in fp32 and bf16 (two stages on the device).
-// Medians over the timed steps, after a warm-up step; one JSON object on stdout or --json.
+//   2. the per-hop cost: forward-only passes through near-empty stages on the device, per hop
+//      (as actorpipe_micro_bench on the CPU);
+//   3. the gpt's tokens per second in fp32 and bf16 (two stages on the device, 4 micro-batches),
+//      width 1024 and 512 tokens, at 16 and 64 sequences a batch: the smaller leaves a GPU
+//      waiting for the host's kernel launches, the larger is decided by its matrix products.
+// The batch and targets start on the device for plain libtorch and the pipeline alike (the
+// pipeline's hand-off of a host batch is what `--host-batch` adds). Medians over the timed steps,
+// after a warm-up step; one JSON object on stdout or --json.
 //
 //   build-cuda/bench/actorpipe_gpu_bench --json gpu.json              # on a GPU
 //   build/bench/actorpipe_gpu_bench --device cpu --batch 8 --image 32 --splits 1,2 --steps 2
@@ -35,10 +39,11 @@ struct settings {
   int64_t image = 128;
   std::vector<std::size_t> splits{1, 2, 4, 8};
   int steps = 5;
-  int64_t gpt_width = 512;
+  int64_t gpt_width = 1024;
   int64_t gpt_layers = 8;
-  int64_t gpt_context = 256;
-  int64_t gpt_batch = 32;
+  int64_t gpt_context = 512;
+  std::vector<int64_t> gpt_batches{16, 64};
+  bool host_batch = false;
 };
 
 double ms_since(clock_type::time_point start) {
@@ -103,6 +108,7 @@ double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
   });
 }
 
+// The pipeline's step on x and y as given (on the device, or on the host with --host-batch).
 double pipeline_ms(engine& sys, const layer_list& layers, std::size_t stages, std::size_t splits,
                    c10::Device device, const torch::Tensor& x, const torch::Tensor& y, int steps,
                    precision_mode precision = precision_mode::fp32) {
@@ -117,14 +123,21 @@ double pipeline_ms(engine& sys, const layer_list& layers, std::size_t stages, st
   return median_step_ms(steps, [&] { pipe.train_step(x, y); });
 }
 
+// Where the pipeline's batch starts: the device, as plain libtorch's (or the host: --host-batch).
+torch::Tensor batch_for(const settings& s, const torch::Tensor& t, c10::Device device) {
+  return s.host_batch ? t : t.to(device);
+}
+
 nlohmann::json seed_scenario(engine& sys, const settings& s, c10::Device device) {
   auto x = torch::randn({s.batch, 3, s.image, s.image});
   auto y = torch::nn::functional::one_hot(torch::randint(1000, {s.batch}), 1000).to(torch::kFloat);
+  auto px = batch_for(s, x, device);
+  auto py = batch_for(s, y, device);
   nlohmann::json rows = nlohmann::json::array();
   double plain = plain_ms(resnet50(), device, x, y, s.steps);
   std::fprintf(stderr, "seed scenario: plain libtorch %.1f ms\n", plain);
   for (auto m : s.splits) {
-    double ms = pipeline_ms(sys, resnet50(), 2, m, device, x, y, s.steps);
+    double ms = pipeline_ms(sys, resnet50(), 2, m, device, px, py, s.steps);
     std::fprintf(stderr, "seed scenario: 2 stages, %zu splits: %.1f ms (%.3fx plain)\n", m, ms,
                  plain / ms);
     rows.push_back({{"splits", m}, {"ms", ms}, {"plain_over_pipeline", plain / ms}});
@@ -132,31 +145,38 @@ nlohmann::json seed_scenario(engine& sys, const settings& s, c10::Device device)
   return {{"plain_ms", plain}, {"two_stages_one_device", rows}};
 }
 
-// Per hop: near-empty stages (a 16-wide linear layer each), 4 stages against 1, 32 splits.
+// Per hop, as actorpipe_micro_bench measures it on the CPU (BENCHMARKS.md): forward-only
+// passes through 4 stages of one 16-wide linear layer each on the device, [m, 16] floats, per
+// hop = the pass's time / (stages x micro-batches); m = 64 (hops overlap, as in a pipeline's
+// steady state) and m = 1 (one micro-batch: every hop and the step's fixed cost in series).
 nlohmann::json hop_cost(engine& sys, const settings& s, c10::Device device) {
   torch::manual_seed(2);
-  auto layers = [] {
-    layer_list l;
-    for (int i = 0; i < 4; ++i) {
-      l.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(16, 16)));
-    }
-    return l;
-  };
-  const std::size_t splits = 32, stages = 4;
-  auto x = torch::randn({static_cast<int64_t>(splits), 16});
-  auto y = torch::randn({static_cast<int64_t>(splits), 16});
-  double one = pipeline_ms(sys, layers(), 1, splits, device, x, y, s.steps * 4);
-  double four = pipeline_ms(sys, layers(), stages, splits, device, x, y, s.steps * 4);
-  // Each micro-batch crosses 3 boundaries forward and 3 back.
-  double hops = static_cast<double>(splits * (stages - 1) * 2);
-  double per_hop_us = (four - one) * 1000.0 / hops;
-  std::fprintf(stderr, "per hop: 1 stage %.2f ms, 4 stages %.2f ms: %.1f us per hop\n", one, four,
-               per_hop_us);
-  return {
-    {"one_stage_ms", one}, {"four_stages_ms", four}, {"hops", hops}, {"per_hop_us", per_hop_us}};
+  const std::size_t stages = 4;
+  layer_list layers;
+  for (std::size_t i = 0; i < stages; ++i) {
+    layers.emplace_back("fc" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(16, 16)));
+  }
+  nlohmann::json out;
+  for (std::size_t m : {std::size_t{64}, std::size_t{1}}) {
+    pipeline_options o;
+    o.microbatches = m;
+    o.optimizer = sgd(0.05);
+    o.loss = builtin_loss("mse");
+    o.devices.assign(stages, device);
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
+    auto x = batch_for(s, torch::randn({static_cast<int64_t>(m), 16}), device);
+    double ms = median_step_ms(s.steps * 20, [&] { pipe.forward(x); });
+    double per_hop_us = ms * 1000.0 / static_cast<double>(stages * m);
+    std::fprintf(stderr,
+                 "per hop: %zu stages, %zu micro-batches: %.3f ms a pass, %.1f us per hop\n",
+                 stages, m, ms, per_hop_us);
+    out[m == 1 ? "one_microbatch" : "steady"] = {
+      {"stages", stages}, {"microbatches", m}, {"pass_ms", ms}, {"per_hop_us", per_hop_us}};
+  }
+  return out;
 }
 
-nlohmann::json gpt_tokens(engine& sys, const settings& s, c10::Device device) {
+nlohmann::json gpt_tokens(engine& sys, const settings& s, int64_t batch, c10::Device device) {
   auto gpt = [&] {
     torch::manual_seed(3);
     model_options o;
@@ -167,20 +187,23 @@ nlohmann::json gpt_tokens(engine& sys, const settings& s, c10::Device device) {
     o.context = s.gpt_context;
     return make_model("gpt", o);
   };
-  auto x = torch::randint(256, {s.gpt_batch, s.gpt_context});
-  auto y = torch::randint(256, {s.gpt_batch, s.gpt_context});
-  auto tokens = static_cast<double>(s.gpt_batch * s.gpt_context);
-  nlohmann::json out;
+  auto x = torch::randint(256, {batch, s.gpt_context});
+  auto y = torch::randint(256, {batch, s.gpt_context});
+  auto px = batch_for(s, x, device);
+  auto py = batch_for(s, y, device);
+  auto tokens = static_cast<double>(batch * s.gpt_context);
+  nlohmann::json out{{"batch", batch}, {"tokens_per_step", batch * s.gpt_context}};
   for (auto precision : {precision_mode::fp32, precision_mode::bf16}) {
     auto name = precision == precision_mode::bf16 ? "bf16" : "fp32";
-    double ms = pipeline_ms(sys, gpt(), 2, 4, device, x, y, s.steps, precision);
+    double ms = pipeline_ms(sys, gpt(), 2, 4, device, px, py, s.steps, precision);
     double plain = plain_ms(gpt(), device, x, y, s.steps, precision);
     out[name] = {{"pipeline_ms", ms},
                  {"pipeline_tokens_per_s", tokens / ms * 1000.0},
                  {"plain_ms", plain},
                  {"plain_tokens_per_s", tokens / plain * 1000.0}};
-    std::fprintf(stderr, "gpt %s: pipeline %.0f tokens/s, plain %.0f tokens/s\n", name,
-                 tokens / ms * 1000.0, tokens / plain * 1000.0);
+    std::fprintf(stderr, "gpt, batch %lld, %s: pipeline %.0f tokens/s, plain %.0f tokens/s\n",
+                 static_cast<long long>(batch), name, tokens / ms * 1000.0,
+                 tokens / plain * 1000.0);
   }
   out["bf16_over_fp32"] =
     out["fp32"]["pipeline_ms"].get<double>() / out["bf16"]["pipeline_ms"].get<double>();
@@ -201,7 +224,10 @@ int main(int argc, char** argv) {
   app.add_option("--gpt-width", s.gpt_width, "gpt: width")->capture_default_str();
   app.add_option("--gpt-layers", s.gpt_layers, "gpt: blocks")->capture_default_str();
   app.add_option("--gpt-context", s.gpt_context, "gpt: tokens per sequence")->capture_default_str();
-  app.add_option("--gpt-batch", s.gpt_batch, "gpt: sequences per batch")->capture_default_str();
+  app.add_option("--gpt-batch", s.gpt_batches, "gpt: sequences per batch (each size measured)")
+    ->delimiter(',');
+  app.add_flag("--host-batch", s.host_batch,
+               "the pipeline's batch starts on the host (pinned and copied every step)");
   app.add_option("--json", json_path, "write the results here (default: stdout)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -211,10 +237,13 @@ int main(int argc, char** argv) {
       ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
     }
     engine sys;
-    nlohmann::json result{{"device", s.device}, {"steps", s.steps}};
+    nlohmann::json result{{"device", s.device}, {"steps", s.steps}, {"host_batch", s.host_batch}};
     result["seed_scenario"] = seed_scenario(sys, s, device);
     result["hop"] = hop_cost(sys, s, device);
-    result["gpt"] = gpt_tokens(sys, s, device);
+    result["gpt"] = nlohmann::json::array();
+    for (auto batch : s.gpt_batches) {
+      result["gpt"].push_back(gpt_tokens(sys, s, batch, device));
+    }
     if (json_path.empty()) {
       std::cout << result.dump(2) << "\n";
     } else {

@@ -20,170 +20,6 @@
 
 namespace actorpipe::cli {
 
-CLI::App* add_train_command(CLI::App& app, train_args& a) {
-  auto* cmd = app.add_subcommand(
-    "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
-             "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
-             "(random images, one-hot targets, MSE loss, SGD)");
-  add_model_flags(cmd, a.model);
-  add_pipeline_flags(cmd, a.plan);
-  auto opt = [&](const std::string& name, auto& value, const std::string& help) {
-    return cmd->add_option(name, value, help)->capture_default_str();
-  };
-  opt("--data-dir", a.data_dir,
-      "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
-  opt("--text-file", a.text_file,
-      "--data text: a UTF-8 text file (or a folder of them) instead of Debian's fortunes "
-      "(/usr/share/games/fortunes); the last tenth of each file is held out for validation");
-  opt("--sample", a.sample,
-      "--data text: characters of text the trained model writes at the end (0: none)");
-  opt("--steps", a.steps,
-      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
-      "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
-  opt("--lr", a.lr,
-      "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
-      "at 3e-3 unless given)");
-  opt("--momentum", a.momentum,
-      "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic and tensor files)");
-  cmd
-    ->add_option("--loss", a.loss,
-                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
-                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
-                 "mse")
-    ->check(CLI::IsMember({"mse", "cross_entropy"}));
-  cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
-    ->check(CLI::IsMember({"sgd", "adam"}));
-  opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
-  cmd->add_flag("--nesterov", a.nesterov,
-                "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
-  opt("--min-lr", a.min_lr,
-      "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
-      "e.g. a hundredth of --lr)");
-  cmd->add_flag("--overlap-steps", a.overlap_steps,
-                "Overlap consecutive steps: each stage starts the next step as soon as it is done "
-                "with the one before (its optimizer steps early), the same parameters as without "
-                "(stages in this process; docs/schedules.md#overlapping-steps)");
-  cmd->add_flag("--shuffle", a.shuffle,
-                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
-                "every pass instead of in order");
-  opt("--export", a.export_path,
-      "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
-      "Python's torch.jit.load runs");
-  opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
-  opt("--recompute", a.recompute,
-      "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
-      "always: keep only each stage's input between forward and backward and recompute the "
-      "forward during backward (less memory, more time; docs/transformers.md)");
-  opt("--precision", a.precision,
-      "fp32, or bf16 mixed precision: each stage computes under CPU autocast to bfloat16, "
-      "activations and their gradients cross stages in bf16, parameters and the optimizer stay "
-      "fp32 (fast only on CPUs with avx512_bf16 or amx_bf16; docs/transformers.md)");
-  cmd
-    ->add_option("--devices", a.devices,
-                 "One device per stage, comma-separated: cpu, cuda or cuda:N (e.g. cuda:0,cuda:1; "
-                 "two stages may share a GPU); the CUDA build only (docs/gpu.md)")
-    ->delimiter(',');
-  opt("--after-forward", a.after_forward,
-      "A hook on every stage's activation before it is sent on: clamp:V (clamp to [-V, V]), "
-      "check_finite (a NaN or an infinity fails the step), or a TorchScript file whose "
-      "forward(x) returns the tensor to send (in process and on nodes; docs/api.md#hooks)");
-  opt("--after-backward", a.after_backward,
-      "A hook on every stage's input gradient before it is sent back: clamp:V, check_finite or "
-      "a TorchScript file, as --after-forward");
-  opt("--wait-timeout", a.wait_timeout_ms,
-      "Milliseconds a stage waits for an input before failing the step");
-  cmd->add_flag("--augment", a.augment,
-                "Fashion-MNIST: augment every training batch as torchvision's RandomCrop(28, "
-                "padding=2) and RandomHorizontalFlip (docs/images.md)");
-  opt("--workers", a.workers,
-      "images:DIR: background threads decoding, cropping and flipping batches ahead of the "
-      "pipeline (0: on the training thread)");
-  opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
-  opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
-  opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
-  opt("--checkpoint-dir", a.checkpoint_dir, "Write checkpoints into this folder");
-  opt("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: only at the end)");
-  opt("--keep", a.keep, "Checkpoints to keep");
-  opt("--resume", a.resume,
-      "Continue from a checkpoint (or the newest in a folder); the stage count may differ");
-  opt("--metrics", a.metrics,
-      "Per-epoch metrics file (.csv, else JSON lines); synthetic data: one row for the run");
-  cmd->add_flag("--no-progress", a.no_progress,
-                "No progress bar (synthetic data: no line per step)");
-  opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
-  opt("--replicas", a.replicas,
-      "Data parallelism in this process: replicas of the pipeline, each on batch/replicas "
-      "samples, averaging gradients per stage (c10d Gloo)");
-  opt("--rank", a.rank, "Data parallelism across processes: this process's rank (default: RANK)");
-  opt("--world-size", a.world_size,
-      "Data parallelism across processes: number of ranks (default: WORLD_SIZE, else 1)");
-  opt("--master-addr", a.master_addr,
-      "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
-  opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
-  cmd
-    ->add_option("--nodes", a.nodes,
-                 "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
-                 "per stage); activations go node to node")
-    ->delimiter(',');
-  opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
-  add_tls_flags(cmd, a.tls);
-  opt("--connect-timeout", a.connect_timeout_ms,
-      "Milliseconds to reach each node and for each control request");
-  opt("--on-node-loss", a.on_node_loss,
-      "--nodes: when a node is lost (its connection closes, or it stops answering within "
-      "--wait-timeout), fail (end the run) or continue: move its stages to a --spare-nodes node "
-      "that answers, else cut the model anew over the nodes left, restore the newest snapshot "
-      "and replay the data from there (docs/distributed.md)")
-    ->check(CLI::IsMember({"fail", "continue"}));
-  cmd
-    ->add_option("--spare-nodes", a.spare_nodes,
-                 "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
-                 "comma-separated), taken in order for lost nodes")
-    ->delimiter(',');
-  opt("--snapshot-every", a.snapshot_every,
-      "--on-node-loss continue: copy every stage's parameters, buffers and optimizer state into "
-      "this process's memory every N steps (and at the start); a recovery replays from the "
-      "newest");
-  opt("--max-recoveries", a.max_recoveries,
-      "--on-node-loss continue: recoveries a run may make before a lost node ends it");
-  opt("--dp-timeout", a.dp_timeout_ms,
-      "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
-  opt("--dp-backend", a.dp_backend,
-      "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
-    ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  opt("--buffers", a.buffers,
-      "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
-      "none")
-    ->check(CLI::IsMember({"broadcast", "average", "none"}));
-  opt("--batch-norm", a.batch_norm,
-      "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
-      "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
-      "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
-    ->check(CLI::IsMember({"local", "sync"}));
-  opt("--sync", a.sync,
-      "How replicas stay together: gradients (averaged every step) or bmuf (blockwise model-update "
-      "filtering: --block-steps local steps, then parameters averaged with block momentum; "
-      "docs/data-parallel.md)")
-    ->check(CLI::IsMember({"gradients", "bmuf"}));
-  opt("--block-steps", a.bmuf.block_steps, "--sync bmuf: local steps per block");
-  opt("--block-lr", a.bmuf.block_lr, "--sync bmuf: the block learning rate");
-  opt("--block-momentum", a.bmuf.block_momentum,
-      "--sync bmuf: the block momentum, in [0, 1) (-1: 1 - 1/replicas)");
-  cmd->add_flag("--block-nesterov", a.bmuf.nesterov, "--sync bmuf: Nesterov block momentum");
-  cmd->add_flag("--reset-momentum", a.bmuf.reset_momentum,
-                "--sync bmuf: clear the optimizer's momentum after every block");
-  opt("--bmuf-warmup", a.bmuf.warmup_steps,
-      "--sync bmuf: steps each replica trains alone before all take rank 0's parameters");
-  opt("--max-grad-norm", a.max_grad_norm,
-      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
-  opt("--trace", a.trace,
-      "Write a Chrome trace (Perfetto, chrome://tracing) of every step and print planned against "
-      "measured bubbles");
-  a.given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };
-  return cmd;
-}
-
 namespace {
 
 void print_plan(const model_setup& setup, const plan_choice& choice) {
@@ -695,6 +531,37 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   return 0;
 }
 
+// --devices as devices. With --stages auto they are the devices the planner may place stages on
+// (one stage each, in order; profiled on the first), so a GPU listed twice is refused: two
+// stages sharing it would not run side by side as the planner assumes.
+std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
+                                       const training::planning_args& plan) {
+  std::vector<c10::Device> devices;
+  for (const auto& d : names) {
+    try {
+      devices.emplace_back(d);
+    } catch (const std::exception&) {
+      throw invalid_argument(
+        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
+    }
+  }
+  if (!devices.empty() && plan.layout_auto()) {
+    ACTORPIPE_CHECK(!plan.threads_auto || !devices.front().is_cuda(),
+                    "--threads auto tries thread counts on this machine's cores: with stages on "
+                    "GPUs (--devices) leave it out");
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      for (std::size_t j = 0; j < i; ++j) {
+        ACTORPIPE_CHECK(!devices[i].is_cuda() || devices[i] != devices[j],
+                        "--stages auto: ", devices[i].str(),
+                        " is listed twice in --devices; the planner puts one stage on each "
+                        "device (stages sharing a GPU do not run side by side): list each GPU "
+                        "once, or give --stages");
+      }
+    }
+  }
+  return devices;
+}
+
 } // namespace
 
 int run_train(const train_args& given) {
@@ -718,6 +585,7 @@ int run_train(const train_args& given) {
                     " plans one pipeline on this machine's cores: with replicas (--replicas, "
                     "--world-size) give --stages and --threads");
   }
+  a.plan.devices = parse_devices(a.devices, a.plan);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan);
@@ -726,15 +594,11 @@ int run_train(const train_args& given) {
   po.max_grad_norm = a.max_grad_norm;
   po.recompute = parse_recompute_mode(a.recompute);
   po.precision = parse_precision(a.precision);
-  ACTORPIPE_CHECK(a.devices.empty() || !a.plan.layout_auto(),
-                  "--devices names a device per stage: give --stages and --threads, not auto");
-  for (const auto& d : a.devices) {
-    try {
-      po.devices.emplace_back(d);
-    } catch (const std::exception&) {
-      throw invalid_argument(
-        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
-    }
+  po.devices = a.plan.devices;
+  if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
+    // The devices of the stages the planner chose, in order.
+    po.devices.erase(po.devices.begin() + static_cast<std::ptrdiff_t>(choice.stages()),
+                     po.devices.end());
   }
   po.overlap_steps = a.overlap_steps;
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them

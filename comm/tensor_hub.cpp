@@ -273,6 +273,7 @@ struct tensor_hub::impl {
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> received{0};
   std::atomic<uint64_t> rejected{0};
+  std::atomic<bool> pinned{false};
   std::shared_ptr<buffer_pool> pool;
   std::unique_ptr<tls_context> tls;
 
@@ -370,6 +371,10 @@ struct tensor_hub::impl {
       return close(socket);
     }
     comm::allocate_fn allocate = [this](const frame_header& h) {
+      if (pinned) {
+        // libtorch's pinned-memory cache recycles these as the pool does pageable buffers.
+        return at::empty(h.shape, at::TensorOptions().dtype(h.dtype).pinned_memory(true));
+      }
       return pool && h.payload_bytes >= pooled_from_bytes
                ? pool->take(h)
                : at::empty(h.shape, at::TensorOptions().dtype(h.dtype));
@@ -550,6 +555,10 @@ uint16_t tensor_hub::port() const {
   return impl_->port;
 }
 
+void tensor_hub::receive_into_pinned_memory() {
+  impl_->pinned = true;
+}
+
 void tensor_hub::release_cached_buffers() {
   if (impl_->pool) {
     impl_->pool->clear();
@@ -573,7 +582,14 @@ void tensor_hub::send(const std::string& host, uint16_t port, const frame_header
                       const at::Tensor& t) {
   auto name = endpoint_name(host, port);
   auto c = impl_->connect(host, port);
-  auto cpu = t.device().is_cpu() && t.is_contiguous() ? t : t.cpu().contiguous();
+  at::Tensor cpu;
+  if (t.device().is_cpu()) {
+    cpu = t.is_contiguous() ? t : t.contiguous();
+  } else {
+    // From a GPU through page-locked memory: one direct copy, no staging in the driver.
+    cpu = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    cpu.copy_(t);
+  }
   auto header = encode_header(h);
   std::lock_guard<std::mutex> lock(c->mutex);
   try {

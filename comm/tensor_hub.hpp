@@ -67,13 +67,19 @@ public:
   const std::string& host() const;
   uint16_t port() const;
 
-  /// Sends `t` (made contiguous on the CPU first) as one frame described by `h` to the hub at
-  /// host:port. Thread-safe; frames to one peer keep their order. Throws comm_error.
+  /// Sends `t` (made contiguous on the CPU first; from a GPU through pinned memory) as one frame
+  /// described by `h` to the hub at host:port. Thread-safe; frames to one peer keep their order.
+  /// Throws comm_error.
   void send(const std::string& host, uint16_t port, const frame_header& h, const at::Tensor& t);
 
   /// The local address this process uses to reach host:port (connecting when needed): the
   /// address a peer there can use to reach us.
   std::string local_address_towards(const std::string& host, uint16_t port);
+
+  /// From now on frames arrive in pinned (page-locked) host memory, so that a stage on a GPU
+  /// copies them onto its device asynchronously, by DMA. A node calls this when it builds a
+  /// stage on a GPU (the CUDA build only: the CPU line has no pinned memory).
+  void receive_into_pinned_memory();
 
   /// Frees the receive buffers kept for reuse (frames of 1 MB and more come into buffers that go
   /// back to a pool when their tensors die): after a frame that will not come again soon, such as

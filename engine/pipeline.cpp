@@ -29,6 +29,7 @@
 #include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
 #include "engine/futures.hpp"
+#include "engine/pipeline_impl.hpp"
 #include "logging/log.hpp"
 #include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
@@ -40,248 +41,9 @@
 
 namespace actorpipe {
 
-struct engine::impl {
-  explicit impl(std::size_t workers) : system(configure(config, workers)) {}
-
-  static caf::actor_system_config& configure(caf::actor_system_config& cfg, std::size_t workers) {
-    cfg.set("scheduler.max-threads", std::max<std::size_t>(1, workers));
-    // The middleman reaches stages on other processes (remote pipelines), over TLS through the
-    // OpenSSL module when their placement has certificates; both idle otherwise.
-    cfg.load<caf::io::middleman>();
-    cfg.load<caf::openssl::manager>();
-    cfg.set("logger.verbosity", caf::atom("quiet"));
-    return cfg;
-  }
-
-  // TLS sessions read the identity from the config when they connect, so it is set once,
-  // before the first, and never changed.
-  void use_tls(const tls_options& tls) {
-    std::lock_guard<std::mutex> lock(tls_mutex);
-    if (tls_identity.enabled()) {
-      ACTORPIPE_CHECK(tls == tls_identity,
-                      "pipeline: this engine already uses the TLS "
-                      "certificate '",
-                      tls_identity.certificate, "'; one identity per engine");
-      return;
-    }
-    comm::tls_context check(tls);
-    nodes::set_tls_identity(config, tls);
-    tls_identity = tls;
-  }
-
-  // Declared first: the system keeps a reference to its config.
-  caf::actor_system_config config;
-  caf::actor_system system;
-  std::mutex tls_mutex;
-  tls_options tls_identity;
-};
-
 engine::engine(std::size_t worker_threads) : impl_(std::make_unique<impl>(worker_threads)) {}
 
 engine::~engine() = default;
-
-struct pipeline::impl {
-  partition cut;
-  pipeline_options options;
-  std::vector<std::shared_ptr<stages::stage>> stages;
-  std::vector<actors::stage_actor> stage_actors;
-  scheduler::scheduler_actor scheduler;
-  // Data parallelism: this replica's process groups (null without replicas).
-  std::unique_ptr<comm::replica_group> replicas;
-  // Stages on nodes: their proxies' transport (null in process). `stages` then holds local
-  // copies of the initial stages, used to check checkpoints and count parameters only.
-  std::shared_ptr<comm::tensor_hub> remote_hub;
-  // The model as given (layers share the stages' modules in process), for save_torchscript.
-  layer_list layers;
-  // Carried by every training request; < 0 keeps the optimizers' own.
-  double learning_rate = -1;
-  // Stages on nodes: the model they build, the engine they were placed from and the nodes
-  // reached (recover() places them again).
-  std::optional<remote_model> remote;
-  engine* sys = nullptr;
-  std::map<std::string, caf::actor> nodes;
-  // Training and forward steps submitted: the scheduler's step counter, which a recovered
-  // pipeline continues.
-  std::atomic<uint64_t> steps{0};
-  // The newest snapshot (null: the state the stages were built with), and its number.
-  std::shared_ptr<const stages::tensor_map> snapshot;
-  uint64_t snapshot_number = 0;
-  uint64_t snapshots_taken = 0;
-  // A snapshot still arriving (snapshot_in_background), and its number.
-  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> pending_snapshot;
-  uint64_t pending_number = 0;
-
-  impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
-
-  ~impl() { stop_actors(); }
-
-  void stop_actors() {
-    for (auto& a : stage_actors) {
-      caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-    }
-    stage_actors.clear();
-    if (scheduler) {
-      caf::anon_send_exit(scheduler, caf::exit_reason::user_shutdown);
-    }
-    scheduler = nullptr;
-  }
-
-  // Stages on nodes: builds the local copy of the model and its stages (which check
-  // checkpoints and count parameters), the scheduler and the stages on options.placement.nodes
-  // cut by `cut`.
-  void place_on_nodes();
-
-  // Stages on nodes with replicas: meets the other replicas' drivers (options.data_parallel's
-  // rank and world) and agrees with them on the model their nodes build.
-  void meet_replicas();
-
-  // Every stage takes its tensors from `state` (a snapshot, number `number`; null: nothing to
-  // restore). `what` names the caller in errors.
-  void restore(const std::shared_ptr<const stages::tensor_map>& state, uint64_t number,
-               const char* what);
-
-  // Splits along dimension 0 into m parts differing by at most one sample; forward-only passes
-  // take fewer parts when the batch is smaller than m (`at_most`).
-  // A part bound for a stage on a GPU comes from pinned host memory (its copy does not block).
-  std::vector<torch::Tensor> split(const torch::Tensor& x, const char* what, bool at_most = false,
-                                   bool to_last = false) const {
-    ACTORPIPE_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1, what,
-                    " must have a batch dimension with at least one sample");
-    auto m = static_cast<int64_t>(options.microbatches);
-    if (at_most) {
-      m = std::min(m, x.size(0));
-    }
-    ACTORPIPE_CHECK(x.size(0) >= m, what, ": batch of ", x.size(0),
-                    " samples cannot be split into ", m, " micro-batches");
-    bool to_gpu = false;
-    if (auto count = options.devices.size(); count > 0) {
-      auto last = holder_of(options.chunk_layout(), count, count * options.chunks - 1).stage;
-      to_gpu = options.devices[to_last ? last : 0].is_cuda();
-    }
-    return torch::tensor_split(to_gpu ? stages::cuda::pinned(x) : x, m, 0);
-  }
-
-  // Queues a step; the future holds extract(outcome) or the step's error.
-  template <class T, class Extract>
-  std::future<T> submit(std::shared_ptr<scheduler::step_request> request, Extract extract) {
-    if (!scheduler) {
-      throw pipeline_error("pipeline: its stages were lost and not placed again (a recover() "
-                           "failed); call recover() again",
-                           error_details{error_kind::node_lost});
-    }
-    if (request->kind == scheduler::request_kind::train ||
-        request->kind == scheduler::request_kind::forward) {
-      ++steps;
-    }
-    auto promise = std::make_shared<std::promise<T>>();
-    auto future = promise->get_future();
-    request->finish = [promise, extract](scheduler::step_outcome outcome) {
-      if (outcome.error) {
-        promise->set_exception(outcome.error);
-      } else {
-        promise->set_value(extract(outcome));
-      }
-    };
-    caf::anon_send(scheduler, actors::run_atom::value, std::move(request));
-    return future;
-  }
-
-  // Waits with a deadline: the scheduler's own step timeout answers first unless the actor
-  // system itself is stuck.
-  template <class T>
-  T wait(std::future<T>& future, const char* what) const {
-    auto deadline = options.step_timeout + std::chrono::seconds(30);
-    // The result of a short step is taken by this thread still running (actors/linger.hpp).
-    bool ready = actors::poll_for(options.linger, [&] {
-      return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-    });
-    if (!ready && future.wait_for(deadline) != std::future_status::ready) {
-      throw pipeline_error(detail::concat(what, ": the scheduler did not answer within ",
-                                          std::chrono::milliseconds(deadline).count(), " ms"),
-                           error_details{error_kind::timeout});
-    }
-    return future.get();
-  }
-
-  // Queues a fetch of every stage's state (pipeline::snapshot), in the background or not.
-  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> submit_fetch(bool background);
-  // Waits for a snapshot still arriving and, when all of it came, makes it the newest.
-  void settle_snapshot();
-  // Makes `state` the newest snapshot, number `number`.
-  void install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
-                        uint64_t number);
-
-  // Checks and queues a training step on micro-batches.
-  std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
-                                        std::vector<torch::Tensor> targets) {
-    ACTORPIPE_CHECK(options.loss || options.loss_with_inputs,
-                    "train_step: pipeline_options.loss is not set");
-    ACTORPIPE_CHECK(static_cast<bool>(options.optimizer),
-                    "train_step: pipeline_options.optimizer is not set");
-    ACTORPIPE_CHECK(inputs.size() == options.microbatches && targets.size() == inputs.size(),
-                    "train_step: ", inputs.size(), " input and ", targets.size(),
-                    " target micro-batches given for ", options.microbatches);
-    double total = 0;
-    for (std::size_t k = 0; k < inputs.size(); ++k) {
-      ACTORPIPE_CHECK(inputs[k].defined() && targets[k].defined() && inputs[k].dim() >= 1 &&
-                        targets[k].dim() >= 1 && inputs[k].size(0) >= 1 &&
-                        inputs[k].size(0) == targets[k].size(0),
-                      "train_step: micro-batch ", k,
-                      " needs inputs and targets with the same, non-zero batch size");
-      total += static_cast<double>(inputs[k].size(0));
-    }
-    auto request = std::make_shared<scheduler::step_request>();
-    request->kind = scheduler::request_kind::train;
-    request->learning_rate = learning_rate;
-    for (const auto& mb : inputs) {
-      request->loss_scales.push_back(
-        options.reduction == loss_reduction::mean ? static_cast<double>(mb.size(0)) / total : 1.0);
-    }
-    request->inputs = std::move(inputs);
-    request->targets = std::move(targets);
-    return submit<step_result>(std::move(request),
-                               [](scheduler::step_outcome& o) { return std::move(o.result); });
-  }
-
-  // Stages on nodes: their state comes back in memory (a fetch request to every stage).
-  std::vector<std::pair<std::string, torch::Tensor>> named_remote(bool gradients) {
-    if (gradients) {
-      throw pipeline_error("named_gradients: the gradients of stages on nodes stay on the nodes");
-    }
-    auto request = std::make_shared<scheduler::step_request>();
-    request->kind = scheduler::request_kind::fetch;
-    auto future = submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
-      std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
-    auto all = wait(future, "named_parameters");
-    std::vector<std::pair<std::string, torch::Tensor>> result;
-    for (const auto& st : stages) {
-      for (auto& [name, initial] : st->named_tensors(false)) {
-        // A tied parameter's state is kept once, under its tie's name.
-        auto tie = st->config().tied.find(name);
-        auto it = all->find(tie == st->config().tied.end() ? name : tie->second);
-        if (it == all->end()) {
-          throw pipeline_error(detail::concat("named_parameters: stage ", st->config().index,
-                                              " did not return '", name, "'"));
-        }
-        result.emplace_back(name, it->second);
-      }
-    }
-    return result;
-  }
-
-  std::vector<std::pair<std::string, torch::Tensor>> named(bool gradients) {
-    if (remote_hub) {
-      return named_remote(gradients);
-    }
-    std::vector<std::pair<std::string, torch::Tensor>> all;
-    for (const auto& st : stages) {
-      auto part = st->named_tensors(gradients);
-      all.insert(all.end(), std::make_move_iterator(part.begin()),
-                 std::make_move_iterator(part.end()));
-    }
-    return all;
-  }
-};
 
 namespace {
 
@@ -330,107 +92,9 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   return stage_count;
 }
 
-// "a, b, c" or "none": a recovery's lists in the log.
-template <class T>
-std::string list_or_none(const std::vector<T>& items) {
-  return items.empty() ? std::string("none") : fmt::format("{}", fmt::join(items, ", "));
-}
-
-// After a step failed on nodes: which nodes answer, and a spare for each that does not.
-struct node_census {
-  // The nodes that did not answer, in placement order.
-  std::vector<std::string> lost;
-  // A spare per lost node, in order, among those that answer and hold no stage yet.
-  std::map<std::string, std::string> replacement;
-  std::vector<std::string> spares_used;
-  // The spares that answered, in order (replicas hand them out their own way).
-  std::vector<std::string> spares;
-
-  bool is_lost(const std::string& node) const {
-    return std::find(lost.begin(), lost.end(), node) != lost.end();
-  }
-  // `nodes` with each lost node replaced by its spare, or left out when none took it.
-  std::vector<std::string> placed(const std::vector<std::string>& nodes) const {
-    std::vector<std::string> result;
-    for (const auto& n : nodes) {
-      if (!is_lost(n)) {
-        result.push_back(n);
-      } else if (auto it = replacement.find(n); it != replacement.end()) {
-        result.push_back(it->second);
-      }
-    }
-    return result;
-  }
-};
-
-// Asks every node of `nodes` (repeats asked once) and the spares, each within the placement's
-// connect timeout, all at once.
-node_census take_census(caf::actor_system& sys, const std::vector<std::string>& nodes,
-                        const std::map<std::string, caf::actor>& known,
-                        const node_placement& placement) {
-  std::vector<std::string> distinct;
-  for (const auto& n : nodes) {
-    if (std::find(distinct.begin(), distinct.end(), n) == distinct.end()) {
-      distinct.push_back(n);
-    }
-  }
-  auto alive = nodes::answering(sys, distinct, known, placement);
-  node_census census;
-  for (std::size_t i = 0; i < distinct.size(); ++i) {
-    if (!alive[i]) {
-      census.lost.push_back(distinct[i]);
-    }
-  }
-  if (census.lost.empty()) {
-    return census;
-  }
-  std::vector<std::string> candidates;
-  for (const auto& spare : placement.spares) {
-    if (std::find(distinct.begin(), distinct.end(), spare) == distinct.end() &&
-        std::find(candidates.begin(), candidates.end(), spare) == candidates.end()) {
-      candidates.push_back(spare);
-    }
-  }
-  auto ready = nodes::answering(sys, candidates, {}, placement);
-  for (std::size_t i = 0; i < candidates.size(); ++i) {
-    if (ready[i]) {
-      census.spares.push_back(candidates[i]);
-    }
-  }
-  for (std::size_t i = 0; i < census.lost.size() && i < census.spares.size(); ++i) {
-    census.replacement[census.lost[i]] = census.spares[i];
-    census.spares_used.push_back(census.spares[i]);
-  }
-  return census;
-}
-
-scheduler::scheduler_options scheduler_options_of(const pipeline_options& options) {
-  scheduler::scheduler_options so;
-  so.schedule = options.schedule;
-  so.chunks = options.chunks;
-  so.placement = options.chunk_layout();
-  so.custom = options.custom_schedule;
-  so.step_timeout = options.step_timeout;
-  so.abort_timeout = options.wait_timeout;
-  so.max_grad_norm = options.max_grad_norm;
-  so.optimistic_update = options.optimistic_update;
-  so.overlap_steps = options.overlap_steps;
-  so.linger = options.linger;
-  so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
-  return so;
-}
-
-} // namespace
-
-pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
-  auto stage_count = check_pipeline(layers.size(), cut, options);
-  // Devices in this process are checked here; a node checks those of its stages itself.
-  for (std::size_t i = 0; i < options.devices.size(); ++i) {
-    stages::check_device(options.devices[i], detail::concat("pipeline: stage ", i));
-  }
-  ACTORPIPE_CHECK(options.placement.nodes.empty(),
-                  "pipeline: stages on nodes need a "
-                  "remote_model (nodes build their stages themselves)");
+// Checks the replicas' BMUF and synchronised batch norm settings against the model; the BMUF
+// settings with a negative block momentum resolved (1 - 1/replicas).
+bmuf_options checked_bmuf(const pipeline_options& options, const layer_list& layers) {
   const auto& dp = options.data_parallel;
   auto bmuf = dp.bmuf;
   if (bmuf.block_steps != 0) {
@@ -461,6 +125,38 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                     "pipeline: sync_batch_norm: the model has no batch norm "
                     "(actorpipe::DeferredBatchNorm2d) to synchronise");
   }
+  return bmuf;
+}
+
+scheduler::scheduler_options scheduler_options_of(const pipeline_options& options) {
+  scheduler::scheduler_options so;
+  so.schedule = options.schedule;
+  so.chunks = options.chunks;
+  so.placement = options.chunk_layout();
+  so.custom = options.custom_schedule;
+  so.step_timeout = options.step_timeout;
+  so.abort_timeout = options.wait_timeout;
+  so.max_grad_norm = options.max_grad_norm;
+  so.optimistic_update = options.optimistic_update;
+  so.overlap_steps = options.overlap_steps;
+  so.linger = options.linger;
+  so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
+  return so;
+}
+
+} // namespace
+
+pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
+  auto stage_count = check_pipeline(layers.size(), cut, options);
+  // Devices in this process are checked here; a node checks those of its stages itself.
+  for (std::size_t i = 0; i < options.devices.size(); ++i) {
+    stages::check_device(options.devices[i], detail::concat("pipeline: stage ", i));
+  }
+  ACTORPIPE_CHECK(options.placement.nodes.empty(),
+                  "pipeline: stages on nodes need a "
+                  "remote_model (nodes build their stages themselves)");
+  const auto& dp = options.data_parallel;
+  auto bmuf = checked_bmuf(options, layers);
   auto threads = options.threads_per_stage;
   if (threads == 0) {
     // Replicas in this process share its cores.
@@ -734,235 +430,6 @@ void pipeline::load_state(const std::string& dir) {
     self.snapshot = std::move(all);
     self.snapshot_number = 0;
   }
-}
-
-std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
-pipeline::impl::submit_fetch(bool background) {
-  auto request = std::make_shared<scheduler::step_request>();
-  request->kind = scheduler::request_kind::fetch;
-  request->background = background;
-  return submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
-    std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
-}
-
-void pipeline::impl::settle_snapshot() {
-  if (!pending_snapshot.valid()) {
-    return;
-  }
-  auto number = pending_number;
-  try {
-    install_snapshot(wait(pending_snapshot, "snapshot"), number);
-  } catch (const std::exception& e) {
-    // A node lost while its state was on the way: the step after it fails too, and recover()
-    // restores the newest snapshot that did arrive.
-    log::get()->warn("snapshot {} did not arrive ({}); {} stays the newest", number, e.what(),
-                     snapshot_number == 0 ? std::string("the starting state")
-                                          : detail::concat("snapshot ", snapshot_number));
-    memory::release_free_heap(); // whatever of it did arrive
-  }
-  pending_snapshot = {};
-}
-
-void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
-                                      uint64_t number) {
-  snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
-  snapshot_number = number;
-  // The frames and the snapshot this one replaced were megabytes of heap.
-  memory::release_free_heap();
-}
-
-uint64_t pipeline::snapshot() {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  auto future = self.submit_fetch(false);
-  self.install_snapshot(self.wait(future, "snapshot"), ++self.snapshots_taken);
-  return self.snapshot_number;
-}
-
-uint64_t pipeline::snapshot_in_background() {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  self.pending_snapshot = self.submit_fetch(true);
-  self.pending_number = ++self.snapshots_taken;
-  return self.pending_number;
-}
-
-uint64_t pipeline::newest_snapshot() {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  return self.snapshot_number;
-}
-
-recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition) {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(self.remote, "recover: the stages of this pipeline are in this process; "
-                               "recover() places stages on nodes again");
-  ACTORPIPE_CHECK(!self.replicas, "recover: this pipeline is replica ",
-                  self.options.data_parallel.rank, " of ", self.options.data_parallel.replicas,
-                  "; the replicas recover together, through replicated_pipeline::recover()");
-  auto started = std::chrono::steady_clock::now();
-  // A snapshot still on its way arrives (or fails) before the newest is chosen.
-  self.settle_snapshot();
-  auto& actor_system = self.sys->internals().system;
-  // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
-  self.stop_actors();
-  auto& placement = self.options.placement;
-  auto census = take_census(actor_system, placement.nodes, self.nodes, placement);
-  recovery_report report;
-  report.lost = census.lost;
-  report.spares_used = census.spares_used;
-  auto placed = census.placed(placement.nodes);
-  if (placed.empty()) {
-    throw pipeline_error(
-      detail::concat("recover: no node is left (", report.lost.size(), " lost, no spare answered)"),
-      error_details{error_kind::node_lost});
-  }
-  auto cut = self.cut;
-  if (placed.size() != placement.nodes.size()) {
-    // Fewer stage actors: the model is cut anew over the nodes left, each holding as many
-    // chunks as before.
-    auto parts = placed.size() * self.options.chunks;
-    cut = repartition ? repartition(parts) : partition_by_params(self.layers, parts);
-    ACTORPIPE_CHECK(cut.stages() == parts, "recover: the repartition gave ", cut.stages(),
-                    " stages for the ", placed.size(), " nodes left (", self.options.chunks,
-                    " chunks each)");
-  }
-  self.cut = cut;
-  placement.nodes = placed;
-  self.place_on_nodes();
-  self.restore(self.snapshot, self.snapshot_number, "recover");
-  // The failed pipeline's actors, the local model built again, the snapshot's frames.
-  memory::release_free_heap();
-  report.nodes = placed;
-  report.bounds = cut.bounds;
-  report.snapshot = self.snapshot_number;
-  report.seconds =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  log::get()->info("pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
-                   "{} cut {}, restored snapshot {}",
-                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
-                   placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot);
-  return report;
-}
-
-// replicated_pipeline::recover() lives here: it re-places each replica's stages through its
-// pipeline::impl, as pipeline::recover() does one pipeline's.
-recovery_report replicated_pipeline::recover() {
-  auto& first = *replicas_.front()->impl_;
-  ACTORPIPE_CHECK(first.remote, "recover: these replicas' stages are in this process; recover() "
-                                "places stages on nodes again");
-  auto started = std::chrono::steady_clock::now();
-  // Replica 0 keeps the snapshots (a snapshot still on its way arrives, or fails, first).
-  first.settle_snapshot();
-  auto state = first.snapshot;
-  auto number = first.snapshot_number;
-  auto taken = first.snapshots_taken;
-  const auto dp = first.options.data_parallel;
-  const auto placement = first.options.placement;
-  std::vector<std::string> all;
-  std::map<std::string, caf::actor> known;
-  for (auto& p : replicas_) {
-    auto& r = *p->impl_;
-    // The failed step's proxies go first: a node drops the stages of a proxy that went.
-    r.stop_actors();
-    all.insert(all.end(), r.options.placement.nodes.begin(), r.options.placement.nodes.end());
-    known.insert(r.nodes.begin(), r.nodes.end());
-  }
-  auto census = take_census(first.sys->internals().system, all, known, placement);
-  recovery_report report;
-  report.lost = census.lost;
-  // A replica goes on when spares replace every node it lost, the replicas served in rank order
-  // (a replica is given spares only when there are enough for all its lost nodes); the others
-  // leave.
-  std::vector<std::size_t> whole;
-  std::vector<std::vector<std::string>> layouts;
-  std::size_t next_spare = 0;
-  for (std::size_t r = 0; r < replicas_.size(); ++r) {
-    const auto& nodes = replicas_[r]->impl_->options.placement.nodes;
-    std::map<std::string, std::string> replacement;
-    for (const auto& n : nodes) {
-      if (census.is_lost(n) && replacement.count(n) == 0) {
-        auto index = next_spare + replacement.size();
-        replacement.emplace(n, index < census.spares.size() ? census.spares[index] : std::string{});
-      }
-    }
-    bool enough = std::all_of(replacement.begin(), replacement.end(),
-                              [](const auto& kv) { return !kv.second.empty(); });
-    if (!enough) {
-      report.replicas_left.push_back(r);
-      continue;
-    }
-    std::vector<std::string> placed;
-    for (const auto& n : nodes) {
-      auto it = replacement.find(n);
-      placed.push_back(it == replacement.end() ? n : it->second);
-    }
-    for (std::size_t k = 0; k < replacement.size(); ++k) {
-      report.spares_used.push_back(census.spares[next_spare++]);
-    }
-    whole.push_back(r);
-    layouts.push_back(std::move(placed));
-  }
-  if (whole.empty()) {
-    throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
-                                        list_or_none(census.lost), "; ", census.spares.size(),
-                                        " spares answered)"),
-                         error_details{error_kind::node_lost});
-  }
-  // Every driver's rendezvous goes before any meets again (rank 0's serves the store that the
-  // next rank 0 serves anew), all at once: each waits at its end for the others'.
-  std::vector<std::future<void>> leaving;
-  for (auto& p : replicas_) {
-    leaving.push_back(
-      std::async(std::launch::async, [&group = p->impl_->replicas] { group.reset(); }));
-  }
-  for (auto& f : leaving) {
-    f.get(); // each bounded by data_parallel.timeout; the destructor throws nothing
-  }
-  std::vector<std::unique_ptr<pipeline>> kept;
-  for (auto r : whole) {
-    kept.push_back(std::move(replicas_[r]));
-  }
-  replicas_ = std::move(kept);
-  const auto world = replicas_.size();
-  for (std::size_t k = 0; k < world; ++k) {
-    auto& r = *replicas_[k]->impl_;
-    r.options.data_parallel.rank = k;
-    r.options.data_parallel.replicas = world;
-    r.options.placement.nodes = layouts[k];
-  }
-  auto& lead = *replicas_.front()->impl_;
-  lead.snapshot = state;
-  lead.snapshot_number = number;
-  lead.snapshots_taken = std::max(lead.snapshots_taken, taken);
-  // Each replica on a thread of its own: each waits for the others at the rendezvous and at its
-  // stages' first collective.
-  std::vector<std::future<bool>> placing;
-  for (auto& p : replicas_) {
-    placing.push_back(std::async(std::launch::async, [&r = *p->impl_, &state, number] {
-      r.meet_replicas();
-      r.place_on_nodes();
-      r.restore(state, number, "recover");
-      return true;
-    }));
-  }
-  detail::get_all(
-    placing, 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30), "recover");
-  memory::release_free_heap();
-  for (const auto& nodes : layouts) {
-    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
-  }
-  report.bounds = lead.cut.bounds;
-  report.snapshot = number;
-  report.replicas = world;
-  report.seconds =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  log::get()->info(
-    "replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, now {} "
-    "replicas on {}, restored snapshot {}",
-    report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
-    list_or_none(report.replicas_left), world, fmt::join(report.nodes, ", "), report.snapshot);
-  return report;
 }
 
 void pipeline::save_torchscript(const std::string& path) {

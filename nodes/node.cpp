@@ -12,8 +12,6 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
-#include <caf/openssl/manager.hpp>
-#include <caf/openssl/publish.hpp>
 #include <nlohmann/json.hpp>
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
@@ -32,6 +30,7 @@
 #include "comm/tensor_hub.hpp"
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
+#include "nodes/node_host.hpp"
 #include "nodes/protocol.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/device.hpp"
@@ -40,92 +39,9 @@
 namespace actorpipe {
 namespace nodes {
 
-// Where frames for this node's stages go; read by the hub's reader threads. Weak: the hub
-// (owned by the node actor) must not keep the actors alive. Not in the anonymous namespace:
-// node::impl holds one, and GCC warns of that when a unity build includes this file into another.
-struct routes {
-  std::mutex mutex;
-  std::map<uint32_t, caf::weak_actor_ptr> stages;
-  caf::weak_actor_ptr host_ptr;
-  std::atomic<uint64_t> rejected{0};
-  // Activation and gradient bundles, put together from their frames.
-  comm::bundle_assembler bundles;
-  // The tie groups of stages holding parameters tied to other stages, and the ties' names in
-  // tied_parameters order (a tied-gradient frame names a tie by its index there).
-  struct tie_route {
-    std::weak_ptr<comm::tie_group> group;
-    std::vector<std::string> names;
-  };
-  std::map<uint32_t, tie_route> ties;
-
-  tie_route tie(uint32_t index) {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = ties.find(index);
-    if (it == ties.end()) {
-      throw comm::frame_error(
-        detail::concat("stage ", index, " on this node holds no tied parameter"));
-    }
-    return it->second;
-  }
-
-  actors::stage_peer_actor stage(uint32_t index) {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = stages.find(index);
-    auto strong = it == stages.end() ? caf::strong_actor_ptr{} : it->second.lock();
-    if (!strong) {
-      throw comm::frame_error(detail::concat("no stage ", index, " on this node"));
-    }
-    return caf::actor_cast<actors::stage_peer_actor>(strong);
-  }
-
-  caf::actor host() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return caf::actor_cast<caf::actor>(host_ptr.lock());
-  }
-};
-
 namespace {
 
 using namespace actorpipe::actors;
-
-using link_failed_atom = caf::atom_constant<caf::atom("linkfail")>;
-using label_atom = caf::atom_constant<caf::atom("label")>;
-
-// Sends one neighbour's activations or gradients as frames, on a thread of its own so that the
-// stage computes while the bytes go out.
-stage_peer_actor::behavior_type link_actor(stage_peer_actor::pointer self,
-                                           std::shared_ptr<comm::tensor_hub> hub, endpoint to,
-                                           uint32_t to_stage, uint32_t from_stage,
-                                           caf::actor host) {
-  pthread_setname_np(pthread_self(), "ap.link");
-  auto send = [=](comm::frame_kind kind, uint64_t step, int32_t microbatch, int32_t chunk,
-                  const bundle& b) {
-    try {
-      comm::frame_header address;
-      address.kind = kind;
-      address.stage = to_stage;
-      address.step = step;
-      address.microbatch = microbatch;
-      address.chunk = chunk;
-      comm::send_bundle(*hub, to.host, to.port, address, b);
-    } catch (const std::exception& e) {
-      // The node checks who sends (a typed actor may not send() to a dynamically typed one).
-      caf::unsafe_send_as(
-        self, host, link_failed_atom::value, from_stage, step, microbatch, to.node,
-        detail::concat("stage ", from_stage, " could not send the ", comm::to_string(kind),
-                       " of microbatch ", microbatch, " to stage ", to_stage, " on node ", to.node,
-                       ": ", e.what()));
-    }
-  };
-  return {
-    [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const bundle& b) {
-      send(comm::frame_kind::activation, step, microbatch, chunk, b);
-    },
-    [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, const bundle& b) {
-      send(comm::frame_kind::gradient, step, microbatch, chunk, b);
-    },
-  };
-}
 
 struct hosted {
   local_stage_actor actor;
@@ -251,33 +167,6 @@ hosted* find_by_actor(node_state& s, const caf::strong_actor_ptr& sender) {
   return nullptr;
 }
 
-// Sends a member's tied gradients to the node of stage `to`: one bundle of the ties' indices in
-// `names` and the gradients, as a tied_gradient frame from stage `from`.
-comm::tie_group::sender tie_sender(std::shared_ptr<comm::tensor_hub> hub,
-                                   std::shared_ptr<std::vector<endpoint>> peers,
-                                   std::vector<std::string> names) {
-  return [hub, peers, names](std::size_t to, uint64_t step, std::size_t from,
-                             const std::map<std::string, torch::Tensor>& part) {
-    ACTORPIPE_CHECK(to < peers->size(), "stage ", to, " has no address (the stage is not wired)");
-    std::vector<int64_t> indices;
-    std::vector<torch::Tensor> tensors{torch::Tensor()};
-    for (const auto& [name, g] : part) {
-      auto it = std::find(names.begin(), names.end(), name);
-      ACTORPIPE_CHECK(it != names.end(), "'", name, "' is no tied parameter of the model");
-      indices.push_back(it - names.begin());
-      tensors.push_back(g);
-    }
-    tensors.front() = torch::tensor(indices, torch::kLong);
-    comm::frame_header address;
-    address.kind = comm::frame_kind::tied_gradient;
-    address.stage = static_cast<uint32_t>(to);
-    address.step = step;
-    address.microbatch = static_cast<int32_t>(from);
-    const auto& where = (*peers)[to];
-    comm::send_bundle(*hub, where.host, where.port, address, bundle(std::move(tensors)));
-  };
-}
-
 // The bytes of a TorchScript file this node was sent, by digest.
 const std::string& received(const node_state& s, const std::string& digest, const char* what) {
   auto it = std::find_if(s.models.begin(), s.models.end(),
@@ -293,6 +182,9 @@ std::string build(node_actor* self, const std::string& text) {
   const auto& settings = spec.settings;
   auto index = static_cast<uint32_t>(settings.index);
   stages::check_device(settings.device, detail::concat("node ", s.label, ": stage ", index));
+  if (settings.device.is_cuda()) {
+    s.hub->receive_into_pinned_memory();
+  }
   release(self, index);
   layer_list layers;
   if (spec.model.torchscript.empty()) {
@@ -838,186 +730,12 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
 
 } // namespace
 
+caf::actor spawn_node_host(caf::actor_system& sys, std::string secret,
+                           std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
+                           std::size_t max_model_bytes) {
+  return sys.spawn(node_behavior, std::string{}, std::move(secret), std::move(hub),
+                   std::move(route), max_model_bytes);
+}
+
 } // namespace nodes
-
-struct node::impl {
-  caf::actor_system_config config;
-  std::unique_ptr<caf::actor_system> system;
-  std::shared_ptr<nodes::routes> route = std::make_shared<nodes::routes>();
-  std::shared_ptr<comm::tensor_hub> hub;
-  caf::actor host;
-  std::string host_name;
-  uint16_t port = 0;
-};
-
-namespace nodes {
-namespace {
-
-// A tied_gradient bundle (the ties' indices, then their gradients) into the stage's tie group.
-void receive_tied_gradients(const routes::tie_route& tie, uint64_t step, int32_t from,
-                            const bundle& b) {
-  auto group = tie.group.lock();
-  if (!group) {
-    return;
-  }
-  if (b.size() < 1 || b[0].scalar_type() != torch::kLong || b[0].dim() != 1 ||
-      b[0].numel() + 1 != static_cast<int64_t>(b.size()) || from < 0) {
-    throw comm::frame_error(detail::concat("a tied-gradient bundle from stage ", from,
-                                           " must be the ties' indices (int64) and as many "
-                                           "gradients, not ",
-                                           b.describe()));
-  }
-  std::map<std::string, torch::Tensor> part;
-  for (int64_t i = 0; i < b[0].numel(); ++i) {
-    auto index = b[0][i].item<int64_t>();
-    if (index < 0 || index >= static_cast<int64_t>(tie.names.size())) {
-      throw comm::frame_error(detail::concat("a tied-gradient bundle from stage ", from,
-                                             " names tie ", index, " of ", tie.names.size()));
-    }
-    part[tie.names[static_cast<std::size_t>(index)]] = b[static_cast<std::size_t>(i + 1)];
-  }
-  group->deliver(step, static_cast<std::size_t>(from), std::move(part));
-}
-
-} // namespace
-} // namespace nodes
-
-node::node(node_options options) : impl_(std::make_unique<impl>()) {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(!options.secret.empty() || options.tls.enabled() ||
-                    comm::is_loopback(options.host),
-                  "node: refusing to listen on ", options.host,
-                  " without a secret or TLS: give --secret-file or --tls-cert/--tls-key/--tls-ca "
-                  "(or listen on 127.0.0.1)");
-  comm::hub_options hub_options;
-  hub_options.host = options.host;
-  hub_options.port = options.data_port;
-  hub_options.secret = options.secret;
-  // Checks the TLS files (invalid_argument naming the one that fails) before CAF reads them.
-  hub_options.tls = options.tls;
-  auto route = self.route;
-  try {
-    self.hub = std::make_shared<comm::tensor_hub>(hub_options, [route](comm::frame&& f) {
-      const auto& h = f.header;
-      switch (h.kind) {
-      case comm::frame_kind::activation:
-      case comm::frame_kind::gradient: {
-        auto stage = route->stage(h.stage);
-        auto step = h.step;
-        auto microbatch = h.microbatch;
-        auto chunk = h.chunk;
-        auto kind = h.kind;
-        auto b = route->bundles.add(std::move(f));
-        if (!b) {
-          return;
-        }
-        if (kind == comm::frame_kind::activation) {
-          caf::anon_send(stage, actors::forward_atom::value, step, microbatch, chunk,
-                         std::move(*b));
-        } else {
-          caf::anon_send(stage, actors::backward_atom::value, step, microbatch, chunk,
-                         std::move(*b));
-        }
-        return;
-      }
-      case comm::frame_kind::target:
-        route->stage(h.stage);
-        caf::anon_send(route->host(), nodes::target_atom::value, h.stage, h.step, h.microbatch,
-                       std::move(f.tensor));
-        return;
-      case comm::frame_kind::state:
-        ACTORPIPE_CHECK(f.tensor.scalar_type() == torch::kUInt8 && f.tensor.dim() == 1,
-                        "a state frame must hold bytes");
-        caf::anon_send(route->host(), nodes::state_atom::value, h.stage, h.step,
-                       std::move(f.tensor));
-        return;
-      case comm::frame_kind::tied_gradient: {
-        auto tie = route->tie(h.stage);
-        auto step = h.step;
-        auto from = h.microbatch;
-        auto b = route->bundles.add(std::move(f));
-        if (!b) {
-          return;
-        }
-        nodes::receive_tied_gradients(tie, step, from, *b);
-        return;
-      }
-      case comm::frame_kind::output:
-        break;
-      }
-      ++route->rejected;
-      throw comm::frame_error(
-        detail::concat("a node takes no ", comm::to_string(h.kind), " frames"));
-    });
-  } catch (const comm::comm_error& e) {
-    throw pipeline_error(e.what());
-  }
-  self.config.load<caf::io::middleman>();
-  if (options.tls.enabled()) {
-    self.config.load<caf::openssl::manager>();
-    nodes::set_tls_identity(self.config, options.tls);
-  }
-  self.config.set("scheduler.max-threads", 2);
-  self.config.set("logger.verbosity", caf::atom("quiet"));
-  self.system = std::make_unique<caf::actor_system>(self.config);
-  // Pooled, not detached: a detached actor's thread waits for the actor object's destruction,
-  // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
-  // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
-  // frames) occupies one of the two workers meanwhile.
-  self.host = self.system->spawn(nodes::node_behavior, std::string{}, options.secret, self.hub,
-                                 route, options.max_model_bytes);
-  {
-    std::lock_guard<std::mutex> lock(route->mutex);
-    route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);
-  }
-  auto published =
-    options.tls.enabled()
-      ? caf::openssl::publish(self.host, options.port, options.host.c_str(), true)
-      : self.system->middleman().publish(self.host, options.port, options.host.c_str(), true);
-  if (!published) {
-    caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
-    throw pipeline_error(detail::concat("node: cannot listen on ", options.host, ":", options.port,
-                                        ": ", self.system->render(published.error())));
-  }
-  self.host_name = options.host;
-  self.port = *published;
-  caf::anon_send(self.host, nodes::label_atom::value, address());
-  log::get()->info("node {} listening (data {}:{}, {})", address(), self.hub->host(),
-                   self.hub->port(),
-                   options.tls.enabled()    ? "TLS"
-                   : options.secret.empty() ? "loopback, no secret"
-                                            : "shared secret");
-}
-
-node::~node() {
-  auto& self = *impl_;
-  self.system->middleman().unpublish(self.host, self.port);
-  caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
-  // The actor system waits for every actor to be destroyed: drop our handles first.
-  self.host = caf::actor{};
-  self.hub.reset();
-  self.system.reset();
-}
-
-std::string node::address() const {
-  return detail::concat(impl_->host_name, ":", impl_->port);
-}
-
-uint16_t node::port() const {
-  return impl_->port;
-}
-
-uint16_t node::data_port() const {
-  return impl_->hub->port();
-}
-
-std::size_t node::stages() const {
-  std::lock_guard<std::mutex> lock(impl_->route->mutex);
-  return impl_->route->stages.size();
-}
-
-uint64_t node::rejected() const {
-  return impl_->route->rejected + impl_->hub->frames_rejected();
-}
-
 } // namespace actorpipe

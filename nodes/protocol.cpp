@@ -391,7 +391,7 @@ std::string to_json(const actors::stage_report& r) {
   json actions = json::array();
   for (const auto& a : s.actions) {
     actions.push_back({static_cast<int>(a.what.kind), a.what.microbatch, a.what.chunk, a.start_ms,
-                       a.end_ms, a.bytes_sent});
+                       a.end_ms, a.bytes_sent, a.device_start_ms, a.device_end_ms});
   }
   return json{{"step", r.step},
               {"loss", r.loss},
@@ -433,6 +433,10 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
     rec.start_ms = a.at(3).get<double>();
     rec.end_ms = a.at(4).get<double>();
     rec.bytes_sent = a.at(5).get<int64_t>();
+    if (a.size() >= 8) { // the device's times (a stage on a GPU)
+      rec.device_start_ms = a.at(6).get<double>();
+      rec.device_end_ms = a.at(7).get<double>();
+    }
     s.actions.push_back(rec);
   }
   return r;

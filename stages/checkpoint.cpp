@@ -83,8 +83,9 @@ void pack_tensors_into(const tensor_map& tensors, packed_bytes& out) {
   std::vector<torch::Tensor> dense;
   std::size_t size = sizeof pack_magic + 4;
   for (const auto& [name, t] : tensors) {
-    ACTORPIPE_CHECK(t.defined() && t.device().is_cpu() && packable(t.scalar_type()),
-                    "pack_tensors: '", name, "' is not a CPU tensor of a packable dtype");
+    ACTORPIPE_CHECK(t.defined() && (t.device().is_cpu() || t.device().is_cuda()) &&
+                      packable(t.scalar_type()),
+                    "pack_tensors: '", name, "' is not a CPU or CUDA tensor of a packable dtype");
     dense.push_back(t.contiguous());
     size = aligned(size + 4 + name.size() + 2 + 8 * static_cast<std::size_t>(t.dim()) + 8) +
            static_cast<std::size_t>(t.nbytes());
@@ -119,7 +120,11 @@ void pack_tensors_into(const tensor_map& tensors, packed_bytes& out) {
     auto padded = aligned(at);
     std::memset(out.data() + at, 0, padded - at);
     at = padded;
-    if (bytes > 0) {
+    if (bytes > 0 && t.is_cuda()) {
+      // Straight from the GPU into the frame (the stage's stream was synchronised after its step).
+      torch::from_blob(out.data() + at, t.sizes(), t.options().device(torch::kCPU)).copy_(t);
+      at += bytes;
+    } else if (bytes > 0) {
       put(t.data_ptr(), bytes);
     }
   }

@@ -58,7 +58,8 @@ using packed_bytes = std::vector<char, default_init_allocator<char>>;
 /// uint32 name length, the name, uint8 dtype (c10::ScalarType), uint8 ndim, int64 shape[ndim],
 /// uint64 payload bytes, padding to 64, the payload. A pickle goes through libtorch's own
 /// buffers at about 110 MB/s (BENCHMARKS.md); this is one copy on the sender and none on the
-/// receiver.
+/// receiver. Tensors on a GPU are copied straight into the bytes (their stream must be done
+/// with them); the receiver gets CPU tensors.
 packed_bytes pack_tensors(const tensor_map& tensors);
 
 /// The same into `out`, resized to fit: a buffer packed into again is not allocated again (nor

@@ -75,9 +75,36 @@ public:
 
   void synchronize() override { stream_.synchronize(); }
 
+  void begin_timeline(double host_ms) override {
+    used_ = 0;
+    host_ms_ = host_ms;
+    zero_ = mark();
+  }
+
+  int mark() override {
+    if (used_ == marks_.size()) {
+      marks_.push_back(std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault)); // timed
+    }
+    marks_[used_]->record(stream_);
+    return static_cast<int>(used_++);
+  }
+
+  double at_ms(int mark) const override {
+    if (zero_ < 0 || mark < 0 || static_cast<std::size_t>(mark) >= used_) {
+      return -1;
+    }
+    return host_ms_ + marks_[static_cast<std::size_t>(zero_)]->elapsed_time(
+                        *marks_[static_cast<std::size_t>(mark)]);
+  }
+
 private:
   c10::DeviceIndex index_;
   CUDAStream stream_;
+  // Timing events, reused step after step; the first `used_` belong to the running step.
+  std::vector<std::unique_ptr<c10::cuda::CUDAEvent>> marks_;
+  std::size_t used_ = 0;
+  int zero_ = -1;
+  double host_ms_ = 0;
 };
 
 } // namespace
@@ -97,6 +124,20 @@ at::Tensor pinned(const at::Tensor& t) {
     return t;
   }
   return t.pin_memory();
+}
+
+void wait_for_current_stream(const at::Tensor& t) {
+  if (t.defined()) {
+    wait_for_current_stream(t.device());
+  }
+}
+
+void wait_for_current_stream(c10::Device device) {
+  if (device.is_cuda()) {
+    c10::cuda::getCurrentCUDAStream(device.has_index() ? device.index()
+                                                       : c10::cuda::current_device())
+      .synchronize();
+  }
 }
 
 std::string out_of_memory(const std::exception& e) {

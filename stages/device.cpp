@@ -80,6 +80,8 @@ at::Generator default_generator(c10::DeviceIndex) {
 at::Tensor pinned(const at::Tensor& t) {
   return t;
 }
+void wait_for_current_stream(const at::Tensor&) {}
+void wait_for_current_stream(c10::Device) {}
 std::string out_of_memory(const std::exception&) {
   return {};
 }

@@ -33,12 +33,26 @@ public:
 
   /// Takes in a bundle made elsewhere: the stream waits for its event (without blocking the
   /// host), and its device tensors are marked as used on this stream, so that their memory is
-  /// not reused before this stream is done with them. The bundle's event is cleared.
-  virtual void adopt(bundle& b) { b.set_ready(nullptr); }
+  /// not reused before this stream is done with them. The bundle's event is cleared. On the
+  /// CPU the host waits for the event: a GPU stage's output is complete before a CPU stage
+  /// copies it (that copy runs on the thread's default stream, which does not wait for the
+  /// producer's).
+  virtual void adopt(bundle& b) {
+    b.synchronize();
+    b.set_ready(nullptr);
+  }
 
   /// Blocks until everything queued on the stream is done (before a report leaves the stage:
   /// once per step, never per hop).
   virtual void synchronize() {}
+
+  /// The device's own clock (a GPU runs an action's kernels after the host queued them):
+  /// begin_timeline records a mark at `host_ms` on the step's axis; mark() records another
+  /// (-1 on the CPU); once synchronised, at_ms(mark) is when the stream reached it on that axis
+  /// (-1 when not measured).
+  virtual void begin_timeline(double /*host_ms*/) {}
+  virtual int mark() { return -1; }
+  virtual double at_ms(int /*mark*/) const { return -1; }
 
 protected:
   explicit device_context(c10::Device device) : device_(device) {}
@@ -72,6 +86,12 @@ at::Generator default_generator(c10::DeviceIndex index);
 /// Copies `t` (a CPU tensor) into pinned host memory, so that a later copy to a GPU can be
 /// non-blocking; `t` itself on the CPU line or when `t` is not on the CPU.
 at::Tensor pinned(const at::Tensor& t);
+/// Blocks until the calling thread's current stream on `t`'s GPU has done its work, so that a
+/// batch the caller made on a GPU is complete before the stages' streams read it; nothing for a
+/// tensor on the CPU.
+void wait_for_current_stream(const at::Tensor& t);
+/// The same for the calling thread's current stream on `device` (nothing for the CPU).
+void wait_for_current_stream(c10::Device device);
 /// "CUDA out of memory" in the caching allocator's words, with what was asked for; empty when
 /// `e` is not a CUDA out-of-memory error.
 std::string out_of_memory(const std::exception& e);

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "stages/device.hpp"
 #include "stages/weight_pass.hpp"
 
 namespace actorpipe {
@@ -76,14 +77,52 @@ std::vector<torch::Tensor> trainable(const layer& l) {
   return params;
 }
 
+// The time now, once `device` has run what it was given (a GPU's kernels run after the host
+// queued them).
+clock::time_point done_on(c10::Device device) {
+  stages::cuda::wait_for_current_stream(device);
+  return clock::now();
+}
+
+// The layers' modules on `device` for the profile, and back where they were afterwards.
+class on_device {
+public:
+  on_device(const layer_list& layers, c10::Device device) {
+    if (device.is_cpu()) {
+      return;
+    }
+    for (const auto& l : layers) {
+      if (auto m = l.module()) {
+        auto params = m->parameters();
+        auto buffers = m->buffers();
+        auto from = !params.empty()    ? params.front().device()
+                    : !buffers.empty() ? buffers.front().device()
+                                       : c10::Device(c10::kCPU);
+        moved_.emplace_back(m, from);
+        m->to(device);
+      }
+    }
+  }
+  ~on_device() {
+    for (auto& [m, from] : moved_) {
+      m->to(from);
+    }
+  }
+  on_device(const on_device&) = delete;
+  on_device& operator=(const on_device&) = delete;
+
+private:
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, c10::Device>> moved_;
+};
+
 // Runs every layer forward in order (input -> output), timing each when `timed`.
 void forward_all(const layer_list& layers, const bundle& sample, std::vector<layer_run>& runs,
-                 bool timed) {
+                 bool timed, c10::Device device) {
   bundle x = sample;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     auto t0 = clock::now();
     forward_layer(layers[i], x, i == 0, runs[i]);
-    auto t1 = clock::now();
+    auto t1 = done_on(device);
     if (timed) {
       runs[i].forward.push_back(ms_between(t0, t1));
     }
@@ -110,12 +149,14 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       }
     }
   }
+  const auto device = options.device;
+  on_device placed(layers, device);
   std::vector<layer_run> runs(layers.size());
-  const bundle input(sample.detach());
+  const bundle input(sample.detach().to(device));
   torch::AutoGradMode grad_mode{true};
   for (int round = 0; round < options.warmup + options.repeats; ++round) {
     bool timed = round >= options.warmup;
-    forward_all(layers, input, runs, timed);
+    forward_all(layers, input, runs, timed, device);
     // Fused backward, last layer first, each from its own output gradient.
     for (std::size_t k = layers.size(); k-- > 0;) {
       auto& r = runs[k];
@@ -123,7 +164,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       if (!r.roots.empty()) {
         torch::autograd::backward(r.roots, r.gradients);
       }
-      auto t1 = clock::now();
+      auto t1 = done_on(device);
       if (timed) {
         r.backward.push_back(ms_between(t0, t1));
       }
@@ -131,7 +172,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     if (!options.split_backward) {
       continue;
     }
-    forward_all(layers, input, runs, /*timed=*/false);
+    forward_all(layers, input, runs, /*timed=*/false, device);
     for (std::size_t k = layers.size(); k-- > 0;) {
       auto& r = runs[k];
       auto params = trainable(layers[k]);
@@ -144,12 +185,12 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
         auto t0 = clock::now();
         pass = stages::weight_pass::prepare(r.roots, r.inputs_with_grad, params);
         stages::input_backward(r.roots, r.inputs_with_grad, r.gradients, pass.get());
-        input_ms = ms_between(t0, clock::now());
+        input_ms = ms_between(t0, done_on(device));
       }
       if (!r.roots.empty() && !params.empty()) {
         auto t0 = clock::now();
         stages::weight_backward(r.roots, r.gradients, params, pass.get());
-        weight_ms = ms_between(t0, clock::now());
+        weight_ms = ms_between(t0, done_on(device));
       }
       if (timed) {
         r.input_backward.push_back(input_ms);
@@ -193,15 +234,15 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
   return profile_layers(layers, sample, options);
 }
 
-double profile_update(const layer_list& layers, int repeats) {
+double profile_update(const layer_list& layers, int repeats, c10::Device device) {
   ACTORPIPE_CHECK(repeats >= 1, "profile repeats (", repeats, ") must be >= 1");
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> params;
   std::vector<torch::Tensor> grads;
   for (const auto& l : layers) {
     for (const auto& p : trainable(l)) {
-      params.push_back(torch::empty_like(p).fill_(1));
-      grads.push_back(torch::empty_like(p).fill_(1));
+      params.push_back(torch::empty_like(p, p.options().device(device)).fill_(1));
+      grads.push_back(torch::empty_like(p, p.options().device(device)).fill_(1));
     }
   }
   std::vector<double> times;
@@ -212,7 +253,7 @@ double profile_update(const layer_list& layers, int repeats) {
       grads[i].zero_();
     }
     if (r > 0) {
-      times.push_back(ms_between(t0, clock::now()));
+      times.push_back(ms_between(t0, done_on(device)));
     }
   }
   return median_and_spread(times).first;

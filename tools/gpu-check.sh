@@ -12,9 +12,11 @@
 #
 # `run` needs python3 with a CUDA build of torch, g++, and cmake (or the gathered wheel). It
 # reports every stage in OUT/results.json, also the ones that failed, and exits non-zero when one
-# did. Meant to fit in 10 minutes on 16 cores.
+# did. Every stage has a deadline, and the whole check ends within GPU_CHECK_SECONDS (500 by
+# default), so that it returns its logs inside a 10-minute call on 16 cores.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+script=$(realpath "$0")
+cd "$(dirname "$script")/.."
 
 debs_dir=.gpu-debs
 root=$PWD/.gpu-root
@@ -38,14 +40,28 @@ gather() {
 
 log() { echo "gpu-check: $*" | tee -a "$out/gpu-check.log"; }
 
-# Runs a named stage, its output to OUT/NAME.log; records its status and seconds.
+# Runs a named stage under a deadline (its own cap, and what is left of the whole check's),
+# its output to OUT/logs/NAME.log; records its status and seconds.
 declare -A status seconds
 stage() {
-  local name=$1
-  shift
-  local start=$SECONDS
-  log "$name: $*"
-  if "$@" >"$out/$name.log" 2>&1; then status[$name]=ok; else status[$name]="failed ($?)"; fi
+  local name=$1 cap=$2
+  shift 2
+  local start=$SECONDS left=$((deadline - SECONDS))
+  ((left < cap)) && cap=$left
+  if ((cap < 10)); then
+    status[$name]="not run (the check's deadline)"
+    seconds[$name]=0
+    log "$name: ${status[$name]}"
+    return
+  fi
+  log "$name (at most $cap s): $*"
+  timeout -k 10 "$cap" "$script" _stage "$@" >"$out/logs/$name.log" 2>&1
+  local rc=$?
+  case $rc in
+    0) status[$name]=ok ;;
+    124 | 137) status[$name]="timed out after $cap s" ;;
+    *) status[$name]="failed ($rc)" ;;
+  esac
   seconds[$name]=$((SECONDS - start))
   log "$name: ${status[$name]} after ${seconds[$name]} s"
 }
@@ -68,9 +84,11 @@ unpack() {
 }
 
 configure_and_build() {
-  local torch_dir lib=$root/usr/lib/x86_64-linux-gnu
+  local torch_dir lib=$root/usr/lib/x86_64-linux-gnu generator=()
   torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
+  # Ninja where there is one, unless build-gpu/ was configured before (its generator stays).
+  [[ ! -f build-gpu/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
     -DCMAKE_UNITY_BUILD_BATCH_SIZE=4 -DACTORPIPE_WITH_CUDA=ON -DACTORPIPE_WITH_NCCL=ON \
     -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$root/usr;$lib/cmake;$root/usr/share/cmake" \
     -DCMAKE_LIBRARY_PATH="$torch_dir/lib;$lib" -DCMAKE_INCLUDE_PATH="$root/usr/include" \
@@ -81,60 +99,119 @@ configure_and_build() {
 }
 
 gpu_tests() {
-  (cd build-gpu && ctest -L gpu --output-on-failure --timeout 300)
+  (cd build-gpu && ctest -L gpu --output-on-failure --timeout 120)
+}
+
+# The main program on the GPU as a user runs it: two stages sharing cuda:0, a trace of the steps.
+# Then the gpt of the bench in bf16, traced: where a GPU's time goes.
+cli_run() {
+  build-gpu/cli/actorpipe train --data synthetic --devices cuda:0,cuda:0 --steps 8 \
+    --microbatches 4 --trace "$out/trace.json" --json "$out/cli.json" &&
+    build-gpu/cli/actorpipe train --data synthetic --model gpt --width 1024 --layers 8 --heads 8 \
+      --context 512 --batch 16 --precision bf16 --devices cuda:0,cuda:0 --steps 6 \
+      --microbatches 4 --trace "$out/trace_gpt.json"
 }
 
 cpu_tests() {
-  (cd build-gpu && ctest -j8 --output-on-failure --timeout 300 \
+  (cd build-gpu && ctest -j8 --output-on-failure --timeout 120 -LE gpu \
     -E '_NOT_BUILT|nodes_across|example_from_pytorch|install_builds|replicas of|torch_lines|clang_format|header_self')
+}
+
+# For the first test that crashed: how its program links, which library each std::filesystem
+# symbol bound to, and a backtrace under gdb (cuda-gdb where there is no gdb).
+backtrace() {
+  local name
+  name=$(grep -ho 'Test *#[0-9]*: .* \.\.\.*\*\*\*Exception: SegFault' "$out"/logs/*tests.log |
+    head -1 | sed -E 's/^Test *#[0-9]*: (.*[^ ]) \.+\*\*\*Exception.*/\1/')
+  [[ -n $name ]] || { echo "no test crashed"; return 0; }
+  local command
+  command=$(cd build-gpu && ctest --show-only=json-v1 | python3 -c '
+import json, shlex, sys
+for t in json.load(sys.stdin)["tests"]:
+    if t["name"] == sys.argv[1]:
+        print(shlex.join(t["command"]))' "$name")
+  echo "crashed: $name"
+  echo "command: $command"
+  local program=${command%% *}
+  readelf -d "$program" | grep NEEDED
+  (cd build-gpu && LD_DEBUG=bindings eval "$command" 2>&1 | grep -E 'filesystem|directory_iterator' |
+    sed -E 's/^ *[0-9]+: *//' | sort | uniq -c | sort -rn | head -40)
+  local libstdcxx
+  libstdcxx=$(c++ -print-file-name=libstdc++.so.6)
+  echo "libstdc++: $(realpath "$libstdcxx")"
+  (cd build-gpu && LD_PRELOAD=$libstdcxx eval "$command" >/dev/null 2>&1)
+  echo "with LD_PRELOAD=$libstdcxx: exit $?"
+  local gdb
+  gdb=$(command -v gdb || command -v cuda-gdb) || { echo "no gdb"; return 0; }
+  (cd build-gpu && eval "timeout 120 $gdb -batch -ex run -ex bt -ex 'info sharedlibrary' --args $command" 2>&1 | tail -120)
 }
 
 gpu_bench() {
   build-gpu/bench/actorpipe_gpu_bench --json "$out/gpu_bench.json"
 }
 
+# OUT holds at most 8 files once done: gpu-check.log, results.json, gpu_bench.json, cli.json,
+# trace.json, trace_gpt.json and logs.tar.gz (every stage's log; the failed ones' last lines are
+# in results.json).
 run() {
   out=$(realpath -m "$1")
-  mkdir -p "$out"
+  deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-500}))
+  mkdir -p "$out/logs"
   : >"$out/gpu-check.log"
+  export out root
   export PATH="$root/cmake-wheel/bin:$PATH"
+  command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
   export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export CUBLAS_WORKSPACE_CONFIG=:4096:8
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) \
-    >"$out/gpu.txt" 2>&1
-  python3 -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' \
-    >>"$out/gpu.txt" 2>&1
-  stage unpack unpack
-  stage build configure_and_build
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+    echo "nvcc: $(command -v nvcc) $(nvcc --version 2>/dev/null | tail -1)"
+    echo "c++: $(c++ --version 2>/dev/null | head -1); cmake: $(cmake --version 2>/dev/null | head -1); cores: $(nproc)"
+  } >"$out/logs/gpu.txt" 2>&1
+  cat "$out/logs/gpu.txt" >>"$out/gpu-check.log"
+  stage unpack 60 unpack
+  stage build 330 configure_and_build
   if [[ ${status[build]} == ok ]]; then
-    stage gpu_tests gpu_tests
-    stage cpu_tests cpu_tests
-    stage gpu_bench gpu_bench
+    stage gpu_tests 200 gpu_tests
+    stage gpu_bench 150 gpu_bench
+    stage cli 60 cli_run
+    [[ ${GPU_CHECK_CPU_TESTS:-1} == 1 ]] && stage cpu_tests 120 cpu_tests
+    grep -q 'Exception: SegFault' "$out"/logs/*tests.log && stage backtrace 150 backtrace
   fi
   python3 - "$out" "$(declare -p status)" "$(declare -p seconds)" <<'PY'
 import json, os, re, sys
 out = sys.argv[1]
+logs = os.path.join(out, "logs")
 def parse(decl):
     return dict(re.findall(r'\[([^\]]+)\]="([^"]*)"', decl))
 status, seconds = parse(sys.argv[2]), parse(sys.argv[3])
-result = {"gpu": open(os.path.join(out, "gpu.txt")).read().strip(),
+result = {"gpu": open(os.path.join(logs, "gpu.txt")).read().strip(),
           "stages": {k: {"status": v, "seconds": int(seconds.get(k, 0))} for k, v in status.items()}}
 bench = os.path.join(out, "gpu_bench.json")
 if os.path.exists(bench):
     result["bench"] = json.load(open(bench))
-for name in ("gpu_tests", "cpu_tests"):
-    log = os.path.join(out, name + ".log")
-    if os.path.exists(log):
-        lines = [l for l in open(log) if "tests passed" in l or "tests failed" in l]
-        result["stages"][name]["summary"] = lines[-1].strip() if lines else ""
+for name, s in result["stages"].items():
+    log = os.path.join(logs, name + ".log")
+    if not os.path.exists(log):
+        continue
+    lines = open(log, errors="replace").read().splitlines()
+    summary = [l for l in lines if "tests passed" in l or "tests failed" in l]
+    if summary:
+        s["summary"] = summary[-1].strip()
+    if s["status"] != "ok" or name in ("gpu_tests", "gpu_bench", "cli", "backtrace"):
+        s["tail"] = lines[-60:]
 json.dump(result, open(os.path.join(out, "results.json"), "w"), indent=2)
-print(json.dumps(result, indent=2))
+print(json.dumps({k: v for k, v in result.items() if k != "bench"}, indent=1)[:6000])
 PY
+  tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
   for s in "${status[@]}"; do [[ $s == ok ]] || exit 1; done
 }
 
 case "${1:-}" in
   gather) gather ;;
+  _stage) shift; "$@" ;; # one stage of `run`, under its deadline
+
   run) [[ $# -ge 2 ]] || { echo "usage: tools/gpu-check.sh run OUT_DIR" >&2; exit 2; }; run "$2" ;;
   *) echo "usage: tools/gpu-check.sh gather | run OUT_DIR" >&2; exit 2 ;;
 esac

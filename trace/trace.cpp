@@ -46,10 +46,15 @@ const char* colour_of(action_kind kind) {
   return "#999999";
 }
 
-} // namespace
+// The tracks' names: a host track per stage, the data track where the loop measured its waits,
+// and a GPU track per stage where any action has the device's times.
+struct tracks {
+  std::size_t stages = 0;
+  std::size_t device_tid = 0;
+  bool device = false;
+};
 
-void write_chrome_trace(const std::string& path, const std::vector<step_result>& steps) {
-  nlohmann::json events = nlohmann::json::array();
+tracks name_tracks(nlohmann::json& events, const std::vector<step_result>& steps) {
   std::size_t stages = steps.empty() ? 0 : steps.front().stages.size();
   for (std::size_t s = 0; s < stages; ++s) {
     events.push_back({{"ph", "M"},
@@ -69,6 +74,115 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
                       {"tid", stages},
                       {"args", {{"name", "data: wait for batch"}}}});
   }
+  // Stages on GPUs: a track per stage for when their actions ran on the device (tids after the
+  // data track), beside the host's track of when they were queued.
+  const bool device_tracks = std::any_of(steps.begin(), steps.end(), [](const step_result& s) {
+    return std::any_of(s.stages.begin(), s.stages.end(), [](const stage_stats& st) {
+      return std::any_of(st.actions.begin(), st.actions.end(),
+                         [](const action_record& a) { return a.device_start_ms >= 0; });
+    });
+  });
+  const std::size_t device_tid = stages + 1;
+  for (std::size_t s = 0; device_tracks && s < stages; ++s) {
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", 1},
+                      {"tid", device_tid + s},
+                      {"args", {{"name", detail::concat("stage ", s, " on its GPU")}}}});
+  }
+  return {stages, device_tid, device_tracks};
+}
+
+// One step's actions (on the host, and on the GPU where measured), replica syncs and sends, at
+// `offset_ms` on the trace's time axis.
+void add_step(nlohmann::json& events, const step_result& step, double offset_ms, const tracks& t,
+              uint64_t& flow_id) {
+  const auto device_tid = t.device_tid;
+  auto p = step.stages.size();
+  auto chunks = chunks_in(step);
+  // Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).
+  std::map<std::tuple<action_kind, int32_t, std::size_t>, std::pair<std::size_t, action_record>>
+    placed;
+  for (std::size_t s = 0; s < p; ++s) {
+    for (const auto& a : step.stages[s].actions) {
+      auto vs = virtual_stage_of(step.placement, p, s, static_cast<std::size_t>(a.what.chunk));
+      placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
+      events.push_back({{"ph", "X"},
+                        {"name", to_string(a.what)},
+                        {"cat", a.what.kind == action_kind::forward    ? "forward"
+                                : a.what.kind == action_kind::backward ? "backward"
+                                                                       : "weight"},
+                        {"pid", 1},
+                        {"tid", s},
+                        {"ts", (offset_ms + a.start_ms) * 1000},
+                        {"dur", (a.end_ms - a.start_ms) * 1000},
+                        {"args",
+                         {{"step", step.step},
+                          {"microbatch", a.what.microbatch},
+                          {"chunk", a.what.chunk},
+                          {"bytes_sent", a.bytes_sent}}}});
+      if (a.device_start_ms >= 0 && a.device_end_ms >= a.device_start_ms) {
+        events.push_back({{"ph", "X"},
+                          {"name", to_string(a.what)},
+                          {"cat", "device"},
+                          {"pid", 1},
+                          {"tid", device_tid + s},
+                          {"ts", (offset_ms + a.device_start_ms) * 1000},
+                          {"dur", (a.device_end_ms - a.device_start_ms) * 1000},
+                          {"args", {{"step", step.step}, {"microbatch", a.what.microbatch}}}});
+      }
+    }
+  }
+  // The replica sync after each stage's last backward (data parallelism).
+  for (std::size_t s = 0; s < p; ++s) {
+    const auto& st = step.stages[s];
+    if (st.sync_end_ms > st.sync_start_ms) {
+      events.push_back({{"ph", "X"},
+                        {"name", "all-reduce"},
+                        {"cat", "sync"},
+                        {"pid", 1},
+                        {"tid", s},
+                        {"ts", (offset_ms + st.sync_start_ms) * 1000},
+                        {"dur", (st.sync_end_ms - st.sync_start_ms) * 1000},
+                        {"args", {{"step", step.step}, {"bytes", st.sync_bytes}}}});
+    }
+  }
+  // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
+  for (const auto& [k, where] : placed) {
+    auto [kind, mb, vs] = k;
+    if (kind == action_kind::weight || where.second.bytes_sent == 0) {
+      continue;
+    }
+    auto to_vs = kind == action_kind::forward ? vs + 1 : vs - 1;
+    auto it = placed.find({kind, mb, to_vs});
+    if (it == placed.end() || to_vs >= p * chunks) {
+      continue;
+    }
+    const char* name = kind == action_kind::forward ? "activation" : "gradient";
+    ++flow_id;
+    events.push_back({{"ph", "s"},
+                      {"name", name},
+                      {"cat", "send"},
+                      {"id", flow_id},
+                      {"pid", 1},
+                      {"tid", where.first},
+                      {"ts", (offset_ms + where.second.end_ms) * 1000}});
+    events.push_back({{"ph", "f"},
+                      {"bp", "e"},
+                      {"name", name},
+                      {"cat", "send"},
+                      {"id", flow_id},
+                      {"pid", 1},
+                      {"tid", it->second.first},
+                      {"ts", (offset_ms + it->second.second.start_ms) * 1000}});
+  }
+}
+
+} // namespace
+
+void write_chrome_trace(const std::string& path, const std::vector<step_result>& steps) {
+  nlohmann::json events = nlohmann::json::array();
+  auto t = name_tracks(events, steps);
   double offset_ms = 0;
   uint64_t flow_id = 0;
   for (const auto& step : steps) {
@@ -77,80 +191,13 @@ void write_chrome_trace(const std::string& path, const std::vector<step_result>&
                         {"name", "wait for batch"},
                         {"cat", "data"},
                         {"pid", 1},
-                        {"tid", stages},
+                        {"tid", t.stages},
                         {"ts", offset_ms * 1000},
                         {"dur", *step.data_wait_ms * 1000},
                         {"args", {{"step", step.step}, {"wait_ms", *step.data_wait_ms}}}});
       offset_ms += *step.data_wait_ms;
     }
-    auto p = step.stages.size();
-    auto chunks = chunks_in(step);
-    // Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).
-    std::map<std::tuple<action_kind, int32_t, std::size_t>, std::pair<std::size_t, action_record>>
-      placed;
-    for (std::size_t s = 0; s < p; ++s) {
-      for (const auto& a : step.stages[s].actions) {
-        auto vs = virtual_stage_of(step.placement, p, s, static_cast<std::size_t>(a.what.chunk));
-        placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
-        events.push_back({{"ph", "X"},
-                          {"name", to_string(a.what)},
-                          {"cat", a.what.kind == action_kind::forward    ? "forward"
-                                  : a.what.kind == action_kind::backward ? "backward"
-                                                                         : "weight"},
-                          {"pid", 1},
-                          {"tid", s},
-                          {"ts", (offset_ms + a.start_ms) * 1000},
-                          {"dur", (a.end_ms - a.start_ms) * 1000},
-                          {"args",
-                           {{"step", step.step},
-                            {"microbatch", a.what.microbatch},
-                            {"chunk", a.what.chunk},
-                            {"bytes_sent", a.bytes_sent}}}});
-      }
-    }
-    // The replica sync after each stage's last backward (data parallelism).
-    for (std::size_t s = 0; s < p; ++s) {
-      const auto& st = step.stages[s];
-      if (st.sync_end_ms > st.sync_start_ms) {
-        events.push_back({{"ph", "X"},
-                          {"name", "all-reduce"},
-                          {"cat", "sync"},
-                          {"pid", 1},
-                          {"tid", s},
-                          {"ts", (offset_ms + st.sync_start_ms) * 1000},
-                          {"dur", (st.sync_end_ms - st.sync_start_ms) * 1000},
-                          {"args", {{"step", step.step}, {"bytes", st.sync_bytes}}}});
-      }
-    }
-    // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
-    for (const auto& [k, where] : placed) {
-      auto [kind, mb, vs] = k;
-      if (kind == action_kind::weight || where.second.bytes_sent == 0) {
-        continue;
-      }
-      auto to_vs = kind == action_kind::forward ? vs + 1 : vs - 1;
-      auto it = placed.find({kind, mb, to_vs});
-      if (it == placed.end() || to_vs >= p * chunks) {
-        continue;
-      }
-      const char* name = kind == action_kind::forward ? "activation" : "gradient";
-      ++flow_id;
-      events.push_back({{"ph", "s"},
-                        {"name", name},
-                        {"cat", "send"},
-                        {"id", flow_id},
-                        {"pid", 1},
-                        {"tid", where.first},
-                        {"ts", (offset_ms + where.second.end_ms) * 1000}});
-      events.push_back({{"ph", "f"},
-                        {"bp", "e"},
-                        {"name", name},
-                        {"cat", "send"},
-                        {"id", flow_id},
-                        {"pid", 1},
-                        {"tid", it->second.first},
-                        {"ts", (offset_ms + it->second.second.start_ms) * 1000}});
-    }
+    add_step(events, step, offset_ms, t, flow_id);
     offset_ms += step.wall_ms;
   }
   nlohmann::json trace{{"traceEvents", events}, {"displayTimeUnit", "ms"}};

@@ -80,19 +80,30 @@ private:
   int previous_threads_;
 };
 
+// On a GPU the stage's kernels, not its host threads, take the time: profiled there, on the
+// calling thread as it is.
 std::vector<layer_profile> profile_at(const layer_list& layers, const torch::Tensor& batch,
                                       int64_t samples, std::size_t threads, bool warm, int repeats,
-                                      bool split_backward, std::size_t machine_cores = 0) {
-  as_a_stage stage(threads, warm, machine_cores);
+                                      bool split_backward, std::size_t machine_cores = 0,
+                                      c10::Device device = c10::Device(c10::kCPU)) {
   profile_options options;
   options.repeats = repeats;
   options.split_backward = split_backward;
+  options.device = device;
+  if (device.is_cuda()) {
+    return profile_layers(layers, batch.slice(0, 0, samples), options);
+  }
+  as_a_stage stage(threads, warm, machine_cores);
   return profile_layers(layers, batch.slice(0, 0, samples), options);
 }
 
 // The optimizer step's memory traffic at `threads`, beside busy neighbours (its scratch tensors
-// are allocated before the timing: memory is not warmed).
-double update_at(const layer_list& layers, std::size_t threads, std::size_t machine_cores = 0) {
+// are allocated before the timing: memory is not warmed); on a GPU, its kernels there.
+double update_at(const layer_list& layers, std::size_t threads, std::size_t machine_cores = 0,
+                 c10::Device device = c10::Device(c10::kCPU)) {
+  if (device.is_cuda()) {
+    return profile_update(layers, 3, device);
+  }
   as_a_stage stage(threads, /*warm=*/false, machine_cores);
   return profile_update(layers);
 }
@@ -279,6 +290,9 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   space.stage_counts.clear();
   if (stages_auto) {
     auto most = a.max_stages > 0 ? a.max_stages : space.cores;
+    if (!a.devices.empty()) {
+      most = std::min(a.max_stages > 0 ? a.max_stages : a.devices.size(), a.devices.size());
+    }
     for (std::size_t s = 1; s <= std::min(most, layers.size()); ++s) {
       space.stage_counts.push_back(s);
     }
@@ -316,6 +330,9 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   }
   space.max_stash = a.max_stash;
   space.max_stash_bytes = a.max_stash_bytes;
+  if (a.profile_device().is_cuda() && !a.threads_auto) {
+    space.cores = 0; // stages on GPUs do not share the host's cores for their compute
+  }
   return space;
 }
 
@@ -340,12 +357,14 @@ std::vector<measured_costs> measure_costs(const layer_list& layers, const torch:
     }
     auto update = update_ms.find(threads);
     if (update == update_ms.end()) {
-      update = update_ms.emplace(threads, update_at(layers, threads, cores())).first;
+      update =
+        update_ms.emplace(threads, update_at(layers, threads, cores(), a.profile_device())).first;
     }
-    costs.push_back(measured_costs{threads, samples,
-                                   profile_at(layers, batch, samples, threads, !a.cold_memory,
-                                              a.profile_repeats, split, cores()),
-                                   update->second});
+    costs.push_back(
+      measured_costs{threads, samples,
+                     profile_at(layers, batch, samples, threads, !a.cold_memory, a.profile_repeats,
+                                split, cores(), a.profile_device()),
+                     update->second});
   }
   if (!needed.empty()) {
     std::fprintf(stderr, "%sprofiled the layers at %zu thread/size pairs in %.1f s%s\n",
@@ -433,7 +452,8 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
       bool split =
         choice.custom.empty() ? splits_backward(choice.kind) : splits_backward(choice.custom);
       choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
-                                  a.profile_repeats, split, std::min(cores(), a.stages * threads));
+                                  a.profile_repeats, split, std::min(cores(), a.stages * threads),
+                                  a.profile_device());
     }
     choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
     return choice;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <actorpipe/data.hpp>
 #include <actorpipe/images.hpp>
@@ -132,6 +133,13 @@ struct planning_args {
   bool cold_memory = false;
   /// Timed profile rounds per layer (medians are kept).
   int profile_repeats = 5;
+  /// --devices: stage i's device. With --stages auto the planner places at most this many
+  /// stages, stage i on the i-th device, and profiles the layers on the first (the devices
+  /// alike); --partition time profiles there too.
+  std::vector<c10::Device> devices;
+  c10::Device profile_device() const {
+    return devices.empty() ? c10::Device(c10::kCPU) : devices.front();
+  }
 
   /// True when the planner chooses the stages or threads (--stages auto, --threads auto).
   bool layout_auto() const { return stages == 0 || threads_auto; }

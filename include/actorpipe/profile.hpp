@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <actorpipe/actions.hpp>
 #include <actorpipe/layers.hpp>
@@ -44,6 +45,9 @@ struct profile_options {
   int repeats = 5;
   /// Also time the split backward (B then W) in every round.
   bool split_backward = false;
+  /// Where to run them: a GPU's layers are moved there for the profile and back afterwards, and
+  /// every timing waits for the device (a GPU runs kernels after the host queued them).
+  c10::Device device{c10::kCPU};
 };
 
 /// Runs the layers on `sample` (their input, e.g. one micro-batch) in train mode, on the calling
@@ -59,9 +63,10 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
 
 /// Milliseconds an optimizer step's memory traffic takes over the layers' parameters on the
 /// calling thread (its intra-op threads): an SGD update (parameter += -lr x gradient) and
-/// clearing the gradient, on scratch tensors of the same sizes (the parameters are untouched);
-/// the median of `repeats` after one warm-up.
-double profile_update(const layer_list& layers, int repeats = 3);
+/// clearing the gradient, on scratch tensors of the same sizes on `device` (the parameters are
+/// untouched); the median of `repeats` after one warm-up.
+double profile_update(const layer_list& layers, int repeats = 3,
+                      c10::Device device = c10::Device(c10::kCPU));
 
 /// The largest forward and backward spread over the layers whose time is at least `floor_share`
 /// of the model's (tiny layers' relative spread says little).

@@ -20,6 +20,10 @@ struct action_record {
   double end_ms = 0;
   /// Bytes of the tensors sent to the neighbour (0 when nothing was sent).
   int64_t bytes_sent = 0;
+  /// A stage on a GPU: when the action's work ran on the stage's stream, on the same axis (CUDA
+  /// events; the host's times above are when it was queued). Negative where not measured.
+  double device_start_ms = -1;
+  double device_end_ms = -1;
 };
 
 /// What one stage did during a step. Times in milliseconds on the stage's own clock.

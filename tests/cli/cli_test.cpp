@@ -1278,8 +1278,9 @@ TEST_CASE("--data images:DIR trains on a folder of PNG and JPEG images: pipeline
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("--devices puts each stage on a device and --dp-backend picks the replicas' backend, "
-          "and what this build or machine cannot do is refused by name") {
+TEST_CASE("--devices puts each stage on a device (with --stages auto: at most one each) and "
+          "--dp-backend picks the replicas' backend, and what this build or machine cannot do is "
+          "refused by name") {
   // Every stage on the CPU, named: the losses of not naming devices.
   auto named = temp_file("devices_named.json");
   auto plain = temp_file("devices_plain.json");
@@ -1294,8 +1295,16 @@ TEST_CASE("--devices puts each stage on a device and --dp-backend picks the repl
   }
   refused("train --data synthetic --model mlp --steps 1 --devices cpu,gpu:1",
           "--devices: 'gpu:1' is no device (cpu, cuda or cuda:N)");
-  refused("train --data synthetic --model mlp --steps 1 --devices cpu --stages auto",
-          "--devices names a device per stage: give --stages and --threads, not auto");
+  // --stages auto places at most one stage per device given, and each GPU once.
+  auto planned = run("train --data synthetic --model mlp --batch 16 --steps 1 --no-progress "
+                     "--stages auto --profile-repeats 1 --devices cpu");
+  REQUIRE(planned.exit_code == 0);
+  CHECK(planned.output.find("1 stage(s)") != std::string::npos);
+  refused("train --data synthetic --model mlp --steps 1 --stages auto --devices cuda:0,cuda:0",
+          "--stages auto: cuda:0 is listed twice in --devices");
+  refused("train --data synthetic --model mlp --steps 1 --stages auto --threads auto --devices "
+          "cuda:0",
+          "--threads auto tries thread counts on this machine's cores: with stages on GPUs");
   refused("train --data synthetic --model mlp --steps 1 --devices cpu,cpu,cpu",
           "3 devices given for 2 stages");
   refused("train --data synthetic --model mlp --steps 1 --replicas 2 --dp-backend nccl", "NCCL");

@@ -264,3 +264,60 @@ TEST_CASE("gpu: an NCCL replica group of one rank all-reduces a stage's gradient
   CHECK(totals.weight == 8);
   CHECK(totals.weighted_loss == 4.0);
 }
+
+TEST_CASE("gpu: the planner profiles layers on the GPU and leaves them where they were") {
+  require_gpu();
+  auto layers = tiny_mlp();
+  auto before = named(layers, false);
+  for (auto& [name, t] : before) {
+    t = t.clone();
+  }
+  profile_options o;
+  o.repeats = 2;
+  o.device = gpu;
+  o.split_backward = true;
+  auto profile = profile_layers(layers, torch::randn({8, 1, 4, 4}), o);
+  REQUIRE(profile.size() == layers.size());
+  for (const auto& p : profile) {
+    CAPTURE(p.name);
+    CHECK(p.forward_ms > 0);
+    CHECK(p.backward_ms >= 0);
+  }
+  // Back on the CPU, unchanged, without gradients.
+  auto after = named(layers, false);
+  check_close(after, before, 0, 0);
+  for (const auto& [name, t] : after) {
+    CAPTURE(name);
+    CHECK(t.device().is_cpu());
+  }
+  CHECK(profile_update(layers, 2, gpu) > 0);
+}
+
+TEST_CASE("gpu: a batch already on the GPU trains as one on the host, and every action has its "
+          "time on the GPU") {
+  require_gpu();
+  engine sys;
+  auto x = torch::randn({10, 1, 4, 4});
+  auto t = torch::randn({10, 3});
+  auto from_host = tiny_mlp();
+  auto from_gpu = tiny_mlp();
+  schedule_setting one_f_one_b{schedule_kind::one_f_one_b, 1};
+  pipeline host(sys, from_host, partition_uniform(from_host.size(), 2),
+                options_for(one_f_one_b, {gpu, gpu}));
+  pipeline device(sys, from_gpu, partition_uniform(from_gpu.size(), 2),
+                  options_for(one_f_one_b, {gpu, gpu}));
+  for (int step = 0; step < 2; ++step) {
+    auto a = host.train_step(x, t);
+    auto b = device.train_step(x.to(gpu) * 1.0, t.to(gpu)); // made on the caller's stream
+    CHECK(a.loss == b.loss);
+    for (const auto& stage : b.stages) {
+      REQUIRE(!stage.actions.empty());
+      for (const auto& action : stage.actions) {
+        CAPTURE(to_string(action.what));
+        CHECK(action.device_start_ms >= 0);
+        CHECK(action.device_end_ms >= action.device_start_ms);
+      }
+    }
+  }
+  check_close(to_cpu(device.named_parameters()), to_cpu(host.named_parameters()), 0, 0);
+}

@@ -117,6 +117,37 @@ TEST_CASE("the training loop's wait for each batch is a track of its own, before
   std::filesystem::remove(file);
 }
 
+TEST_CASE("stages on a GPU get a track each for when their actions ran there") {
+  auto file = std::filesystem::temp_directory_path() / "actorpipe_trace_device_test.json";
+  auto step = gpipe_step(1);
+  for (auto& stage : step.stages) {
+    for (auto& a : stage.actions) {
+      a.device_start_ms = a.start_ms + 0.25; // the GPU runs behind the host
+      a.device_end_ms = a.end_ms + 0.5;
+    }
+  }
+  write_chrome_trace(file.string(), {step, gpipe_step(2)});
+  auto trace = nlohmann::json::parse(read(file));
+  std::map<int, std::string> names;
+  std::vector<nlohmann::json> on_device;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "M") {
+      names[e["tid"].get<int>()] = e["args"]["name"].get<std::string>();
+    } else if (e["ph"] == "X" && e["cat"] == "device") {
+      on_device.push_back(e);
+    }
+  }
+  // Tracks 0 and 1 are the stages' host tracks, 2 the data track's place, 3 and 4 the GPU's.
+  CHECK(names[3] == "stage 0 on its GPU");
+  CHECK(names[4] == "stage 1 on its GPU");
+  REQUIRE(on_device.size() == 8); // step 2 measured nothing on a device
+  CHECK(on_device.front()["name"] == "F0");
+  CHECK(on_device.front()["tid"] == 3);
+  CHECK(on_device.front()["ts"].get<double>() == doctest::Approx(250));
+  CHECK(on_device.front()["dur"].get<double>() == doctest::Approx(1250));
+  std::filesystem::remove(file);
+}
+
 TEST_CASE("a measured timeline and its Gantt chart show every action") {
   auto rows = timeline_of(gpipe_step(1));
   REQUIRE(rows.size() == 2);

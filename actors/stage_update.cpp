@@ -1,0 +1,249 @@
+// What a stage does after its program that needs no actor: the replica sync, tied gradients,
+// BMUF blocks, the early optimizer step and its confirmation (actors/stage_state.hpp).
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "actors/stage_state.hpp"
+#include "comm/tie_group.hpp"
+#include "logging/log.hpp"
+
+namespace actorpipe::actors::stage_parts {
+
+// The report's loss: each micro-batch's loss times its scale, summed in the order computed.
+void add_losses(stage_state& s) {
+  for (std::size_t i = 0; i < s.losses.size(); ++i) {
+    s.report.loss += s.plan.loss_scales.at(s.loss_positions[i]) * s.losses[i].item<double>();
+  }
+  s.losses.clear();
+  s.loss_positions.clear();
+}
+
+// After a training program: average gradients (and buffers) with the other replicas' same
+// stage. Runs on this stage's thread while earlier stages may still be in backward.
+void sync_replicas(stage_state& s, clock_type::time_point origin) {
+  auto& sync = *s.options.sync;
+  auto start = clock_type::now();
+  // Mean-reduced losses: replica r's gradients count n_r / sum(n) (its share of all samples);
+  // sum-reduced ones are summed. The loss (known on the last stage) is combined alike.
+  bool mean = s.options.reduction == loss_reduction::mean;
+  double weight = mean ? static_cast<double>(s.plan.samples) : 1.0;
+  bool last = s.chunks.back()->is_last(); // the last virtual stage is its holder's last chunk
+  auto total = sync.sum(weight, last ? s.report.loss * weight : 0.0);
+  if (last) {
+    s.report.loss = mean ? total.weighted_loss / total.weight : total.weighted_loss;
+  }
+  double scale = mean ? weight / total.weight : 1.0;
+  for (auto it = s.chunks.rbegin(); it != s.chunks.rend(); ++it) {
+    (*it)->with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
+        s.report.stats.sync_bytes += sync.all_reduce_gradients(parameters, scale);
+      });
+  }
+  if (s.options.buffers != buffer_sync::none) {
+    for (auto& chunk : s.chunks) {
+      chunk->with_tensors(
+        [&](const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>& buffers) {
+          sync.sync_buffers(buffers, s.options.buffers);
+        });
+    }
+  }
+  s.report.stats.sync_start_ms = std::chrono::duration<double, std::milli>(start - origin).count();
+  s.report.stats.sync_end_ms = ms_since(origin);
+  log::get()->debug("stage {}, step {}: replica sync of {} bytes took {:.1f} ms", s.options.index,
+                    s.plan.step, s.report.stats.sync_bytes,
+                    s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
+}
+
+// BMUF: ends the warm-up (every replica takes rank 0's parameters and buffers) or the running
+// block (parameters averaged and filtered, buffers as options.buffers says), then clears the
+// optimizers' state if asked. The collectives come first and fail with pipeline_error past their
+// deadline, before any chunk's block state changes.
+void end_block(stage_state& s) {
+  auto& sync = *s.options.sync;
+  const auto& b = s.options.bmuf;
+  for (auto& chunk : s.chunks) {
+    chunk->with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>& buffers) {
+        if (!s.warmed_up) {
+          auto all = parameters;
+          all.insert(all.end(), buffers.begin(), buffers.end());
+          sync.broadcast(all);
+        } else {
+          sync.average(parameters, "BMUF parameter all-reduce");
+          sync.sync_buffers(buffers, s.options.buffers);
+        }
+      });
+  }
+  for (auto& chunk : s.chunks) {
+    if (!s.warmed_up) {
+      chunk->start_blocks();
+    } else {
+      chunk->end_block(b.block_lr, b.block_momentum);
+    }
+    if (b.reset_momentum) {
+      chunk->reset_optimizer_state();
+    }
+  }
+  log::get()->debug("stage {}: BMUF {} after {} local steps", s.options.index,
+                    s.warmed_up ? "block" : "warm-up", s.block_position);
+  s.warmed_up = true;
+  s.block_position = 0;
+}
+
+// BMUF after an optimizer step: whether this step ends the warm-up or a block.
+bool ends_block(const stage_state& s) {
+  const auto& b = s.options.bmuf;
+  return s.block_position + 1 >= (s.warmed_up ? b.block_steps : b.warmup_steps);
+}
+
+// After the replica sync: the gradients of parameters tied to other stages become the sum over
+// their holders (this actor's chunks first, then the tie group).
+void sum_tied_gradients(stage_state& s) {
+  if (s.options.ties->members().count(s.options.index) == 0) {
+    return;
+  }
+  std::map<std::string, torch::Tensor> local;
+  std::vector<std::map<std::string, torch::Tensor>> per_chunk;
+  torch::NoGradGuard no_grad;
+  for (auto& chunk : s.chunks) {
+    per_chunk.push_back(chunk->shared_parameters());
+    for (const auto& [name, p] : per_chunk.back()) {
+      // Summed on the CPU: the holders may be on different devices and streams (a blocking
+      // copy from a GPU; a copy of the CPU's gradient, as before).
+      auto it = local.find(name);
+      if (it == local.end()) {
+        local.emplace(name, p.grad().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+      } else {
+        it->second.add_(p.grad().to(torch::kCPU));
+      }
+    }
+  }
+  s.options.ties->sum(s.plan.step, s.options.index, local, s.options.wait_timeout);
+  for (auto& chunk : per_chunk) {
+    for (auto& [name, p] : chunk) {
+      p.mutable_grad().copy_(local.at(name));
+    }
+  }
+}
+
+// Puts back the chunks' state from before an early optimizer step; what failed, or empty.
+std::string restore_before_update(stage_state& s) {
+  std::string error;
+  try {
+    for (std::size_t c = 0; c < s.before_update.size(); ++c) {
+      s.chunks[c]->load_state(s.before_update[c]);
+    }
+  } catch (const std::exception& e) {
+    error = detail::concat("stage ", s.options.index, ": undoing the early optimizer step of step ",
+                           s.stepped_early, " failed: ", e.what());
+  }
+  s.before_update.clear();
+  s.early_buffers.clear();
+  s.stepped_early = 0;
+  return error;
+}
+
+// Post-validation: the optimizer step right after the program, while the other stages still
+// work (and the scheduler waits for them), from gradients not yet scaled by a global clip. The
+// update that follows confirms it or has it undone (update()); an abort undoes it.
+void step_early(stage_state& s) {
+  auto start = clock_type::now();
+  try {
+    for (auto& chunk : s.chunks) {
+      s.before_update.push_back(chunk->state(/*copy=*/true, /*tie_copies=*/true));
+      s.early_buffers.push_back(chunk->step_start_buffers());
+    }
+    for (auto& chunk : s.chunks) {
+      if (s.plan.learning_rate >= 0) {
+        chunk->set_learning_rate(s.plan.learning_rate);
+      }
+      chunk->optimizer_step(1.0);
+    }
+    s.stepped_early = s.plan.step;
+    s.early_learning_rate = s.plan.learning_rate;
+  } catch (const std::exception& e) {
+    // The update steps again, and reports what fails then.
+    log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
+                      s.options.index, s.plan.step, e.what());
+    s.stepped_early = s.plan.step;
+    if (auto error = restore_before_update(s); !error.empty()) {
+      log::get()->error("{}", error);
+    }
+  }
+  s.early_ms = ms_since(start);
+}
+
+// The optimizer step of a training step: (milliseconds it took, error text or empty).
+std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
+                                      double gradient_scale) {
+  auto start = clock_type::now();
+  if (s.stepped_early != 0) {
+    bool same = s.stepped_early == step && gradient_scale == 1.0 &&
+                (learning_rate < 0 || learning_rate == s.early_learning_rate);
+    if (same) {
+      s.before_update.clear();
+      s.early_buffers.clear();
+      s.stepped_early = 0;
+      return {s.early_ms, std::string{}};
+    }
+    if (s.plan.step != step) {
+      return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                              ": its early optimizer step cannot be redone, step ",
+                                              s.plan.step, " already runs on its parameters")};
+    }
+    // Clipping scaled the gradients (or another rate came): the step from the state before.
+    if (auto error = restore_before_update(s); !error.empty()) {
+      return {ms_since(start), error};
+    }
+  }
+  // A block's last step: the state before it, restored if the block sync fails.
+  bool block_end = s.bmuf() && ends_block(s);
+  std::vector<stages::stage::tensor_map> before;
+  try {
+    for (auto& chunk : s.chunks) {
+      if (block_end) {
+        before.push_back(chunk->state());
+      }
+      if (learning_rate >= 0) {
+        chunk->set_learning_rate(learning_rate);
+      }
+      chunk->optimizer_step(gradient_scale);
+    }
+  } catch (const std::exception& e) {
+    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                            ": optimizer step failed: ", e.what())};
+  }
+  if (!s.bmuf()) {
+    return {ms_since(start), std::string{}};
+  }
+  if (!block_end) {
+    ++s.block_position;
+    return {ms_since(start), std::string{}};
+  }
+  try {
+    ++s.block_position;
+    end_block(s);
+  } catch (const std::exception& e) {
+    --s.block_position;
+    for (std::size_t c = 0; c < before.size(); ++c) {
+      s.chunks[c]->load_state(before[c]);
+    }
+    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
+                                            ": BMUF block sync failed: ", e.what())};
+  }
+  return {ms_since(start), std::string{}};
+}
+
+// Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
+// read onto any devices (on the CPU the same tensors: no copy).
+stages::stage::tensor_map on_cpu(stages::stage::tensor_map all) {
+  for (auto& entry : all) {
+    entry.second = entry.second.cpu();
+  }
+  return all;
+}
+
+} // namespace actorpipe::actors::stage_parts

@@ -1,0 +1,173 @@
+// The node as a program embeds it (include/actorpipe/node.hpp): its data hub, whose frames go
+// to the stages it hosts, and its host actor, published for the driver (nodes/node.cpp).
+#include <actorpipe/node.hpp>
+
+#include <map>
+#include <mutex>
+#include <string>
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <caf/openssl/manager.hpp>
+#include <caf/openssl/publish.hpp>
+
+#include "actors/messages.hpp"
+#include "logging/log.hpp"
+#include "nodes/node_host.hpp"
+#include "nodes/protocol.hpp"
+
+namespace actorpipe {
+
+struct node::impl {
+  caf::actor_system_config config;
+  std::unique_ptr<caf::actor_system> system;
+  std::shared_ptr<nodes::routes> route = std::make_shared<nodes::routes>();
+  std::shared_ptr<comm::tensor_hub> hub;
+  caf::actor host;
+  std::string host_name;
+  uint16_t port = 0;
+};
+
+namespace {
+
+// A frame from the data hub's reader thread to the node's stage (or host actor) it is for.
+void route_frame(nodes::routes& route, comm::frame&& f) {
+  const auto& h = f.header;
+  switch (h.kind) {
+  case comm::frame_kind::activation:
+  case comm::frame_kind::gradient: {
+    auto stage = route.stage(h.stage);
+    auto step = h.step;
+    auto microbatch = h.microbatch;
+    auto chunk = h.chunk;
+    auto kind = h.kind;
+    auto b = route.bundles.add(std::move(f));
+    if (!b) {
+      return;
+    }
+    if (kind == comm::frame_kind::activation) {
+      caf::anon_send(stage, actors::forward_atom::value, step, microbatch, chunk, std::move(*b));
+    } else {
+      caf::anon_send(stage, actors::backward_atom::value, step, microbatch, chunk, std::move(*b));
+    }
+    return;
+  }
+  case comm::frame_kind::target:
+    route.stage(h.stage);
+    caf::anon_send(route.host(), nodes::target_atom::value, h.stage, h.step, h.microbatch,
+                   std::move(f.tensor));
+    return;
+  case comm::frame_kind::state:
+    ACTORPIPE_CHECK(f.tensor.scalar_type() == torch::kUInt8 && f.tensor.dim() == 1,
+                    "a state frame must hold bytes");
+    caf::anon_send(route.host(), nodes::state_atom::value, h.stage, h.step, std::move(f.tensor));
+    return;
+  case comm::frame_kind::tied_gradient: {
+    auto tie = route.tie(h.stage);
+    auto step = h.step;
+    auto from = h.microbatch;
+    auto b = route.bundles.add(std::move(f));
+    if (!b) {
+      return;
+    }
+    nodes::receive_tied_gradients(tie, step, from, *b);
+    return;
+  }
+  case comm::frame_kind::output:
+    break;
+  }
+  ++route.rejected;
+  throw comm::frame_error(detail::concat("a node takes no ", comm::to_string(h.kind), " frames"));
+}
+
+} // namespace
+
+node::node(node_options options) : impl_(std::make_unique<impl>()) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(!options.secret.empty() || options.tls.enabled() ||
+                    comm::is_loopback(options.host),
+                  "node: refusing to listen on ", options.host,
+                  " without a secret or TLS: give --secret-file or --tls-cert/--tls-key/--tls-ca "
+                  "(or listen on 127.0.0.1)");
+  comm::hub_options hub_options;
+  hub_options.host = options.host;
+  hub_options.port = options.data_port;
+  hub_options.secret = options.secret;
+  // Checks the TLS files (invalid_argument naming the one that fails) before CAF reads them.
+  hub_options.tls = options.tls;
+  auto route = self.route;
+  try {
+    self.hub = std::make_shared<comm::tensor_hub>(
+      hub_options, [route](comm::frame&& f) { route_frame(*route, std::move(f)); });
+  } catch (const comm::comm_error& e) {
+    throw pipeline_error(e.what());
+  }
+  self.config.load<caf::io::middleman>();
+  if (options.tls.enabled()) {
+    self.config.load<caf::openssl::manager>();
+    nodes::set_tls_identity(self.config, options.tls);
+  }
+  self.config.set("scheduler.max-threads", 2);
+  self.config.set("logger.verbosity", caf::atom("quiet"));
+  self.system = std::make_unique<caf::actor_system>(self.config);
+  // Pooled, not detached: a detached actor's thread waits for the actor object's destruction,
+  // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
+  // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
+  // frames) occupies one of the two workers meanwhile.
+  self.host =
+    nodes::spawn_node_host(*self.system, options.secret, self.hub, route, options.max_model_bytes);
+  {
+    std::lock_guard<std::mutex> lock(route->mutex);
+    route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);
+  }
+  auto published =
+    options.tls.enabled()
+      ? caf::openssl::publish(self.host, options.port, options.host.c_str(), true)
+      : self.system->middleman().publish(self.host, options.port, options.host.c_str(), true);
+  if (!published) {
+    caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
+    throw pipeline_error(detail::concat("node: cannot listen on ", options.host, ":", options.port,
+                                        ": ", self.system->render(published.error())));
+  }
+  self.host_name = options.host;
+  self.port = *published;
+  caf::anon_send(self.host, nodes::label_atom::value, address());
+  log::get()->info("node {} listening (data {}:{}, {})", address(), self.hub->host(),
+                   self.hub->port(),
+                   options.tls.enabled()    ? "TLS"
+                   : options.secret.empty() ? "loopback, no secret"
+                                            : "shared secret");
+}
+
+node::~node() {
+  auto& self = *impl_;
+  self.system->middleman().unpublish(self.host, self.port);
+  caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
+  // The actor system waits for every actor to be destroyed: drop our handles first.
+  self.host = caf::actor{};
+  self.hub.reset();
+  self.system.reset();
+}
+
+std::string node::address() const {
+  return detail::concat(impl_->host_name, ":", impl_->port);
+}
+
+uint16_t node::port() const {
+  return impl_->port;
+}
+
+uint16_t node::data_port() const {
+  return impl_->hub->port();
+}
+
+std::size_t node::stages() const {
+  std::lock_guard<std::mutex> lock(impl_->route->mutex);
+  return impl_->route->stages.size();
+}
+
+uint64_t node::rejected() const {
+  return impl_->route->rejected + impl_->hub->frames_rejected();
+}
+
+} // namespace actorpipe

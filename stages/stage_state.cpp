@@ -1,0 +1,282 @@
+// A stage between steps: the optimizer step, BMUF blocks, the gradients' norm, learning rates,
+// and its state for checkpoints and snapshots (stages/stage.hpp).
+#include "stages/stage.hpp"
+
+#include <set>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <actorpipe/errors.hpp>
+
+#include "stages/stage_helpers.hpp"
+
+namespace actorpipe::stages {
+using namespace stage_helpers;
+
+void stage::optimizer_step(double gradient_scale) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (gradient_scale != 1.0) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.grad().defined()) {
+        p.mutable_grad().mul_(gradient_scale);
+      }
+    }
+  }
+  if (optimizer_) {
+    optimizer_->step();
+  }
+}
+
+void stage::enable_blocks(bool nesterov) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  blocks_ = true;
+  block_nesterov_ = nesterov;
+  reset_blocks({});
+}
+
+void stage::start_blocks() {
+  std::lock_guard<std::mutex> guard{mutex_};
+  reset_blocks({});
+}
+
+void stage::load_blocks(const tensor_map& all) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  ACTORPIPE_ASSERT(blocks_);
+  reset_blocks(all);
+}
+
+void stage::reset_blocks(const tensor_map& all) {
+  torch::NoGradGuard no_grad;
+  block_states_.clear();
+  for_each_named(
+    layers_, false, config_.tied, [&](const std::string& name, const torch::Tensor& p) {
+      auto loaded = [&](const char* field) {
+        auto it = all.find("optimizer/" + name + "/" + field);
+        return it == all.end() ? torch::zeros_like(p) : it->second.to(p.device()).clone();
+      };
+      block_state b;
+      b.global = p.detach().clone();
+      b.momentum = loaded("block_momentum");
+      if (block_nesterov_) {
+        b.previous = loaded("block_previous");
+      }
+      block_states_.emplace(name, std::move(b));
+    });
+}
+
+void stage::end_block(double block_lr, double block_momentum) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  ACTORPIPE_ASSERT(blocks_);
+  torch::NoGradGuard no_grad;
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   auto& b = block_states_.at(name);
+                   // v = mu v + eta (mean(x) - g); g = g + v; Nesterov: g -= mu (v - v_prev),
+                   // v_prev = v.
+                   b.momentum.mul_(block_momentum).add_(p - b.global, block_lr);
+                   b.global.add_(b.momentum);
+                   if (block_nesterov_) {
+                     b.global.sub_(b.momentum - b.previous, block_momentum);
+                     b.previous.copy_(b.momentum);
+                   }
+                   const_cast<torch::Tensor&>(p).copy_(b.global);
+                 });
+}
+
+void stage::reset_optimizer_state() {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (optimizer_) {
+    optimizer_->state().clear();
+  }
+}
+
+double stage::gradient_square_sum() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  double sum = 0;
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (p.grad().defined() && !is_copy(name)) {
+                     sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+                   }
+                 });
+  return sum;
+}
+
+void stage::with_tensors(const std::function<void(const std::vector<torch::Tensor>&,
+                                                  const std::vector<torch::Tensor>&)>& fn) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  fn(parameters(), buffers());
+}
+
+std::size_t stage::stash_size() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return stash_.size();
+}
+
+std::size_t stage::peak_stash() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return peak_stash_;
+}
+
+int64_t stage::peak_stash_bytes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return peak_stash_bytes_;
+}
+
+int64_t stage::parameter_count() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return actorpipe::parameter_count(layers_, 0, layers_.size());
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> stage::named_tensors(bool gradients) const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  std::vector<std::pair<std::string, torch::Tensor>> result;
+  torch::NoGradGuard no_grad;
+  for (const auto& l : layers_) {
+    if (auto m = l.module()) {
+      for (const auto& item : m->named_parameters()) {
+        auto t = gradients ? item.value().grad() : item.value();
+        result.emplace_back(l.name() + "." + item.key(), t.defined() ? t.detach().clone() : t);
+      }
+    }
+  }
+  return result;
+}
+
+void stage::set_learning_rate(double lr) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  if (!optimizer_) {
+    return;
+  }
+  for (auto& group : optimizer_->param_groups()) {
+    if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&group.options())) {
+      sgd->lr(lr);
+    } else if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&group.options())) {
+      adam->lr(lr);
+    } else {
+      throw invalid_argument("set_learning_rate: only SGD and Adam optimizers are supported");
+    }
+  }
+}
+
+stage::tensor_map stage::state(bool copy, bool tie_copies) const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  tensor_map result;
+  auto take = [copy](const torch::Tensor& t) { return copy ? t.detach().clone() : t.detach(); };
+  auto save_optimizer = [&](const std::string& name, const torch::Tensor& p) {
+    if (!optimizer_) {
+      return;
+    }
+    auto it = optimizer_->state().find(optimizer_key(p));
+    if (it == optimizer_->state().end()) {
+      return;
+    }
+    auto prefix = "optimizer/" + name + "/";
+    if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+      if (sgd->momentum_buffer().defined()) {
+        result[prefix + "momentum_buffer"] = take(sgd->momentum_buffer());
+      }
+    } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+      result[prefix + "step"] = torch::tensor(adam->step(), torch::kInt64);
+      result[prefix + "exp_avg"] = take(adam->exp_avg());
+      result[prefix + "exp_avg_sq"] = take(adam->exp_avg_sq());
+      if (adam->max_exp_avg_sq().defined()) {
+        result[prefix + "max_exp_avg_sq"] = take(adam->max_exp_avg_sq());
+      }
+    } else {
+      throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
+    }
+  };
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (is_copy(name) && !tie_copies) {
+                     return; // the stage of the tie's first holder stores it, once
+                   }
+                   result[name] = take(p);
+                   save_optimizer(name, p);
+                   if (auto it = block_states_.find(name); it != block_states_.end()) {
+                     result["optimizer/" + name + "/block_momentum"] = take(it->second.momentum);
+                     if (it->second.previous.defined()) {
+                       result["optimizer/" + name + "/block_previous"] = take(it->second.previous);
+                     }
+                   }
+                 });
+  for_each_named(layers_, true, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& b) { result[name] = take(b); });
+  return result;
+}
+
+std::map<std::string, std::vector<int64_t>> stage::required_keys() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  std::map<std::string, std::vector<int64_t>> keys;
+  for (bool buffers : {false, true}) {
+    for_each_named(
+      layers_, buffers, config_.tied,
+      [&](const std::string& name, const torch::Tensor& t) { keys[name] = t.sizes().vec(); });
+  }
+  return keys;
+}
+
+void stage::load_state(const tensor_map& all) {
+  auto required = required_keys();
+  for (const auto& [name, shape] : required) {
+    auto it = all.find(name);
+    if (it == all.end()) {
+      throw pipeline_error(
+        detail::concat("stage ", config_.index, ": the checkpoint has no tensor '", name, "'"),
+        error_details{error_kind::io, config_.index});
+    }
+    if (it->second.sizes().vec() != shape) {
+      throw pipeline_error(detail::concat("stage ", config_.index, ": checkpoint tensor '", name,
+                                          "' has shape ", shape_of(it->second), " but ",
+                                          c10::IntArrayRef(shape), " is needed"),
+                           error_details{error_kind::shape_mismatch, config_.index});
+    }
+  }
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  for (bool buffers : {false, true}) {
+    for_each_named(layers_, buffers, config_.tied,
+                   [&](const std::string& name, const torch::Tensor& t) {
+                     const_cast<torch::Tensor&>(t).copy_(all.at(name));
+                   });
+  }
+  if (!optimizer_) {
+    return;
+  }
+  auto is_adam = dynamic_cast<torch::optim::AdamOptions*>(
+                   &optimizer_->param_groups().front().options()) != nullptr;
+  auto& states = optimizer_->state();
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   auto prefix = "optimizer/" + name + "/";
+                   auto key = optimizer_key(p);
+                   states.erase(key);
+                   auto field = [&](const char* f) {
+                     auto it = all.find(prefix + f);
+                     return it == all.end() ? torch::Tensor{} : it->second.to(p.device()).clone();
+                   };
+                   if (is_adam) {
+                     auto step = field("step");
+                     if (!step.defined()) {
+                       return;
+                     }
+                     auto st = std::make_unique<torch::optim::AdamParamState>();
+                     st->step(step.item<int64_t>());
+                     st->exp_avg(field("exp_avg"));
+                     st->exp_avg_sq(field("exp_avg_sq"));
+                     st->max_exp_avg_sq(field("max_exp_avg_sq"));
+                     states[key] = std::move(st);
+                   } else if (auto momentum = field("momentum_buffer"); momentum.defined()) {
+                     auto st = std::make_unique<torch::optim::SGDParamState>();
+                     st->momentum_buffer(momentum);
+                     states[key] = std::move(st);
+                   }
+                 });
+}
+
+} // namespace actorpipe::stages
