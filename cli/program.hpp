@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -26,6 +27,11 @@ struct program {
   /// Runs the subcommand that was parsed; returns the process exit code. Bad input
   /// (actorpipe::invalid_argument) exits 2, any other failure 1, with the message on stderr.
   int run();
+
+  /// Every flag's value as TOML, defaults included (`--print-config`): what `--config` reads
+  /// back to run the same. Keys with an empty value are left out (their default is empty, and
+  /// "" would not read back as an empty list).
+  std::string settings() const;
 
   CLI::App app{"actorpipe: pipeline-parallel training of neural networks on the actor model"};
   std::string log_level = "warn";

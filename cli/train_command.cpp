@@ -247,32 +247,45 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
 }
 
 // One loop for every kind of data (training/: train), then the reports.
-int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                 pipeline_options po, const text_corpus* corpus) {
-  const bool synthetic = a.model.data == "synthetic";
-  const auto tensor_file = training::tensor_file_of(a.model.data);
-  const bool tensors = !tensor_file.empty();
-  const bool images = !setup.images.classes.empty();
+// What kind of run the flags ask for: the data and the model decide its defaults.
+struct run_kind {
+  bool synthetic = false;
+  std::string tensor_file; // --data tensors:PATH
+  bool tensors = false;
+  bool images = false;
   // Streams (synthetic data, tensor files) train --steps batches at a constant rate.
-  const bool stream = synthetic || tensors;
-  // build_model read the tensor file (its first batch is the profiles' sample).
-  const dataset& file_data = setup.file;
-  const bool text = corpus != nullptr;
-  const bool lm = setup.language_model();
-  const auto& mo = setup.options;
-  const auto& dp = po.data_parallel;
-  const bool lead = dp.rank == 0;
-  auto momentum = a.momentum < 0 ? (stream ? 0.0 : 0.9) : a.momentum;
-  std::string loss = synthetic && !lm ? "mse" : "cross_entropy";
-  if (tensors) {
-    loss = !a.loss.empty()                                  ? a.loss
-           : file_data.labels.scalar_type() == torch::kLong ? "cross_entropy"
-                                                            : "mse";
+  bool stream = false;
+  bool text = false;
+  bool lm = false;
+  std::string loss;
+  double lr = 0;
+};
+
+run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpus* corpus) {
+  run_kind k;
+  k.synthetic = a.model.data == "synthetic";
+  k.tensor_file = training::tensor_file_of(a.model.data);
+  k.tensors = !k.tensor_file.empty();
+  k.images = !setup.images.classes.empty();
+  k.stream = k.synthetic || k.tensors;
+  k.text = corpus != nullptr;
+  k.lm = setup.language_model();
+  k.loss = k.synthetic && !k.lm ? "mse" : "cross_entropy";
+  if (k.tensors) {
+    // build_model read the tensor file (its first batch is the profiles' sample).
+    k.loss = !a.loss.empty()                                   ? a.loss
+             : setup.file.labels.scalar_type() == torch::kLong ? "cross_entropy"
+                                                               : "mse";
   }
-  const double lr = lm && !(a.given && a.given("--lr")) ? 3e-3 : a.lr;
-  // One description of the optimizer: built here, or by the nodes from the same spec.
-  auto optimizer = sgd_spec(lr, momentum);
-  if ((lm && a.optimizer.empty()) || a.optimizer == "adam") {
+  k.lr = k.lm && !(a.given && a.given("--lr")) ? 3e-3 : a.lr;
+  return k;
+}
+
+// One description of the optimizer: built here, or by the nodes from the same spec.
+optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
+  auto momentum = a.momentum < 0 ? (k.stream ? 0.0 : 0.9) : a.momentum;
+  auto optimizer = sgd_spec(k.lr, momentum);
+  if ((k.lm && a.optimizer.empty()) || a.optimizer == "adam") {
     optimizer.name = "adam";
     optimizer.momentum = 0;
     for (const char* flag : {"--momentum", "--nesterov"}) {
@@ -285,12 +298,20 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   ACTORPIPE_CHECK(!a.nesterov || optimizer.momentum > 0,
                   "--nesterov needs momentum: give --momentum (e.g. 0.9)");
   optimizer.nesterov = a.nesterov;
-  ACTORPIPE_CHECK(a.min_lr >= 0 && a.min_lr <= lr, "--min-lr (", a.min_lr,
-                  ") must be between 0 and the peak learning rate (", lr, ")");
-  po.loss = builtin_loss(loss);
-  po.optimizer = make_optimizer(optimizer);
-  auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
+  ACTORPIPE_CHECK(a.min_lr >= 0 && a.min_lr <= k.lr, "--min-lr (", a.min_lr,
+                  ") must be between 0 and the peak learning rate (", k.lr, ")");
+  return optimizer;
+}
 
+// The batches to train on; `steps` (0: the data's own count) becomes a stream's step count.
+std::unique_ptr<batch_source> data_for(const train_args& a, const model_setup& setup,
+                                       const run_kind& k, const text_corpus* corpus,
+                                       int64_t& steps) {
+  const auto& mo = setup.options;
+  const dataset& file_data = setup.file;
+  const auto& tensor_file = k.tensor_file;
+  const bool tensors = k.tensors, synthetic = k.synthetic, images = k.images, text = k.text,
+             lm = k.lm;
   std::unique_ptr<batch_source> data;
   if (tensors) {
     const auto samples = file_data.size();
@@ -325,7 +346,15 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     }
     data = std::move(images);
   }
+  return data;
+}
 
+// The training loop's options from the flags (train() in training/trainer.cpp runs them).
+train_options train_options_for(const train_args& a, const model_setup& setup, const run_kind& k,
+                                const batch_source& data, const data_parallel_options& dp,
+                                int64_t steps) {
+  const bool text = k.text, stream = k.stream;
+  const double lr = k.lr;
   train_options to;
   // Text's default reaches 2.3 bits per character in about 11 minutes on 2 cores.
   const int64_t epochs = a.epochs != 0 ? a.epochs : (text ? 4 : 1);
@@ -339,10 +368,11 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   to.checkpoint_every = a.checkpoint_every;
   to.keep = a.keep;
   to.resume = a.resume;
+  to.settings = a.settings;
   to.metrics = a.metrics;
   to.max_steps = steps;
   to.model = setup.name;
-  to.dataset = data->name();
+  to.dataset = data.name();
   to.rank = static_cast<int64_t>(dp.rank);
   to.replicas = static_cast<int64_t>(dp.replicas);
   // Synthetic runs are few, slow steps at a constant rate: a line per step is their progress.
@@ -364,65 +394,68 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     }
     return choose_plan(setup.layers, setup.sample(), args).cut;
   };
+  return to;
+}
 
-  if (lead) {
-    std::cout << "actorpipe train: " << setup.name << " on ";
-    if (tensors) {
-      std::cout << data->name() << " (" << static_cast<const tensor_file_source&>(*data).samples()
-                << " samples, inputs " << setup.example.sizes().slice(1) << ' '
-                << setup.example.scalar_type() << "), " << steps << " steps, loss " << loss << ", "
-                << optimizer.name << " lr " << lr;
-    } else if (synthetic && lm) {
-      std::cout << "synthetic token sequences (vocabulary " << mo.vocabulary << ", context "
-                << mo.context << "), " << steps << " steps";
-    } else if (synthetic) {
-      std::cout << "synthetic data, input " << mo.in_channels << 'x' << mo.image_size << 'x'
-                << mo.image_size << ", " << steps << " steps";
-    } else if (text) {
-      std::cout << "text from " << corpus->source << " (" << corpus->train.numel()
-                << " characters to train on, " << corpus->validation.numel()
-                << " held out, vocabulary " << mo.vocabulary << "), sequences of " << mo.context
-                << ", " << epochs << " epochs"
-                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
-                << lr << " (cosine, " << a.warmup << " warm-up steps)";
-    } else if (images) {
-      const auto& f = setup.images;
-      std::cout << "images from " << f.root << " (" << f.train.size() << " train, "
-                << f.validation.size() << " held out, " << f.classes.size() << " classes, "
-                << mo.in_channels << 'x' << mo.image_size << 'x' << mo.image_size
-                << (f.skipped.empty() ? "" : detail::concat(", ", f.skipped.size(), " skipped"))
-                << "; " << a.workers << " loader workers), " << epochs << " epochs"
-                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-                << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
-    } else {
-      std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
-                << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-                << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
-    }
-    std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
-              << ", schedule " << choice.schedule_name << ", " << choice.microbatches
-              << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
-              << replicas_note(dp, a.replicas > 1) << '\n';
-    print_plan(setup, choice);
+// The run's first line: the model, the data, the plan.
+void print_header(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                  const run_kind& k, const batch_source& data_source, const train_options& to,
+                  const optimizer_spec& optimizer, const text_corpus* corpus,
+                  const data_parallel_options& dp) {
+  const auto* data = &data_source;
+  const auto& mo = setup.options;
+  const bool tensors = k.tensors, synthetic = k.synthetic, images = k.images, text = k.text,
+             lm = k.lm;
+  const auto& loss = k.loss;
+  const double lr = k.lr;
+  const int64_t steps = to.max_steps;
+  const int64_t epochs = to.epochs;
+  std::cout << "actorpipe train: " << setup.name << " on ";
+  if (tensors) {
+    std::cout << data->name() << " (" << static_cast<const tensor_file_source&>(*data).samples()
+              << " samples, inputs " << setup.example.sizes().slice(1) << ' '
+              << setup.example.scalar_type() << "), " << steps << " steps, loss " << loss << ", "
+              << optimizer.name << " lr " << lr;
+  } else if (synthetic && lm) {
+    std::cout << "synthetic token sequences (vocabulary " << mo.vocabulary << ", context "
+              << mo.context << "), " << steps << " steps";
+  } else if (synthetic) {
+    std::cout << "synthetic data, input " << mo.in_channels << 'x' << mo.image_size << 'x'
+              << mo.image_size << ", " << steps << " steps";
+  } else if (text) {
+    std::cout << "text from " << corpus->source << " (" << corpus->train.numel()
+              << " characters to train on, " << corpus->validation.numel()
+              << " held out, vocabulary " << mo.vocabulary << "), sequences of " << mo.context
+              << ", " << epochs << " epochs"
+              << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
+              << lr << " (cosine, " << a.warmup << " warm-up steps)";
+  } else if (images) {
+    const auto& f = setup.images;
+    std::cout << "images from " << f.root << " (" << f.train.size() << " train, "
+              << f.validation.size() << " held out, " << f.classes.size() << " classes, "
+              << mo.in_channels << 'x' << mo.image_size << 'x' << mo.image_size
+              << (f.skipped.empty() ? "" : detail::concat(", ", f.skipped.size(), " skipped"))
+              << "; " << a.workers << " loader workers), " << epochs << " epochs"
+              << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
+              << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
+  } else {
+    std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
+              << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
+              << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
   }
+  std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
+            << ", schedule " << choice.schedule_name << ", " << choice.microbatches
+            << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
+            << replicas_note(dp, a.replicas > 1) << '\n';
+  print_plan(setup, choice);
+}
 
-  if (!a.nodes.empty()) {
-    // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
-    memory::map_large_allocations();
-  }
-  engine sys;
-  auto run = make_pipeline(sys, a, setup, choice, po, loss, optimizer);
-  if (run.replicated) {
-    // One loop takes each batch whole; the replicas split it.
-    to.rank = 0;
-    to.replicas = 1;
-    to.repartition = nullptr;
-  }
-  auto report = run.replicated ? train(*run.replicated, *data, to) : train(*run.single, *data, to);
+// What the run measured, after it: accuracy or bits, the loader's waits, the planner's error,
+// recoveries.
+void print_summary(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                   const run_kind& k, const train_report& report, run_pipeline& run) {
+  const bool text = k.text, stream = k.stream, images = k.images;
   auto& pipe = run.lead();
-  if (!lead) {
-    return 0;
-  }
   if (text && !report.epochs.empty()) {
     std::cout << "validation: " << report.epochs.back().test.bits << " bits per character\n";
   } else if (!stream && !report.epochs.empty() && !(images && setup.images.validation.empty())) {
@@ -460,65 +493,106 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
                                  : std::string{})
               << pipe.stages() << " stages, cut " << pipe.cut().to_string() << '\n';
   }
+}
+
+// --json: every step's loss and timings, the epochs, the recoveries.
+void write_report(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                  const train_report& report) {
+  nlohmann::json j;
+  j["config"] = config_json(a, setup, choice);
+  j["steps"] = nlohmann::json::array();
+  for (std::size_t i = 0; i < report.steps.size(); ++i) {
+    nlohmann::json row{{"step", report.steps[i].first}, {"loss", report.steps[i].second}};
+    if (i < report.results.size()) {
+      const auto& r = report.results[i];
+      nlohmann::json stages = nlohmann::json::array();
+      for (const auto& st : r.stages) {
+        stages.push_back({{"stage", st.stage},
+                          {"forward_ms", st.forward_ms},
+                          {"backward_ms", st.backward_ms},
+                          {"wait_ms", st.wait_ms},
+                          {"optimizer_ms", st.optimizer_ms},
+                          {"sync_ms", st.sync_end_ms - st.sync_start_ms},
+                          {"peak_stash", st.peak_stash},
+                          {"peak_stash_bytes", st.peak_stash_bytes}});
+      }
+      row["wall_ms"] = r.wall_ms;
+      row["stages"] = stages;
+    }
+    j["steps"].push_back(row);
+  }
+  j["epochs"] = nlohmann::json::array();
+  for (const auto& e : report.epochs) {
+    j["epochs"].push_back({{"epoch", e.epoch},
+                           {"train_loss", e.train_loss},
+                           {"test_loss", e.test.loss},
+                           {"top1", e.test.top1},
+                           {"top5", e.test.top5},
+                           {"bits", e.test.bits},
+                           {"seconds", e.seconds}});
+  }
+  j["recoveries"] = nlohmann::json::array();
+  for (const auto& r : report.recoveries) {
+    j["recoveries"].push_back({{"lost", r.lost},
+                               {"spares_used", r.spares_used},
+                               {"nodes", r.nodes},
+                               {"bounds", r.bounds},
+                               {"snapshot", r.snapshot},
+                               {"seconds", r.seconds},
+                               {"replicas_left", r.replicas_left},
+                               {"replicas", r.replicas}});
+  }
+  j["replayed_steps"] = report.replayed_steps;
+  write_json(a.json, j);
+}
+
+int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                 pipeline_options po, const text_corpus* corpus) {
+  const auto k = kind_of(a, setup, corpus);
+  const auto& dp = po.data_parallel;
+  const bool lead = dp.rank == 0;
+  auto optimizer = optimizer_for(a, k);
+  po.loss = builtin_loss(k.loss);
+  po.optimizer = make_optimizer(optimizer);
+  auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
+  auto data = data_for(a, setup, k, corpus, steps);
+  auto to = train_options_for(a, setup, k, *data, dp, steps);
+  if (lead) {
+    print_header(a, setup, choice, k, *data, to, optimizer, corpus, dp);
+  }
+  if (!a.nodes.empty()) {
+    // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
+    memory::map_large_allocations();
+  }
+  engine sys;
+  auto run = make_pipeline(sys, a, setup, choice, po, k.loss, optimizer);
+  if (run.replicated) {
+    // One loop takes each batch whole; the replicas split it.
+    to.rank = 0;
+    to.replicas = 1;
+    to.repartition = nullptr;
+  }
+  auto report = run.replicated ? train(*run.replicated, *data, to) : train(*run.single, *data, to);
+  if (!lead) {
+    return 0;
+  }
+  print_summary(a, setup, choice, k, report, run);
+  auto& pipe = run.lead();
   if (!a.export_path.empty()) {
     pipe.save_torchscript(a.export_path);
     std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
   }
-  if (text && a.sample > 0) {
+  if (k.text && a.sample > 0) {
     // The forward-only path, a character at a time, from the start of a held-out line.
     auto prompt = corpus->decode(corpus->validation.slice(0, 0, 1));
     std::cout << "sample:\n"
               << prompt
-              << generate_text(pipe, *corpus, prompt, a.sample, mo.context, 0.8, a.model.seed)
+              << generate_text(pipe, *corpus, prompt, a.sample, setup.options.context, 0.8,
+                               a.model.seed)
               << "\n";
   }
   if (!a.json.empty()) {
-    nlohmann::json j;
-    j["config"] = config_json(a, setup, choice);
-    j["steps"] = nlohmann::json::array();
-    for (std::size_t i = 0; i < report.steps.size(); ++i) {
-      nlohmann::json row{{"step", report.steps[i].first}, {"loss", report.steps[i].second}};
-      if (i < report.results.size()) {
-        const auto& r = report.results[i];
-        nlohmann::json stages = nlohmann::json::array();
-        for (const auto& st : r.stages) {
-          stages.push_back({{"stage", st.stage},
-                            {"forward_ms", st.forward_ms},
-                            {"backward_ms", st.backward_ms},
-                            {"wait_ms", st.wait_ms},
-                            {"optimizer_ms", st.optimizer_ms},
-                            {"sync_ms", st.sync_end_ms - st.sync_start_ms},
-                            {"peak_stash", st.peak_stash},
-                            {"peak_stash_bytes", st.peak_stash_bytes}});
-        }
-        row["wall_ms"] = r.wall_ms;
-        row["stages"] = stages;
-      }
-      j["steps"].push_back(row);
-    }
-    j["epochs"] = nlohmann::json::array();
-    for (const auto& e : report.epochs) {
-      j["epochs"].push_back({{"epoch", e.epoch},
-                             {"train_loss", e.train_loss},
-                             {"test_loss", e.test.loss},
-                             {"top1", e.test.top1},
-                             {"top5", e.test.top5},
-                             {"bits", e.test.bits},
-                             {"seconds", e.seconds}});
-    }
-    j["recoveries"] = nlohmann::json::array();
-    for (const auto& r : report.recoveries) {
-      j["recoveries"].push_back({{"lost", r.lost},
-                                 {"spares_used", r.spares_used},
-                                 {"nodes", r.nodes},
-                                 {"bounds", r.bounds},
-                                 {"snapshot", r.snapshot},
-                                 {"seconds", r.seconds},
-                                 {"replicas_left", r.replicas_left},
-                                 {"replicas", r.replicas}});
-    }
-    j["replayed_steps"] = report.replayed_steps;
-    write_json(a.json, j);
+    write_report(a, setup, choice, report);
   }
   if (!a.trace.empty() && !report.results.empty()) {
     write_chrome_trace(a.trace, report.results);

@@ -20,6 +20,10 @@ namespace actorpipe::cli {
 
 /// Flags of `actorpipe train`. Empty or zero values take the data set's default.
 struct train_args {
+  /// --print-config: print `settings` and exit.
+  bool print_config = false;
+  /// Every flag's value as TOML (program::settings), recorded in checkpoints.
+  std::string settings;
   model_args model;
   planning_args plan;
   std::string data_dir;

@@ -166,6 +166,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "--sync bmuf: steps each replica trains alone before all take rank 0's parameters");
   opt("--max-grad-norm", a.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
+  cmd
+    ->add_flag("--print-config", a.print_config,
+               "Print every flag's value as TOML (defaults included) and exit: that text, given to "
+               "--config, runs the same; checkpoints keep it as run.toml (docs/config.md)")
+    ->configurable(false);
   opt("--trace", a.trace,
       "Write a Chrome trace (Perfetto, chrome://tracing) of every step and print planned against "
       "measured bubbles");

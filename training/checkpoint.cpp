@@ -5,6 +5,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -60,6 +64,15 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
                    {"epoch", manifest.epoch},     {"batch_in_epoch", manifest.batch_in_epoch},
                    {"seed", manifest.seed},       {"batch_size", manifest.batch_size},
                    {"dataset", manifest.dataset}, {"stage_files", pipe.stages()}};
+  if (!manifest.settings.empty()) {
+    std::ofstream out(tmp / "run.toml");
+    out << manifest.settings;
+    out.flush();
+    if (!out) {
+      throw pipeline_error(detail::concat("cannot write '", (tmp / "run.toml").string(), "'"),
+                           error_details{error_kind::io});
+    }
+  }
   {
     std::ofstream out(tmp / "manifest.json");
     out << j.dump(2) << '\n';
@@ -123,11 +136,67 @@ checkpoint_manifest read_manifest(const std::string& dir) {
     m.seed = j.at("seed").get<uint64_t>();
     m.batch_size = j.at("batch_size").get<int64_t>();
     m.dataset = j.at("dataset").get<std::string>();
+    std::ifstream settings(fs::path(dir) / "run.toml");
+    m.settings.assign(std::istreambuf_iterator<char>(settings), std::istreambuf_iterator<char>());
     return m;
   } catch (const nlohmann::json::exception& e) {
     throw pipeline_error(detail::concat("'", file, "' is not a valid manifest: ", e.what()),
                          error_details{error_kind::io});
   }
+}
+
+namespace {
+
+// key -> value of the `key=value` lines of TOML text, blanks, sections and other comments
+// skipped. A commented `# key=value` is a default (--print-config writes defaults so) and counts.
+std::map<std::string, std::string> settings_lines(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("# ", 0) == 0 && line.find('=') != std::string::npos &&
+        line.find(' ', 2) > line.find('=')) {
+      line = line.substr(2);
+    }
+    auto eq = line.find('=');
+    if (line.empty() || line[0] == '#' || line[0] == '[' || eq == std::string::npos) {
+      continue;
+    }
+    auto trim = [](std::string s) {
+      auto b = s.find_first_not_of(" \t");
+      auto e = s.find_last_not_of(" \t\r");
+      return b == std::string::npos ? std::string{} : s.substr(b, e - b + 1);
+    };
+    out[trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return out;
+}
+
+} // namespace
+
+std::vector<std::string> settings_differences(const std::string& before, const std::string& now,
+                                              const std::vector<std::string>& ignored) {
+  auto a = settings_lines(before);
+  auto b = settings_lines(now);
+  std::set<std::string> keys;
+  for (const auto& [k, v] : a) {
+    keys.insert(k);
+  }
+  for (const auto& [k, v] : b) {
+    keys.insert(k);
+  }
+  std::vector<std::string> out;
+  for (const auto& k : keys) {
+    if (std::find(ignored.begin(), ignored.end(), k) != ignored.end()) {
+      continue;
+    }
+    auto x = a.count(k) != 0 ? a[k] : std::string("(none)");
+    auto y = b.count(k) != 0 ? b[k] : std::string("(none)");
+    if (x != y) {
+      out.push_back(detail::concat(k, ": ", x, " -> ", y));
+    }
+  }
+  return out;
 }
 
 } // namespace actorpipe

@@ -359,6 +359,28 @@ bool recoverable(const replicated_pipeline&, error_kind kind) {
          kind == error_kind::replica_failure;
 }
 
+// A resumed run with settings other than the checkpoint's goes on (a longer run, another stage
+// count and a new learning rate are legitimate), and says what differs. Keys that name the run's
+// own extent and outputs are left out.
+void warn_of_other_settings(const std::string& dir, const std::string& recorded,
+                            const std::string& now) {
+  if (recorded.empty() || now.empty()) {
+    return;
+  }
+  auto differences = settings_differences(
+    recorded, now,
+    {"train.resume", "train.steps", "train.epochs", "train.json", "train.trace", "train.metrics",
+     "train.checkpoint-dir", "train.no-progress", "train.sample", "train.export", "log-level"});
+  if (differences.empty()) {
+    return;
+  }
+  std::cerr << "warning: resuming from " << dir << " with other settings than it was written with ("
+            << dir << "/run.toml):\n";
+  for (const auto& d : differences) {
+    std::cerr << "  " << d << "\n";
+  }
+}
+
 template <class Pipe>
 start_point resume(Pipe& pipe, const batch_source& data, const train_options& o, bool lead) {
   if (o.resume.empty()) {
@@ -376,6 +398,7 @@ start_point resume(Pipe& pipe, const batch_source& data, const train_options& o,
   if (lead) {
     std::cerr << "resumed from " << dir << " at step " << m.step << " (epoch " << m.epoch + 1
               << ", batch " << m.batch_in_epoch << ")\n";
+    warn_of_other_settings(dir, m.settings, o.settings);
   }
   return {m.step, m.epoch, m.batch_in_epoch};
 }
@@ -503,6 +526,7 @@ train_report train_loop(Pipe& pipe, const batch_source& data, const train_option
     m.seed = o.seed;
     m.batch_size = o.batch;
     m.dataset = data.name();
+    m.settings = o.settings;
     write_checkpoint(lead_of(pipe), o.checkpoint_dir, m, o.keep);
   };
   // The ranks meet at each epoch's end (rank 0 after its evaluation), as the DDP script's barrier.

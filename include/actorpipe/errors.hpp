@@ -14,12 +14,57 @@
 #include <utility>
 
 namespace actorpipe {
+namespace detail {
+
+/// `text` as valid UTF-8 without control characters other than newlines and tabs: every other
+/// byte is written as \xNN. Error messages quote names and bytes read from files and frames,
+/// which may be anything; a message is printed, logged and sent as JSON.
+inline std::string printable(const std::string& text) {
+  static const char* const hex = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  auto byte = [&](std::size_t i) { return static_cast<unsigned char>(text[i]); };
+  for (std::size_t i = 0; i < text.size();) {
+    auto c = byte(i);
+    std::size_t n = c < 0x80                 ? 1
+                    : c >= 0xc2 && c <= 0xdf ? 2
+                    : c >= 0xe0 && c <= 0xef ? 3
+                    : c >= 0xf0 && c <= 0xf4 ? 4
+                                             : 0;
+    bool ok =
+      n == 1 ? (c >= 0x20 && c != 0x7f) || c == '\n' || c == '\t' : n > 0 && i + n <= text.size();
+    for (std::size_t k = 1; ok && k < n; ++k) {
+      ok = (byte(i + k) & 0xc0) == 0x80;
+    }
+    if (ok && n >= 3) { // no overlong forms, surrogates or code points past U+10FFFF
+      auto next = byte(i + 1);
+      ok = !((c == 0xe0 && next < 0xa0) || (c == 0xed && next >= 0xa0) ||
+             (c == 0xf0 && next < 0x90) || (c == 0xf4 && next >= 0x90));
+    }
+    if (ok) {
+      out.append(text, i, n);
+      i += n;
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+      ++i;
+    }
+  }
+  return out;
+}
+
+} // namespace detail
 
 /// Thrown when a caller passes something that cannot work (bad option, unknown name, cut out of
-/// range). Nothing has been changed when it is thrown.
+/// range). Nothing has been changed when it is thrown. The message is printable UTF-8
+/// (detail::printable).
 class invalid_argument : public std::invalid_argument {
 public:
-  using std::invalid_argument::invalid_argument;
+  explicit invalid_argument(const std::string& message)
+    : std::invalid_argument(detail::printable(message)) {}
+  explicit invalid_argument(const char* message)
+    : std::invalid_argument(detail::printable(message)) {}
 };
 
 /// What went wrong in a failed step or request, as a pipeline_error reports it.
@@ -96,13 +141,13 @@ struct error_details {
 /// Thrown (or carried by a failed step) when a pipeline step fails at run time: a stage could
 /// not take its input, a wait ran past its deadline, a stage died. The message names the stage,
 /// the micro-batch and the action; details() carries the same as fields. A failed step leaves
-/// parameters and buffers as they were.
+/// parameters and buffers as they were. The message is printable UTF-8 (detail::printable).
 class pipeline_error : public std::runtime_error {
 public:
   explicit pipeline_error(const std::string& message, error_details details = {})
-    : std::runtime_error(message), details_(std::move(details)) {}
+    : std::runtime_error(detail::printable(message)), details_(std::move(details)) {}
   explicit pipeline_error(const char* message, error_details details = {})
-    : std::runtime_error(message), details_(std::move(details)) {}
+    : std::runtime_error(detail::printable(message)), details_(std::move(details)) {}
 
   const error_details& details() const noexcept { return details_; }
   error_kind kind() const noexcept { return details_.kind; }

@@ -50,6 +50,9 @@ struct checkpoint_manifest {
   uint64_t seed = 0;
   int64_t batch_size = 0;
   std::string dataset;
+  /// The run's settings as `actorpipe train --print-config` writes them (TOML; empty when the
+  /// run gave none), kept beside the manifest as run.toml.
+  std::string settings;
 };
 
 /// Writes a checkpoint of `pipe` as `<root>/step-<step>`: stage files and manifest.json go into
@@ -65,6 +68,13 @@ std::string find_checkpoint(const std::string& path);
 
 /// Reads `<dir>/manifest.json`; throws pipeline_error naming the file and field on bad input.
 checkpoint_manifest read_manifest(const std::string& dir);
+
+/// The keys whose values differ between two runs' settings (TOML lines `key=value`, and
+/// `# key=value` for a default as --print-config writes it; other comments, blank lines and the
+/// keys in `ignored` left out), as "key: A -> B" ("(none)" for a key one side lacks), in key
+/// order.
+std::vector<std::string> settings_differences(const std::string& before, const std::string& now,
+                                              const std::vector<std::string>& ignored = {});
 
 /// Accuracy of a forward-only pass.
 struct eval_result {
@@ -285,6 +295,9 @@ struct train_options {
   std::size_t keep = 3;
   /// A checkpoint (or a folder of them) to continue from.
   std::string resume;
+  /// The run's settings (TOML, `actorpipe train --print-config`): recorded in every checkpoint;
+  /// a resume whose settings differ from the checkpoint's warns, naming what differs.
+  std::string settings;
   /// Per-epoch metrics: CSV when the name ends in .csv, else JSON lines.
   std::string metrics;
   /// Stop after this many steps in total, counting the steps before a resume (0: run all

@@ -101,4 +101,24 @@ TEST_CASE("malformed packed state is refused, naming what and why, before anythi
   std::memcpy(bad.data() + 8, &long_name, 4);
   refuses(bad, "tensor 0's name of 1073741824 bytes");
   CHECK_THROWS_AS(stages::unpack_tensors(torch::zeros({4}), "floats"), pipeline_error);
+  // A name of bytes that are not text is quoted escaped: error text is printable UTF-8.
+  bad = good;
+  bad[8 + 4] = static_cast<char>(0xff); // "b" -> one byte that is no UTF-8
+  bad[8 + 4 + 1] = 100;
+  refuses(bad, "'\\xff' has dtype 100");
+}
+
+TEST_CASE("error messages are printable UTF-8: other bytes and control characters as \\xNN") {
+  using actorpipe::detail::printable;
+  CHECK(printable("plain text, a\ttab\nand a newline") == "plain text, a\ttab\nand a newline");
+  CHECK(printable("caf\xc3\xa9 \xe2\x82\xac \xf0\x9d\x84\x9e") ==
+        "caf\xc3\xa9 \xe2\x82\xac \xf0\x9d\x84\x9e");
+  CHECK(printable(std::string("a\xff\xfe b")) == "a\\xff\\xfe b");
+  CHECK(printable(std::string("nul\0!", 5)) == "nul\\x00!");
+  CHECK(printable("bell\a, return\r") == "bell\\x07, return\\x0d");
+  CHECK(printable("overlong \xc0\xaf, surrogate \xed\xa0\x80") ==
+        "overlong \\xc0\\xaf, surrogate \\xed\\xa0\\x80");
+  CHECK(printable("cut \xe2\x82") == "cut \\xe2\\x82");
+  CHECK(std::string(pipeline_error("file 'x\xfey'").what()) == "file 'x\\xfey'");
+  CHECK(std::string(invalid_argument(std::string("--model '\x80'")).what()) == "--model '\\x80'");
 }

@@ -1,0 +1,105 @@
+// A run as a file: --config reads TOML, --print-config writes it, the command line overrides the
+// file, checkpoints keep it and a resume says what differs (docs/config.md).
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "helpers.hpp"
+
+using namespace actorpipe::test;
+
+namespace {
+
+const std::string mlp = " --data synthetic --model mlp --batch 16 --threads 1 --no-progress";
+
+void write(const std::filesystem::path& file, const std::string& text) {
+  std::ofstream(file) << text;
+}
+
+std::string read(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+} // namespace
+
+TEST_CASE("--print-config writes every flag as TOML and --config runs it again: the same losses, "
+          "the command line overriding the file") {
+  auto printed = run("train" + mlp + " --steps 3 --lr 0.1 --microbatches 2 --print-config");
+  REQUIRE(printed.exit_code == 0);
+  CHECK(has(printed.output, "train.lr=0.1\n"));
+  CHECK(has(printed.output, "train.microbatches=2\n"));
+  CHECK(has(printed.output, "train.schedule=\"1f1b\"\n")); // a default
+  CHECK_FALSE(has(printed.output, "print-config"));
+  auto file = temp_file("config_run.toml");
+  write(file, printed.output);
+  // Read back, it prints itself.
+  CHECK(run("train --config " + file.string() + " --print-config").output == printed.output);
+  auto from_flags = temp_file("config_flags.json");
+  auto from_file = temp_file("config_file.json");
+  REQUIRE(run("train" + mlp + " --steps 3 --lr 0.1 --microbatches 2 --json " + from_flags.string())
+            .exit_code == 0);
+  REQUIRE(run("train --config " + file.string() + " --json " + from_file.string()).exit_code == 0);
+  CHECK(losses(from_file) == losses(from_flags));
+  auto shorter = temp_file("config_shorter.json");
+  REQUIRE(
+    run("train --config " + file.string() + " --steps 1 --json " + shorter.string()).exit_code ==
+    0);
+  REQUIRE(losses(shorter).size() == 1);
+  CHECK(losses(shorter).front() == losses(from_flags).front());
+}
+
+TEST_CASE("a config file's key that is no flag is refused, naming it, and so is a missing file") {
+  auto file = temp_file("config_bad.toml");
+  write(file, "[train]\nstepz = 3\n");
+  auto bad = run("train --config " + file.string() + mlp);
+  CHECK(bad.exit_code == 2);
+  CHECK(has(bad.output, "stepz"));
+  auto missing = run("train --config /nonexistent/run.toml" + mlp);
+  CHECK(missing.exit_code == 2);
+  CHECK(has(missing.output, "/nonexistent/run.toml"));
+}
+
+TEST_CASE("checkpoints keep the run's settings, and a resume with other settings says what "
+          "differs") {
+  auto dir = temp_file("config_checkpoints");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run("train" + mlp + " --steps 2 --checkpoint-dir " + dir.string()).exit_code == 0);
+  auto recorded = read(dir / "step-2" / "run.toml");
+  CHECK(has(recorded, "train.lr=0.05\n"));
+  // A longer run of the same settings resumes quietly.
+  auto same = run("train" + mlp + " --steps 3 --resume " + dir.string());
+  CHECK(same.exit_code == 0);
+  CHECK_FALSE(has(same.output, "other settings"));
+  auto other = run("train" + mlp + " --steps 3 --lr 0.2 --resume " + dir.string());
+  CHECK(other.exit_code == 0);
+  CHECK(has(other.output, "other settings"));
+  CHECK(has(other.output, "train.lr: 0.05 -> 0.2"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the example configs run: each seed scenario, one short step") {
+  auto configs = std::string(ACTORPIPE_SOURCE_DIR) + "/examples/configs/";
+  auto r = run("train --config " + configs + "rpc_tutorial.toml" +
+               " --steps 1 --batch 8 --image 32 --model resnet18 --no-progress");
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+  if (std::filesystem::exists("/usr/share/datasets/fashion-mnist")) {
+    r = run("train --config " + configs + "fashion_mnist.toml --steps 2 --no-progress");
+    CHECK_MESSAGE(r.exit_code == 0, r.output);
+  } else {
+    MESSAGE("fashion_mnist.toml not run: no /usr/share/datasets/fashion-mnist");
+  }
+  if (std::filesystem::exists("/usr/share/games/fortunes")) {
+    r = run("train --config " + configs + "gpt_text.toml --steps 2 --sample 0 --no-progress");
+    CHECK_MESSAGE(r.exit_code == 0, r.output);
+  } else {
+    MESSAGE("gpt_text.toml not run: no /usr/share/games/fortunes");
+  }
+}
