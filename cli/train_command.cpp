@@ -142,110 +142,6 @@ optimizer_spec sgd_spec(double lr, double momentum) {
   return spec;
 }
 
-// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
-void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
-  auto refuse = [&](const char* flag, const char* why) {
-    ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
-  };
-  const bool tensors = !training::tensor_file_of(a.model.data).empty();
-  const bool images = !training::image_folder_of(a.model.data).empty();
-  if (a.nodes.empty()) {
-    for (const char* flag :
-         {"--on-node-loss", "--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
-      refuse(flag, "applies to stages on nodes (--nodes)");
-    }
-  } else if (a.on_node_loss != "continue") {
-    for (const char* flag : {"--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
-      refuse(flag, "applies to --on-node-loss continue");
-    }
-  }
-  if (!a.nodes.empty()) {
-    refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
-                              "step at a time");
-  }
-  if (a.replicas > 1) {
-    refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
-                              "take one step at a time");
-  }
-  ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
-  ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
-  if (images) {
-    refuse("--data-dir", "is Fashion-MNIST's folder; --data images:DIR names its own folder");
-    refuse("--train-samples", "applies to Fashion-MNIST (an image folder is used whole)");
-    refuse("--test-samples", "applies to Fashion-MNIST (an image folder is used whole)");
-    refuse("--augment", "applies to Fashion-MNIST: images:DIR always crops at random and flips");
-    refuse("--classes", "sets the synthetic data's classes: an image folder has a class per "
-                        "sub-folder");
-  } else {
-    refuse("--workers", "applies to --data images:DIR (the loader's threads)");
-    refuse("--channels", "applies to --data images:DIR");
-    refuse("--bad-images", "applies to --data images:DIR");
-  }
-  if (tensors) {
-    const char* stream = "does not apply to --data tensors:PATH, read as a stream of batches in "
-                         "file order: say how long to train with --steps";
-    refuse("--epochs", stream);
-    refuse("--warmup", "does not apply to --data tensors:PATH, which trains at a constant --lr");
-    refuse("--min-lr", "does not apply to --data tensors:PATH, which trains at a constant --lr");
-    refuse("--data-dir", "is Fashion-MNIST's folder; --data tensors:PATH names its own file");
-    refuse("--train-samples", "applies to Fashion-MNIST (a tensor file is used whole)");
-    refuse("--test-samples", "applies to Fashion-MNIST (a tensor file has no test set)");
-  } else {
-    refuse("--shuffle", "applies to --data tensors:PATH (other data has its own order)");
-    refuse("--loss", "applies to --data tensors:PATH (the other data sets decide their loss)");
-  }
-  if (setup.torchscript.empty()) {
-    refuse("--export", "writes a TorchScript model back: it needs --model PATH.pt");
-  } else {
-    refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
-  }
-  if (a.model.data != "fashion-mnist" && !images) {
-    refuse("--augment", "applies to Fashion-MNIST's images (random crops and flips)");
-  }
-  if (a.model.data != "text") {
-    refuse("--text-file", "applies to --data text (the text to train on)");
-    refuse("--sample", "applies to --data text (text written by the trained model)");
-  } else {
-    refuse("--data-dir", "is Fashion-MNIST's folder: give --data text its text with --text-file");
-    refuse("--train-samples", "applies to Fashion-MNIST (text: give a shorter --text-file)");
-    refuse("--test-samples", "applies to Fashion-MNIST (text holds out a tenth of every file)");
-  }
-  if (training::model_name(a.model) != "gpt") {
-    for (const char* flag : {"--layers", "--heads", "--width", "--context", "--dropout"}) {
-      refuse(flag, "sets a size of --model gpt, which this run does not train");
-    }
-  } else {
-    if (a.optimizer != "sgd") {
-      refuse("--momentum", "is SGD's: gpt trains with Adam (unless --optimizer sgd)");
-    }
-    refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");
-  }
-  if (a.model.data == "synthetic") {
-    const char* stream = "does not apply to --data synthetic, an endless stream of generated "
-                         "batches: say how long to train with --steps";
-    refuse("--epochs", stream);
-    refuse("--data-dir", "does not apply to --data synthetic (no files are read)");
-    refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
-    refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
-    refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
-    refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
-  } else if (!images) {
-    refuse("--image", "sets the side of synthetic images and of images:DIR; this data comes in "
-                      "its own shape");
-    refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
-  }
-  ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
-                  "--steps and --max-steps both give the steps of the run in all: give one");
-  ACTORPIPE_CHECK(choice.kind != schedule_kind::interleaved || choice.chunks > 1,
-                  "--schedule interleaved with --chunks ", choice.chunks,
-                  " interleaves nothing: give --chunks 2 or more, or --schedule 1f1b");
-  ACTORPIPE_CHECK(!choice.custom.empty() || placement_of(choice.kind) != chunk_placement::v_shape ||
-                    choice.chunks == 2,
-                  "--schedule ", choice.schedule_name,
-                  " runs two chunks per stage in a V: --chunks ", choice.chunks,
-                  " does not apply (leave it out, or give 2)");
-}
-
 // One loop for every kind of data (training/: train), then the reports.
 // What kind of run the flags ask for: the data and the model decide its defaults.
 struct run_kind {
@@ -605,80 +501,11 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   return 0;
 }
 
-// --devices as devices. With --stages auto they are the devices the planner may place stages on
-// (one stage each, in order; profiled on the first), so a GPU listed twice is refused: two
-// stages sharing it would not run side by side as the planner assumes.
-std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
-                                       const training::planning_args& plan) {
-  std::vector<c10::Device> devices;
-  for (const auto& d : names) {
-    try {
-      devices.emplace_back(d);
-    } catch (const std::exception&) {
-      throw invalid_argument(
-        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
-    }
-  }
-  if (!devices.empty() && plan.layout_auto()) {
-    ACTORPIPE_CHECK(!plan.threads_auto || !devices.front().is_cuda(),
-                    "--threads auto tries thread counts on this machine's cores: with stages on "
-                    "GPUs (--devices) leave it out");
-    for (std::size_t i = 0; i < devices.size(); ++i) {
-      for (std::size_t j = 0; j < i; ++j) {
-        ACTORPIPE_CHECK(!devices[i].is_cuda() || devices[i] != devices[j],
-                        "--stages auto: ", devices[i].str(),
-                        " is listed twice in --devices; the planner puts one stage on each "
-                        "device (stages sharing a GPU do not run side by side): list each GPU "
-                        "once, or give --stages");
-      }
-    }
-  }
-  return devices;
-}
-
-} // namespace
-
-int run_train(const train_args& given) {
-  auto a = given;
-  ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
-  ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
-  training::check_model_fits_data(a.model);
-  std::optional<text_corpus> corpus;
-  if (a.model.data == "text") {
-    corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
-    a.model.vocabulary = corpus->vocabulary();
-  }
-  auto setup = build_model(a.model);
-  if (a.plan.layout_auto()) {
-    const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
-    ACTORPIPE_CHECK(a.nodes.empty(), what,
-                    " plans stages on this machine's cores: with --nodes (one stage per node) "
-                    "give --stages");
-    ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
-                    what,
-                    " plans one pipeline on this machine's cores: with replicas (--replicas, "
-                    "--world-size) give --stages and --threads");
-  }
-  a.plan.devices = parse_devices(a.devices, a.plan);
-  auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
-  check_flags_apply(a, setup, choice);
-  auto po = pipeline_options_for(choice, a.plan);
-  po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
-  ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
-  po.max_grad_norm = a.max_grad_norm;
-  po.recompute = parse_recompute_mode(a.recompute);
-  po.precision = parse_precision(a.precision);
-  po.devices = a.plan.devices;
-  if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
-    // The devices of the stages the planner chose, in order.
-    po.devices.erase(po.devices.begin() + static_cast<std::ptrdiff_t>(choice.stages()),
-                     po.devices.end());
-  }
-  po.overlap_steps = a.overlap_steps;
-  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
-
-  auto& dp = po.data_parallel;
-  dp = data_parallel_from_env();
+// The replicas' options from the flags and the environment (torchrun's RANK, WORLD_SIZE, ...),
+// each checked against the others and the model.
+data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup,
+                                        const plan_choice& choice) {
+  auto dp = data_parallel_from_env();
   if (a.world_size > 0) {
     dp.replicas = static_cast<std::size_t>(a.world_size);
   }
@@ -747,6 +574,52 @@ int run_train(const train_args& given) {
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
                   "--batch (", setup.batch, ") must be a multiple of the ",
                   std::max(a.replicas, dp.replicas), " replicas");
+  return dp;
+}
+
+} // namespace
+
+int run_train(const train_args& given) {
+  auto a = given;
+  ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
+  ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
+  training::check_model_fits_data(a.model);
+  std::optional<text_corpus> corpus;
+  if (a.model.data == "text") {
+    corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
+    a.model.vocabulary = corpus->vocabulary();
+  }
+  auto setup = build_model(a.model);
+  if (a.plan.layout_auto()) {
+    const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
+    ACTORPIPE_CHECK(a.nodes.empty(), what,
+                    " plans stages on this machine's cores: with --nodes (one stage per node) "
+                    "give --stages");
+    ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
+                    what,
+                    " plans one pipeline on this machine's cores: with replicas (--replicas, "
+                    "--world-size) give --stages and --threads");
+  }
+  a.plan.devices = parse_devices(a.devices, a.plan);
+  auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
+  check_flags_apply(a, setup, choice);
+  auto po = pipeline_options_for(choice, a.plan);
+  po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
+  ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
+  po.max_grad_norm = a.max_grad_norm;
+  po.recompute = parse_recompute_mode(a.recompute);
+  po.precision = parse_precision(a.precision);
+  po.devices = a.plan.devices;
+  if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
+    // The devices of the stages the planner chose, in order.
+    po.devices.erase(po.devices.begin() + static_cast<std::ptrdiff_t>(choice.stages()),
+                     po.devices.end());
+  }
+  po.overlap_steps = a.overlap_steps;
+  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
+
+  po.data_parallel = data_parallel_for(a, setup, choice);
+  auto& dp = po.data_parallel;
   auto run_rank = [&](const model_setup& model, pipeline_options o) {
     return run_training(a, model, choice, std::move(o), corpus ? &*corpus : nullptr);
   };

@@ -1,63 +1,26 @@
-// `actorpipe train`'s flags: each one's help and the train_args field it fills
-// (cli/train_command.cpp runs the command).
+// `actorpipe train`'s flags: each one's help and the train_args field it fills, and the rules of
+// where a flag applies (cli/train_command.cpp runs the command).
 #include <CLI/CLI.hpp>
+
+#include <actorpipe/errors.hpp>
 
 #include "cli/flags.hpp"
 #include "cli/train_command.hpp"
 
 namespace actorpipe::cli {
 
-CLI::App* add_train_command(CLI::App& app, train_args& a) {
-  auto* cmd = app.add_subcommand(
-    "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
-             "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
-             "(random images, one-hot targets, MSE loss, SGD)");
-  add_model_flags(cmd, a.model);
-  add_pipeline_flags(cmd, a.plan);
-  auto opt = [&](const std::string& name, auto& value, const std::string& help) {
+namespace {
+
+// Adds an option to `cmd` whose help shows its default.
+auto option_adder(CLI::App* cmd) {
+  return [cmd](const std::string& name, auto& value, const std::string& help) {
     return cmd->add_option(name, value, help)->capture_default_str();
   };
-  opt("--data-dir", a.data_dir,
-      "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
-  opt("--text-file", a.text_file,
-      "--data text: a UTF-8 text file (or a folder of them) instead of Debian's fortunes "
-      "(/usr/share/games/fortunes); the last tenth of each file is held out for validation");
-  opt("--sample", a.sample,
-      "--data text: characters of text the trained model writes at the end (0: none)");
-  opt("--steps", a.steps,
-      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
-      "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
-  opt("--lr", a.lr,
-      "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
-      "at 3e-3 unless given)");
-  opt("--momentum", a.momentum,
-      "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic and tensor files)");
-  cmd
-    ->add_option("--loss", a.loss,
-                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
-                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
-                 "mse")
-    ->check(CLI::IsMember({"mse", "cross_entropy"}));
-  cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
-    ->check(CLI::IsMember({"sgd", "adam"}));
-  opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
-  cmd->add_flag("--nesterov", a.nesterov,
-                "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
-  opt("--min-lr", a.min_lr,
-      "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
-      "e.g. a hundredth of --lr)");
-  cmd->add_flag("--overlap-steps", a.overlap_steps,
-                "Overlap consecutive steps: each stage starts the next step as soon as it is done "
-                "with the one before (its optimizer steps early), the same parameters as without "
-                "(stages in this process; docs/schedules.md#overlapping-steps)");
-  cmd->add_flag("--shuffle", a.shuffle,
-                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
-                "every pass instead of in order");
-  opt("--export", a.export_path,
-      "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
-      "Python's torch.jit.load runs");
-  opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
+}
+
+// How each stage computes: recomputation, precision, devices, hooks, waits, the loader.
+void add_stage_flags(CLI::App* cmd, train_args& a) {
+  auto opt = option_adder(cmd);
   opt("--recompute", a.recompute,
       "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
       "always: keep only each stage's input between forward and backward and recompute the "
@@ -88,6 +51,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--workers", a.workers,
       "images:DIR: background threads decoding, cropping and flipping batches ahead of the "
       "pipeline (0: on the training thread)");
+}
+
+// What a run reads and writes: samples, checkpoints, metrics, progress.
+void add_run_flags(CLI::App* cmd, train_args& a) {
+  auto opt = option_adder(cmd);
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
   opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
   opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
@@ -101,6 +69,11 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   cmd->add_flag("--no-progress", a.no_progress,
                 "No progress bar (synthetic data: no line per step)");
   opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
+}
+
+// Replicas, ranks, nodes and their recovery, the replicas' synchronisation and BMUF.
+void add_distributed_flags(CLI::App* cmd, train_args& a) {
+  auto opt = option_adder(cmd);
   opt("--replicas", a.replicas,
       "Data parallelism in this process: replicas of the pipeline, each on batch/replicas "
       "samples, averaging gradients per stage (c10d Gloo)");
@@ -164,6 +137,62 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
                 "--sync bmuf: clear the optimizer's momentum after every block");
   opt("--bmuf-warmup", a.bmuf.warmup_steps,
       "--sync bmuf: steps each replica trains alone before all take rank 0's parameters");
+}
+
+} // namespace
+
+CLI::App* add_train_command(CLI::App& app, train_args& a) {
+  auto* cmd = app.add_subcommand(
+    "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
+             "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
+             "(random images, one-hot targets, MSE loss, SGD)");
+  add_model_flags(cmd, a.model);
+  add_pipeline_flags(cmd, a.plan);
+  auto opt = option_adder(cmd);
+  opt("--data-dir", a.data_dir,
+      "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
+  opt("--text-file", a.text_file,
+      "--data text: a UTF-8 text file (or a folder of them) instead of Debian's fortunes "
+      "(/usr/share/games/fortunes); the last tenth of each file is held out for validation");
+  opt("--sample", a.sample,
+      "--data text: characters of text the trained model writes at the end (0: none)");
+  opt("--steps", a.steps,
+      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
+      "data; Fashion-MNIST: all --epochs)");
+  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
+  opt("--lr", a.lr,
+      "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
+      "at 3e-3 unless given)");
+  opt("--momentum", a.momentum,
+      "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic and tensor files)");
+  cmd
+    ->add_option("--loss", a.loss,
+                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
+                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
+                 "mse")
+    ->check(CLI::IsMember({"mse", "cross_entropy"}));
+  cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
+    ->check(CLI::IsMember({"sgd", "adam"}));
+  opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
+  cmd->add_flag("--nesterov", a.nesterov,
+                "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
+  opt("--min-lr", a.min_lr,
+      "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
+      "e.g. a hundredth of --lr)");
+  cmd->add_flag("--overlap-steps", a.overlap_steps,
+                "Overlap consecutive steps: each stage starts the next step as soon as it is done "
+                "with the one before (its optimizer steps early), the same parameters as without "
+                "(stages in this process; docs/schedules.md#overlapping-steps)");
+  cmd->add_flag("--shuffle", a.shuffle,
+                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
+                "every pass instead of in order");
+  opt("--export", a.export_path,
+      "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
+      "Python's torch.jit.load runs");
+  opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
+  add_stage_flags(cmd, a);
+  add_run_flags(cmd, a);
+  add_distributed_flags(cmd, a);
   opt("--max-grad-norm", a.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
   cmd
@@ -176,6 +205,141 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "measured bubbles");
   a.given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };
   return cmd;
+}
+
+// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
+void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
+  auto refuse = [&](const char* flag, const char* why) {
+    ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
+  };
+  const bool tensors = !training::tensor_file_of(a.model.data).empty();
+  const bool images = !training::image_folder_of(a.model.data).empty();
+  if (a.nodes.empty()) {
+    for (const char* flag :
+         {"--on-node-loss", "--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+      refuse(flag, "applies to stages on nodes (--nodes)");
+    }
+  } else if (a.on_node_loss != "continue") {
+    for (const char* flag : {"--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+      refuse(flag, "applies to --on-node-loss continue");
+    }
+  }
+  if (!a.nodes.empty()) {
+    refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
+                              "step at a time");
+  }
+  if (a.replicas > 1) {
+    refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
+                              "take one step at a time");
+  }
+  ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
+  ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
+  if (images) {
+    refuse("--data-dir", "is Fashion-MNIST's folder; --data images:DIR names its own folder");
+    refuse("--train-samples", "applies to Fashion-MNIST (an image folder is used whole)");
+    refuse("--test-samples", "applies to Fashion-MNIST (an image folder is used whole)");
+    refuse("--augment", "applies to Fashion-MNIST: images:DIR always crops at random and flips");
+    refuse("--classes", "sets the synthetic data's classes: an image folder has a class per "
+                        "sub-folder");
+  } else {
+    refuse("--workers", "applies to --data images:DIR (the loader's threads)");
+    refuse("--channels", "applies to --data images:DIR");
+    refuse("--bad-images", "applies to --data images:DIR");
+  }
+  if (tensors) {
+    const char* stream = "does not apply to --data tensors:PATH, read as a stream of batches in "
+                         "file order: say how long to train with --steps";
+    refuse("--epochs", stream);
+    refuse("--warmup", "does not apply to --data tensors:PATH, which trains at a constant --lr");
+    refuse("--min-lr", "does not apply to --data tensors:PATH, which trains at a constant --lr");
+    refuse("--data-dir", "is Fashion-MNIST's folder; --data tensors:PATH names its own file");
+    refuse("--train-samples", "applies to Fashion-MNIST (a tensor file is used whole)");
+    refuse("--test-samples", "applies to Fashion-MNIST (a tensor file has no test set)");
+  } else {
+    refuse("--shuffle", "applies to --data tensors:PATH (other data has its own order)");
+    refuse("--loss", "applies to --data tensors:PATH (the other data sets decide their loss)");
+  }
+  if (setup.torchscript.empty()) {
+    refuse("--export", "writes a TorchScript model back: it needs --model PATH.pt");
+  } else {
+    refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
+  }
+  if (a.model.data != "fashion-mnist" && !images) {
+    refuse("--augment", "applies to Fashion-MNIST's images (random crops and flips)");
+  }
+  if (a.model.data != "text") {
+    refuse("--text-file", "applies to --data text (the text to train on)");
+    refuse("--sample", "applies to --data text (text written by the trained model)");
+  } else {
+    refuse("--data-dir", "is Fashion-MNIST's folder: give --data text its text with --text-file");
+    refuse("--train-samples", "applies to Fashion-MNIST (text: give a shorter --text-file)");
+    refuse("--test-samples", "applies to Fashion-MNIST (text holds out a tenth of every file)");
+  }
+  if (training::model_name(a.model) != "gpt") {
+    for (const char* flag : {"--layers", "--heads", "--width", "--context", "--dropout"}) {
+      refuse(flag, "sets a size of --model gpt, which this run does not train");
+    }
+  } else {
+    if (a.optimizer != "sgd") {
+      refuse("--momentum", "is SGD's: gpt trains with Adam (unless --optimizer sgd)");
+    }
+    refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");
+  }
+  if (a.model.data == "synthetic") {
+    const char* stream = "does not apply to --data synthetic, an endless stream of generated "
+                         "batches: say how long to train with --steps";
+    refuse("--epochs", stream);
+    refuse("--data-dir", "does not apply to --data synthetic (no files are read)");
+    refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
+    refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
+    refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
+    refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
+  } else if (!images) {
+    refuse("--image", "sets the side of synthetic images and of images:DIR; this data comes in "
+                      "its own shape");
+    refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
+  }
+  ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
+                  "--steps and --max-steps both give the steps of the run in all: give one");
+  ACTORPIPE_CHECK(choice.kind != schedule_kind::interleaved || choice.chunks > 1,
+                  "--schedule interleaved with --chunks ", choice.chunks,
+                  " interleaves nothing: give --chunks 2 or more, or --schedule 1f1b");
+  ACTORPIPE_CHECK(!choice.custom.empty() || placement_of(choice.kind) != chunk_placement::v_shape ||
+                    choice.chunks == 2,
+                  "--schedule ", choice.schedule_name,
+                  " runs two chunks per stage in a V: --chunks ", choice.chunks,
+                  " does not apply (leave it out, or give 2)");
+}
+
+// --devices as devices. With --stages auto they are the devices the planner may place stages on
+// (one stage each, in order; profiled on the first), so a GPU listed twice is refused: two
+// stages sharing it would not run side by side as the planner assumes.
+std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
+                                       const training::planning_args& plan) {
+  std::vector<c10::Device> devices;
+  for (const auto& d : names) {
+    try {
+      devices.emplace_back(d);
+    } catch (const std::exception&) {
+      throw invalid_argument(
+        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
+    }
+  }
+  if (!devices.empty() && plan.layout_auto()) {
+    ACTORPIPE_CHECK(!plan.threads_auto || !devices.front().is_cuda(),
+                    "--threads auto tries thread counts on this machine's cores: with stages on "
+                    "GPUs (--devices) leave it out");
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      for (std::size_t j = 0; j < i; ++j) {
+        ACTORPIPE_CHECK(!devices[i].is_cuda() || devices[i] != devices[j],
+                        "--stages auto: ", devices[i].str(),
+                        " is listed twice in --devices; the planner puts one stage on each "
+                        "device (stages sharing a GPU do not run side by side): list each GPU "
+                        "once, or give --stages");
+      }
+    }
+  }
+  return devices;
 }
 
 } // namespace actorpipe::cli
