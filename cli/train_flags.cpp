@@ -207,13 +207,16 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   return cmd;
 }
 
-// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
-void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
-  auto refuse = [&](const char* flag, const char* why) {
-    ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
-  };
-  const bool tensors = !training::tensor_file_of(a.model.data).empty();
-  const bool images = !training::image_folder_of(a.model.data).empty();
+namespace {
+
+// Refuses `flag`, saying `why`, when the command line gave it.
+void refuse_if_given(const train_args& a, const char* flag, const char* why) {
+  ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " ", why);
+}
+
+// The flags of stages on nodes, of their recovery and of overlapping steps, where they apply.
+void check_node_flags_apply(const train_args& a) {
+  auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
   if (a.nodes.empty()) {
     for (const char* flag :
          {"--on-node-loss", "--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
@@ -234,6 +237,16 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   }
   ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
   ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
+}
+
+} // namespace
+
+// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
+void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
+  auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
+  check_node_flags_apply(a);
+  const bool tensors = !training::tensor_file_of(a.model.data).empty();
+  const bool images = !training::image_folder_of(a.model.data).empty();
   if (images) {
     refuse("--data-dir", "is Fashion-MNIST's folder; --data images:DIR names its own folder");
     refuse("--train-samples", "applies to Fashion-MNIST (an image folder is used whole)");
