@@ -257,14 +257,14 @@ void advance(stage_actor_type self) {
     }
     auto start = clock_type::now();
     int64_t bytes = 0;
-    int first_mark = s.device->mark();
+    int first_mark = s.options.device_timing ? s.device->mark() : -1;
     try {
       bytes = run_action(self, a);
     } catch (const std::exception& e) {
       fail(self, e, a.microbatch);
       return;
     }
-    s.action_marks.emplace_back(first_mark, s.device->mark());
+    s.action_marks.emplace_back(first_mark, s.options.device_timing ? s.device->mark() : -1);
     auto end = clock_type::now();
     auto took = std::chrono::duration<double, std::milli>(end - start).count();
     if (log::get()->should_log(spdlog::level::trace)) {
@@ -366,10 +366,12 @@ void start_plan(stage_actor_type self, step_plan plan) {
   s.losses.clear();
   s.loss_positions.clear();
   s.action_marks.clear();
-  s.device->begin_timeline(
-    std::chrono::duration<double, std::milli>(
-      clock_type::now() - clock_type::time_point(std::chrono::nanoseconds(plan.origin_ns)))
-      .count());
+  if (s.options.device_timing) {
+    s.device->begin_timeline(
+      std::chrono::duration<double, std::milli>(
+        clock_type::now() - clock_type::time_point(std::chrono::nanoseconds(plan.origin_ns)))
+        .count());
+  }
   s.report.step = plan.step;
   s.report.stats.stage = s.options.index;
   s.report.stats.overlapped = follows;

@@ -616,6 +616,7 @@ int run_train(const train_args& given) {
                      po.devices.end());
   }
   po.overlap_steps = a.overlap_steps;
+  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 
   po.data_parallel = data_parallel_for(a, setup, choice);

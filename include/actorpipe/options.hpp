@@ -446,6 +446,10 @@ struct pipeline_options {
   /// the failed one would have set; both leave the pipeline as it was before the failed one.
   /// Stages in this process only (not on nodes). Off by default (docs/schedules.md).
   bool overlap_steps = false;
+  /// Stages on GPUs record timed CUDA events around every action, so that each
+  /// action_record has the device's times (device_start_ms, device_end_ms) beside the host's.
+  /// Off by default: four CUDA calls per action (`actorpipe train --trace` turns it on).
+  bool device_timing = false;
   /// Replicas of this pipeline (off by default).
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).

@@ -20,7 +20,7 @@ namespace actorpipe {
 
 struct stage_settings {
   /// The wire format's version: a node refuses settings of another.
-  static constexpr int version = 1;
+  static constexpr int version = 2;
 
   /// This stage actor's index among `count`, its chunks and which virtual stage each chunk is.
   std::size_t index = 0;
@@ -39,6 +39,8 @@ struct stage_settings {
   loss_reduction reduction = loss_reduction::mean;
   /// Report the sum of squared gradients (global-norm clipping).
   bool report_gradient_norm = false;
+  /// Time every action on the device too (pipeline_options::device_timing).
+  bool device_timing = false;
   recompute_mode recompute = recompute_mode::never;
   precision_mode precision = precision_mode::fp32;
   /// Replicas: buffers after a step, synchronised batch norm, BMUF (block_steps > 0; its block
@@ -62,6 +64,7 @@ void visit_fields(Settings& s, F&& f) {
   f("linger", s.linger);
   f("reduction", s.reduction);
   f("report_gradient_norm", s.report_gradient_norm);
+  f("device_timing", s.device_timing);
   f("recompute", s.recompute);
   f("precision", s.precision);
   f("buffers", s.buffers);
@@ -92,6 +95,7 @@ inline stage_settings stage_settings_for(const pipeline_options& o, std::size_t 
   s.linger = o.linger;
   s.reduction = o.reduction;
   s.report_gradient_norm = o.max_grad_norm > 0;
+  s.device_timing = o.device_timing;
   s.recompute = o.recompute;
   s.precision = o.precision;
   s.buffers = o.data_parallel.buffers;

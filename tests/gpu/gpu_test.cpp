@@ -304,8 +304,9 @@ TEST_CASE("gpu: a batch already on the GPU trains as one on the host, and every 
   schedule_setting one_f_one_b{schedule_kind::one_f_one_b, 1};
   pipeline host(sys, from_host, partition_uniform(from_host.size(), 2),
                 options_for(one_f_one_b, {gpu, gpu}));
-  pipeline device(sys, from_gpu, partition_uniform(from_gpu.size(), 2),
-                  options_for(one_f_one_b, {gpu, gpu}));
+  auto timed = options_for(one_f_one_b, {gpu, gpu});
+  timed.device_timing = true;
+  pipeline device(sys, from_gpu, partition_uniform(from_gpu.size(), 2), timed);
   for (int step = 0; step < 2; ++step) {
     auto a = host.train_step(x, t);
     auto b = device.train_step(x.to(gpu) * 1.0, t.to(gpu)); // made on the caller's stream

@@ -1114,6 +1114,7 @@ stage_settings unusual_settings() {
   s.linger = 0us;
   s.reduction = loss_reduction::sum;
   s.report_gradient_norm = true;
+  s.device_timing = true;
   s.recompute = recompute_mode::always;
   s.precision = precision_mode::bf16;
   s.buffers = buffer_sync::average;
@@ -1140,7 +1141,7 @@ TEST_CASE("stage settings cross to a node whole: every field, with a version, ch
   auto sent = unusual_settings();
   auto defaults = fields_of(stage_settings{});
   auto unusual = fields_of(sent);
-  REQUIRE(unusual.size() == 21);
+  REQUIRE(unusual.size() == 22);
   for (const auto& [name, value] : unusual) {
     CAPTURE(name);
     CHECK(value != defaults.at(name));
@@ -1159,6 +1160,7 @@ TEST_CASE("stage settings cross to a node whole: every field, with a version, ch
   auto other = j;
   other["version"] = 99;
   CHECK(refused(other).find("settings of version 99") != std::string::npos);
+  CHECK(j.at("version") == stage_settings::version);
   auto missing = j;
   missing.erase("linger");
   CHECK(refused(missing).find("field 'linger' is missing") != std::string::npos);
