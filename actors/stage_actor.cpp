@@ -264,7 +264,9 @@ void advance(stage_actor_type self) {
       fail(self, e, a.microbatch);
       return;
     }
-    s.action_marks.emplace_back(first_mark, s.options.device_timing ? s.device->mark() : -1);
+    if (s.options.device_timing) {
+      s.action_marks.emplace_back(first_mark, s.device->mark());
+    }
     auto end = clock_type::now();
     auto took = std::chrono::duration<double, std::milli>(end - start).count();
     if (log::get()->should_log(spdlog::level::trace)) {

@@ -76,7 +76,8 @@ struct stage_state {
   // The last stage's losses of this step's micro-batches, in the order computed, and which.
   std::vector<torch::Tensor> losses;
   std::vector<std::size_t> loss_positions;
-  // The device's marks around each action of the report (stages/device.hpp's timeline).
+  // With options.device_timing: the device's marks around each action of the report
+  // (stages/device.hpp's timeline), in the report's order.
   std::vector<std::pair<int, int>> action_marks;
   std::size_t live = 0;
   std::size_t peak_live = 0;

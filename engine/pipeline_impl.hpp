@@ -243,10 +243,7 @@ struct pipeline::impl {
     if (gradients) {
       throw pipeline_error("named_gradients: the gradients of stages on nodes stay on the nodes");
     }
-    auto request = std::make_shared<scheduler::step_request>();
-    request->kind = scheduler::request_kind::fetch;
-    auto future = submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
-      std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
+    auto future = submit_fetch(/*background=*/false);
     auto all = wait(future, "named_parameters");
     std::vector<std::pair<std::string, torch::Tensor>> result;
     for (const auto& st : stages) {

@@ -21,6 +21,17 @@ namespace {
 
 constexpr const char* manifest_format = "actorpipe-checkpoint-1";
 
+// Writes `text` to `file`; an io error naming it when that fails.
+void write_text(const fs::path& file, const std::string& text) {
+  std::ofstream out(file);
+  out << text;
+  out.flush();
+  if (!out) {
+    throw pipeline_error(detail::concat("cannot write '", file.string(), "'"),
+                         error_details{error_kind::io});
+  }
+}
+
 // Test hook: ACTORPIPE_FAULT=checkpoint-before-rename kills the process (SIGKILL, as kill -9)
 // after a checkpoint's files are written but before it is published.
 void maybe_die(const char* point) {
@@ -65,23 +76,9 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
                    {"seed", manifest.seed},       {"batch_size", manifest.batch_size},
                    {"dataset", manifest.dataset}, {"stage_files", pipe.stages()}};
   if (!manifest.settings.empty()) {
-    std::ofstream out(tmp / "run.toml");
-    out << manifest.settings;
-    out.flush();
-    if (!out) {
-      throw pipeline_error(detail::concat("cannot write '", (tmp / "run.toml").string(), "'"),
-                           error_details{error_kind::io});
-    }
+    write_text(tmp / "run.toml", manifest.settings);
   }
-  {
-    std::ofstream out(tmp / "manifest.json");
-    out << j.dump(2) << '\n';
-    out.flush();
-    if (!out) {
-      throw pipeline_error(detail::concat("cannot write '", (tmp / "manifest.json").string(), "'"),
-                           error_details{error_kind::io});
-    }
-  }
+  write_text(tmp / "manifest.json", j.dump(2) + "\n");
   maybe_die("checkpoint-before-rename");
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);
@@ -150,6 +147,11 @@ namespace {
 // key -> value of the `key=value` lines of TOML text, blanks, sections and other comments
 // skipped. A commented `# key=value` is a default (--print-config writes defaults so) and counts.
 std::map<std::string, std::string> settings_lines(const std::string& text) {
+  auto trim = [](const std::string& s) {
+    auto b = s.find_first_not_of(" \t");
+    auto e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string{} : s.substr(b, e - b + 1);
+  };
   std::map<std::string, std::string> out;
   std::istringstream in(text);
   std::string line;
@@ -162,11 +164,6 @@ std::map<std::string, std::string> settings_lines(const std::string& text) {
     if (line.empty() || line[0] == '#' || line[0] == '[' || eq == std::string::npos) {
       continue;
     }
-    auto trim = [](std::string s) {
-      auto b = s.find_first_not_of(" \t");
-      auto e = s.find_last_not_of(" \t\r");
-      return b == std::string::npos ? std::string{} : s.substr(b, e - b + 1);
-    };
     out[trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
   }
   return out;
