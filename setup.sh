@@ -23,6 +23,7 @@ packages=(
   libboost-dev            # Boost.Asio
   libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libssl-dev libbenchmark-dev
   libstb-dev              # stb_image: JPEG/PNG decoding for --data images:DIR
+  pybind11-dev python3-dev  # the Python module `actorpipe` (python/, docs/python.md)
   dataset-fashion-mnist   # the real data of the main job
   fortunes                # the real text of --data text (/usr/share/games/fortunes)
 )
@@ -94,7 +95,7 @@ pip_torch() {
 }
 # The targets CI builds on that line: every library (libtorch_cuda, NCCL), the program, the GPU
 # tests and the CPU tests that run against it.
-cuda_targets="actorpipe_cli gpu_test pipeline_test"
+cuda_targets="actorpipe_cli gpu_test pipeline_test actorpipe_python"
 build_cuda() {
   pip_torch
   local torch_dir

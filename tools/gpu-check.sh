@@ -84,8 +84,24 @@ unpack() {
   fi
 }
 
+# The Python module needs Python's headers (pybind11 comes with torch's); without them it is not
+# built, and its tests are not registered.
+python_module() {
+  python3 -c 'import os, sysconfig
+raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' &&
+    echo ON || echo OFF
+}
+
 configure_and_build() {
-  local torch_dir lib=$root/usr/lib/x86_64-linux-gnu generator=()
+  local torch_dir lib=$root/usr/lib/x86_64-linux-gnu generator=() python targets=()
+  python=$(python_module)
+  # zlib: the machine's shared one (the gathered zlib1g-dev's libz.so points to a runtime not
+  # gathered, and its libz.a is not position-independent, which the Python module needs).
+  local zlib
+  zlib=$(ls /lib/x86_64-linux-gnu/libz.so.1 /usr/lib/x86_64-linux-gnu/libz.so.1 /usr/lib64/libz.so.1 \
+    2>/dev/null | head -1)
+  [[ $python == ON ]] && targets=(actorpipe_python)
+  echo "the Python module: $python"
   torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
   # Ninja where there is one, unless build-gpu/ was configured before (its generator stays).
   [[ ! -f build-gpu/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
@@ -94,9 +110,11 @@ configure_and_build() {
     -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$root/usr;$lib/cmake;$root/usr/share/cmake" \
     -DCMAKE_LIBRARY_PATH="$torch_dir/lib;$lib" -DCMAKE_INCLUDE_PATH="$root/usr/include" \
     -DCMAKE_CXX_FLAGS="-isystem $root/usr/include" \
-    -DCMAKE_EXE_LINKER_FLAGS="-L$lib -Wl,-rpath,$lib" -DACTORPIPE_PYTHON="$(command -v python3)" &&
+    -DCMAKE_EXE_LINKER_FLAGS="-L$lib -Wl,-rpath,$lib" -DACTORPIPE_PYTHON="$(command -v python3)" \
+    -DCMAKE_MODULE_LINKER_FLAGS="-L$lib -Wl,-rpath,$lib" -DACTORPIPE_BUILD_PYTHON="$python" \
+    ${zlib:+-DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib"} &&
     cmake --build build-gpu -j"$(nproc)" --target actorpipe_cli gpu_test pipeline_test \
-      actorpipe_gpu_bench
+      actorpipe_gpu_bench "${targets[@]}"
 }
 
 gpu_tests() {

@@ -17,6 +17,17 @@ foreach(file include/actorpipe/actorpipe.hpp lib/cmake/ActorPipe/ActorPipeConfig
     message(FATAL_ERROR "install did not put ${file} into ${prefix}")
   endif()
 endforeach()
+# The Python package, where that Python finds it under the prefix: it imports and trains.
+if(PYTHON_DIR)
+  set(script "import torch, actorpipe
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+p = actorpipe.Pipeline(m, stages=2, microbatches=2)
+loss = p.train_step(torch.randn(6, 4), torch.randn(6, 2))
+assert loss > 0, loss
+print('installed actorpipe trains:', loss, actorpipe.__file__)")
+  run_step("the installed Python package" ${CMAKE_COMMAND} -E env
+    PYTHONPATH=${prefix}/${PYTHON_DIR} PYTHONDONTWRITEBYTECODE=1 ${PYTHON} -c "${script}")
+endif()
 find_program(CCACHE ccache)
 set(launcher)
 if(CCACHE)

@@ -1,0 +1,389 @@
+"""actorpipe.Pipeline: the Python face of the engine's pipeline (python/python_pipeline.hpp)."""
+import atexit
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+
+import torch
+
+from . import _actorpipe
+
+_OPTIMIZERS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"}, "adam": {"lr", "weight_decay"}}
+_LOSSES = ("mse", "cross_entropy")
+_FORMAT = 1
+_live = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _quiet_jit():
+    """PyTorch 2.x marks torch.jit deprecated; TorchScript is still how a model reaches the C++
+    engine (docs/python.md), so the module's own calls say nothing about it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def _script_bytes(obj, what):
+    with _quiet_jit():
+        return _script_bytes_of(obj, what)
+
+
+def _script_bytes_of(obj, what):
+    """The bytes of a TorchScript file of `obj`: a path, a ScriptModule or ScriptFunction, or an
+    nn.Module that torch.jit.script accepts."""
+    if isinstance(obj, (bytes, bytearray)):
+        return bytes(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj, "rb") as f:
+            return f.read()
+    if isinstance(obj, torch.jit.ScriptFunction):
+        return obj.save_to_buffer()
+    if isinstance(obj, torch.nn.Module) and not isinstance(obj, torch.jit.ScriptModule):
+        try:
+            obj = torch.jit.script(obj)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TypeError(
+                f"{what}: {type(obj).__name__} cannot be scripted ({first}); the stages run "
+                f"TorchScript on threads of their own, without the GIL"
+            ) from e
+    if isinstance(obj, torch.jit.ScriptModule):
+        buffer = io.BytesIO()
+        torch.jit.save(obj, buffer)
+        return buffer.getvalue()
+    raise TypeError(f"{what}: expected a TorchScript module or a path, not {type(obj).__name__}")
+
+
+def _python_function(obj):
+    return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.jit.ScriptFunction))
+
+
+def _loss_of(loss):
+    """(built-in name, scripted module bytes)."""
+    if isinstance(loss, str):
+        if loss not in _LOSSES:
+            raise ValueError(f"loss: unknown built-in '{loss}' (choose {' or '.join(_LOSSES)}, "
+                             f"or give a scripted module)")
+        return loss, b""
+    if _python_function(loss):
+        name = getattr(loss, "__name__", type(loss).__name__)
+        raise TypeError(
+            f"loss: {name} is a Python function, which would need the GIL on a stage's thread; "
+            f"give 'mse', 'cross_entropy', or TorchScript (torch.jit.script of an nn.Module or "
+            f"a function taking (output, target))")
+    return "mse", _script_bytes(loss, "loss")
+
+
+def _hook_of(hook, where):
+    """(built-in, TorchScript bytes, name) of a hook: None, "clamp:V", "check_finite", or a
+    scripted module whose forward(x) returns the tensor to send on."""
+    if hook is None:
+        return "", b"", ""
+    if isinstance(hook, str):
+        return hook, b"", hook
+    if _python_function(hook):
+        name = getattr(hook, "__name__", type(hook).__name__)
+        raise TypeError(f"{where}: {name} is a Python function, which would need the GIL on a "
+                        f"stage's thread; give a built-in ('clamp:V', 'check_finite') or a "
+                        f"scripted nn.Module")
+    return "", _script_bytes(hook, where), f"{where} ({type(hook).__name__})"
+
+
+def _optimizer_of(optimizer):
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer: a torch.optim object holds a Python model's parameters; the "
+                        "stages build their own from ('sgd' or 'adam', {'lr': ...})")
+    if isinstance(optimizer, str):
+        name, args = optimizer, {}
+    else:
+        try:
+            name, args = optimizer
+        except (TypeError, ValueError):
+            raise TypeError(f"optimizer: expected ('sgd' or 'adam', {{settings}}), not "
+                            f"{optimizer!r}") from None
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown '{name}' (choose sgd or adam)")
+    unknown = sorted(set(args) - _OPTIMIZERS[name])
+    if unknown:
+        raise ValueError(f"optimizer: {name} takes {', '.join(sorted(_OPTIMIZERS[name]))}, not "
+                         f"{', '.join(unknown)}")
+    return name, dict(args)
+
+
+class StepFuture:
+    """A training step under way (Pipeline.train_step_async)."""
+
+    def __init__(self, future):
+        self._future = future
+        self._stats = None
+
+    def done(self):
+        return self._future.done()
+
+    def result(self, timeout=None):
+        """The step's loss; raises PipelineError when the step failed, TimeoutError when it has
+        not finished within `timeout` seconds. Waits without the GIL."""
+        if self._stats is None:
+            if not self._future.wait(-1.0 if timeout is None else float(timeout)):
+                raise TimeoutError(f"the step did not finish within {timeout} s")
+            self._stats = self._future.get()
+        return self._stats["loss"]
+
+    def stats(self):
+        """The step's result as Pipeline.stats()["step"] gives it (waits for it)."""
+        self.result()
+        return self._stats
+
+
+def _devices_of(devices, stages):
+    if devices is None:
+        return []
+    if isinstance(devices, (str, torch.device)):
+        if not stages:
+            raise ValueError("devices: one device for every stage needs a stage count; with "
+                             "stages='auto' give the list the planner may use")
+        return [str(devices)] * stages
+    return [str(d) for d in devices]
+
+
+class Pipeline:
+    """A TorchScript nn.Sequential cut into stage actors that train it as one model would.
+
+    model: a torch.jit.ScriptModule of an nn.Sequential (an nn.Sequential is scripted here; a
+      path to a file of torch.jit.save works too). Its children are the layers a cut falls
+      between; nested Sequentials are flattened.
+    stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
+      the planner profiles the layers on `example` and runs the fastest layout it simulates.
+    microbatches: per step (default 4; with stages="auto" or schedule="auto" the planner's).
+    schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "v-half" or "auto".
+    chunks: model chunks per stage (interleaved; the V schedules take 2 by themselves).
+    partition: "uniform" (layer counts), "params", "time" (profiled on `example`) or "cut:I,J".
+    optimizer: ("sgd", {"lr", "momentum", "weight_decay", "nesterov"}) or ("adam", {"lr",
+      "weight_decay"}): each stage steps its own over its own parameters.
+    loss: "mse", "cross_entropy", or TorchScript taking (output, target). A Python function is
+      refused: it would need the GIL on a stage's thread.
+    devices: one per stage ("cpu", "cuda:0", ...), or one for all.
+    threads: intra-op threads per stage (0: the cores divided among the stages).
+    recompute: "never", "except_last", "always". precision: "fp32" or "bf16".
+    max_grad_norm: global gradient-norm clipping (0: none).
+    after_forward, after_backward: a hook on every stage: "clamp:V", "check_finite", or a
+      scripted module whose forward(x) returns the tensor to send on.
+    nodes: "host:port" of `actorpipe node` processes, one per stage (replica after replica);
+      secret: their shared secret.
+    replicas: data-parallel replicas (in this process, or on nodes); a batch is split among them
+      and their gradients averaged, so a step equals one pipeline's on the whole batch.
+    wait_timeout, step_timeout: seconds a stage waits for a neighbour, and a step may take.
+    example: a batch like the ones to come, for stages="auto", schedule="auto",
+      partition="time".
+    """
+
+    def __init__(self, model, *, stages=2, microbatches=None, schedule="1f1b", chunks=1,
+                 partition="uniform", optimizer=("sgd", {"lr": 0.05}), loss="mse", devices=None,
+                 threads=0, recompute="never", precision="fp32", max_grad_norm=0.0,
+                 after_forward=None, after_backward=None, nodes=None, secret="", replicas=1,
+                 wait_timeout=60.0, step_timeout=600.0, warm_memory=True, example=None):
+        auto = stages == "auto"
+        if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(f"microbatches: a count >= 1, not {microbatches!r}")
+        opt_name, opt_args = _optimizer_of(optimizer)
+        loss_name, loss_bytes = _loss_of(loss)
+        c = _actorpipe.Config()
+        c.model = _script_bytes(model, "model")
+        c.model_name = os.path.basename(str(model)) if isinstance(model, (str, os.PathLike)) \
+            else type(model).__name__
+        c.stages = 0 if auto else stages
+        c.microbatches = microbatches or 0
+        c.schedule, c.chunks, c.partition = schedule, chunks, partition
+        c.optimizer = opt_name
+        for key, value in opt_args.items():
+            setattr(c, key, value)
+        c.loss, c.loss_module = loss_name, loss_bytes
+        c.devices = _devices_of(devices, None if auto else stages)
+        c.threads, c.warm_memory = threads, warm_memory
+        c.recompute, c.precision, c.max_grad_norm = recompute, precision, float(max_grad_norm)
+        hooks = (_hook_of(after_forward, "after_forward"), _hook_of(after_backward, "after_backward"))
+        c.set_after_forward(hooks[0])
+        c.set_after_backward(hooks[1])
+        c.nodes, c.secret, c.replicas = list(nodes or []), secret, replicas
+        c.wait_timeout, c.step_timeout = float(wait_timeout), float(step_timeout)
+        if example is not None:
+            c.example = example
+        self._config = c
+        self._hooks = hooks
+        self._p = _actorpipe.Pipeline(c)
+        # What save() writes and load() rebuilds from: the layout the planner chose, fixed.
+        layout = self._p.layout()
+        self._settings = dict(
+            stages=layout["stages"], microbatches=layout["microbatches"],
+            schedule=layout["schedule"], chunks=layout["chunks"],
+            partition="cut:" + ",".join(str(b) for b in layout["bounds"][1:-1])
+            if len(layout["bounds"]) > 2 else "uniform",
+            optimizer=[opt_name, opt_args], loss=loss_name, devices=list(c.devices),
+            threads=threads, recompute=recompute, precision=precision,
+            max_grad_norm=float(max_grad_norm), nodes=list(c.nodes), replicas=replicas,
+            wait_timeout=float(wait_timeout), step_timeout=float(step_timeout),
+            warm_memory=warm_memory)
+        _live.add(self)
+
+    # Training and inference.
+    def train_step(self, inputs, targets):
+        """One step on a batch (batch dimension first); returns the batch's loss as a float.
+        Raises PipelineError (a failed step changes no parameter) or ValueError."""
+        return self._p.train_step(inputs, targets)["loss"]
+
+    def train_step_async(self, inputs, targets):
+        """Starts a step and returns a StepFuture at once; steps run in call order."""
+        return StepFuture(self._p.train_step_async(inputs, targets))
+
+    def forward(self, inputs):
+        """Forward only (no gradients, eval mode); the outputs on the last stage's device."""
+        return self._p.forward(inputs)
+
+    __call__ = forward
+
+    def set_learning_rate(self, lr):
+        """Every stage's learning rate from the next step on."""
+        self._p.set_learning_rate(float(lr))
+
+    # The model.
+    def named_parameters(self):
+        """Copies of the parameters, named as the nn.Sequential's state_dict names them."""
+        return list(self._p.named_parameters())
+
+    def parameters(self):
+        return [t for _, t in self.named_parameters()]
+
+    def module(self):
+        """The model as a torch.jit.ScriptModule with the trained parameters and buffers."""
+        with tempfile.TemporaryDirectory(prefix="actorpipe-") as d:
+            path = os.path.join(d, "model.pt")
+            self._p.save_torchscript(path)
+            with _quiet_jit():
+                return torch.jit.load(path)
+
+    def stats(self):
+        """The layout (stages, bounds, schedule, micro-batches, threads, parameters per stage)
+        and the newest finished step's figures (loss, wall_ms, per-stage times and stash)."""
+        return {"layout": self._p.layout(), "step": self._p.last_result()}
+
+    @property
+    def stages(self):
+        return self._p.layout()["stages"]
+
+    # Files.
+    def save(self, path):
+        """Writes parameters, buffers and optimizer state (one file per stage), the model and the
+        settings to the folder `path`. The folder is replaced only once all is written."""
+        path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".actorpipe-save-", dir=parent)
+        try:
+            self._p.save_state(work)
+            files = {"model": "model.pt"}
+            with open(os.path.join(work, "model.pt"), "wb") as f:
+                f.write(self._config.model)
+            if self._config.loss_module:
+                files["loss"] = "loss.pt"
+                with open(os.path.join(work, "loss.pt"), "wb") as f:
+                    f.write(self._config.loss_module)
+            hooks = {}
+            for (builtin, script, _), where in zip(self._hooks, ("after_forward", "after_backward")):
+                if script:
+                    hooks[where] = where + ".pt"
+                    with open(os.path.join(work, where + ".pt"), "wb") as f:
+                        f.write(script)
+                elif builtin:
+                    hooks[where] = builtin
+            manifest = {"format": _FORMAT, "settings": self._settings, "files": files,
+                        "hooks": hooks, "torch": torch.__version__}
+            with open(os.path.join(work, "actorpipe.json"), "w") as f:
+                json.dump(manifest, f, indent=2)
+            _replace_folder(work, path)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+
+    @classmethod
+    def load(cls, path, **overrides):
+        """A pipeline of what save() wrote, with its state; keyword arguments override the
+        saved settings (another stage count, say: the state loads into any cut)."""
+        path = os.fspath(path)
+        manifest_path = os.path.join(path, "actorpipe.json")
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no actorpipe.json (not a folder Pipeline.save "
+                                    f"wrote)") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{manifest_path}: not JSON ({e})") from None
+        if manifest.get("format") != _FORMAT:
+            raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, this actorpipe "
+                             f"reads {_FORMAT}")
+        settings = dict(manifest["settings"])
+        settings["optimizer"] = tuple(settings["optimizer"])
+        files = manifest["files"]
+        with _quiet_jit():
+            if "loss" in files:
+                settings["loss"] = torch.jit.load(os.path.join(path, files["loss"]))
+            for where, hook in manifest.get("hooks", {}).items():
+                settings[where] = torch.jit.load(os.path.join(path, hook)) \
+                    if hook.endswith(".pt") else hook
+        if "stages" in overrides and "partition" not in overrides:
+            settings["partition"] = "uniform"
+        settings.update(overrides)
+        pipe = cls(os.path.join(path, files["model"]), **settings)
+        pipe._p.load_state(path)
+        return pipe
+
+    # Lifetime.
+    def close(self):
+        """Stops the stage actors; later calls raise ValueError. Also at interpreter exit."""
+        self._p.close()
+
+    def __del__(self):
+        # Stopping the stages waits for their threads: without the GIL (close() releases it),
+        # never in the C++ destructor, which would run holding it.
+        p = getattr(self, "_p", None)
+        if p is not None:
+            p.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        layout = self._p.layout()
+        return (f"actorpipe.Pipeline(stages={layout['stages']}, "
+                f"microbatches={layout['microbatches']}, schedule='{layout['schedule']}', "
+                f"bounds={layout['bounds']})")
+
+
+def _replace_folder(work, path):
+    old = None
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"{path}: exists and is not a folder")
+        old = tempfile.mkdtemp(prefix=".actorpipe-old-", dir=os.path.dirname(os.path.abspath(path)))
+        os.rmdir(old)
+        os.rename(path, old)
+    os.rename(work, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@atexit.register
+def _shutdown():
+    for pipe in list(_live):
+        pipe.close()
+    _actorpipe.release_engine()

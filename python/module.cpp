@@ -1,0 +1,216 @@
+// actorpipe._actorpipe: the C++ side of `import actorpipe` (python/actorpipe/__init__.py is the
+// API users see). Tensors cross as torch's own (libtorch_python's casters: no copies); every call
+// that waits for or runs stage actors releases the GIL first.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
+
+#include "python_pipeline.hpp"
+
+namespace py = pybind11;
+
+namespace actorpipe::python {
+namespace {
+
+template <class T>
+py::object optional_of(const std::optional<T>& value) {
+  return value ? py::cast(*value) : py::none();
+}
+
+// As python/actorpipe/_errors.py's PipelineError, which carries the engine's fields.
+void raise_pipeline_error(const pipeline_error& e) {
+  try {
+    auto type = py::module_::import("actorpipe._errors").attr("PipelineError");
+    auto node = e.node().empty() ? py::none() : py::cast(e.node());
+    auto error = type(e.what(), to_string(e.kind()), optional_of(e.stage()),
+                      optional_of(e.microbatch()), optional_of(e.step()), node);
+    PyErr_SetObject(type.ptr(), error.ptr());
+  } catch (const py::error_already_set&) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+}
+
+void translate(std::exception_ptr failure) {
+  try {
+    if (failure) {
+      std::rethrow_exception(failure);
+    }
+  } catch (const pipeline_error& e) {
+    raise_pipeline_error(e);
+  } catch (const invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  }
+}
+
+py::dict stats_of(const step_result& r) {
+  py::list stages;
+  for (const auto& s : r.stages) {
+    py::dict stage;
+    stage["stage"] = s.stage;
+    stage["forward_ms"] = s.forward_ms;
+    stage["backward_ms"] = s.backward_ms;
+    stage["wait_ms"] = s.wait_ms;
+    stage["optimizer_ms"] = s.optimizer_ms;
+    stage["peak_stash"] = s.peak_stash;
+    stage["peak_stash_bytes"] = s.peak_stash_bytes;
+    stage["recomputed"] = s.recomputed;
+    stages.append(stage);
+  }
+  py::dict result;
+  result["step"] = r.step;
+  result["loss"] = r.loss;
+  result["grad_norm"] = r.grad_norm;
+  result["wall_ms"] = r.wall_ms;
+  result["stages"] = stages;
+  return result;
+}
+
+py::dict layout_of(const pipeline_layout& l) {
+  py::dict layout;
+  layout["stages"] = l.stages;
+  layout["bounds"] = l.bounds;
+  layout["schedule"] = l.schedule;
+  layout["microbatches"] = l.microbatches;
+  layout["chunks"] = l.chunks;
+  layout["threads_per_stage"] = l.threads;
+  layout["stage_parameters"] = l.parameters;
+  return layout;
+}
+
+// A hook as (built-in name, TorchScript bytes, name); empty strings where absent.
+void set_hook(hook_spec& hook, const std::tuple<std::string, py::bytes, std::string>& value) {
+  hook.builtin = std::get<0>(value);
+  hook.torchscript = std::get<1>(value);
+  hook.name = std::get<2>(value);
+}
+
+std::chrono::milliseconds millis(double seconds) {
+  ACTORPIPE_CHECK(seconds > 0, "timeouts must be > 0 seconds, not ", seconds);
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000 + 0.5));
+}
+
+void bind_config(py::module_& m) {
+  using c = pipeline_config;
+  py::class_<c>(m, "Config", "A pipeline's settings as plain values (see actorpipe.Pipeline).")
+    .def(py::init<>())
+    .def_property(
+      "model", [](const c& x) { return py::bytes(x.model); },
+      [](c& x, py::bytes b) { x.model = b; })
+    .def_readwrite("model_name", &c::model_name)
+    .def_readwrite("stages", &c::stages)
+    .def_readwrite("microbatches", &c::microbatches)
+    .def_readwrite("schedule", &c::schedule)
+    .def_readwrite("chunks", &c::chunks)
+    .def_readwrite("partition", &c::partition)
+    .def_property(
+      "optimizer", [](const c& x) { return x.optimizer.name; },
+      [](c& x, const std::string& name) { x.optimizer.name = name; })
+    .def_property(
+      "lr", [](const c& x) { return x.optimizer.lr; }, [](c& x, double v) { x.optimizer.lr = v; })
+    .def_property(
+      "momentum", [](const c& x) { return x.optimizer.momentum; },
+      [](c& x, double v) { x.optimizer.momentum = v; })
+    .def_property(
+      "weight_decay", [](const c& x) { return x.optimizer.weight_decay; },
+      [](c& x, double v) { x.optimizer.weight_decay = v; })
+    .def_property(
+      "nesterov", [](const c& x) { return x.optimizer.nesterov; },
+      [](c& x, bool v) { x.optimizer.nesterov = v; })
+    .def_readwrite("loss", &c::loss)
+    .def_property(
+      "loss_module", [](const c& x) { return py::bytes(x.loss_module); },
+      [](c& x, py::bytes b) { x.loss_module = b; })
+    .def_readwrite("devices", &c::devices)
+    .def_readwrite("threads", &c::threads)
+    .def_readwrite("warm_memory", &c::warm_memory)
+    .def_readwrite("recompute", &c::recompute)
+    .def_readwrite("precision", &c::precision)
+    .def_readwrite("max_grad_norm", &c::max_grad_norm)
+    .def("set_after_forward",
+         [](c& x, const std::tuple<std::string, py::bytes, std::string>& h) {
+           set_hook(x.hooks.after_forward, h);
+         })
+    .def("set_after_backward",
+         [](c& x, const std::tuple<std::string, py::bytes, std::string>& h) {
+           set_hook(x.hooks.after_backward, h);
+         })
+    .def_readwrite("nodes", &c::nodes)
+    .def_readwrite("secret", &c::secret)
+    .def_readwrite("replicas", &c::replicas)
+    .def_property(
+      "wait_timeout", [](const c& x) { return x.wait_timeout.count() / 1000.0; },
+      [](c& x, double s) { x.wait_timeout = millis(s); })
+    .def_property(
+      "step_timeout", [](const c& x) { return x.step_timeout.count() / 1000.0; },
+      [](c& x, double s) { x.step_timeout = millis(s); })
+    .def_readwrite("example", &c::example);
+}
+
+void bind_pipeline(py::module_& m) {
+  using p = python_pipeline;
+  auto release = py::call_guard<py::gil_scoped_release>();
+  py::class_<step_future>(m, "StepFuture")
+    .def("wait", &step_future::wait, py::arg("seconds"), release)
+    .def("done", &step_future::done, release)
+    .def("get", [](const step_future& f) {
+      step_result r;
+      {
+        py::gil_scoped_release unlocked;
+        r = f.get();
+      }
+      return stats_of(r);
+    });
+  py::class_<p, std::shared_ptr<p>>(m, "Pipeline")
+    .def(py::init([](pipeline_config config) {
+      py::gil_scoped_release unlocked;
+      return p::create(std::move(config));
+    }))
+    .def("train_step_async", &p::train_step_async, release)
+    .def("train_step",
+         [](p& self, torch::Tensor x, torch::Tensor y) {
+           step_result r;
+           {
+             py::gil_scoped_release unlocked;
+             r = self.train_step(std::move(x), std::move(y));
+           }
+           return stats_of(r);
+         })
+    .def("forward", &p::forward, release)
+    .def("set_learning_rate", &p::set_learning_rate, release)
+    .def("save_state", &p::save_state, release)
+    .def("load_state", &p::load_state, release)
+    .def("save_torchscript", &p::save_torchscript, release)
+    .def("named_parameters", &p::named_parameters, release)
+    .def("layout", [](const p& self) { return layout_of(self.layout()); })
+    .def("last_result",
+         [](const p& self) -> py::object {
+           auto last = self.last_result();
+           return last ? py::object(stats_of(*last)) : py::none();
+         })
+    .def("close", &p::close, release);
+}
+
+} // namespace
+} // namespace actorpipe::python
+
+PYBIND11_MODULE(_actorpipe, m) {
+  m.doc() = "The C++ engine under `import actorpipe` (docs/python.md).";
+  py::register_exception_translator(&actorpipe::python::translate);
+  actorpipe::python::bind_config(m);
+  actorpipe::python::bind_pipeline(m);
+  m.def("release_engine", &actorpipe::python::release_engine,
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("torch_version") = TORCH_VERSION;
+#ifdef ACTORPIPE_WITH_GLOO
+  m.attr("has_gloo") = true;
+#else
+  m.attr("has_gloo") = false;
+#endif
+#ifdef ACTORPIPE_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,280 @@
+#include "python_pipeline.hpp"
+
+#include <sstream>
+
+#include <torch/script.h>
+
+#include <actorpipe/hooks.hpp>
+#include <actorpipe/torchscript.hpp>
+
+#include "training/planning.hpp"
+
+namespace actorpipe::python {
+
+namespace {
+
+std::mutex engine_mutex;
+std::weak_ptr<engine> shared_engine;
+// Kept from the first pipeline until release_engine(): an engine started and stopped with every
+// pipeline would cost a CAF system each time.
+std::shared_ptr<engine> kept_engine;
+
+std::shared_ptr<engine> the_engine() {
+  std::lock_guard<std::mutex> guard(engine_mutex);
+  auto sys = shared_engine.lock();
+  if (!sys) {
+    sys = std::make_shared<engine>(1);
+    shared_engine = sys;
+    kept_engine = sys;
+  }
+  return sys;
+}
+
+// A scripted module whose forward(output, target) returns the loss.
+loss_function scripted_loss(const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::jit::Module module;
+  try {
+    module = torch::jit::load(in);
+  } catch (const std::exception& e) {
+    throw invalid_argument("loss: not a TorchScript module (" + detail::first_line(e.what()) + ")");
+  }
+  ACTORPIPE_CHECK(module.find_method("forward").has_value(),
+                  "loss: the scripted module has no forward(output, target)");
+  return [module](const torch::Tensor& output, const torch::Tensor& target) mutable {
+    auto value = module.forward({output, target});
+    ACTORPIPE_CHECK(value.isTensor(), "loss: the scripted module's forward returned a ",
+                    value.tagKind(), ", not a tensor");
+    return value.toTensor();
+  };
+}
+
+std::vector<c10::Device> devices_of(const std::vector<std::string>& names) {
+  std::vector<c10::Device> devices;
+  for (const auto& name : names) {
+    try {
+      devices.emplace_back(name);
+    } catch (const std::exception&) {
+      throw invalid_argument("devices: '" + name + "' is not a device (cpu, cuda:0, ...)");
+    }
+  }
+  return devices;
+}
+
+training::planning_args planning_of(const pipeline_config& c) {
+  training::planning_args a;
+  a.stages = c.stages;
+  a.stages_given = c.stages > 0;
+  a.microbatches = c.microbatches > 0 ? c.microbatches : (c.stages == 0 ? 0 : 4);
+  a.microbatches_given = c.microbatches > 0;
+  a.schedule = c.schedule;
+  a.schedule_given = c.schedule != "auto";
+  a.partition = c.partition;
+  a.partition_given = c.partition != "uniform";
+  a.chunks = c.chunks;
+  a.threads = c.threads;
+  a.cold_memory = !c.warm_memory;
+  a.devices = devices_of(c.devices);
+  return a;
+}
+
+// The batch choose_plan reads (its size; its samples only when it profiles).
+torch::Tensor planning_batch(const pipeline_config& c, const training::planning_args& a) {
+  bool profiles = a.automatic() || a.partition == "time";
+  if (c.example.defined()) {
+    return c.example;
+  }
+  ACTORPIPE_CHECK(!profiles, "example: stages='auto', schedule='auto' and partition='time' "
+                             "profile the model on a batch; give example=<a batch like the ones "
+                             "to come>");
+  return torch::zeros({static_cast<int64_t>(std::max<std::size_t>(1, a.microbatches))});
+}
+
+pipeline_options options_for(const pipeline_config& c, const training::plan_choice& choice,
+                             const training::planning_args& a) {
+  auto po = training::pipeline_options_for(choice, a);
+  po.devices = a.devices;
+  po.recompute = parse_recompute_mode(c.recompute);
+  po.precision = parse_precision(c.precision);
+  po.max_grad_norm = c.max_grad_norm;
+  po.wait_timeout = c.wait_timeout;
+  po.step_timeout = c.step_timeout;
+  ACTORPIPE_CHECK(c.replicas >= 1, "replicas must be >= 1");
+  po.data_parallel.replicas = c.replicas;
+  if (c.loss_module.empty()) {
+    po.loss = builtin_loss(c.loss);
+  } else {
+    ACTORPIPE_CHECK(c.nodes.empty(), "loss: a scripted loss runs in this process only; stages on "
+                                     "nodes take a built-in loss ('mse' or 'cross_entropy')");
+    po.loss = scripted_loss(c.loss_module);
+  }
+  po.optimizer = make_optimizer(c.optimizer);
+  return po;
+}
+
+} // namespace
+
+void release_engine() {
+  std::lock_guard<std::mutex> guard(engine_mutex);
+  kept_engine.reset();
+}
+
+bool step_future::wait(double seconds) const {
+  if (seconds < 0) {
+    future_.wait();
+    return true;
+  }
+  auto wait = std::chrono::duration<double>(seconds);
+  return future_.wait_for(wait) == std::future_status::ready;
+}
+
+step_result step_future::get() const {
+  auto result = future_.get();
+  if (auto owner = owner_.lock()) {
+    owner->record(result);
+  }
+  return result;
+}
+
+std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config) {
+  return std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
+}
+
+python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(config)) {
+  const auto& c = config_;
+  auto layers = load_torchscript_bytes(c.model, c.model_name);
+  auto a = planning_of(c);
+  ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
+                                                   "give a stage count with replicas > 1");
+  auto choice = training::choose_plan(layers, planning_batch(c, a), a);
+  auto po = options_for(c, choice, a);
+  layout_.stages = choice.stages();
+  layout_.bounds = choice.cut.bounds;
+  layout_.schedule = choice.schedule_name;
+  layout_.microbatches = choice.microbatches;
+  layout_.chunks = choice.chunks;
+  layout_.threads = po.threads_per_stage;
+  layout_.parameters = stage_parameter_counts(layers, choice.cut);
+  engine_ = the_engine();
+  if (!c.nodes.empty()) {
+    remote_model model;
+    model.name = c.model_name;
+    model.torchscript = c.model;
+    model.loss = c.loss;
+    model.optimizer = c.optimizer;
+    model.hooks = c.hooks;
+    po.placement.nodes = c.nodes;
+    po.placement.secret = c.secret;
+    if (c.replicas > 1) {
+      replicas_ = std::make_unique<replicated_pipeline>(*engine_, model, choice.cut, std::move(po),
+                                                        c.replicas);
+    } else {
+      pipeline_ = std::make_unique<pipeline>(*engine_, std::move(model), choice.cut, std::move(po));
+    }
+    return;
+  }
+  po.hooks = make_hooks(c.hooks);
+  if (c.replicas > 1) {
+    auto bytes = c.model;
+    auto name = c.model_name;
+    auto make = [bytes, name] { return load_torchscript_bytes(bytes, name); };
+    replicas_ =
+      std::make_unique<replicated_pipeline>(*engine_, make, choice.cut, std::move(po), c.replicas);
+  } else {
+    pipeline_ = std::make_unique<pipeline>(*engine_, std::move(layers), choice.cut, std::move(po));
+  }
+}
+
+python_pipeline::~python_pipeline() {
+  close();
+}
+
+void python_pipeline::close() {
+  std::unique_ptr<pipeline> single;
+  std::unique_ptr<replicated_pipeline> replicated;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    single = std::move(pipeline_);
+    replicated = std::move(replicas_);
+  }
+  single.reset();
+  replicated.reset();
+  engine_.reset();
+}
+
+pipeline& python_pipeline::first() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  ACTORPIPE_CHECK(pipeline_ || replicas_, "the pipeline was closed");
+  return pipeline_ ? *pipeline_ : replicas_->replica(0);
+}
+
+step_future python_pipeline::train_step_async(torch::Tensor inputs, torch::Tensor targets) {
+  first(); // refuses a closed pipeline
+  if (pipeline_) {
+    return {pipeline_->train_step_async(std::move(inputs), std::move(targets)).share(),
+            weak_from_this()};
+  }
+  // Replicas in this process step together on threads of their own, one step after the other.
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto previous = previous_replica_step_;
+  auto* replicas = replicas_.get();
+  auto step = std::async(std::launch::async, [=]() mutable {
+                if (previous.valid()) {
+                  previous.wait();
+                }
+                return replicas->train_step(std::move(inputs), std::move(targets));
+              }).share();
+  previous_replica_step_ = step;
+  return {step, weak_from_this()};
+}
+
+step_result python_pipeline::train_step(torch::Tensor inputs, torch::Tensor targets) {
+  return train_step_async(std::move(inputs), std::move(targets)).get();
+}
+
+torch::Tensor python_pipeline::forward(torch::Tensor inputs) {
+  auto& lead = first();
+  return replicas_ ? replicas_->forward(std::move(inputs)) : lead.forward(std::move(inputs));
+}
+
+void python_pipeline::set_learning_rate(double lr) {
+  auto& lead = first();
+  replicas_ ? replicas_->set_learning_rate(lr) : lead.set_learning_rate(lr);
+}
+
+void python_pipeline::save_state(const std::string& dir) {
+  first().save_state(dir);
+}
+
+void python_pipeline::load_state(const std::string& dir) {
+  auto& lead = first();
+  if (!replicas_) {
+    lead.load_state(dir);
+    return;
+  }
+  for (std::size_t r = 0; r < replicas_->replicas(); ++r) {
+    replicas_->replica(r).load_state(dir);
+  }
+}
+
+void python_pipeline::save_torchscript(const std::string& path) {
+  first().save_torchscript(path);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> python_pipeline::named_parameters() {
+  return first().named_parameters();
+}
+
+std::optional<step_result> python_pipeline::last_result() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return last_;
+}
+
+void python_pipeline::record(const step_result& result) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!last_ || last_->step < result.step) {
+    last_ = result;
+  }
+}
+
+} // namespace actorpipe::python

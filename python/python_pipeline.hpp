@@ -1,0 +1,130 @@
+/// \file
+/// What the Python module drives: a pipeline (or in-process replicas of one) of a TorchScript
+/// model, configured by value from Python's keyword arguments. No Python in here: module.cpp
+/// converts, this file builds and runs, and every call that computes runs without the GIL.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <actorpipe/pipeline.hpp>
+#include <actorpipe/replicas.hpp>
+
+namespace actorpipe::python {
+
+/// Everything `actorpipe.Pipeline(...)` takes, as plain values (python/actorpipe/__init__.py
+/// checks types and turns Python objects into these).
+struct pipeline_config {
+  /// The bytes of a TorchScript file of an nn.Sequential; `model_name` names it in messages.
+  std::string model;
+  std::string model_name = "model";
+  /// Stage actors; 0: chosen by the planner from `example`.
+  std::size_t stages = 2;
+  /// 0: the planner's choice (stages == 0 or schedule "auto"), else 4.
+  std::size_t microbatches = 0;
+  std::string schedule = "1f1b";
+  std::size_t chunks = 1;
+  /// "uniform", "params", "time" or "cut:I,J".
+  std::string partition = "uniform";
+  optimizer_spec optimizer;
+  /// A built-in loss ("mse", "cross_entropy"), or the bytes of a scripted module whose
+  /// forward(output, target) returns the loss (`loss_module`; stages in this process only).
+  std::string loss = "mse";
+  std::string loss_module;
+  /// One device per stage ("cpu", "cuda:0", ...); empty: every stage on the CPU.
+  std::vector<std::string> devices;
+  std::size_t threads = 0;
+  bool warm_memory = true;
+  std::string recompute = "never";
+  std::string precision = "fp32";
+  double max_grad_norm = 0;
+  hook_specs hooks;
+  /// Stage actors on `actorpipe node` processes ("host:port", replica after replica).
+  std::vector<std::string> nodes;
+  std::string secret;
+  std::size_t replicas = 1;
+  std::chrono::milliseconds wait_timeout{60000};
+  std::chrono::milliseconds step_timeout{600000};
+  /// A batch like the ones to come, for the planner (stages == 0, schedule "auto", partition
+  /// "time").
+  torch::Tensor example;
+};
+
+/// The layout a pipeline was built with (what the planner chose, when it did).
+struct pipeline_layout {
+  std::size_t stages = 0;
+  std::vector<std::size_t> bounds;
+  std::string schedule;
+  std::size_t microbatches = 0;
+  std::size_t chunks = 1;
+  std::size_t threads = 0;
+  std::vector<int64_t> parameters;
+};
+
+class python_pipeline;
+
+/// A step under way: wait() with a deadline, get() the result (or the step's exception).
+class step_future {
+public:
+  step_future(std::shared_future<step_result> future, std::weak_ptr<python_pipeline> owner)
+    : future_(std::move(future)), owner_(std::move(owner)) {}
+  /// True when the result is there; waits at most `seconds` (negative: without limit).
+  bool wait(double seconds) const;
+  bool done() const { return wait(0); }
+  step_result get() const;
+
+private:
+  std::shared_future<step_result> future_;
+  std::weak_ptr<python_pipeline> owner_;
+};
+
+/// A pipeline of a TorchScript model built from a pipeline_config; the process shares one
+/// engine among all of them.
+class python_pipeline : public std::enable_shared_from_this<python_pipeline> {
+public:
+  static std::shared_ptr<python_pipeline> create(pipeline_config config);
+  ~python_pipeline();
+
+  step_future train_step_async(torch::Tensor inputs, torch::Tensor targets);
+  step_result train_step(torch::Tensor inputs, torch::Tensor targets);
+  torch::Tensor forward(torch::Tensor inputs);
+  void set_learning_rate(double lr);
+  void save_state(const std::string& dir);
+  void load_state(const std::string& dir);
+  /// The model as a TorchScript file at `path`, with the trained parameters.
+  void save_torchscript(const std::string& path);
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
+
+  const pipeline_layout& layout() const { return layout_; }
+  /// The newest step's result that a caller collected (empty before the first).
+  std::optional<step_result> last_result() const;
+  void record(const step_result& result);
+  /// Stops the stage actors; every later call throws. Idempotent.
+  void close();
+
+private:
+  explicit python_pipeline(pipeline_config config);
+  pipeline& first();
+
+  pipeline_config config_;
+  std::shared_ptr<engine> engine_;
+  std::unique_ptr<pipeline> pipeline_;
+  std::unique_ptr<replicated_pipeline> replicas_;
+  pipeline_layout layout_;
+  /// In-process replicas have no queue of their own: each step waits for the one before.
+  std::shared_future<step_result> previous_replica_step_;
+  mutable std::mutex mutex_;
+  std::optional<step_result> last_;
+};
+
+/// Drops the process's engine once no pipeline holds it (at interpreter exit).
+void release_engine();
+
+} // namespace actorpipe::python
