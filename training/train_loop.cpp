@@ -1,0 +1,540 @@
+// train(): the training loop over a pipeline or in-process replicas (training_run), with what
+// it does around steps: resuming from a checkpoint, checkpoints and snapshots on schedule,
+// recovery from a lost node, per-epoch metrics.
+#include <actorpipe/training.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <fstream>
+#include <future>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "training/progress.hpp"
+
+namespace actorpipe {
+namespace {
+
+// Appends one row per epoch: CSV (with a header when the file is new) or JSON lines.
+class metrics_writer {
+public:
+  explicit metrics_writer(const std::string& path) : path_(path) {
+    if (path_.empty()) {
+      return;
+    }
+    csv_ = path_.size() > 4 && path_.substr(path_.size() - 4) == ".csv";
+    bool fresh = !std::ifstream(path_).good();
+    out_.open(path_, std::ios::app);
+    ACTORPIPE_CHECK(out_.good(), "--metrics: cannot write '", path_, "'");
+    if (csv_ && fresh) {
+      out_ << "epoch,step,lr,train_loss,test_loss,top1,top5,seconds,samples_per_second,bits\n";
+    }
+  }
+
+  void write(const epoch_result& e) {
+    if (path_.empty()) {
+      return;
+    }
+    if (csv_) {
+      out_ << e.epoch << ',' << e.step << ',' << e.lr << ',' << e.train_loss << ',' << e.test.loss
+           << ',' << e.test.top1 << ',' << e.test.top5 << ',' << e.seconds << ','
+           << e.samples_per_second << ',' << e.test.bits << '\n';
+    } else {
+      out_ << nlohmann::json{{"epoch", e.epoch},
+                             {"step", e.step},
+                             {"lr", e.lr},
+                             {"train_loss", e.train_loss},
+                             {"test_loss", e.test.loss},
+                             {"top1", e.test.top1},
+                             {"top5", e.test.top5},
+                             {"seconds", e.seconds},
+                             {"samples_per_second", e.samples_per_second},
+                             {"bits", e.test.bits}}
+                .dump()
+           << '\n';
+    }
+    out_.flush();
+  }
+
+private:
+  std::string path_;
+  bool csv_ = false;
+  std::ofstream out_;
+};
+
+// Where a run starts: at the beginning, or where a checkpoint of the same run stopped.
+struct start_point {
+  uint64_t step = 0;
+  int64_t epoch = 0;
+  int64_t batch = 0;
+};
+
+// One loop trains a pipeline, or replicas in this process (replicated_pipeline) that split each
+// batch among themselves: what differs between the two.
+pipeline& lead_of(pipeline& pipe) {
+  return pipe;
+}
+pipeline& lead_of(replicated_pipeline& pipe) {
+  return pipe.replica(0);
+}
+void agree(pipeline& pipe, const std::string& what, int64_t value) {
+  pipe.replicas_agree(what, value);
+}
+void agree(replicated_pipeline&, const std::string&, int64_t) {
+  // One loop feeds every replica: nothing to agree on.
+}
+void load(pipeline& pipe, const std::string& dir) {
+  pipe.load_state(dir);
+}
+void load(replicated_pipeline& pipe, const std::string& dir) {
+  for (std::size_t r = 0; r < pipe.replicas(); ++r) {
+    pipe.replica(r).load_state(dir);
+  }
+}
+// Starts a step; the replicas in this process take theirs one at a time (train refuses
+// overlap_steps for them).
+std::future<step_result> submit(pipeline& pipe, const torch::Tensor& x, const torch::Tensor& y) {
+  return pipe.train_step_async(x, y);
+}
+std::future<step_result> submit(replicated_pipeline& pipe, const torch::Tensor& x,
+                                const torch::Tensor& y) {
+  std::promise<step_result> done;
+  try {
+    done.set_value(pipe.train_step(x, y));
+  } catch (...) {
+    done.set_exception(std::current_exception());
+  }
+  return done.get_future();
+}
+recovery_report recover(pipeline& pipe, const train_options& o) {
+  return pipe.recover(o.repartition);
+}
+recovery_report recover(replicated_pipeline& pipe, const train_options&) {
+  return pipe.recover();
+}
+// The failures a recovery answers: a node lost or silent; with replicas also a replica whose
+// partner stage went (its gradients' all-reduce failed).
+bool recoverable(const pipeline&, error_kind kind) {
+  return kind == error_kind::node_lost || kind == error_kind::timeout;
+}
+bool recoverable(const replicated_pipeline&, error_kind kind) {
+  return kind == error_kind::node_lost || kind == error_kind::timeout ||
+         kind == error_kind::replica_failure;
+}
+
+// A resumed run with settings other than the checkpoint's goes on (a longer run, another stage
+// count and a new learning rate are legitimate), and says what differs. Keys that name the run's
+// own extent and outputs are left out.
+void warn_of_other_settings(const std::string& dir, const std::string& recorded,
+                            const std::string& now) {
+  if (recorded.empty() || now.empty()) {
+    return;
+  }
+  auto differences = settings_differences(
+    recorded, now,
+    {"train.resume", "train.steps", "train.epochs", "train.json", "train.trace", "train.metrics",
+     "train.checkpoint-dir", "train.no-progress", "train.sample", "train.export", "log-level"});
+  if (differences.empty()) {
+    return;
+  }
+  std::cerr << "warning: resuming from " << dir << " with other settings than it was written with ("
+            << dir << "/run.toml):\n";
+  for (const auto& d : differences) {
+    std::cerr << "  " << d << "\n";
+  }
+}
+
+template <class Pipe>
+start_point resume(Pipe& pipe, const batch_source& data, const train_options& o, bool lead) {
+  if (o.resume.empty()) {
+    return {};
+  }
+  auto dir = find_checkpoint(o.resume);
+  auto m = read_manifest(dir);
+  ACTORPIPE_CHECK(m.model == o.model, "checkpoint '", dir, "' is of model '", m.model, "', not '",
+                  o.model, "'");
+  ACTORPIPE_CHECK(m.batch_size == o.batch && m.seed == o.seed && m.dataset == data.name(),
+                  "checkpoint '", dir, "' was written with batch ", m.batch_size, ", seed ", m.seed,
+                  ", data ", m.dataset, "; this run has batch ", o.batch, ", seed ", o.seed,
+                  ", data ", data.name(), ": resuming would not continue the same run");
+  load(pipe, dir);
+  if (lead) {
+    std::cerr << "resumed from " << dir << " at step " << m.step << " (epoch " << m.epoch + 1
+              << ", batch " << m.batch_in_epoch << ")\n";
+    warn_of_other_settings(dir, m.settings, o.settings);
+  }
+  return {m.step, m.epoch, m.batch_in_epoch};
+}
+
+// A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
+// forgets what it did after the snapshot it goes back to. `done` steps were complete when the
+// next failed.
+template <class Pipe>
+start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_options& o,
+                         uint64_t done, const std::map<uint64_t, start_point>& snapshots,
+                         train_report& report) {
+  if (report.recoveries.size() >= o.max_recoveries) {
+    throw pipeline_error(detail::concat(failure.what(),
+                                        " (no recovery left: ", report.recoveries.size(),
+                                        " of at most ", o.max_recoveries, " done)"),
+                         failure.details());
+  }
+  std::cerr << "actorpipe: step " << done + 1 << " failed (" << to_string(failure.kind())
+            << (failure.node().empty() ? std::string{} : ", node " + failure.node())
+            << "): " << failure.what() << "\n"
+            << std::flush;
+  auto r = recover(pipe, o);
+  // Where in the data the snapshot it restored was taken.
+  auto at = snapshots.find(r.snapshot);
+  ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
+                  ", which this run did not take");
+  const auto& snapshot_at = at->second;
+  std::size_t kept = 0;
+  while (kept < report.steps.size() && report.steps[kept].first <= snapshot_at.step) {
+    ++kept;
+  }
+  std::vector<uint64_t> replayed;
+  for (std::size_t i = kept; i < report.steps.size(); ++i) {
+    replayed.push_back(report.steps[i].first);
+  }
+  report.replayed_steps.insert(report.replayed_steps.end(), replayed.begin(), replayed.end());
+  report.steps.resize(kept);
+  report.step_ms.resize(std::min(kept, report.step_ms.size()));
+  if (o.keep_results) {
+    report.results.resize(std::min(kept, report.results.size()));
+  }
+  // An epoch not finished at the snapshot's position is run (and evaluated) again.
+  report.epochs.erase(
+    std::remove_if(report.epochs.begin(), report.epochs.end(),
+                   [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
+    report.epochs.end());
+  auto join = [](const auto& xs) {
+    std::string text;
+    for (const auto& x : xs) {
+      text += (text.empty() ? "" : ", ") + detail::concat(x);
+    }
+    return text.empty() ? std::string("none") : text;
+  };
+  std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
+            << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
+            << join(r.lost) << ", spares used " << join(r.spares_used)
+            << (r.replicas_left.empty()
+                  ? std::string{}
+                  : detail::concat(", replicas left (no spare) ", join(r.replicas_left)))
+            << "; now "
+            << (r.replicas > 1 || !r.replicas_left.empty()
+                  ? detail::concat(r.replicas, " replica", r.replicas == 1 ? "" : "s", " of ")
+                  : std::string{})
+            << r.nodes.size() / r.replicas << " stages on " << join(r.nodes) << ", cut "
+            << partition{r.bounds}.to_string() << "; restored "
+            << (r.snapshot == 0 ? std::string("the run's starting state")
+                                : detail::concat("snapshot ", r.snapshot))
+            << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
+            << (replayed.size() == 1 ? "" : "s") << "\n"
+            << std::flush;
+  report.recoveries.push_back(std::move(r));
+  return snapshot_at;
+}
+
+// The training loop of one pipeline, or of replicas in this process: epochs of steps (or a
+// stream's steps), the learning-rate schedule, checkpoints, snapshots, evaluation at each
+// epoch's end, and recovery from a lost node, in named steps.
+template <class Pipe>
+class training_run {
+public:
+  training_run(Pipe& pipe, const batch_source& data, const train_options& o)
+    : pipe_(pipe), data_(data), o_(o), lead_(o.rank == 0), stream_(data.epoch_samples() == 0) {
+    check(o, data);
+    // A stream's run is one "epoch" of max_steps steps.
+    const int64_t local_batch = o.batch / o.replicas;
+    steps_per_epoch_ =
+      stream_ ? o.max_steps : ((data.epoch_samples() + o.replicas - 1) / o.replicas) / local_batch;
+    epochs_ = stream_ ? 1 : o.epochs;
+    ACTORPIPE_CHECK(steps_per_epoch_ >= 1, "the training set (", data.epoch_samples(),
+                    " samples) is smaller than one batch (", o.batch, ")");
+    total_steps_ = o.max_steps > 0 ? std::min(o.max_steps, epochs_ * steps_per_epoch_)
+                                   : epochs_ * steps_per_epoch_;
+    lr_ = cosine_schedule{o.lr, o.min_lr, o.warmup_steps, epochs_ * steps_per_epoch_};
+  }
+
+  train_report run() {
+    auto start = resume(pipe_, data_, o_, lead_);
+    // Every rank resumed from the same step, or none goes on (a rank that read another folder).
+    agree(pipe_, "the step to resume from", static_cast<int64_t>(start.step));
+    step_ = start.step;
+    metrics_ = std::make_unique<metrics_writer>(lead_ ? o_.metrics : std::string{});
+    // Lost nodes: the newest snapshot's position in the data, where a recovered run goes on; the
+    // first is the run's start (whatever the pipeline did before train()).
+    if (o_.recover_lost_nodes) {
+      snapshots_[pipe_.snapshot()] = start;
+    }
+    for (;;) {
+      try {
+        run_from(start);
+        return std::move(report_);
+      } catch (const pipeline_error& e) {
+        if (!o_.recover_lost_nodes || !recoverable(pipe_, e.kind())) {
+          throw;
+        }
+        // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
+        start = recover_from(pipe_, e, o_, step_, snapshots_, report_);
+      }
+      step_ = start.step;
+    }
+  }
+
+private:
+  static void check(const train_options& o, const batch_source& data) {
+    ACTORPIPE_CHECK(o.epochs >= 1, "epochs (", o.epochs, ") must be >= 1");
+    ACTORPIPE_CHECK(o.batch >= 1, "batch (", o.batch, ") must be >= 1");
+    ACTORPIPE_CHECK(o.lr > 0, "learning rate (", o.lr, ") must be > 0");
+    ACTORPIPE_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr, "min_lr (", o.min_lr,
+                    ") must be between 0 and the learning rate (", o.lr, ")");
+    ACTORPIPE_CHECK(o.max_steps >= 0, "max_steps (", o.max_steps, ") must be >= 0");
+    ACTORPIPE_CHECK(o.replicas >= 1 && o.rank >= 0 && o.rank < o.replicas, "rank ", o.rank, " of ",
+                    o.replicas, " replicas");
+    ACTORPIPE_CHECK(o.batch % o.replicas == 0, "batch (", o.batch, ") must be a multiple of the ",
+                    o.replicas, " replicas");
+    ACTORPIPE_CHECK(!o.recover_lost_nodes || (o.snapshot_every >= 1 && o.max_recoveries >= 1),
+                    "recovering lost nodes needs snapshot_every (", o.snapshot_every,
+                    ") and max_recoveries (", o.max_recoveries, ") >= 1");
+    ACTORPIPE_CHECK(data.epoch_samples() != 0 || o.max_steps > 0, data.name(),
+                    " data is an endless stream: say how many steps to train (max_steps, --steps)");
+  }
+
+  // What the loop does after step n (counted from 1): stop, checkpoint on schedule, snapshot.
+  bool stops_after(uint64_t n) const {
+    return o_.max_steps > 0 && n >= static_cast<uint64_t>(o_.max_steps);
+  }
+  bool checkpoints_after(uint64_t n) const {
+    return o_.checkpoint_every > 0 && n % static_cast<uint64_t>(o_.checkpoint_every) == 0;
+  }
+  bool snapshots_after(uint64_t n) const {
+    return o_.recover_lost_nodes && n % static_cast<uint64_t>(o_.snapshot_every) == 0;
+  }
+
+  void checkpoint(int64_t epoch, int64_t next_batch) {
+    if (o_.checkpoint_dir.empty()) {
+      return;
+    }
+    // BMUF: a checkpoint holds the replicas' common parameters, so a resume is exact.
+    pipe_.end_block();
+    if (!lead_) {
+      return;
+    }
+    checkpoint_manifest m;
+    m.model = o_.model;
+    m.bounds = lead_of(pipe_).cut().bounds;
+    m.step = step_;
+    m.epoch = epoch;
+    m.batch_in_epoch = next_batch;
+    m.seed = o_.seed;
+    m.batch_size = o_.batch;
+    m.dataset = data_.name();
+    m.settings = o_.settings;
+    write_checkpoint(lead_of(pipe_), o_.checkpoint_dir, m, o_.keep);
+  }
+
+  // Snapshots by number: where in the data each was taken.
+  void take_snapshot(int64_t epoch, int64_t next_batch) {
+    if (!snapshots_after(step_)) {
+      return;
+    }
+    auto number = o_.snapshot_in_background ? pipe_.snapshot_in_background() : pipe_.snapshot();
+    snapshots_[number] = {step_, epoch, next_batch};
+  }
+
+  // The ranks meet at each epoch's end (rank 0 after its evaluation), as the DDP script's barrier.
+  void end_of_epoch(int64_t epoch) {
+    agree(pipe_, detail::concat("the end of epoch ", epoch), epoch);
+  }
+
+  // One epoch's running state. Overlapping steps (train_options::overlap_steps): the step
+  // submitted behind the running one, with its batch's index and how long its data took.
+  struct in_flight {
+    std::future<step_result> result;
+    int64_t b;
+    double waited;
+  };
+  struct epoch_state {
+    epoch_state(int64_t epoch_, int64_t start_batch_, const std::string& label, int64_t samples)
+      : epoch(epoch_), start_batch(start_batch_), bar(label, samples) {}
+    int64_t epoch;
+    int64_t start_batch;
+    training::progress_bar bar;
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    std::deque<in_flight> flying;
+  };
+
+  void run_from(const start_point& from) {
+    for (int64_t epoch = from.epoch; epoch < epochs_; ++epoch) {
+      auto label =
+        stream_ ? std::string("steps") : detail::concat("epoch ", epoch + 1, "/", epochs_);
+      epoch_state e(epoch, epoch == from.epoch ? from.batch : 0, label,
+                    steps_per_epoch_ * o_.batch);
+      bool stopped = run_epoch(e);
+      if (stopped && !stream_) {
+        // Stopped inside an epoch: no epoch result, the checkpoint holds the position.
+        return;
+      }
+      finish_epoch(e);
+    }
+  }
+
+  // Submits the epoch's batches from e.start_batch; true when the run stopped inside it.
+  bool run_epoch(epoch_state& e) {
+    for (int64_t b = e.start_batch; b < steps_per_epoch_; ++b) {
+      const auto submitted = step_ + e.flying.size();
+      if (stops_after(submitted)) {
+        return true;
+      }
+      auto asked = std::chrono::steady_clock::now();
+      auto [x, y] = data_.batch(e.epoch, b, o_.batch, o_.seed, o_.rank, o_.replicas);
+      const double waited =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked).count();
+      report_.data_wait_seconds += waited / 1000.0;
+      auto current_lr = o_.cosine ? lr_.at(static_cast<int64_t>(submitted)) : o_.lr;
+      pipe_.set_learning_rate(current_lr);
+      e.flying.push_back({submit(pipe_, x, y), b, waited});
+      // A step after which the loop checkpoints, snapshots, stops or ends the epoch finishes
+      // before the next is submitted (which would run before the checkpoint).
+      const auto after = submitted + 1;
+      bool alone = !o_.overlap_steps || b + 1 == steps_per_epoch_ || stops_after(after) ||
+                   checkpoints_after(after) || snapshots_after(after);
+      while (e.flying.size() > (alone ? 0U : 1U)) {
+        if (complete(e)) {
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  // Finishes the oldest step in flight (its log, checkpoint and snapshot); whether the run
+  // stops there.
+  bool complete(epoch_state& e) {
+    auto f = std::move(e.flying.front());
+    e.flying.pop_front();
+    const auto b = f.b;
+    auto r = f.result.get();
+    r.data_wait_ms = f.waited;
+    ++step_;
+    report_.steps.emplace_back(step_, r.loss);
+    report_.step_ms.push_back(r.wall_ms);
+    e.loss_sum += r.loss;
+    ++e.loss_count;
+    if (o_.log_steps && lead_) {
+      std::cout << "step " << step_ << "/" << total_steps_ << "  loss " << std::setprecision(9)
+                << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+                << std::flush;
+    }
+    if (o_.keep_results) {
+      report_.results.push_back(std::move(r));
+    }
+    if (o_.progress && lead_) {
+      auto done = (b + 1 - e.start_batch) * o_.batch;
+      e.bar.update(
+        (b + 1) * o_.batch,
+        detail::concat(
+          static_cast<int64_t>(static_cast<double>(done) / std::max(1e-9, e.bar.elapsed_seconds())),
+          " samples/s, loss ", e.loss_sum / static_cast<double>(e.loss_count)));
+    }
+    bool stop = stops_after(step_);
+    bool last = b + 1 == steps_per_epoch_ && e.epoch + 1 == epochs_;
+    if ((stop && !last) || checkpoints_after(step_)) {
+      checkpoint(e.epoch, b + 1);
+    }
+    take_snapshot(e.epoch, b + 1);
+    return stop && !last;
+  }
+
+  // An epoch's result: its mean loss, the evaluation (rank 0), metrics, the ranks' barrier and,
+  // at the run's end, the last checkpoint.
+  void finish_epoch(epoch_state& s) {
+    epoch_result e;
+    e.epoch = s.epoch + 1;
+    e.step = step_;
+    e.lr = o_.cosine ? lr_.at(static_cast<int64_t>(step_) - 1) : o_.lr;
+    e.train_loss = s.loss_count > 0 ? s.loss_sum / static_cast<double>(s.loss_count) : 0;
+    e.seconds = s.bar.elapsed_seconds();
+    e.samples_per_second = static_cast<double>(s.loss_count * o_.batch) / std::max(1e-9, e.seconds);
+    // BMUF: rank 0 evaluates the replicas' common parameters.
+    pipe_.end_block();
+    if (!lead_) {
+      report_.epochs.push_back(e);
+      end_of_epoch(e.epoch);
+      return;
+    }
+    if (auto test = data_.evaluate(lead_of(pipe_), o_.eval_batch)) {
+      e.test = *test;
+      print_epoch(e);
+    }
+    metrics_->write(e);
+    report_.epochs.push_back(e);
+    end_of_epoch(e.epoch);
+    if (s.epoch + 1 == epochs_) {
+      // The end of the run: a stream's position is its step.
+      checkpoint(stream_ ? 0 : s.epoch + 1, stream_ ? static_cast<int64_t>(step_) : 0);
+    }
+  }
+
+  void print_epoch(const epoch_result& e) const {
+    std::cout << "epoch " << e.epoch << "/" << epochs_ << "  train loss " << e.train_loss;
+    if (e.test.tokens) {
+      std::cout << "  validation loss " << e.test.loss << "  bits/char " << e.test.bits
+                << "  top-1 " << e.test.top1;
+    } else {
+      std::cout << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
+                << e.test.top5;
+    }
+    std::cout << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n" << std::flush;
+  }
+
+  Pipe& pipe_;
+  const batch_source& data_;
+  const train_options& o_;
+  const bool lead_;
+  const bool stream_;
+  int64_t steps_per_epoch_ = 0;
+  int64_t epochs_ = 1;
+  int64_t total_steps_ = 0;
+  cosine_schedule lr_;
+  uint64_t step_ = 0;
+  std::unique_ptr<metrics_writer> metrics_;
+  train_report report_;
+  std::map<uint64_t, start_point> snapshots_;
+};
+
+template <class Pipe>
+train_report train_loop(Pipe& pipe, const batch_source& data, const train_options& o) {
+  return training_run<Pipe>(pipe, data, o).run();
+}
+
+} // namespace
+
+train_report train(pipeline& pipe, const batch_source& data, const train_options& o) {
+  return train_loop(pipe, data, o);
+}
+
+train_report train(replicated_pipeline& pipe, const batch_source& data, const train_options& o) {
+  ACTORPIPE_CHECK(o.rank == 0 && o.replicas == 1,
+                  "train: replicas in this process take each "
+                  "batch whole and split it themselves; train_options rank (",
+                  o.rank, ") and replicas (", o.replicas, ") are for one replica per process");
+  ACTORPIPE_CHECK(!o.repartition,
+                  "train: replicas keep their cut when a node is lost (a spare "
+                  "takes its stages, or its replica leaves); train_options::repartition is for "
+                  "one pipeline");
+  ACTORPIPE_CHECK(!o.overlap_steps, "train: replicas in this process take one step at a time; "
+                                    "train_options::overlap_steps is for one pipeline");
+  return train_loop(pipe, data, o);
+}
+
+} // namespace actorpipe
