@@ -126,6 +126,8 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   po.placement.tls = a.tls;
   ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
   po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
+  ACTORPIPE_CHECK(a.heartbeat_timeout_ms >= 0, "--heartbeat-timeout must be >= 0 (0: none)");
+  po.placement.heartbeat_timeout = std::chrono::milliseconds(a.heartbeat_timeout_ms);
   po.placement.spares = a.spare_nodes;
   if (a.replicas > 1) {
     auto replicas = po.data_parallel.replicas;

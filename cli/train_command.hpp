@@ -100,6 +100,7 @@ struct train_args {
   std::string secret_file;
   tls_options tls;
   int64_t connect_timeout_ms = 10000;
+  int64_t heartbeat_timeout_ms = 1500;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
   /// the newest snapshot, taken every snapshot_every steps, at most max_recoveries times).
   std::string on_node_loss = "fail";

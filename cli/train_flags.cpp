@@ -92,9 +92,13 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   add_tls_flags(cmd, a.tls);
   opt("--connect-timeout", a.connect_timeout_ms,
       "Milliseconds to reach each node and for each control request");
+  opt("--heartbeat-timeout", a.heartbeat_timeout_ms,
+      "--nodes: milliseconds a node may leave a heartbeat unanswered before it counts as lost "
+      "(a frozen process, a cut link), whatever the longest action; 0: no heartbeats");
   opt("--on-node-loss", a.on_node_loss,
-      "--nodes: when a node is lost (its connection closes, or it stops answering within "
-      "--wait-timeout), fail (end the run) or continue: move its stages to a --spare-nodes node "
+      "--nodes: when a node is lost (its connection closes, or it leaves its heartbeats "
+      "unanswered for --heartbeat-timeout), fail (end the run) or continue: move its stages to a "
+      "--spare-nodes node "
       "that answers, else cut the model anew over the nodes left, restore the newest snapshot "
       "and replay the data from there (docs/distributed.md)")
     ->check(CLI::IsMember({"fail", "continue"}));
@@ -218,8 +222,8 @@ void refuse_if_given(const train_args& a, const char* flag, const char* why) {
 void check_node_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
   if (a.nodes.empty()) {
-    for (const char* flag :
-         {"--on-node-loss", "--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+    for (const char* flag : {"--on-node-loss", "--spare-nodes", "--snapshot-every",
+                             "--max-recoveries", "--heartbeat-timeout"}) {
       refuse(flag, "applies to stages on nodes (--nodes)");
     }
   } else if (a.on_node_loss != "continue") {

@@ -655,6 +655,8 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
   install_handlers(self);
   return {
     [=](hello_atom) -> std::string { return make_challenge(self); },
+    // Answers nothing but that the process runs and its link carries messages.
+    [=](heartbeat_atom) { return true; },
     [=](auth_atom, const std::string& answer) -> std::string { return authenticate(self, answer); },
     [=](model_atom, const std::string& digest, const std::string& bytes) -> std::string {
       if (!allowed(self, "model")) {

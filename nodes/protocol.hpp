@@ -23,6 +23,8 @@
 /// - (rsave_atom, uint32 stage, uint64 id) -> std::string error, after sending a state frame
 /// - (rload_atom, uint32 stage, uint64 id) -> std::string error, once the state frame id came
 /// - (release_atom, uint32 stage): drop the stage.
+/// - (heartbeat_atom) -> bool: answered at once by the node actor, beside its stages' work; a
+///   node that leaves it unanswered past node_placement::heartbeat_timeout counts as lost.
 /// proxy (scheduler side):
 /// - (rdone_atom, uint32 stage, std::string report), then output frames when forward-only
 /// - (rfailed_atom, uint32 stage, uint64 step, uint8 kind, int32 microbatch, std::string node,
@@ -56,6 +58,7 @@ using rupdate_atom = caf::atom_constant<caf::atom("rupdate")>;
 using rsave_atom = caf::atom_constant<caf::atom("rsave")>;
 using rload_atom = caf::atom_constant<caf::atom("rload")>;
 using release_atom = caf::atom_constant<caf::atom("release")>;
+using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
 using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
 using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
 /// Local only (hub reader threads -> actors): frames that are not activations or gradients.

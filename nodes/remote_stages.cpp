@@ -1,6 +1,7 @@
 #include "nodes/remote_stages.hpp"
 
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -17,6 +18,7 @@
 #include "actors/request_error.hpp"
 #include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
+#include "nodes/heartbeat.hpp"
 #include "nodes/protocol.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/stage.hpp"
@@ -32,7 +34,9 @@ using remote_stage_actor = stage_actor::extend<
   caf::reacts_to<rdone_atom, uint32_t, std::string>,
   caf::reacts_to<rfailed_atom, uint32_t, uint64_t, uint8_t, int32_t, std::string, std::string>,
   caf::reacts_to<output_atom, uint64_t, int32_t, torch::Tensor>,
-  caf::reacts_to<state_atom, uint32_t, uint64_t, torch::Tensor>>;
+  caf::reacts_to<state_atom, uint32_t, uint64_t, torch::Tensor>,
+  // From the stage's heartbeat (nodes/heartbeat.hpp): whether the node answers, and if not why.
+  caf::reacts_to<heartbeat_atom, bool, std::string>>;
 
 // Weak: the hub (owned by the proxies) must not keep them alive.
 struct proxy_routes {
@@ -99,6 +103,13 @@ struct proxy_state {
   std::map<std::pair<uint64_t, int32_t>, torch::Tensor> outputs;
   uint64_t next_id = 0;
   std::map<uint64_t, save_request> saves;
+  // The node left its heartbeats unanswered: a step fails at once, and an abort is not asked of
+  // it (it would wait for a frozen process until its deadline).
+  bool silent = false;
+  // Requests to the node in flight (abort, optimizer step) by id: a missed heartbeat answers
+  // them at once with what it says, instead of their deadline.
+  uint64_t next_pending = 0;
+  std::map<uint64_t, std::function<void(const caf::error&)>> pending;
 
   static inline const char* name = "actorpipe.remote_stage";
 };
@@ -299,21 +310,71 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
         fail_step(self, st.step, std::move(why));
       }
     },
+    [=](heartbeat_atom, bool answers, const std::string& why) {
+      auto& st = self->state;
+      st.silent = !answers;
+      if (answers) {
+        return;
+      }
+      if (st.running) {
+        fail_step(self, st.step, failure{{error_kind::node_lost}, why});
+      }
+      auto error = caf::make_error(caf::sec::request_receiver_down, why);
+      auto pending = std::move(st.pending);
+      st.pending.clear();
+      for (auto& [id, answer] : pending) {
+        answer(error);
+      }
+      for (auto& [id, save] : st.saves) {
+        save.fail(error);
+      }
+      st.saves.clear();
+    },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {
       auto& st = self->state;
       st.running = false;
+      if (st.silent) {
+        return false;
+      }
       auto rp = self->make_response_promise<bool>();
+      auto id = ++st.next_pending;
+      st.pending[id] = [rp](const caf::error&) mutable { rp.deliver(false); };
       self->request(st.node, st.timeout, rabort_atom::value, st.index, step)
-        .then([=](bool ok) mutable { rp.deliver(ok); },
-              [=](caf::error& e) mutable { rp.deliver(std::move(e)); });
+        .then(
+          [=](bool ok) mutable {
+            if (self->state.pending.erase(id) > 0) {
+              rp.deliver(ok);
+            }
+          },
+          [=](caf::error& e) mutable {
+            if (self->state.pending.erase(id) > 0) {
+              rp.deliver(std::move(e));
+            }
+          });
       return rp;
     },
     [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double, std::string> {
       auto& st = self->state;
+      if (st.silent) {
+        return caf::make_error(caf::sec::request_receiver_down,
+                               detail::concat("stage ", st.index, " on ", st.label,
+                                              " cannot step its optimizer: its node is silent"));
+      }
       auto rp = self->make_response_promise<double, std::string>();
+      auto id = ++st.next_pending;
+      st.pending[id] = [rp](const caf::error& e) mutable { rp.deliver(e); };
       self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
-        .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
-              [=](caf::error& e) mutable { rp.deliver(forward_error("step its optimizer")(e)); });
+        .then(
+          [=](double ms, std::string& error) mutable {
+            if (self->state.pending.erase(id) > 0) {
+              rp.deliver(ms, std::move(error));
+            }
+          },
+          [=](caf::error& e) mutable {
+            if (self->state.pending.erase(id) > 0) {
+              rp.deliver(forward_error("step its optimizer")(e));
+            }
+          });
       return rp;
     },
     [=](block_atom) -> caf::result<std::string> {
@@ -566,6 +627,10 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
         throw pipeline_error(error);
       }
     }
+    for (std::size_t i = 0; i < count; ++i) {
+      start_heartbeat(sys, nodes[i], placement.nodes[i], static_cast<uint32_t>(i),
+                      caf::actor_cast<caf::actor>(result.proxies[i]), placement.heartbeat_timeout);
+    }
   } catch (const nlohmann::json::exception& e) {
     release_all();
     throw pipeline_error(detail::concat("a node sent a malformed reply: ", e.what()));
@@ -583,36 +648,45 @@ std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::strin
                             const std::map<std::string, caf::actor>& known,
                             const node_placement& placement) {
   auto timeout = placement.connect_timeout;
+  // A node still connected is asked for a heartbeat, which it answers within heartbeat_timeout
+  // unless frozen; a node to reach again gets connect_timeout for the hello.
+  auto heartbeat = placement.heartbeat_timeout;
   std::vector<std::future<bool>> replies;
   for (const auto& address : addresses) {
     auto it = known.find(address);
     auto handle = it == known.end() ? caf::actor{} : it->second;
-    replies.push_back(std::async(std::launch::async, [&sys, address, handle, &placement, timeout] {
-      try {
-        auto [host, port] = parse_host_port(address, "node");
-        auto node = handle ? handle : reach(sys, host, port, placement.tls.enabled(), timeout);
-        // A node whose connection closed is known at once (its handle is down); one that is
-        // connected but silent runs out of time.
-        caf::scoped_actor self{sys};
-        self->monitor(node);
-        self->send(node, hello_atom::value);
-        std::string why;
-        self->receive(
-          [](std::string&) {},
-          [&](caf::down_msg& down) {
-            why = "its connection is gone (" + sys.render(down.reason) + ")";
-          },
-          caf::after(timeout) >>
-            [&] { why = detail::concat("it did not answer within ", timeout.count(), " ms"); });
-        if (!why.empty()) {
-          throw pipeline_error(why);
+    replies.push_back(
+      std::async(std::launch::async, [&sys, address, handle, &placement, timeout, heartbeat] {
+        try {
+          auto [host, port] = parse_host_port(address, "node");
+          auto node = handle ? handle : reach(sys, host, port, placement.tls.enabled(), timeout);
+          // A node whose connection closed is known at once (its handle is down); one that is
+          // connected but silent runs out of time.
+          caf::scoped_actor self{sys};
+          self->monitor(node);
+          auto wait = handle && heartbeat.count() > 0 ? heartbeat : timeout;
+          if (handle && heartbeat.count() > 0) {
+            self->send(node, heartbeat_atom::value);
+          } else {
+            self->send(node, hello_atom::value);
+          }
+          std::string why;
+          self->receive(
+            [](std::string&) {}, [](bool) {},
+            [&](caf::down_msg& down) {
+              why = "its connection is gone (" + sys.render(down.reason) + ")";
+            },
+            caf::after(wait) >>
+              [&] { why = detail::concat("it did not answer within ", wait.count(), " ms"); });
+          if (!why.empty()) {
+            throw pipeline_error(why);
+          }
+          return true;
+        } catch (const std::exception& e) {
+          log::get()->warn("pipeline: node {} does not answer: {}", address, e.what());
+          return false;
         }
-        return true;
-      } catch (const std::exception& e) {
-        log::get()->warn("pipeline: node {} does not answer: {}", address, e.what());
-        return false;
-      }
-    }));
+      }));
   }
   std::vector<bool> result;
   for (auto& reply : replies) {

@@ -52,8 +52,10 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              std::size_t threads, const actors::stage_listener_actor& scheduler,
                              const std::string& group_prefix = {});
 
-/// For each of `addresses`, whether its node answers a hello within placement.connect_timeout:
-/// a node in `known` is asked over its connection, any other is reached first. All are asked at
+/// For each of `addresses`, whether its node answers: a node in `known` is asked over its
+/// connection for a heartbeat within placement.heartbeat_timeout (a hello within
+/// connect_timeout when heartbeats are off), any other is reached and greeted within
+/// connect_timeout. All are asked at
 /// once, so the whole costs one deadline at most.
 std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
                             const std::map<std::string, caf::actor>& known,

@@ -97,6 +97,36 @@ TEST_CASE("hooks given on the command line run on the node processes as in proce
         std::string::npos);
 }
 
+TEST_CASE("a frozen node (SIGSTOP) is found by its heartbeat within seconds, not at the wait "
+          "deadline, and --heartbeat-timeout 0 turns heartbeats off") {
+  node_process a("", "freeze-a");
+  node_process b("", "freeze-b");
+  background train("train --data synthetic --model mlp --batch 256 --microbatches 8 --stages 2 "
+                   "--threads 1 --steps 100000 --wait-timeout 60000 --nodes " +
+                     a.address() + "," + b.address(),
+                   temp_file("freeze-train.log"));
+  REQUIRE_MESSAGE(train.wait_for("step 5/", 60s), train.output());
+  b.process->signal(SIGSTOP);
+  auto start = std::chrono::steady_clock::now();
+  auto code = train.stop(0, 30s); // signal 0: just wait
+  auto took = std::chrono::steady_clock::now() - start;
+  b.process->signal(SIGCONT);
+  auto output = train.output();
+  CAPTURE(output);
+  CHECK(took < 6s);
+  CHECK(code == 1);
+  CHECK(output.find("node " + b.address() +
+                    " hosting stage 1 is lost: it did not answer a heartbeat within 1500 ms") !=
+        std::string::npos);
+  auto off = run("train --data synthetic --model mlp --steps 1 --heartbeat-timeout 0 --nodes " +
+                 a.address() + "," + b.address());
+  CHECK_MESSAGE(off.exit_code == 0, off.output);
+  auto refused = run("train --data synthetic --model mlp --steps 1 --heartbeat-timeout 500");
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.output.find("--heartbeat-timeout applies to stages on nodes (--nodes)") !=
+        std::string::npos);
+}
+
 TEST_CASE("killing a node mid-run ends the run with an error naming it, within the deadline") {
   node_process a("", "kill-a");
   node_process b("", "kill-b");
@@ -240,13 +270,14 @@ TEST_CASE("a node stopped past the deadline, without a spare: the run goes on ov
   node_process b("", "stop-b");
   node_process c("", "stop-c");
   auto json = temp_file("recover-stop.json");
-  auto output =
-    run_losing_a_node(" --stages 3 --wait-timeout 2000 --connect-timeout 2000 --nodes " +
-                        a.address() + "," + b.address() + "," + c.address(),
-                      json, [&] { c.process->signal(SIGSTOP); });
+  auto output = run_losing_a_node(" --stages 3 --connect-timeout 2000 --nodes " + a.address() +
+                                    "," + b.address() + "," + c.address(),
+                                  json, [&] { c.process->signal(SIGSTOP); });
   c.process->signal(SIGCONT);
   CAPTURE(output);
-  CHECK(output.find("(timeout") != std::string::npos);
+  // Found by its heartbeat (1.5 s), not at --wait-timeout (60 s).
+  CHECK(output.find("(node_lost, node " + c.address() + ")") != std::string::npos);
+  CHECK(output.find("did not answer a heartbeat within 1500 ms") != std::string::npos);
   CHECK(output.find("lost " + c.address() + ", spares used none; now 2 stages on " + a.address() +
                     ", " + b.address()) != std::string::npos);
   check_losses_equal_in_process(json, 3);

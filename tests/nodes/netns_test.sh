@@ -99,7 +99,7 @@ took=$(python3 -c "import time; print(round(time.time() - $cut_at, 1))")
 tail -2 "$work/cut.log"
 [[ $code -eq 1 ]] || { echo "FAIL: exit code $code after the cut, expected 1"; exit 1; }
 grep -q "stage 1" "$work/cut.log" || { echo "FAIL: the error does not name stage 1"; exit 1; }
-grep -qE "waits for the (gradient|activation)|did not answer within|did not finish within|sending step [0-9]+'s data|lost" "$work/cut.log" ||
+grep -qE "waits for the (gradient|activation)|did not answer (a heartbeat )?within|did not finish within|sending step [0-9]+'s data|lost" "$work/cut.log" ||
   { echo "FAIL: the error does not say what waited"; exit 1; }
 python3 -c "import sys; sys.exit(0 if $took < 20 else 1)" ||
   { echo "FAIL: the run took $took s to fail after the cut"; exit 1; }
