@@ -180,6 +180,91 @@ void finish_save(proxy_actor self, uint64_t id) {
   }
 }
 
+// A request the node did not answer fails as a timeout, any other failure as a node that is
+// gone, each with the sentence saying so (actors::carried_sentence).
+caf::error forwarded(proxy_actor self, const char* action, const caf::error& e) {
+  return caf::make_error(
+    e == caf::sec::request_timeout ? caf::sec::request_timeout : caf::sec::request_receiver_down,
+    detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ", action,
+                   ", ", actors::request_error(self->system(), e, self->state.timeout)));
+}
+
+// What the stage's heartbeat says (nodes/heartbeat.hpp): a node that stopped answering fails the
+// running step, and every request to it in flight is answered now rather than at its deadline.
+void heard(proxy_actor self, bool answers, const std::string& why) {
+  auto& st = self->state;
+  st.silent = !answers;
+  if (answers) {
+    return;
+  }
+  if (st.running) {
+    fail_step(self, st.step, failure{{error_kind::node_lost}, why});
+  }
+  auto error = caf::make_error(caf::sec::request_receiver_down, why);
+  auto pending = std::move(st.pending);
+  st.pending.clear();
+  for (auto& [id, answer] : pending) {
+    answer(error);
+  }
+  for (auto& [id, save] : st.saves) {
+    save.fail(error);
+  }
+  st.saves.clear();
+}
+
+// Asks the node to abort `step`; a silent node is not asked (it would hold the scheduler until the
+// deadline).
+caf::result<bool> ask_abort(proxy_actor self, uint64_t step) {
+  auto& st = self->state;
+  st.running = false;
+  if (st.silent) {
+    return false;
+  }
+  auto rp = self->make_response_promise<bool>();
+  auto id = ++st.next_pending;
+  st.pending[id] = [rp](const caf::error&) mutable { rp.deliver(false); };
+  self->request(st.node, st.timeout, rabort_atom::value, st.index, step)
+    .then(
+      [=](bool ok) mutable {
+        if (self->state.pending.erase(id) > 0) {
+          rp.deliver(ok);
+        }
+      },
+      [=](caf::error& e) mutable {
+        if (self->state.pending.erase(id) > 0) {
+          rp.deliver(std::move(e));
+        }
+      });
+  return rp;
+}
+
+// Asks the node to step the stage's optimizers.
+caf::result<double, std::string> ask_update(proxy_actor self, uint64_t step, double lr,
+                                            double scale) {
+  auto& st = self->state;
+  if (st.silent) {
+    return caf::make_error(caf::sec::request_receiver_down,
+                           detail::concat("stage ", st.index, " on ", st.label,
+                                          " cannot step its optimizer: its node is silent"));
+  }
+  auto rp = self->make_response_promise<double, std::string>();
+  auto id = ++st.next_pending;
+  st.pending[id] = [rp](const caf::error& e) mutable { rp.deliver(e); };
+  self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
+    .then(
+      [=](double ms, std::string& error) mutable {
+        if (self->state.pending.erase(id) > 0) {
+          rp.deliver(ms, std::move(error));
+        }
+      },
+      [=](caf::error& e) mutable {
+        if (self->state.pending.erase(id) > 0) {
+          rp.deliver(forwarded(self, "step its optimizer", e));
+        }
+      });
+  return rp;
+}
+
 remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor node,
                                                  std::string label, uint32_t index, endpoint data,
                                                  stage_listener_actor scheduler,
@@ -213,17 +298,8 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
     st.saves.clear();
     self->quit(caf::make_error(caf::sec::runtime_error, what));
   });
-  // A request the node did not answer fails as a timeout, any other failure as a node that is
-  // gone, each with the sentence saying so (actors::carried_sentence).
   auto forward_error = [=](const char* action) {
-    return [=](caf::error& e) {
-      return caf::make_error(
-        e == caf::sec::request_timeout ? caf::sec::request_timeout
-                                       : caf::sec::request_receiver_down,
-        detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ",
-                       action, ", ",
-                       actors::request_error(self->system(), e, self->state.timeout)));
-    };
+    return [=](caf::error& e) { return forwarded(self, action, e); };
   };
   // Files `request` under a fresh id and asks the node for the stage's state frame;
   // finish_save completes the request.
@@ -310,72 +386,10 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
         fail_step(self, st.step, std::move(why));
       }
     },
-    [=](heartbeat_atom, bool answers, const std::string& why) {
-      auto& st = self->state;
-      st.silent = !answers;
-      if (answers) {
-        return;
-      }
-      if (st.running) {
-        fail_step(self, st.step, failure{{error_kind::node_lost}, why});
-      }
-      auto error = caf::make_error(caf::sec::request_receiver_down, why);
-      auto pending = std::move(st.pending);
-      st.pending.clear();
-      for (auto& [id, answer] : pending) {
-        answer(error);
-      }
-      for (auto& [id, save] : st.saves) {
-        save.fail(error);
-      }
-      st.saves.clear();
-    },
-    [=](abort_atom, uint64_t step) -> caf::result<bool> {
-      auto& st = self->state;
-      st.running = false;
-      if (st.silent) {
-        return false;
-      }
-      auto rp = self->make_response_promise<bool>();
-      auto id = ++st.next_pending;
-      st.pending[id] = [rp](const caf::error&) mutable { rp.deliver(false); };
-      self->request(st.node, st.timeout, rabort_atom::value, st.index, step)
-        .then(
-          [=](bool ok) mutable {
-            if (self->state.pending.erase(id) > 0) {
-              rp.deliver(ok);
-            }
-          },
-          [=](caf::error& e) mutable {
-            if (self->state.pending.erase(id) > 0) {
-              rp.deliver(std::move(e));
-            }
-          });
-      return rp;
-    },
+    [=](heartbeat_atom, bool answers, const std::string& why) { heard(self, answers, why); },
+    [=](abort_atom, uint64_t step) -> caf::result<bool> { return ask_abort(self, step); },
     [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double, std::string> {
-      auto& st = self->state;
-      if (st.silent) {
-        return caf::make_error(caf::sec::request_receiver_down,
-                               detail::concat("stage ", st.index, " on ", st.label,
-                                              " cannot step its optimizer: its node is silent"));
-      }
-      auto rp = self->make_response_promise<double, std::string>();
-      auto id = ++st.next_pending;
-      st.pending[id] = [rp](const caf::error& e) mutable { rp.deliver(e); };
-      self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
-        .then(
-          [=](double ms, std::string& error) mutable {
-            if (self->state.pending.erase(id) > 0) {
-              rp.deliver(ms, std::move(error));
-            }
-          },
-          [=](caf::error& e) mutable {
-            if (self->state.pending.erase(id) > 0) {
-              rp.deliver(forward_error("step its optimizer")(e));
-            }
-          });
-      return rp;
+      return ask_update(self, step, lr, scale);
     },
     [=](block_atom) -> caf::result<std::string> {
       // Stages on nodes have no replicas (the pipeline constructor refuses them).
