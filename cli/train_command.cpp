@@ -602,7 +602,7 @@ int run_train(const train_args& given) {
                     " plans one pipeline on this machine's cores: with replicas (--replicas, "
                     "--world-size) give --stages and --threads");
   }
-  a.plan.devices = parse_devices(a.devices, a.plan);
+  a.plan.devices = training::parse_devices(a.devices, a.plan);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan);

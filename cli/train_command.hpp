@@ -121,9 +121,4 @@ int run_train(const train_args& args);
 /// with another, a flag that needs another (cli/train_flags.cpp, beside the flags).
 void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice);
 
-/// --devices as devices; with --stages auto the devices the planner may place a stage each on
-/// (a GPU listed twice refused, as --threads auto with GPUs).
-std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
-                                       const training::planning_args& plan);
-
 } // namespace actorpipe::cli

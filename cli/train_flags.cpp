@@ -98,9 +98,8 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   opt("--on-node-loss", a.on_node_loss,
       "--nodes: when a node is lost (its connection closes, or it leaves its heartbeats "
       "unanswered for --heartbeat-timeout), fail (end the run) or continue: move its stages to a "
-      "--spare-nodes node "
-      "that answers, else cut the model anew over the nodes left, restore the newest snapshot "
-      "and replay the data from there (docs/distributed.md)")
+      "--spare-nodes node that answers, else cut the model anew over the nodes left, restore the "
+      "newest snapshot and replay the data from there (docs/distributed.md)")
     ->check(CLI::IsMember({"fail", "continue"}));
   cmd
     ->add_option("--spare-nodes", a.spare_nodes,
@@ -326,37 +325,6 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
                   "--schedule ", choice.schedule_name,
                   " runs two chunks per stage in a V: --chunks ", choice.chunks,
                   " does not apply (leave it out, or give 2)");
-}
-
-// --devices as devices. With --stages auto they are the devices the planner may place stages on
-// (one stage each, in order; profiled on the first), so a GPU listed twice is refused: two
-// stages sharing it would not run side by side as the planner assumes.
-std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
-                                       const training::planning_args& plan) {
-  std::vector<c10::Device> devices;
-  for (const auto& d : names) {
-    try {
-      devices.emplace_back(d);
-    } catch (const std::exception&) {
-      throw invalid_argument(
-        detail::concat("--devices: '", d, "' is no device (cpu, cuda or cuda:N)"));
-    }
-  }
-  if (!devices.empty() && plan.layout_auto()) {
-    ACTORPIPE_CHECK(!plan.threads_auto || !devices.front().is_cuda(),
-                    "--threads auto tries thread counts on this machine's cores: with stages on "
-                    "GPUs (--devices) leave it out");
-    for (std::size_t i = 0; i < devices.size(); ++i) {
-      for (std::size_t j = 0; j < i; ++j) {
-        ACTORPIPE_CHECK(!devices[i].is_cuda() || devices[i] != devices[j],
-                        "--stages auto: ", devices[i].str(),
-                        " is listed twice in --devices; the planner puts one stage on each "
-                        "device (stages sharing a GPU do not run side by side): list each GPU "
-                        "once, or give --stages");
-      }
-    }
-  }
-  return devices;
 }
 
 } // namespace actorpipe::cli

@@ -49,18 +49,6 @@ loss_function scripted_loss(const std::string& bytes) {
   };
 }
 
-std::vector<c10::Device> devices_of(const std::vector<std::string>& names) {
-  std::vector<c10::Device> devices;
-  for (const auto& name : names) {
-    try {
-      devices.emplace_back(name);
-    } catch (const std::exception&) {
-      throw invalid_argument("devices: '" + name + "' is not a device (cpu, cuda:0, ...)");
-    }
-  }
-  return devices;
-}
-
 training::planning_args planning_of(const pipeline_config& c) {
   training::planning_args a;
   a.stages = c.stages;
@@ -74,7 +62,7 @@ training::planning_args planning_of(const pipeline_config& c) {
   a.chunks = c.chunks;
   a.threads = c.threads;
   a.cold_memory = !c.warm_memory;
-  a.devices = devices_of(c.devices);
+  a.devices = training::parse_devices(c.devices, a, "devices");
   return a;
 }
 

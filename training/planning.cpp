@@ -275,6 +275,34 @@ torch::Tensor model_setup::sample() const {
                       generator);
 }
 
+std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
+                                       const planning_args& plan, const std::string& setting) {
+  std::vector<c10::Device> devices;
+  for (const auto& d : names) {
+    try {
+      devices.emplace_back(d);
+    } catch (const std::exception&) {
+      throw invalid_argument(
+        detail::concat(setting, ": '", d, "' is no device (cpu, cuda or cuda:N)"));
+    }
+  }
+  if (!devices.empty() && plan.layout_auto()) {
+    ACTORPIPE_CHECK(!plan.threads_auto || !devices.front().is_cuda(),
+                    "--threads auto tries thread counts on this machine's cores: with stages on "
+                    "GPUs (",
+                    setting, ") leave it out");
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      for (std::size_t j = 0; j < i; ++j) {
+        ACTORPIPE_CHECK(!devices[i].is_cuda() || devices[i] != devices[j],
+                        "--stages auto: ", devices[i].str(), " is listed twice in ", setting,
+                        "; the planner puts one stage on each device (stages sharing a GPU do "
+                        "not run side by side): list each GPU once, or give --stages");
+      }
+    }
+  }
+  return devices;
+}
+
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag) {
   if (flag > 0) {
     return flag;

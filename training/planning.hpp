@@ -238,4 +238,12 @@ pipeline_options pipeline_options_for(const plan_choice& choice, const planning_
 /// The threads each stage gets for `stages` stage actors and the --threads flag.
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag);
 
+/// A device list (`setting` names it in messages: --devices, or the Python module's devices) as
+/// devices. With --stages auto they are the devices the planner may place stages on (one stage
+/// each, in order; profiled on the first), so a GPU listed twice is refused: two stages sharing
+/// it would not run side by side as the planner assumes; so is --threads auto with GPUs.
+std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
+                                       const planning_args& plan,
+                                       const std::string& setting = "--devices");
+
 } // namespace actorpipe::training

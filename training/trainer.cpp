@@ -1,19 +1,9 @@
 #include <actorpipe/training.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <deque>
-#include <fstream>
-#include <future>
-#include <iomanip>
-#include <iostream>
-#include <map>
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
-
-#include "training/progress.hpp"
 
 namespace actorpipe {
 namespace {

@@ -59,8 +59,12 @@ def _script_bytes_of(obj, what):
     raise TypeError(f"{what}: expected a TorchScript module or a path, not {type(obj).__name__}")
 
 
-def _python_function(obj):
-    return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.jit.ScriptFunction))
+def _refuse_python_function(obj, what, instead):
+    """TypeError for a plain Python callable: stage threads run TorchScript, never Python."""
+    if callable(obj) and not isinstance(obj, (torch.nn.Module, torch.jit.ScriptFunction)):
+        name = getattr(obj, "__name__", type(obj).__name__)
+        raise TypeError(f"{what}: {name} is a Python function, which would need the GIL on a "
+                        f"stage's thread; give {instead}")
 
 
 def _loss_of(loss):
@@ -70,12 +74,9 @@ def _loss_of(loss):
             raise ValueError(f"loss: unknown built-in '{loss}' (choose {' or '.join(_LOSSES)}, "
                              f"or give a scripted module)")
         return loss, b""
-    if _python_function(loss):
-        name = getattr(loss, "__name__", type(loss).__name__)
-        raise TypeError(
-            f"loss: {name} is a Python function, which would need the GIL on a stage's thread; "
-            f"give 'mse', 'cross_entropy', or TorchScript (torch.jit.script of an nn.Module or "
-            f"a function taking (output, target))")
+    _refuse_python_function(loss, "loss", "'mse', 'cross_entropy', or TorchScript "
+                            "(torch.jit.script of an nn.Module or a function taking (output, "
+                            "target))")
     return "mse", _script_bytes(loss, "loss")
 
 
@@ -86,11 +87,8 @@ def _hook_of(hook, where):
         return "", b"", ""
     if isinstance(hook, str):
         return hook, b"", hook
-    if _python_function(hook):
-        name = getattr(hook, "__name__", type(hook).__name__)
-        raise TypeError(f"{where}: {name} is a Python function, which would need the GIL on a "
-                        f"stage's thread; give a built-in ('clamp:V', 'check_finite') or a "
-                        f"scripted nn.Module")
+    _refuse_python_function(hook, where, "a built-in ('clamp:V', 'check_finite') or a scripted "
+                            "nn.Module")
     return "", _script_bytes(hook, where), f"{where} ({type(hook).__name__})"
 
 

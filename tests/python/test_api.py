@@ -149,8 +149,10 @@ class ErrorsTest(unittest.TestCase):
             pipe(stages="auto")
         with self.assertRaisesRegex(ValueError, "stages"):
             pipe(stages=0)
-        with self.assertRaisesRegex(ValueError, "not a device"):
+        with self.assertRaisesRegex(ValueError, "devices: 'gpu7' is no device"):
             pipe(devices=["gpu7", "cpu"])
+        with self.assertRaisesRegex(ValueError, "cuda:0 is listed twice in devices"):
+            pipe(stages="auto", example=torch.randn(8, 8), devices=["cuda:0", "cuda:0"])
         with self.assertRaisesRegex(TypeError, "model: .*cannot be scripted"):
             actorpipe.Pipeline(Unscriptable())
 
