@@ -160,7 +160,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
   const key k{s.plan.step, a.microbatch, a.chunk};
   auto virtual_stage = s.virtual_index(a.chunk);
   auto position = static_cast<std::size_t>(a.microbatch);
-  bool split = s.split;
+  bool split = s.split_actions.at(s.next_action);
   switch (a.kind) {
   case action_kind::forward: {
     auto input = std::move(s.activations[k]);
@@ -396,8 +396,7 @@ void start_plan(stage_actor_type self, step_plan plan) {
                                   ? static_cast<double>(std::max<int64_t>(1, s.plan.samples))
                                   : 1.0;
   }
-  s.split = std::any_of(s.plan.program.begin(), s.plan.program.end(),
-                        [](const action& a) { return a.kind == action_kind::weight; });
+  s.split_actions = split_backwards(s.plan.program);
   s.microbatches = 0;
   for (const auto& a : s.plan.program) {
     s.microbatches = std::max(s.microbatches, a.microbatch + 1);

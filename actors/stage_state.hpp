@@ -69,8 +69,9 @@ struct stage_state {
   // Index of the program's next action.
   std::size_t next_action = 0;
   stage_report report;
-  // Zero-bubble programs split backward into B (input gradient) and W (weight gradient).
-  bool split = false;
+  // By action: a B split into input gradient (B) and weight gradient (its W, later): zero-bubble
+  // programs split all, DualPipeV some (split_backwards).
+  std::vector<bool> split_actions;
   // Micro-batches in the running step.
   int32_t microbatches = 0;
   // The last stage's losses of this step's micro-batches, in the order computed, and which.

@@ -150,13 +150,14 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
     ->capture_default_str();
   cmd
     ->add_option("--chunks", a.chunks,
-                 "Model chunks per stage (interleaved schedule; zb-v and v-half hold 2)")
+                 "Model chunks per stage (interleaved and interleaved-zb; the V schedules zb-v, "
+                 "v-half, v-min and dualpipe-v hold 2)")
     ->capture_default_str();
   cmd
     ->add_option("--schedule", a.schedule,
-                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, auto (fastest "
-                 "simulated with "
-                 "profiled costs) or file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
+                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, interleaved-zb, zb-v, "
+                 "v-half, v-min, dualpipe-v, auto (fastest simulated with profiled costs) or "
+                 "file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
                  "with --stages auto chosen unless given")
     ->capture_default_str();
   cmd

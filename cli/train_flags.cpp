@@ -317,9 +317,10 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   }
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
                   "--steps and --max-steps both give the steps of the run in all: give one");
-  ACTORPIPE_CHECK(choice.kind != schedule_kind::interleaved || choice.chunks > 1,
-                  "--schedule interleaved with --chunks ", choice.chunks,
-                  " interleaves nothing: give --chunks 2 or more, or --schedule 1f1b");
+  ACTORPIPE_CHECK(!choice.custom.empty() || !interleaves(choice.kind) || choice.chunks > 1,
+                  "--schedule ", choice.schedule_name, " with --chunks ", choice.chunks,
+                  " interleaves nothing: give --chunks 2 or more, or --schedule ",
+                  choice.kind == schedule_kind::interleaved ? "1f1b" : "zb-h1");
   ACTORPIPE_CHECK(!choice.custom.empty() || placement_of(choice.kind) != chunk_placement::v_shape ||
                     choice.chunks == 2,
                   "--schedule ", choice.schedule_name,

@@ -14,27 +14,38 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
   auto chunks = chunks_of(planned);
   ACTORPIPE_CHECK(planned.size() == p, "compare_bubbles: ", planned.size(),
                   " planned programs for ", p, " measured stages");
-  // Mean duration per virtual stage and kind: the schedule adds durations up, and with few
-  // micro-batches a median is just the slowest one.
-  std::map<std::pair<std::size_t, action_kind>, std::vector<double>> durations;
+  // Mean duration per virtual stage and kind (a whole backward, a B without its W, apart from a
+  // split one): the schedule adds durations up, and with few micro-batches a median is just the
+  // slowest one.
+  constexpr int whole_backward = 3;
+  std::map<std::pair<std::size_t, int>, std::vector<double>> durations;
   double first = 1e300;
   double last = 0;
   bubble_report r;
   auto& busy = r.busy_ms;
   busy.assign(p, 0);
   for (std::size_t s = 0; s < p; ++s) {
+    stage_program ran;
     for (const auto& a : measured.stages[s].actions) {
+      ran.push_back(a.what);
+    }
+    auto split = split_backwards(ran);
+    for (std::size_t i = 0; i < ran.size(); ++i) {
+      const auto& a = measured.stages[s].actions[i];
       auto vs = planned.virtual_stage(s, static_cast<std::size_t>(a.what.chunk));
-      durations[{vs, a.what.kind}].push_back(a.end_ms - a.start_ms);
+      auto kind = a.what.kind == action_kind::backward && !split[i] ? whole_backward
+                                                                    : static_cast<int>(a.what.kind);
+      durations[{vs, kind}].push_back(a.end_ms - a.start_ms);
       first = std::min(first, a.start_ms);
       last = std::max(last, a.end_ms);
       busy[s] += a.end_ms - a.start_ms;
     }
   }
-  auto mean = [&](std::size_t vs, action_kind kind) {
+  // -1 where the step ran none of that kind.
+  auto mean = [&](std::size_t vs, int kind) {
     auto it = durations.find({vs, kind});
     if (it == durations.end()) {
-      return 0.0;
+      return -1.0;
     }
     double sum = 0;
     for (auto d : it->second) {
@@ -42,12 +53,17 @@ bubble_report compare_bubbles(const schedule& planned, std::size_t microbatches,
     }
     return sum / static_cast<double>(it->second.size());
   };
-  bool split = splits_backward(planned);
   std::vector<action_costs> costs;
+  auto at_least_0 = [](double ms) { return std::max(ms, 0.0); };
   for (std::size_t vs = 0; vs < p * chunks; ++vs) {
-    // Without weight actions the simulator charges backward + weight for B: put it all in B.
-    costs.push_back({mean(vs, action_kind::forward), mean(vs, action_kind::backward),
-                     split ? mean(vs, action_kind::weight) : 0.0});
+    action_costs c;
+    c.forward = at_least_0(mean(vs, static_cast<int>(action_kind::forward)));
+    c.backward = at_least_0(mean(vs, static_cast<int>(action_kind::backward)));
+    c.weight = at_least_0(mean(vs, static_cast<int>(action_kind::weight)));
+    // The simulator charges a whole backward `fused`, or backward + weight without one.
+    auto whole = mean(vs, whole_backward);
+    c.fused = whole >= 0 ? whole : -1;
+    costs.push_back(c);
   }
   auto sim = simulate(planned, microbatches, costs);
   r.planned_bubble = sim.bubble;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 
 #include <actorpipe/errors.hpp>
@@ -30,9 +31,10 @@ std::vector<std::size_t> threads_for(const layout_space& space, std::size_t stag
   return fit;
 }
 
-// Model chunks per stage of `kind`: the space's for interleaved, 2 for the V schedules, else 1.
+// Model chunks per stage of `kind`: the space's for the interleaved ones, 2 for the V schedules,
+// else 1.
 std::size_t chunks_in(schedule_kind kind, std::size_t interleaved_chunks) {
-  return kind == schedule_kind::interleaved ? interleaved_chunks : chunks_for(kind, 1);
+  return interleaves(kind) ? interleaved_chunks : chunks_for(kind, 1);
 }
 
 bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t chunks,
@@ -44,7 +46,31 @@ bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t 
   if (stages * v > layers) {
     return false;
   }
-  return kind != schedule_kind::interleaved || (v >= 2 && m % stages == 0);
+  if (kind == schedule_kind::dualpipe_v) {
+    return m >= 2 * stages;
+  }
+  return !interleaves(kind) || (v >= 2 && m % stages == 0);
+}
+
+// Charges each part the transfer of its output to the next part (`transfer_ms` of the bytes,
+// scaled to the micro-batch), nothing where the next part is on the same stage (the V's turn);
+// returns the longest.
+double charge_transfers(std::vector<action_costs>& parts, const schedule& plan,
+                        const measured_costs& measured, const partition& cut, double samples_scale,
+                        const std::function<double(double)>& transfer_ms) {
+  double longest = 0;
+  auto stages = plan.size();
+  for (std::size_t part = 0; part + 1 < parts.size(); ++part) {
+    if (holder_of(plan.placement, stages, part).stage ==
+        holder_of(plan.placement, stages, part + 1).stage) {
+      continue;
+    }
+    auto bytes =
+      static_cast<double>(measured.layers[cut.end(part) - 1].output_bytes) * samples_scale;
+    parts[part].send = transfer_ms(bytes);
+    longest = std::max(longest, parts[part].send);
+  }
+  return longest;
 }
 
 // The costs measured at `threads` on the size nearest `samples`.
@@ -118,8 +144,10 @@ std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& laye
   return needed;
 }
 
-std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
-                                 const layout_space& space) {
+namespace {
+
+void check_ranking_inputs(const layer_list& layers, const std::vector<measured_costs>& costs,
+                          const layout_space& space) {
   ACTORPIPE_CHECK(space.batch >= 1, "rank_layouts: batch (", space.batch, ") must be >= 1");
   ACTORPIPE_CHECK(!layers.empty(), "rank_layouts: no layers");
   ACTORPIPE_CHECK(space.link_gbps >= 0 && space.link_latency_ms >= 0,
@@ -129,6 +157,32 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
                     " thread(s), ", c.samples, " samples cover ", c.layers.size(), " of the ",
                     layers.size(), " layers");
   }
+}
+
+// Layouts that fit first, then the faster, then fewer stages, then fewer micro-batches.
+bool ranks_before(const layout& a, const layout& b) {
+  if (a.fits != b.fits) {
+    return a.fits;
+  }
+  if (a.step_ms != b.step_ms) {
+    return a.step_ms < b.step_ms;
+  }
+  return a.stages != b.stages ? a.stages < b.stages : a.microbatches < b.microbatches;
+}
+
+double parameter_count(const measured_costs& measured) {
+  double total = 0;
+  for (const auto& lp : measured.layers) {
+    total += static_cast<double>(lp.parameters);
+  }
+  return total;
+}
+
+} // namespace
+
+std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
+                                 const layout_space& space) {
+  check_ranking_inputs(layers, costs, space);
   // Time to move `bytes` over the link in `messages` messages (0 without a link).
   auto transfer_ms = [&](double bytes, double messages = 1) {
     return space.link_gbps > 0 ? messages * space.link_latency_ms + bytes / (space.link_gbps * 1e6)
@@ -147,10 +201,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
       auto samples_scale =
         static_cast<double>(batch) / static_cast<double>(m) / static_cast<double>(measured.samples);
       auto scale = samples_scale * contention;
-      double total_parameters = 0;
-      for (const auto& lp : measured.layers) {
-        total_parameters += static_cast<double>(lp.parameters);
-      }
+      auto total_parameters = parameter_count(measured);
       for (auto kind : space.schedules) {
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
@@ -178,14 +229,10 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
             same->partition_spec += "," + spec;
             continue;
           }
-          auto part_costs = costs_of(measured.layers, l.cut, scale);
-          for (std::size_t part = 0; part + 1 < part_costs.size(); ++part) {
-            auto bytes = static_cast<double>(measured.layers[l.cut.end(part) - 1].output_bytes) *
-                         samples_scale;
-            part_costs[part].send = transfer_ms(bytes);
-            l.send_ms = std::max(l.send_ms, part_costs[part].send);
-          }
           auto plan = make_schedule(kind, s, m, v);
+          auto part_costs = costs_of(measured.layers, l.cut, scale);
+          l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale,
+                                       [&](double bytes) { return transfer_ms(bytes); });
           auto sim = simulate(plan, m, part_costs, s > 1 ? space.hop_ms : 0.0);
           l.bubble = sim.mean_bubble();
           // After the last backward: every stage steps its optimizer, replicas first
@@ -223,15 +270,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
     });
   ACTORPIPE_CHECK(!ranked.empty(), "rank_layouts: no layout of the space applies to ",
                   layers.size(), " layers and a batch of ", space.batch);
-  std::stable_sort(ranked.begin(), ranked.end(), [](const layout& a, const layout& b) {
-    if (a.fits != b.fits) {
-      return a.fits;
-    }
-    if (a.step_ms != b.step_ms) {
-      return a.step_ms < b.step_ms;
-    }
-    return a.stages != b.stages ? a.stages < b.stages : a.microbatches < b.microbatches;
-  });
+  std::stable_sort(ranked.begin(), ranked.end(), ranks_before);
   return ranked;
 }
 

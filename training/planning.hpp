@@ -111,7 +111,7 @@ struct planning_args {
   /// 0: chosen by the planner (--schedule auto, --stages auto).
   std::size_t microbatches = 4;
   std::size_t chunks = 1;
-  /// gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, auto, or file:PATH.
+  /// A built-in schedule's name (known_schedules()), auto, or file:PATH.
   std::string schedule = "1f1b";
   /// uniform, params, time, or cut:I,J.
   std::string partition = "uniform";

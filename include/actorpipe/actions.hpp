@@ -4,10 +4,12 @@
 /// validating and simulating schedules is <actorpipe/schedule.hpp>.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace actorpipe {
@@ -144,12 +146,55 @@ enum class schedule_kind {
   /// V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory"): ZB-V's V and split
   /// backward under half of 1F1B's activation memory.
   v_half,
+  /// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble): interleaved 1F1B's order
+  /// with backward split, stage i deferring each W by i backwards (ZB-H1 over several chunks).
+  /// Needs microbatches to be a multiple of stages.
+  interleaved_zb,
+  /// DualPipeV (DeepSeek): two chunks per stage in a V; in its steady phase each stage runs the
+  /// forward of one chunk beside the backward of the other, so a transfer in one direction hides
+  /// behind compute in the other. Needs microbatches >= 2 x stages.
+  dualpipe_v,
+  /// V-Min (Qi et al.): ZB-V's V and split backward under about a third of 1F1B's activation
+  /// memory, at the cost of bubbles.
+  v_min,
 };
 
-/// How the schedules of `kind` place chunks: v_shape for zb_v and v_half, looped otherwise.
+/// True for the schedules whose chunks sit in a V (zb_v, v_half, v_min, dualpipe_v).
+inline bool in_a_v(schedule_kind kind) {
+  return kind == schedule_kind::zb_v || kind == schedule_kind::v_half ||
+         kind == schedule_kind::v_min || kind == schedule_kind::dualpipe_v;
+}
+
+/// True for the schedules that take any number of chunks per stage (interleaved, interleaved_zb).
+inline bool interleaves(schedule_kind kind) {
+  return kind == schedule_kind::interleaved || kind == schedule_kind::interleaved_zb;
+}
+
+/// How the schedules of `kind` place chunks: v_shape for the V schedules, looped otherwise.
 inline chunk_placement placement_of(schedule_kind kind) {
-  return kind == schedule_kind::zb_v || kind == schedule_kind::v_half ? chunk_placement::v_shape
-                                                                      : chunk_placement::looped;
+  return in_a_v(kind) ? chunk_placement::v_shape : chunk_placement::looped;
+}
+
+/// Which of `program`'s actions are split backwards: a B whose W (same micro-batch and chunk)
+/// comes later in the program computes only the input gradient; a B without one is a whole
+/// backward (input and weight gradients in one walk of the graph, as in a schedule that splits
+/// nothing). Schedules that split only some backwards (DualPipeV) write the others as a lone B.
+inline std::vector<bool> split_backwards(const stage_program& program) {
+  std::vector<std::pair<int32_t, int32_t>> weights;
+  for (const auto& a : program) {
+    if (a.kind == action_kind::weight) {
+      weights.emplace_back(a.microbatch, a.chunk);
+    }
+  }
+  std::sort(weights.begin(), weights.end());
+  std::vector<bool> split(program.size(), false);
+  for (std::size_t i = 0; i < program.size(); ++i) {
+    const auto& a = program[i];
+    split[i] =
+      a.kind == action_kind::backward &&
+      std::binary_search(weights.begin(), weights.end(), std::make_pair(a.microbatch, a.chunk));
+  }
+  return split;
 }
 
 /// Cost of each action on one virtual stage (schedule::virtual_stage), in

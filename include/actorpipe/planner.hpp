@@ -43,9 +43,10 @@ struct layout_space {
   std::vector<std::size_t> microbatch_counts{1, 2, 4, 8};
   std::vector<schedule_kind> schedules{schedule_kind::gpipe,       schedule_kind::one_f_one_b,
                                        schedule_kind::zb_h1,       schedule_kind::zb_h2,
-                                       schedule_kind::interleaved, schedule_kind::zb_v,
-                                       schedule_kind::v_half};
-  /// Model chunks per stage of the interleaved schedule.
+                                       schedule_kind::interleaved, schedule_kind::interleaved_zb,
+                                       schedule_kind::zb_v,        schedule_kind::v_half,
+                                       schedule_kind::v_min,       schedule_kind::dualpipe_v};
+  /// Model chunks per stage of the interleaved schedules.
   std::size_t chunks = 2;
   /// How to cut: "uniform", "params", "time" or "cut:I,J" (the last only where it has as many
   /// stages as the layout).

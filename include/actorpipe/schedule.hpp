@@ -14,11 +14,14 @@
 
 namespace actorpipe {
 
-/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" or "v-half"; throws
-/// invalid_argument naming the known ones.
+/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zb-v", "v-half",
+/// "v-min" or "dualpipe-v"; throws invalid_argument naming the known ones.
 schedule_kind parse_schedule_kind(const std::string& name);
 
 std::string to_string(schedule_kind kind);
+
+/// The built-in schedules' names, comma-separated ("gpipe, 1f1b, ...").
+std::string known_schedules();
 
 /// "looped" or "v" (as to_string(chunk_placement) writes them); throws invalid_argument otherwise.
 chunk_placement parse_chunk_placement(const std::string& name);
@@ -28,8 +31,9 @@ chunk_placement parse_chunk_placement(const std::string& name);
 std::size_t chunks_for(schedule_kind kind, std::size_t chunks);
 
 /// The training schedule of `kind` for `stages` stages, `microbatches` micro-batches and
-/// `chunks` model chunks per stage (interleaved takes any, zb-v and v-half exactly 2, the others
-/// 1). Throws invalid_argument for zero sizes or sizes the schedule cannot take.
+/// `chunks` model chunks per stage (interleaved and interleaved-zb take any, the V schedules
+/// exactly 2, the others 1). Throws invalid_argument for zero sizes or sizes the schedule cannot
+/// take (interleaved: microbatches a multiple of stages; dualpipe-v: microbatches >= 2 stages).
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks = 1);
 
@@ -44,13 +48,13 @@ std::size_t chunks_of(const schedule& s);
 /// True when `s` splits backward into B and W actions.
 bool splits_backward(const schedule& s);
 
-/// True when the schedules of `kind` split backward (the zero-bubble ones: zb-h1, zb-h2, zb-v,
-/// v-half).
+/// True when the schedules of `kind` split backward (the zero-bubble ones and DualPipeV).
 bool splits_backward(schedule_kind kind);
 
 /// Checks that `s` can run: on every stage and chunk, each micro-batch is forwarded exactly
-/// once, and in training backed up exactly once after its forward (and, when the schedule
-/// splits backward, its weight gradient once after that); and running the programs with their
+/// once, and in training backed up exactly once after its forward (and, where that backward is
+/// split, its weight gradient once after that: a B without a W is a whole backward,
+/// split_backwards); and running the programs with their
 /// cross-stage dependencies cannot deadlock. Throws invalid_argument naming the stage, action
 /// and micro-batch at fault.
 void validate(const schedule& s, std::size_t microbatches, bool training);
@@ -83,7 +87,10 @@ struct simulation {
 };
 
 /// Runs `s` on a model of `costs.size()` virtual stages (or one cost for all when size 1);
-/// `send_latency` is added to every cross-stage dependency. Throws invalid_argument when the
+/// `send_latency` is added to every cross-stage dependency, and a transfer between two stages
+/// (`action_costs::send`) occupies their link: one at a time in each direction, queued in the
+/// sender's order. A B without a W is charged a whole
+/// backward (split_backwards). Throws invalid_argument when the
 /// schedule deadlocks (naming who waits for what) or costs do not fit.
 simulation simulate(const schedule& s, std::size_t microbatches,
                     const std::vector<action_costs>& costs, double send_latency = 0);

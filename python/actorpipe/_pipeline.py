@@ -158,8 +158,10 @@ class Pipeline:
     stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
       the planner profiles the layers on `example` and runs the fastest layout it simulates.
     microbatches: per step (default 4; with stages="auto" or schedule="auto" the planner's).
-    schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "v-half" or "auto".
-    chunks: model chunks per stage (interleaved; the V schedules take 2 by themselves).
+    schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zb-v",
+        "v-half", "v-min", "dualpipe-v" or "auto".
+    chunks: model chunks per stage (interleaved, interleaved-zb; the V schedules take 2 by
+        themselves).
     partition: "uniform" (layer counts), "params", "time" (profiled on `example`) or "cut:I,J".
     optimizer: ("sgd", {"lr", "momentum", "weight_decay", "nesterov"}) or ("adam", {"lr",
       "weight_decay"}): each stage steps its own over its own parameters.

@@ -548,6 +548,27 @@ TEST_CASE("--schedule zb-v and v-half run a gpt in a V: the losses of one stage,
           "--schedule zb-v runs two chunks per stage in a V: --chunks 3 does not apply");
 }
 
+TEST_CASE("--schedule interleaved-zb, v-min and dualpipe-v train a gpt with the losses of one "
+          "stage, and refuse the sizes they cannot take by name") {
+  same_losses("--data synthetic --model gpt --layers 2 --width 32 --heads 2 --context 8 "
+              "--classes 9 --batch 16 --steps 3 --lr 0.01 --seed 2 --no-progress",
+              {"train --stages 1 --microbatches 1",
+               "train --stages 2 --microbatches 4 --schedule interleaved-zb --chunks 2",
+               "train --stages 2 --microbatches 4 --schedule v-min",
+               "train --stages 2 --microbatches 4 --schedule dualpipe-v"},
+              3);
+  refused("train --data synthetic --model mlp --stages 2 --microbatches 3 --schedule dualpipe-v "
+          "--steps 1",
+          "dualpipe-v schedule needs microbatches (3) >= 2 x stages (4)");
+  refused("train --data synthetic --model mlp --stages 2 --microbatches 4 --schedule "
+          "interleaved-zb --steps 1",
+          "--schedule interleaved-zb with --chunks 1 interleaves nothing: give --chunks 2 or "
+          "more, or --schedule zb-h1");
+  refused("train --data synthetic --model mlp --stages 2 --microbatches 4 --schedule v-min "
+          "--chunks 3 --steps 1",
+          "--schedule v-min runs two chunks per stage in a V: --chunks 3 does not apply");
+}
+
 TEST_CASE("bench sweeps splits against plain libtorch and writes JSON, CSV and a plot") {
   auto json = temp_file("bench.json");
   auto csv = temp_file("bench.csv");

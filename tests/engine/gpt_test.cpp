@@ -98,7 +98,7 @@ TEST_CASE("a pipelined gpt trains exactly like plain libtorch: every schedule, 1
     for (std::size_t stages = 1; stages <= 4; ++stages) {
       CAPTURE(to_string(kind));
       CAPTURE(stages);
-      auto o = gpt_options(kind == schedule_kind::interleaved ? 2 * stages : 3);
+      auto o = gpt_options(microbatches_for(kind, stages, 3));
       o.schedule = kind;
       o.chunks = chunks;
       auto layers = tiny_gpt(6);
@@ -283,7 +283,7 @@ TEST_CASE("optimizer post-validation: stages step before the update and keep or 
       std::vector<std::vector<double>> losses;
       for (bool optimistic : {true, false}) {
         CAPTURE(optimistic);
-        auto o = gpt_options(kind == schedule_kind::interleaved ? 6 : 3);
+        auto o = gpt_options(microbatches_for(kind, 3, 3));
         o.schedule = kind;
         o.chunks = chunks;
         o.max_grad_norm = clip;
@@ -418,7 +418,7 @@ TEST_CASE("overlapping steps: submitted together, each stage starts a step when 
         std::vector<std::vector<double>> losses;
         for (bool overlap : {true, false}) {
           CAPTURE(overlap);
-          auto o = gpt_options(kind == schedule_kind::interleaved ? 6 : 3);
+          auto o = gpt_options(microbatches_for(kind, 3, 3));
           o.schedule = kind;
           o.chunks = chunks;
           o.max_grad_norm = clip;

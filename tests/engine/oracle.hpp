@@ -175,12 +175,32 @@ struct schedule_setting {
   std::size_t chunks;
 };
 
-/// Every built-in schedule: GPipe, 1F1B, ZB-H1, ZB-H2 (one chunk), interleaved 1F1B, ZB-V and
-/// V-Half (two chunks; the last two in a V).
+/// Every built-in schedule: GPipe, 1F1B, ZB-H1, ZB-H2 (one chunk), interleaved 1F1B and
+/// interleaved zero bubble, ZB-V, V-Half, V-Min and DualPipeV (two chunks; the last four in a V).
 inline std::vector<schedule_setting> every_schedule() {
-  return {{schedule_kind::gpipe, 1}, {schedule_kind::one_f_one_b, 1}, {schedule_kind::zb_h1, 1},
-          {schedule_kind::zb_h2, 1}, {schedule_kind::interleaved, 2}, {schedule_kind::zb_v, 2},
-          {schedule_kind::v_half, 2}};
+  return {{schedule_kind::gpipe, 1},       {schedule_kind::one_f_one_b, 1},
+          {schedule_kind::zb_h1, 1},       {schedule_kind::zb_h2, 1},
+          {schedule_kind::interleaved, 2}, {schedule_kind::interleaved_zb, 2},
+          {schedule_kind::zb_v, 2},        {schedule_kind::v_half, 2},
+          {schedule_kind::v_min, 2},       {schedule_kind::dualpipe_v, 2}};
+}
+
+/// Whether `kind` takes `m` micro-batches on `stages` stages (the interleaved ones a multiple of
+/// stages, dualpipe-v at least 2 x stages).
+inline bool takes(schedule_kind kind, std::size_t stages, std::size_t m) {
+  if (interleaves(kind)) {
+    return m % stages == 0;
+  }
+  return kind != schedule_kind::dualpipe_v || m >= 2 * stages;
+}
+
+/// The micro-batches a test gives `kind` on `stages` stages where it gives the others `m`: 2 x
+/// stages to the interleaved ones, at least 2 x stages to dualpipe-v.
+inline std::size_t microbatches_for(schedule_kind kind, std::size_t stages, std::size_t m) {
+  if (interleaves(kind)) {
+    return 2 * stages;
+  }
+  return kind == schedule_kind::dualpipe_v ? std::max(m, 2 * stages) : m;
 }
 
 /// Every tensor of `a` allclose to its namesake in `b`.

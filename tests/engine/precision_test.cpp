@@ -121,8 +121,7 @@ TEST_CASE("bf16: a pipelined gpt trains as plain libtorch does under the same au
     for (std::size_t stages = 1; stages <= 3; ++stages) {
       CAPTURE(to_string(kind));
       CAPTURE(stages);
-      auto o =
-        options_for(precision_mode::bf16, kind == schedule_kind::interleaved ? 2 * stages : 3);
+      auto o = options_for(precision_mode::bf16, microbatches_for(kind, stages, 3));
       o.schedule = kind;
       o.chunks = chunks;
       auto layers = bf16_test_gpt();

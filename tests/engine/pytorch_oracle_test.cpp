@@ -48,7 +48,7 @@ trained_pipeline train(engine& sys, const schedule_setting& s, std::size_t stage
                        const optimizer_factory& optimizer) {
   pipeline_options o;
   // Interleaving needs a multiple of the stages; the losses do not depend on the count.
-  o.microbatches = s.kind == schedule_kind::interleaved ? 2 * stages : 4;
+  o.microbatches = microbatches_for(s.kind, stages, 4);
   o.schedule = s.kind;
   o.chunks = s.chunks;
   o.threads_per_stage = 1;

@@ -71,7 +71,7 @@ TEST_CASE("recomputation gives the gradients of keeping every activation, for ev
       CAPTURE(to_string(kind));
       CAPTURE(stages);
       pipeline_options o;
-      o.microbatches = kind == schedule_kind::interleaved ? 2 * stages : 3;
+      o.microbatches = microbatches_for(kind, stages, 3);
       o.schedule = kind;
       o.chunks = chunks;
       o.loss = mse;

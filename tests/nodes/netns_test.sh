@@ -22,21 +22,9 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-ip netns add "$br" 2> /dev/null || skip "cannot create network namespaces here (ip netns add failed)"
-ip -n "$br" link add br0 type bridge
-ip -n "$br" link set br0 up
-i=1
-for host in "$s" "$a" "$b" "$c" "$d"; do
-  ip netns add "$host"
-  ip link add "v$host" type veth peer name "p$host"
-  ip link set "v$host" netns "$host"
-  ip link set "p$host" netns "$br"
-  ip -n "$br" link set "p$host" master br0 up
-  ip -n "$host" addr add "$net.$i/24" dev "v$host"
-  ip -n "$host" link set "v$host" up
-  ip -n "$host" link set lo up
-  i=$((i + 1))
-done
+source "$(dirname "$0")/../../tools/netns_hosts.sh"
+netns_hosts "$br" "$net" "$s" "$a" "$b" "$c" "$d" 2> /dev/null ||
+  skip "cannot create network namespaces here (ip netns add failed)"
 echo "hosts: scheduler $net.1, nodes a-d $net.2-5"
 
 printf 'multi-host secret\n' > "$work/secret"

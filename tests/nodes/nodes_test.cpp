@@ -627,8 +627,10 @@ TEST_CASE("interleaved, zero-bubble and V schedules run on nodes and train like 
       CAPTURE(step);
       CHECK(r.loss == doctest::Approx(plain.step(x, y)).epsilon(1e-6));
       REQUIRE(r.stages.size() == 2);
-      // Every chunk's forward and backward of 4 micro-batches (B and W apart in zero-bubble).
-      CHECK(r.stages[0].actions.size() == (splits_backward(schedule) ? 12 : 8) * chunks);
+      // Every action of stage 0's program ran there: every chunk's forward and backward of 4
+      // micro-batches, and the W of each split backward.
+      CHECK(r.stages[0].actions.size() == make_schedule(schedule, 2, 4, chunks)[0].size());
+      CHECK(r.stages[0].actions.size() >= 8 * chunks);
     }
     check_close(remote.named_parameters(), named(plain.layers, false));
     auto [x, y] = batch(9);

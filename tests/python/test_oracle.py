@@ -44,10 +44,12 @@ def torch_alone(model, optimizer, xs, ys, classes):
 
 
 # (schedule, stages, chunks): every built-in schedule over 1-3 stages, where the 7 layers allow
-# the parts (stages x chunks) and the schedule its stage count.
+# the parts (stages x chunks) and the micro-batches the schedule's stage count (dualpipe-v
+# needs 2 x stages of them).
 CASES = [(s, n, 1) for s in ("gpipe", "1f1b", "zb-h1", "zb-h2") for n in (1, 2, 3)] + \
-        [("interleaved", n, 2) for n in (1, 2, 3)] + \
-        [(s, n, 2) for s in ("zb-v", "v-half") for n in (1, 2, 3)]
+        [(s, n, 2) for s in ("interleaved", "interleaved-zb") for n in (1, 2, 3)] + \
+        [(s, n, 2) for s in ("zb-v", "v-half", "v-min") for n in (1, 2, 3)] + \
+        [("dualpipe-v", n, 2) for n in (1, 2, 3) if MICROBATCHES >= 2 * n]
 OPTIMIZERS = [("sgd", {"lr": 0.05, "momentum": 0.9}), ("adam", {"lr": 0.01})]
 
 
