@@ -26,6 +26,52 @@ struct configuration {
   step_result last;
 };
 
+// One timed step of `c`: its time, the longest stage's sync, and how much of the sync the
+// step's backward did not hide.
+void record(configuration& c, step_result r) {
+  double sync = 0;
+  double last_compute = 0;
+  double last_sync = 0;
+  int64_t bytes = 0;
+  for (const auto& s : r.stages) {
+    sync = std::max(sync, s.sync_end_ms - s.sync_start_ms);
+    bytes += s.sync_bytes;
+    if (!s.actions.empty()) {
+      last_compute = std::max(last_compute, s.actions.back().end_ms);
+    }
+    last_sync = std::max(last_sync, s.sync_end_ms);
+  }
+  c.exposed.push_back(std::max(0.0, last_sync - last_compute));
+  c.times.push_back(r.wall_ms);
+  c.syncs.push_back(sync);
+  c.row.sync_bytes = bytes;
+  c.row.loss = r.loss;
+  c.last = std::move(r);
+}
+
+void write_json(const std::string& path, const training::model_setup& setup,
+                const std::vector<replica_row>& rows) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows) {
+    j.push_back({{"replicas", r.replicas},
+                 {"stages", r.stages},
+                 {"splits", r.splits},
+                 {"median_ms", r.median_ms},
+                 {"min_ms", r.min_ms},
+                 {"max_ms", r.max_ms},
+                 {"samples_per_second", r.samples_per_second},
+                 {"speedup", r.speedup},
+                 {"sync_ms", r.sync_ms},
+                 {"sync_share", r.sync_share},
+                 {"exposed_sync_ms", r.exposed_sync_ms},
+                 {"sync_bytes", r.sync_bytes},
+                 {"loss", r.loss}});
+  }
+  std::ofstream out(path);
+  ACTORPIPE_CHECK(out.good(), "--json: cannot write '", path, "'");
+  out << nlohmann::json{{"model", setup.name}, {"batch", setup.batch}, {"rows", j}}.dump(2) << '\n';
+}
+
 } // namespace
 
 std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
@@ -81,27 +127,9 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
       if (o.progress) {
         bar.update(++done, detail::concat(c.row.replicas, "x", c.row.stages));
       }
-      if (i == 0) {
-        continue; // warm-up
+      if (i > 0) { // after the warm-up
+        record(c, std::move(r));
       }
-      double sync = 0;
-      double last_compute = 0;
-      double last_sync = 0;
-      int64_t bytes = 0;
-      for (const auto& s : r.stages) {
-        sync = std::max(sync, s.sync_end_ms - s.sync_start_ms);
-        bytes += s.sync_bytes;
-        if (!s.actions.empty()) {
-          last_compute = std::max(last_compute, s.actions.back().end_ms);
-        }
-        last_sync = std::max(last_sync, s.sync_end_ms);
-      }
-      c.exposed.push_back(std::max(0.0, last_sync - last_compute));
-      c.times.push_back(r.wall_ms);
-      c.syncs.push_back(sync);
-      c.row.sync_bytes = bytes;
-      c.row.loss = r.loss;
-      c.last = std::move(r);
     }
   }
 
@@ -132,26 +160,7 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
               "whole batch; with batch norm, "
               "replicas normalise over their own samples (as DDP without SyncBatchNorm)\n");
   if (!o.json.empty()) {
-    nlohmann::json j = nlohmann::json::array();
-    for (const auto& r : rows) {
-      j.push_back({{"replicas", r.replicas},
-                   {"stages", r.stages},
-                   {"splits", r.splits},
-                   {"median_ms", r.median_ms},
-                   {"min_ms", r.min_ms},
-                   {"max_ms", r.max_ms},
-                   {"samples_per_second", r.samples_per_second},
-                   {"speedup", r.speedup},
-                   {"sync_ms", r.sync_ms},
-                   {"sync_share", r.sync_share},
-                   {"exposed_sync_ms", r.exposed_sync_ms},
-                   {"sync_bytes", r.sync_bytes},
-                   {"loss", r.loss}});
-    }
-    std::ofstream out(o.json);
-    ACTORPIPE_CHECK(out.good(), "--json: cannot write '", o.json, "'");
-    out << nlohmann::json{{"model", setup.name}, {"batch", setup.batch}, {"rows", j}}.dump(2)
-        << '\n';
+    write_json(o.json, setup, rows);
   }
   if (!o.trace.empty()) {
     write_chrome_trace(o.trace, {grid.back().last});

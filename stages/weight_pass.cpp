@@ -56,34 +56,19 @@ struct reach {
   bool parameter = false;
 };
 
-} // namespace
-
-weight_pass::weight_pass() = default;
-weight_pass::~weight_pass() = default;
-
-std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>& roots,
-                                                  const std::vector<at::Tensor>& inputs,
-                                                  const std::vector<at::Tensor>& parameters) {
-  std::unordered_set<const Node*> input_nodes;
-  for (const auto& x : inputs) {
-    if (auto node = torch::autograd::impl::gradient_edge(x).function) {
-      input_nodes.insert(node.get());
-    }
-  }
-  // Each parameter's gradient accumulator (the node its gradient ends in).
-  std::unordered_map<const Node*, at::Tensor> parameter_of;
-  for (const auto& p : parameters) {
-    if (p.requires_grad()) {
-      if (auto node = torch::autograd::impl::try_get_grad_accumulator(p)) {
-        parameter_of.emplace(node.get(), p);
-      }
-    }
-  }
-  if (input_nodes.empty()) {
-    return nullptr;
-  }
-  // Depth first from the roots, iteratively (graphs of thousands of nodes are chains).
+struct graph_reach {
+  // Every node below the roots, and what it reaches (nodes that are B's inputs or a parameter's
+  // accumulator are not entered).
   std::unordered_map<Node*, reach> seen;
+  std::vector<Node*> roots;
+};
+
+// Depth first from the roots, iteratively (graphs of thousands of nodes are chains).
+graph_reach walk_from(const std::vector<at::Tensor>& roots,
+                      const std::unordered_set<const Node*>& input_nodes,
+                      const std::unordered_map<const Node*, at::Tensor>& parameter_of) {
+  graph_reach result;
+  auto& seen = result.seen;
   std::vector<std::pair<Node*, std::size_t>> stack;
   auto terminal = [&](const Node* n, reach& into) {
     if (input_nodes.count(n) != 0) {
@@ -96,13 +81,12 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
     }
     return false;
   };
-  std::vector<Node*> root_nodes;
   for (const auto& r : roots) {
     auto* root = r.grad_fn().get();
     if (root == nullptr) {
       continue;
     }
-    root_nodes.push_back(root);
+    result.roots.push_back(root);
     if (seen.count(root) != 0) {
       continue;
     }
@@ -132,6 +116,51 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       stack.pop_back();
     }
   }
+  return result;
+}
+
+// Every node of `seen` with an edge to each parameter's accumulator.
+std::unordered_map<const Node*, std::vector<const Node*>>
+users_of_parameters(const std::unordered_map<Node*, reach>& seen,
+                    const std::unordered_map<const Node*, at::Tensor>& parameter_of) {
+  std::unordered_map<const Node*, std::vector<const Node*>> users;
+  for (const auto& [node, r] : seen) {
+    for (const auto& e : node->next_edges()) {
+      if (e.function && parameter_of.count(e.function.get()) != 0) {
+        users[e.function.get()].push_back(node);
+      }
+    }
+  }
+  return users;
+}
+
+} // namespace
+
+weight_pass::weight_pass() = default;
+weight_pass::~weight_pass() = default;
+
+std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>& roots,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<at::Tensor>& parameters) {
+  std::unordered_set<const Node*> input_nodes;
+  for (const auto& x : inputs) {
+    if (auto node = torch::autograd::impl::gradient_edge(x).function) {
+      input_nodes.insert(node.get());
+    }
+  }
+  // Each parameter's gradient accumulator (the node its gradient ends in).
+  std::unordered_map<const Node*, at::Tensor> parameter_of;
+  for (const auto& p : parameters) {
+    if (p.requires_grad()) {
+      if (auto node = torch::autograd::impl::try_get_grad_accumulator(p)) {
+        parameter_of.emplace(node.get(), p);
+      }
+    }
+  }
+  if (input_nodes.empty()) {
+    return nullptr;
+  }
+  auto [seen, root_nodes] = walk_from(roots, input_nodes, parameter_of);
   std::shared_ptr<weight_pass> pass(new weight_pass());
   // Hooks go on only once the whole graph is known to be covered.
   for (auto* root : root_nodes) {
@@ -140,15 +169,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       return nullptr; // an output computed from parameters alone
     }
   }
-  // Every node with an edge to each parameter.
-  std::unordered_map<const Node*, std::vector<const Node*>> users;
-  for (auto& [node, r] : seen) {
-    for (const auto& e : node->next_edges()) {
-      if (e.function && parameter_of.count(e.function.get()) != 0) {
-        users[e.function.get()].push_back(node);
-      }
-    }
-  }
+  auto users = users_of_parameters(seen, parameter_of);
   for (auto& [node, r] : seen) {
     if (!r.input) {
       continue;
