@@ -436,28 +436,136 @@ bool stale(const stage_state& s, uint64_t step) {
   return step < s.plan.step || (step == s.plan.step && !s.active && s.next_action > 0);
 }
 
+// The stage actor's state at its start: its chunks, scheduler and options, BMUF blocks and
+// synchronised batch norm where the options ask for them.
+void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
+            stage_listener_actor scheduler, stage_actor_options options) {
+  s.device = stages::make_device_context(chunks.front()->config().device);
+  s.chunks = std::move(chunks);
+  s.scheduler = std::move(scheduler);
+  s.options = std::move(options);
+  if (s.bmuf()) {
+    for (auto& chunk : s.chunks) {
+      chunk->enable_blocks(s.options.bmuf.nesterov);
+    }
+    s.warmed_up = s.options.bmuf.warmup_steps == 0;
+  }
+  if (s.options.sync && s.options.sync_batch_norm) {
+    s.batch_norm_sync = c10::make_intrusive<replica_batch_norm_sync>(s.options.sync);
+    for (auto& chunk : s.chunks) {
+      chunk->synchronise_batch_norm(s.batch_norm_sync);
+    }
+  }
+}
+
+// The wait deadline fired: fails the step naming what the stage waited for, unless the wait
+// ended meanwhile.
+void waited_too_long(stage_actor_type self) {
+  auto& s = self->state;
+  if (!s.deadline.expired(self, s.active && s.waiting, s.wait_start, s.options.wait_timeout,
+                          timeout_atom::value)) {
+    return;
+  }
+  const auto& a = s.plan.program[s.next_action];
+  auto step = s.plan.step;
+  fail(self, failure{{error_kind::timeout, s.options.index, a.microbatch, step},
+                     detail::concat(describe_wait(s, a), " (step ", step, ", action ",
+                                    s.next_action, " of its program) and gave up after ",
+                                    s.options.wait_timeout.count(), " ms")});
+}
+
+// Drops step `step`: its inputs, its queued plan, its early optimizer step and buffers.
+void abort_step(stage_actor_type self, uint64_t step) {
+  auto& s = self->state;
+  set_threads(s);
+  drop_step(s.activations, step);
+  drop_step(s.gradients, step);
+  s.queued.erase(std::remove_if(s.queued.begin(), s.queued.end(),
+                                [&](const step_plan& p) { return p.step == step; }),
+                 s.queued.end());
+  // A failed step changes no parameter: an early optimizer step of it (or of the step before,
+  // which the scheduler aborts next) is undone first, then the running step's buffers go
+  // back to its start, then to the start of the early-stepped one.
+  std::vector<std::vector<torch::Tensor>> buffers;
+  if (s.stepped_early != 0 && s.stepped_early <= step) {
+    buffers = std::move(s.early_buffers);
+    if (auto error = restore_before_update(s); !error.empty()) {
+      log::get()->error("{}", error);
+    }
+  }
+  if (step == s.plan.step) {
+    s.active = false;
+    s.awaiting_update = false;
+    abort_chunks(s);
+  }
+  try {
+    for (std::size_t c = 0; c < buffers.size(); ++c) {
+      s.chunks[c]->restore_step_start_buffers(buffers[c]);
+    }
+  } catch (const std::exception& e) {
+    log::get()->error("stage {}: restoring the buffers of an aborted step failed: {}",
+                      s.options.index, e.what());
+  }
+  // The parameters are as before the step once this replies (on a GPU: the stream is done).
+  s.device->synchronize();
+  start_queued(self);
+}
+
+// BMUF: ends the running block now (or says why not).
+std::string end_block_now(stage_state& s) {
+  set_threads(s);
+  if (!s.bmuf()) {
+    return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
+  }
+  if (s.warmed_up && s.block_position == 0) {
+    return std::string{};
+  }
+  try {
+    end_block(s);
+    s.device->synchronize();
+  } catch (const std::exception& e) {
+    return detail::concat("stage ", s.options.index, ": BMUF block sync failed: ", e.what());
+  }
+  return std::string{};
+}
+
+// Every chunk's parameters, buffers and optimizer state, on the CPU.
+tensor_map state_on_cpu(stage_state& s) {
+  tensor_map all;
+  for (auto& chunk : s.chunks) {
+    all.merge(chunk->state());
+  }
+  return on_cpu(std::move(all));
+}
+
+// Loads every chunk's state from `all` (and BMUF's block state); an empty string on success.
+std::string load_state(stage_state& s, const tensor_map& all) {
+  set_threads(s);
+  try {
+    for (auto& chunk : s.chunks) {
+      chunk->load_state(all);
+    }
+  } catch (const std::exception& e) {
+    return std::string(e.what());
+  }
+  if (s.bmuf()) {
+    // A block starts from the loaded parameters (and block momenta), with no warm-up.
+    for (auto& chunk : s.chunks) {
+      chunk->load_blocks(all);
+    }
+    s.warmed_up = true;
+    s.block_position = 0;
+  }
+  s.device->synchronize();
+  return std::string{};
+}
+
 stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
                                                std::vector<std::shared_ptr<stages::stage>> chunks,
                                                stage_listener_actor scheduler,
                                                stage_actor_options options) {
   pthread_setname_np(pthread_self(), "ap.stage");
-  self->state.device = stages::make_device_context(chunks.front()->config().device);
-  self->state.chunks = std::move(chunks);
-  self->state.scheduler = std::move(scheduler);
-  self->state.options = std::move(options);
-  if (self->state.bmuf()) {
-    for (auto& chunk : self->state.chunks) {
-      chunk->enable_blocks(self->state.options.bmuf.nesterov);
-    }
-    self->state.warmed_up = self->state.options.bmuf.warmup_steps == 0;
-  }
-  if (self->state.options.sync && self->state.options.sync_batch_norm) {
-    self->state.batch_norm_sync =
-      c10::make_intrusive<replica_batch_norm_sync>(self->state.options.sync);
-    for (auto& chunk : self->state.chunks) {
-      chunk->synchronise_batch_norm(self->state.batch_norm_sync);
-    }
-  }
+  set_up(self->state, std::move(chunks), std::move(scheduler), std::move(options));
   return {
     [=](connect_atom, std::vector<stage_peer_actor>& stages) {
       self->state.stages = std::move(stages);
@@ -494,53 +602,9 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
       rest(self);
     },
-    [=](timeout_atom) {
-      auto& s = self->state;
-      if (!s.deadline.expired(self, s.active && s.waiting, s.wait_start, s.options.wait_timeout,
-                              timeout_atom::value)) {
-        return;
-      }
-      const auto& a = s.plan.program[s.next_action];
-      auto step = s.plan.step;
-      fail(self, failure{{error_kind::timeout, s.options.index, a.microbatch, step},
-                         detail::concat(describe_wait(s, a), " (step ", step, ", action ",
-                                        s.next_action, " of its program) and gave up after ",
-                                        s.options.wait_timeout.count(), " ms")});
-    },
+    [=](timeout_atom) { waited_too_long(self); },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {
-      auto& s = self->state;
-      set_threads(s);
-      drop_step(s.activations, step);
-      drop_step(s.gradients, step);
-      s.queued.erase(std::remove_if(s.queued.begin(), s.queued.end(),
-                                    [&](const step_plan& p) { return p.step == step; }),
-                     s.queued.end());
-      // A failed step changes no parameter: an early optimizer step of it (or of the step before,
-      // which the scheduler aborts next) is undone first, then the running step's buffers go
-      // back to its start, then to the start of the early-stepped one.
-      std::vector<std::vector<torch::Tensor>> buffers;
-      if (s.stepped_early != 0 && s.stepped_early <= step) {
-        buffers = std::move(s.early_buffers);
-        if (auto error = restore_before_update(s); !error.empty()) {
-          log::get()->error("{}", error);
-        }
-      }
-      if (step == s.plan.step) {
-        s.active = false;
-        s.awaiting_update = false;
-        abort_chunks(s);
-      }
-      try {
-        for (std::size_t c = 0; c < buffers.size(); ++c) {
-          s.chunks[c]->restore_step_start_buffers(buffers[c]);
-        }
-      } catch (const std::exception& e) {
-        log::get()->error("stage {}: restoring the buffers of an aborted step failed: {}",
-                          s.options.index, e.what());
-      }
-      // The parameters are as before the step once this replies (on a GPU: the stream is done).
-      s.device->synchronize();
-      start_queued(self);
+      abort_step(self, step);
       return true;
     },
     [=](update_atom, uint64_t step, double learning_rate,
@@ -560,31 +624,11 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       rest(self);
       return promise;
     },
-    [=](block_atom) -> caf::result<std::string> {
-      auto& s = self->state;
-      set_threads(s);
-      if (!s.bmuf()) {
-        return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
-      }
-      if (s.warmed_up && s.block_position == 0) {
-        return std::string{};
-      }
-      try {
-        end_block(s);
-        s.device->synchronize();
-      } catch (const std::exception& e) {
-        return detail::concat("stage ", s.options.index, ": BMUF block sync failed: ", e.what());
-      }
-      return std::string{};
-    },
+    [=](block_atom) -> caf::result<std::string> { return end_block_now(self->state); },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
       set_threads(self->state);
       try {
-        stages::stage::tensor_map all;
-        for (auto& chunk : self->state.chunks) {
-          all.merge(chunk->state());
-        }
-        stages::save_tensors(path, on_cpu(std::move(all)));
+        stages::save_tensors(path, state_on_cpu(self->state));
       } catch (const std::exception& e) {
         return detail::concat("stage ", self->state.options.index, ": ", e.what());
       }
@@ -593,37 +637,14 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
     [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
       set_threads(self->state);
       try {
-        auto all = std::make_shared<tensor_map>();
-        for (auto& chunk : self->state.chunks) {
-          all->merge(chunk->state());
-        }
-        *all = on_cpu(std::move(*all));
-        return {std::string{}, std::shared_ptr<const tensor_map>(std::move(all))};
+        return {std::string{}, std::make_shared<const tensor_map>(state_on_cpu(self->state))};
       } catch (const std::exception& e) {
         return {detail::concat("stage ", self->state.options.index, ": ", e.what()),
                 std::shared_ptr<const tensor_map>{}};
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
-      auto& s = self->state;
-      set_threads(s);
-      try {
-        for (auto& chunk : s.chunks) {
-          chunk->load_state(*all);
-        }
-      } catch (const std::exception& e) {
-        return std::string(e.what());
-      }
-      if (s.bmuf()) {
-        // A block starts from the loaded parameters (and block momenta), with no warm-up.
-        for (auto& chunk : s.chunks) {
-          chunk->load_blocks(*all);
-        }
-        s.warmed_up = true;
-        s.block_position = 0;
-      }
-      s.device->synchronize();
-      return std::string{};
+      return load_state(self->state, *all);
     },
   };
 }
