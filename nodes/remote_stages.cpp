@@ -265,6 +265,120 @@ caf::result<double, std::string> ask_update(proxy_actor self, uint64_t step, dou
   return rp;
 }
 
+// The node hosting the stage is gone: fails the running step and every pending save, and the
+// proxy quits.
+void node_down(proxy_actor self, const caf::down_msg& msg) {
+  auto& st = self->state;
+  if (msg.source != st.node.address()) {
+    return;
+  }
+  auto what = detail::concat(st.label, " hosting stage ", st.index, " was lost (",
+                             self->system().render(msg.reason), ")");
+  if (st.running) {
+    fail_step(self, st.step,
+              failure{{error_kind::node_lost},
+                      detail::concat(what, " while the scheduler waited for stage ", st.index,
+                                     " to finish its program of step ", st.step)});
+  }
+  for (auto& [id, save] : st.saves) {
+    save.fail(caf::make_error(caf::sec::request_receiver_down, what));
+  }
+  st.saves.clear();
+  self->quit(caf::make_error(caf::sec::runtime_error, what));
+}
+
+// Files `request` under a fresh id and asks the node for the stage's state frame; finish_save
+// completes the request.
+void ask_for_state(proxy_actor self, save_request request) {
+  auto& st = self->state;
+  auto id = ++st.next_id;
+  st.saves[id] = std::move(request);
+  self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
+    .then(
+      [=](std::string& error) {
+        auto it = self->state.saves.find(id);
+        if (it != self->state.saves.end()) {
+          it->second.replied = true;
+          it->second.error = std::move(error);
+          finish_save(self, id);
+        }
+      },
+      [=](caf::error& e) {
+        auto it = self->state.saves.find(id);
+        if (it != self->state.saves.end()) {
+          it->second.replied = true;
+          it->second.failure = forwarded(self, "save its state", e);
+          finish_save(self, id);
+        }
+      });
+}
+
+// Sends the step's inputs and targets to the node's data port, then the plan itself.
+void send_plan(proxy_actor self, const step_plan& plan) {
+  auto& st = self->state;
+  st.step = plan.step;
+  st.running = true;
+  st.reported = false;
+  st.outputs.erase(st.outputs.begin(), st.outputs.lower_bound({plan.step, INT32_MIN}));
+  auto send_all = [&](comm::frame_kind kind, const std::vector<torch::Tensor>& parts) {
+    for (std::size_t mb = 0; mb < parts.size(); ++mb) {
+      st.hub->send(
+        st.data.host, st.data.port,
+        comm::describe(kind, st.index, plan.step, static_cast<int32_t>(mb), 0, parts[mb]),
+        parts[mb]);
+    }
+  };
+  try {
+    send_all(comm::frame_kind::activation, plan.inputs);
+    send_all(comm::frame_kind::target, plan.targets);
+  } catch (const std::exception& e) {
+    fail_step(self, plan.step,
+              failure{{error_kind::node_lost},
+                      detail::concat("sending step ", plan.step, "'s data to stage ", st.index,
+                                     " on ", st.label, " failed: ", e.what())});
+    return;
+  }
+  // The node checks who sends (a typed actor may not send() to a dynamically typed one).
+  caf::unsafe_send_as(self, st.node, rplan_atom::value, st.index,
+                      to_json(plan, plan.targets.size()));
+}
+
+// The node's report of the running step (as JSON).
+void took_report(proxy_actor self, const std::string& text) {
+  auto& st = self->state;
+  try {
+    st.report = stage_report_from_json(text, st.outputs_expected);
+  } catch (const std::exception& e) {
+    fail_step(self, st.step,
+              failure{{}, detail::concat(st.label, " sent a bad report: ", e.what())});
+    return;
+  }
+  if (st.report.step != st.step) {
+    return;
+  }
+  st.reported = true;
+  maybe_report(self);
+}
+
+// Sends `all` to the node as a state frame and asks it to load it.
+caf::result<std::string> send_state(proxy_actor self, const tensor_map& all) {
+  auto& st = self->state;
+  auto id = ++st.next_id;
+  try {
+    auto bytes = stages::pack_tensors(all);
+    auto blob = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+    st.hub->send(st.data.host, st.data.port,
+                 comm::describe(comm::frame_kind::state, st.index, id, 0, 0, blob), blob);
+  } catch (const std::exception& e) {
+    return detail::concat("stage ", st.index, " on ", st.label, ": ", e.what());
+  }
+  auto rp = self->make_response_promise<std::string>();
+  self->request(st.node, st.timeout, rload_atom::value, st.index, id)
+    .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+          [=](caf::error& e) mutable { rp.deliver(forwarded(self, "load its state", e)); });
+  return rp;
+}
+
 remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor node,
                                                  std::string label, uint32_t index, endpoint data,
                                                  stage_listener_actor scheduler,
@@ -279,97 +393,10 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
   s.hub = std::move(hub);
   s.timeout = timeout;
   self->monitor(s.node);
-  self->set_down_handler([=](caf::down_msg& msg) {
-    auto& st = self->state;
-    if (msg.source != st.node.address()) {
-      return;
-    }
-    auto what = detail::concat(st.label, " hosting stage ", st.index, " was lost (",
-                               self->system().render(msg.reason), ")");
-    if (st.running) {
-      fail_step(self, st.step,
-                failure{{error_kind::node_lost},
-                        detail::concat(what, " while the scheduler waited for stage ", st.index,
-                                       " to finish its program of step ", st.step)});
-    }
-    for (auto& [id, save] : st.saves) {
-      save.fail(caf::make_error(caf::sec::request_receiver_down, what));
-    }
-    st.saves.clear();
-    self->quit(caf::make_error(caf::sec::runtime_error, what));
-  });
-  auto forward_error = [=](const char* action) {
-    return [=](caf::error& e) { return forwarded(self, action, e); };
-  };
-  // Files `request` under a fresh id and asks the node for the stage's state frame;
-  // finish_save completes the request.
-  auto ask_for_state = [=](save_request request) {
-    auto& st = self->state;
-    auto id = ++st.next_id;
-    st.saves[id] = std::move(request);
-    self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
-      .then(
-        [=](std::string& error) {
-          auto it = self->state.saves.find(id);
-          if (it != self->state.saves.end()) {
-            it->second.replied = true;
-            it->second.error = std::move(error);
-            finish_save(self, id);
-          }
-        },
-        [=](caf::error& e) {
-          auto it = self->state.saves.find(id);
-          if (it != self->state.saves.end()) {
-            it->second.replied = true;
-            it->second.failure = forward_error("save its state")(e);
-            finish_save(self, id);
-          }
-        });
-  };
+  self->set_down_handler([=](caf::down_msg& msg) { node_down(self, msg); });
   return {
-    [=](plan_atom, step_plan& plan) {
-      auto& st = self->state;
-      st.step = plan.step;
-      st.running = true;
-      st.reported = false;
-      st.outputs.erase(st.outputs.begin(), st.outputs.lower_bound({plan.step, INT32_MIN}));
-      auto send_all = [&](comm::frame_kind kind, const std::vector<torch::Tensor>& parts) {
-        for (std::size_t mb = 0; mb < parts.size(); ++mb) {
-          st.hub->send(
-            st.data.host, st.data.port,
-            comm::describe(kind, st.index, plan.step, static_cast<int32_t>(mb), 0, parts[mb]),
-            parts[mb]);
-        }
-      };
-      try {
-        send_all(comm::frame_kind::activation, plan.inputs);
-        send_all(comm::frame_kind::target, plan.targets);
-      } catch (const std::exception& e) {
-        fail_step(self, plan.step,
-                  failure{{error_kind::node_lost},
-                          detail::concat("sending step ", plan.step, "'s data to stage ", st.index,
-                                         " on ", st.label, " failed: ", e.what())});
-        return;
-      }
-      // The node checks who sends (a typed actor may not send() to a dynamically typed one).
-      caf::unsafe_send_as(self, st.node, rplan_atom::value, st.index,
-                          to_json(plan, plan.targets.size()));
-    },
-    [=](rdone_atom, uint32_t, const std::string& text) {
-      auto& st = self->state;
-      try {
-        st.report = stage_report_from_json(text, st.outputs_expected);
-      } catch (const std::exception& e) {
-        fail_step(self, st.step,
-                  failure{{}, detail::concat(st.label, " sent a bad report: ", e.what())});
-        return;
-      }
-      if (st.report.step != st.step) {
-        return;
-      }
-      st.reported = true;
-      maybe_report(self);
-    },
+    [=](plan_atom, step_plan& plan) { send_plan(self, plan); },
+    [=](rdone_atom, uint32_t, const std::string& text) { took_report(self, text); },
     [=](output_atom, uint64_t step, int32_t microbatch, torch::Tensor& t) {
       self->state.outputs[{step, microbatch}] = std::move(t);
       maybe_report(self);
@@ -400,7 +427,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       request.path = path;
       request.promise = self->make_response_promise<std::string>();
       auto rp = request.promise;
-      ask_for_state(std::move(request));
+      ask_for_state(self, std::move(request));
       return rp;
     },
     [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
@@ -409,7 +436,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       request.fetch_promise =
         self->make_response_promise<std::string, std::shared_ptr<const tensor_map>>();
       auto rp = request.fetch_promise;
-      ask_for_state(std::move(request));
+      ask_for_state(self, std::move(request));
       return rp;
     },
     [=](state_atom, uint32_t, uint64_t id, torch::Tensor& blob) {
@@ -420,22 +447,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
-      auto& st = self->state;
-      auto id = ++st.next_id;
-      try {
-        auto bytes = stages::pack_tensors(*all);
-        auto blob =
-          torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-        st.hub->send(st.data.host, st.data.port,
-                     comm::describe(comm::frame_kind::state, st.index, id, 0, 0, blob), blob);
-      } catch (const std::exception& e) {
-        return detail::concat("stage ", st.index, " on ", st.label, ": ", e.what());
-      }
-      auto rp = self->make_response_promise<std::string>();
-      self->request(st.node, st.timeout, rload_atom::value, st.index, id)
-        .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
-              [=](caf::error& e) mutable { rp.deliver(forward_error("load its state")(e)); });
-      return rp;
+      return send_state(self, *all);
     },
   };
 }
