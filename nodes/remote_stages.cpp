@@ -516,6 +516,91 @@ std::string local_address_towards(const std::string& host, uint16_t port) {
   return socket.local_endpoint().address().to_string();
 }
 
+// The scheduler's end of the data channel: output and state frames go to the proxy of their
+// stage (through `routes`), anything else is refused.
+std::shared_ptr<comm::tensor_hub> scheduler_hub(const node_placement& placement,
+                                                std::shared_ptr<proxy_routes> routes) {
+  auto [first_host, first_port] = parse_host_port(placement.nodes.front(), "node");
+  comm::hub_options hub_options;
+  hub_options.host = local_address_towards(first_host, first_port);
+  hub_options.secret = placement.secret;
+  hub_options.tls = placement.tls;
+  try {
+    return std::make_shared<comm::tensor_hub>(hub_options, [routes](comm::frame&& f) {
+      const auto& h = f.header;
+      if (h.kind == comm::frame_kind::output) {
+        caf::anon_send(routes->proxy(h.stage), output_atom::value, h.step, h.microbatch,
+                       std::move(f.tensor));
+      } else if (h.kind == comm::frame_kind::state && f.tensor.scalar_type() == torch::kUInt8) {
+        caf::anon_send(routes->proxy(h.stage), state_atom::value, h.stage, h.step,
+                       std::move(f.tensor));
+      } else {
+        throw comm::frame_error(
+          detail::concat("a scheduler takes no ", comm::to_string(h.kind), " frames"));
+      }
+    });
+  } catch (const comm::comm_error& e) {
+    throw pipeline_error(e.what());
+  }
+}
+
+// The node at host:port, reached within the connect timeout and authenticated (hello, then the
+// answer to its challenge).
+caf::actor authenticated(caf::actor_system& sys, caf::scoped_actor& self,
+                         const node_placement& placement, const std::string& host, uint16_t port,
+                         const std::string& label) {
+  auto timeout = placement.connect_timeout;
+  auto handle = reach(sys, host, port, placement.tls.enabled(), timeout);
+  auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
+  auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
+                   to_hex(comm::handshake_answer(placement.secret, challenge)));
+  if (!error.empty()) {
+    throw pipeline_error(error);
+  }
+  return handle;
+}
+
+// Each TorchScript file (the model's, the hooks') goes once to every node, which keeps it by its
+// digest for the builds; returns the model with digests in place of the files.
+remote_model send_models(caf::scoped_actor& self, const std::map<std::string, caf::actor>& handles,
+                         const remote_model& model, std::chrono::milliseconds timeout) {
+  auto described = by_digest(model);
+  auto files = torchscript_fields(model);
+  auto digests = torchscript_fields(std::as_const(described));
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    if (files[f]->empty()) {
+      continue;
+    }
+    for (const auto& [address, handle] : handles) {
+      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
+                       *digests[f], *files[f]);
+      if (!error.empty()) {
+        throw pipeline_error(error);
+      }
+    }
+  }
+  return described;
+}
+
+// Asks `node` to build stage `i` from `spec`; checks that it took the settings sent and returns
+// where the stage takes frames.
+endpoint build_stage(caf::scoped_actor& self, const caf::actor& node, const std::string& name,
+                     std::size_t i, const stage_spec& spec, std::chrono::milliseconds timeout) {
+  auto reply = nlohmann::json::parse(
+    ask(self, node, name, timeout, "build", build_atom::value, to_json(spec)));
+  if (reply.contains("error")) {
+    throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
+  }
+  auto sent = nlohmann::json::parse(to_json(spec.settings));
+  auto taken = reply.value("settings", nlohmann::json{});
+  if (taken != sent) {
+    throw pipeline_error(detail::concat("stage ", i, ": the node at ", name,
+                                        " built it with other settings than sent (", taken.dump(),
+                                        " for ", sent.dump(), ")"));
+  }
+  return {reply.at("data_host").get<std::string>(), reply.at("data_port").get<uint16_t>(), ""};
+}
+
 } // namespace
 
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
@@ -535,63 +620,19 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   std::vector<std::string> names;
   remote_stages result;
   // The hub first: it checks the TLS files (invalid_argument naming the one that fails).
-  auto [first_host, first_port] = parse_host_port(placement.nodes.front(), "node");
-  comm::hub_options hub_options;
-  hub_options.host = local_address_towards(first_host, first_port);
-  hub_options.secret = placement.secret;
-  hub_options.tls = placement.tls;
   auto routes = std::make_shared<proxy_routes>();
-  try {
-    result.hub = std::make_shared<comm::tensor_hub>(hub_options, [routes](comm::frame&& f) {
-      const auto& h = f.header;
-      if (h.kind == comm::frame_kind::output) {
-        caf::anon_send(routes->proxy(h.stage), output_atom::value, h.step, h.microbatch,
-                       std::move(f.tensor));
-      } else if (h.kind == comm::frame_kind::state && f.tensor.scalar_type() == torch::kUInt8) {
-        caf::anon_send(routes->proxy(h.stage), state_atom::value, h.stage, h.step,
-                       std::move(f.tensor));
-      } else {
-        throw comm::frame_error(
-          detail::concat("a scheduler takes no ", comm::to_string(h.kind), " frames"));
-      }
-    });
-  } catch (const comm::comm_error& e) {
-    throw pipeline_error(e.what());
-  }
+  result.hub = scheduler_hub(placement, routes);
   for (const auto& address : placement.nodes) {
     auto [host, port] = parse_host_port(address, "node");
     auto label = detail::concat("node ", host, ":", port);
     names.push_back(label);
     auto it = handles.find(address);
     if (it == handles.end()) {
-      auto handle = reach(sys, host, port, placement.tls.enabled(), timeout);
-      auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
-      auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
-                       to_hex(comm::handshake_answer(placement.secret, challenge)));
-      if (!error.empty()) {
-        throw pipeline_error(error);
-      }
-      it = handles.emplace(address, handle).first;
+      it = handles.emplace(address, authenticated(sys, self, placement, host, port, label)).first;
     }
     nodes.push_back(it->second);
   }
-  // Each TorchScript file (the model's, the hooks') goes once to every node, which keeps it by
-  // its digest for the builds.
-  auto described = by_digest(model);
-  auto files = torchscript_fields(model);
-  auto digests = torchscript_fields(std::as_const(described));
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    if (files[f]->empty()) {
-      continue;
-    }
-    for (const auto& [address, handle] : handles) {
-      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
-                       *digests[f], *files[f]);
-      if (!error.empty()) {
-        throw pipeline_error(error);
-      }
-    }
-  }
+  auto described = send_models(self, handles, model, timeout);
   std::size_t built = 0;
   auto release_all = [&] {
     for (std::size_t i = 0; i < built; ++i) {
@@ -614,21 +655,10 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
         spec.data_parallel.local = nullptr;
         spec.group_prefix = group_prefix;
       }
-      auto reply = nlohmann::json::parse(
-        ask(self, nodes[i], names[i], timeout, "build", build_atom::value, to_json(spec)));
-      if (reply.contains("error")) {
-        throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
-      }
-      auto sent = nlohmann::json::parse(to_json(spec.settings));
-      auto taken = reply.value("settings", nlohmann::json{});
-      if (taken != sent) {
-        throw pipeline_error(detail::concat("stage ", i, ": the node at ", names[i],
-                                            " built it with other settings than sent (",
-                                            taken.dump(), " for ", sent.dump(), ")"));
-      }
+      auto data = build_stage(self, nodes[i], names[i], i, spec, timeout);
       ++built;
-      peers.stages.push_back({reply.at("data_host").get<std::string>(),
-                              reply.at("data_port").get<uint16_t>(), placement.nodes[i]});
+      data.node = placement.nodes[i];
+      peers.stages.push_back(std::move(data));
     }
     peers.scheduler = {result.hub->host(), result.hub->port(), "scheduler"};
     auto table = to_json(peers);
