@@ -189,10 +189,8 @@ std::string growth(double from, double to) {
   return out.str();
 }
 
-} // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"actorpipe_recovery_bench: what a lost node costs a run on loopback node processes"};
+// The bench's settings (its flags).
+struct bench_args {
   std::string model_name = "mlp";
   int64_t batch = 64;
   int64_t image = 28;
@@ -206,188 +204,237 @@ int main(int argc, char** argv) {
   int64_t snapshot_steps = 5;
   std::size_t threads = 1;
   std::string json;
-  app.add_option("--model", model_name, "Built-in model")->capture_default_str();
-  app.add_option("--batch", batch, "Samples per step")->capture_default_str();
-  app.add_option("--image", image, "Synthetic image side")->capture_default_str();
-  app.add_option("--classes", classes, "Classes")->capture_default_str();
-  app.add_option("--microbatches", microbatches, "Micro-batches per step")->capture_default_str();
-  app.add_option("--steps", steps, "Steps to complete")->capture_default_str();
-  app.add_option("--snapshot-every", snapshot_every, "Steps between snapshots")
+};
+
+void add_flags(CLI::App& app, bench_args& a) {
+  app.add_option("--model", a.model_name, "Built-in model")->capture_default_str();
+  app.add_option("--batch", a.batch, "Samples per step")->capture_default_str();
+  app.add_option("--image", a.image, "Synthetic image side")->capture_default_str();
+  app.add_option("--classes", a.classes, "Classes")->capture_default_str();
+  app.add_option("--microbatches", a.microbatches, "Micro-batches per step")->capture_default_str();
+  app.add_option("--steps", a.steps, "Steps to complete")->capture_default_str();
+  app.add_option("--snapshot-every", a.snapshot_every, "Steps between snapshots")
     ->capture_default_str();
-  app.add_option("--kill-every", kill_every, "Steps between kills of the stage-1 node (0: none)")
+  app.add_option("--kill-every", a.kill_every, "Steps between kills of the stage-1 node (0: none)")
     ->capture_default_str();
   app
     .add_option(
-      "--kill-offset", kill_offset,
+      "--kill-offset", a.kill_offset,
       "The step within each --kill-every at which the kill comes (-1: half way, plus half of "
       "--snapshot-every)")
     ->capture_default_str();
   app
-    .add_option("--snapshot-repeats", snapshot_repeats,
+    .add_option("--snapshot-repeats", a.snapshot_repeats,
                 "Rounds of snapshot timing before training (medians)")
     ->capture_default_str();
   app
-    .add_option("--snapshot-steps", snapshot_steps,
+    .add_option("--snapshot-steps", a.snapshot_steps,
                 "Steps timed after each snapshot (and after none) in the snapshot rounds")
     ->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads per stage")->capture_default_str();
-  app.add_option("--json", json, "Write the figures to this JSON file");
+  app.add_option("--threads", a.threads, "Intra-op threads per stage")->capture_default_str();
+  app.add_option("--json", a.json, "Write the figures to this JSON file");
+}
+
+// What a snapshot costs the steps, side by side in rounds: --snapshot-steps steps after none,
+// after one waited for (pipeline::snapshot), and after one in the background
+// (snapshot_in_background, then newest_snapshot: all of it counted, overlapped or not).
+struct snapshot_costs {
+  std::vector<double> snapshot_ms, plain_ms, waited_ms, background_ms;
+};
+
+snapshot_costs time_snapshots(actorpipe::pipeline& pipe, const actorpipe::remote_model& model,
+                              const bench_args& a) {
+  snapshot_costs c;
+  auto x = torch::randn({a.batch, model.options.in_channels, a.image, a.image});
+  auto y = torch::randn({a.batch, a.classes});
+  auto run_steps = [&] {
+    for (int64_t i = 0; i < a.snapshot_steps; ++i) {
+      pipe.train_step(x, y);
+    }
+  };
+  auto ms_of = [](auto&& f) {
+    auto t0 = clock_type::now();
+    f();
+    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+  };
+  run_steps(); // warm
+  for (int64_t i = 0; i < a.snapshot_repeats; ++i) {
+    c.plain_ms.push_back(ms_of(run_steps));
+    c.waited_ms.push_back(ms_of([&] {
+      c.snapshot_ms.push_back(ms_of([&] { pipe.snapshot(); }));
+      run_steps();
+    }));
+    c.background_ms.push_back(ms_of([&] {
+      pipe.snapshot_in_background();
+      run_steps();
+      pipe.newest_snapshot();
+    }));
+  }
+  return c;
+}
+
+// The run under kills and what it measured.
+struct soak_result {
+  actorpipe::train_report report;
+  double seconds = 0;
+  double driver_start = 0, driver_end = 0, node_start = 0, node_end = 0;
+};
+
+soak_result soak(actorpipe::pipeline& pipe, killing_source& data,
+                 actorpipe::synthetic_source& synthetic, const actorpipe::remote_model& model,
+                 const bench_args& a, pid_t watched) {
+  actorpipe::train_options to;
+  to.batch = a.batch;
+  to.max_steps = a.steps;
+  to.lr = model.optimizer.lr;
+  to.cosine = false;
+  to.progress = false;
+  to.recover_lost_nodes = true;
+  to.snapshot_every = a.snapshot_every;
+  to.max_recoveries = static_cast<std::size_t>(a.kill_every > 0 ? a.steps / a.kill_every + 1 : 1);
+  // Memory after a warm-up of min(100, steps / 10) steps, and at the end.
+  auto warm_options = to;
+  warm_options.max_steps = std::max<int64_t>(1, std::min<int64_t>(100, a.steps / 10));
+  warm_options.recover_lost_nodes = false;
+  killing_source no_kills(synthetic, {}, 0, 0);
+  actorpipe::train(pipe, no_kills, warm_options);
+  soak_result r;
+  r.driver_start = rss_mib(0);
+  r.node_start = rss_mib(watched);
+  data.watch(watched);
+  auto t0 = clock_type::now();
+  r.report = actorpipe::train(pipe, data, to);
+  r.seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+  r.driver_end = rss_mib(0);
+  r.node_end = rss_mib(watched);
+  return r;
+}
+
+std::vector<double> recovery_seconds(const actorpipe::train_report& report) {
+  std::vector<double> out;
+  for (const auto& r : report.recoveries) {
+    out.push_back(r.seconds);
+  }
+  return out;
+}
+
+void print_summary(const bench_args& a, const snapshot_costs& c, const soak_result& r,
+                   killing_source& data) {
+  const auto& report = r.report;
+  auto step_ms = median(report.step_ms);
+  auto snap = median(c.snapshot_ms);
+  auto plain = median(c.plain_ms);
+  auto waited = median(c.waited_ms) - plain;
+  auto background = median(c.background_ms) - plain;
+  std::cout << std::fixed << std::setprecision(2);
+  std::cout << "steps completed " << report.steps.size() << " of " << a.steps << " in " << r.seconds
+            << " s (median step " << step_ms << " ms)\n"
+            << "kills " << data.kills() << ", recoveries " << report.recoveries.size()
+            << ", failed steps " << report.recoveries.size() << ", steps replayed "
+            << report.replayed_steps.size() << "\n"
+            << "recover() median " << median(recovery_seconds(report))
+            << " s; kill to next completed step "
+            << "median " << median(data.loss_to_step()) << " s (max "
+            << (data.loss_to_step().empty()
+                  ? 0.0
+                  : *std::max_element(data.loss_to_step().begin(), data.loss_to_step().end()))
+            << " s)\n"
+            << "snapshot median " << snap
+            << " ms = " << snap / static_cast<double>(a.snapshot_every)
+            << " ms per step at --snapshot-every " << a.snapshot_every << " ("
+            << 100.0 * snap / static_cast<double>(a.snapshot_every) / std::max(1e-9, step_ms)
+            << "% of a step)\n"
+            << "a snapshot's cost to the " << a.snapshot_steps << " steps after it (median "
+            << plain << " ms without): waited for +" << waited << " ms, in the background +"
+            << background << " ms (" << 100.0 * background / std::max(1e-9, waited)
+            << "% of waiting)\n"
+            << "RSS after the warm-up and at the end: driver "
+            << growth(r.driver_start, r.driver_end) << ", node never killed "
+            << growth(r.node_start, r.node_end) << "\n";
+  if (!data.node_rss().empty()) {
+    // The first loss comes after the first snapshot's buffers and the first rebuild of stages.
+    std::cout << "RSS at the first loss and at the end: driver "
+              << growth(data.driver_rss().front(), r.driver_end) << ", node never killed "
+              << growth(data.node_rss().front(), r.node_end) << "\nnode RSS at each loss (MiB):";
+    for (auto v : data.node_rss()) {
+      std::cout << ' ' << std::setprecision(1) << v;
+    }
+    std::cout << std::setprecision(2) << "\n";
+  }
+}
+
+void write_json(const bench_args& a, const snapshot_costs& c, const soak_result& r,
+                killing_source& data) {
+  const auto& report = r.report;
+  nlohmann::json j{{"model", a.model_name},
+                   {"steps", a.steps},
+                   {"completed", report.steps.size()},
+                   {"seconds", r.seconds},
+                   {"median_step_ms", median(report.step_ms)},
+                   {"kills", data.kills()},
+                   {"recoveries", report.recoveries.size()},
+                   {"replayed_steps", report.replayed_steps.size()},
+                   {"recover_s", recovery_seconds(report)},
+                   {"kill_to_next_step_s", data.loss_to_step()},
+                   {"snapshot_ms", c.snapshot_ms},
+                   {"snapshot_every", a.snapshot_every},
+                   {"snapshot_steps", a.snapshot_steps},
+                   {"steps_plain_ms", c.plain_ms},
+                   {"steps_after_waited_snapshot_ms", c.waited_ms},
+                   {"steps_after_background_snapshot_ms", c.background_ms},
+                   {"rss_driver_mib", {r.driver_start, r.driver_end}},
+                   {"rss_node_mib", {r.node_start, r.node_end}},
+                   {"rss_node_at_losses_mib", data.node_rss()},
+                   {"rss_driver_at_losses_mib", data.driver_rss()}};
+  std::ofstream(a.json) << j.dump(2) << "\n";
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"actorpipe_recovery_bench: what a lost node costs a run on loopback node processes"};
+  bench_args a;
+  add_flags(app, a);
   CLI11_PARSE(app, argc, argv);
-  if (kill_offset < 0 && kill_every > 0) {
+  if (a.kill_offset < 0 && a.kill_every > 0) {
     // Between two snapshots, so that a loss costs the steps since the last one.
-    kill_offset = (kill_every / 2 + snapshot_every / 2) % kill_every;
+    a.kill_offset = (a.kill_every / 2 + a.snapshot_every / 2) % a.kill_every;
   }
   // Each recovery logs a warning per node that does not answer: the summary says it.
   actorpipe::set_log_level(actorpipe::log_level::error);
 
   // As `actorpipe train --nodes` does (the nodes are `actorpipe node`s, which do the same).
   actorpipe::memory::map_large_allocations();
-  node_process a(free_port()), b(free_port()), c(free_port());
+  node_process n0(free_port()), n1(free_port()), n2(free_port());
   actorpipe::remote_model model;
-  model.name = model_name;
-  model.options.image_size = image;
-  model.options.num_classes = classes;
+  model.name = a.model_name;
+  model.options.image_size = a.image;
+  model.options.num_classes = a.classes;
   model.seed = 0;
   model.loss = "mse";
   model.optimizer.lr = 0.01;
   model.optimizer.momentum = 0.9;
   actorpipe::pipeline_options o;
-  o.microbatches = microbatches;
-  o.threads_per_stage = threads;
+  o.microbatches = a.microbatches;
+  o.threads_per_stage = a.threads;
   o.wait_timeout = std::chrono::milliseconds(30000);
-  o.placement.nodes = {a.address(), b.address()};
-  o.placement.spares = {b.address(), c.address()};
+  o.placement.nodes = {n0.address(), n1.address()};
+  o.placement.spares = {n1.address(), n2.address()};
   o.placement.connect_timeout = std::chrono::milliseconds(5000);
   actorpipe::engine sys;
-  auto layers = actorpipe::make_model(model_name, model.options);
+  auto layers = actorpipe::make_model(a.model_name, model.options);
   actorpipe::pipeline pipe(sys, model, actorpipe::partition_by_params(layers, 2), o);
-  std::cout << "model " << model_name << " (" << layers.size() << " layers, "
+  std::cout << "model " << a.model_name << " (" << layers.size() << " layers, "
             << actorpipe::parameter_count(layers, 0, layers.size())
-            << " parameters), 2 stages on nodes " << a.address() << ", " << b.address()
-            << ", spare " << c.address() << "\n";
-
-  // What a snapshot costs the steps, side by side in rounds: --snapshot-steps steps after none,
-  // after one waited for (pipeline::snapshot), and after one in the background
-  // (snapshot_in_background, then newest_snapshot: all of it counted, overlapped or not).
-  std::vector<double> snapshot_ms, plain_ms, waited_ms, background_ms;
-  {
-    auto x = torch::randn({batch, model.options.in_channels, image, image});
-    auto y = torch::randn({batch, classes});
-    auto run_steps = [&] {
-      for (int64_t i = 0; i < snapshot_steps; ++i) {
-        pipe.train_step(x, y);
-      }
-    };
-    auto ms_of = [](auto&& f) {
-      auto t0 = clock_type::now();
-      f();
-      return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-    };
-    run_steps(); // warm
-    for (int64_t i = 0; i < snapshot_repeats; ++i) {
-      plain_ms.push_back(ms_of(run_steps));
-      waited_ms.push_back(ms_of([&] {
-        snapshot_ms.push_back(ms_of([&] { pipe.snapshot(); }));
-        run_steps();
-      }));
-      background_ms.push_back(ms_of([&] {
-        pipe.snapshot_in_background();
-        run_steps();
-        pipe.newest_snapshot();
-      }));
-    }
+            << " parameters), 2 stages on nodes " << n0.address() << ", " << n1.address()
+            << ", spare " << n2.address() << "\n";
+  auto costs = time_snapshots(pipe, model, a);
+  actorpipe::synthetic_source synthetic(model.options.in_channels, a.image, a.classes);
+  killing_source data(synthetic, {&n1, &n2}, a.kill_every, a.kill_offset);
+  auto result = soak(pipe, data, synthetic, model, a, n0.pid());
+  print_summary(a, costs, result, data);
+  if (!a.json.empty()) {
+    write_json(a, costs, result, data);
   }
-
-  actorpipe::synthetic_source synthetic(model.options.in_channels, image, classes);
-  killing_source data(synthetic, {&b, &c}, kill_every, kill_offset);
-  actorpipe::train_options to;
-  to.batch = batch;
-  to.max_steps = steps;
-  to.lr = model.optimizer.lr;
-  to.cosine = false;
-  to.progress = false;
-  to.recover_lost_nodes = true;
-  to.snapshot_every = snapshot_every;
-  to.max_recoveries = static_cast<std::size_t>(kill_every > 0 ? steps / kill_every + 1 : 1);
-
-  // Memory after a warm-up of min(100, steps / 10) steps, and at the end.
-  auto warm = std::max<int64_t>(1, std::min<int64_t>(100, steps / 10));
-  auto warm_options = to;
-  warm_options.max_steps = warm;
-  warm_options.recover_lost_nodes = false;
-  killing_source no_kills(synthetic, {}, 0, 0);
-  actorpipe::train(pipe, no_kills, warm_options);
-  auto driver_start = rss_mib(0);
-  auto node_start = rss_mib(a.pid());
-  data.watch(a.pid());
-  auto t0 = clock_type::now();
-  auto report = actorpipe::train(pipe, data, to);
-  auto seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
-  auto driver_end = rss_mib(0);
-  auto node_end = rss_mib(a.pid());
-
-  std::vector<double> recovery_s;
-  for (const auto& r : report.recoveries) {
-    recovery_s.push_back(r.seconds);
-  }
-  auto step_ms = median(report.step_ms);
-  auto snap = median(snapshot_ms);
-  auto plain = median(plain_ms);
-  auto waited = median(waited_ms) - plain;
-  auto background = median(background_ms) - plain;
-  std::cout << std::fixed << std::setprecision(2);
-  std::cout << "steps completed " << report.steps.size() << " of " << steps << " in " << seconds
-            << " s (median step " << step_ms << " ms)\n"
-            << "kills " << data.kills() << ", recoveries " << report.recoveries.size()
-            << ", failed steps " << report.recoveries.size() << ", steps replayed "
-            << report.replayed_steps.size() << "\n"
-            << "recover() median " << median(recovery_s) << " s; kill to next completed step "
-            << "median " << median(data.loss_to_step()) << " s (max "
-            << (data.loss_to_step().empty()
-                  ? 0.0
-                  : *std::max_element(data.loss_to_step().begin(), data.loss_to_step().end()))
-            << " s)\n"
-            << "snapshot median " << snap << " ms = " << snap / static_cast<double>(snapshot_every)
-            << " ms per step at --snapshot-every " << snapshot_every << " ("
-            << 100.0 * snap / static_cast<double>(snapshot_every) / std::max(1e-9, step_ms)
-            << "% of a step)\n"
-            << "a snapshot's cost to the " << snapshot_steps << " steps after it (median " << plain
-            << " ms without): waited for +" << waited << " ms, in the background +" << background
-            << " ms (" << 100.0 * background / std::max(1e-9, waited) << "% of waiting)\n"
-            << "RSS after the warm-up and at the end: driver " << growth(driver_start, driver_end)
-            << ", node never killed " << growth(node_start, node_end) << "\n";
-  if (!data.node_rss().empty()) {
-    // The first loss comes after the first snapshot's buffers and the first rebuild of stages.
-    std::cout << "RSS at the first loss and at the end: driver "
-              << growth(data.driver_rss().front(), driver_end) << ", node never killed "
-              << growth(data.node_rss().front(), node_end) << "\nnode RSS at each loss (MiB):";
-    for (auto v : data.node_rss()) {
-      std::cout << ' ' << std::setprecision(1) << v;
-    }
-    std::cout << std::setprecision(2) << "\n";
-  }
-  if (!json.empty()) {
-    nlohmann::json j{{"model", model_name},
-                     {"steps", steps},
-                     {"completed", report.steps.size()},
-                     {"seconds", seconds},
-                     {"median_step_ms", step_ms},
-                     {"kills", data.kills()},
-                     {"recoveries", report.recoveries.size()},
-                     {"replayed_steps", report.replayed_steps.size()},
-                     {"recover_s", recovery_s},
-                     {"kill_to_next_step_s", data.loss_to_step()},
-                     {"snapshot_ms", snapshot_ms},
-                     {"snapshot_every", snapshot_every},
-                     {"snapshot_steps", snapshot_steps},
-                     {"steps_plain_ms", plain_ms},
-                     {"steps_after_waited_snapshot_ms", waited_ms},
-                     {"steps_after_background_snapshot_ms", background_ms},
-                     {"rss_driver_mib", {driver_start, driver_end}},
-                     {"rss_node_mib", {node_start, node_end}},
-                     {"rss_node_at_losses_mib", data.node_rss()},
-                     {"rss_driver_at_losses_mib", data.driver_rss()}};
-    std::ofstream(json) << j.dump(2) << "\n";
-  }
-  return report.steps.size() == static_cast<std::size_t>(steps) ? 0 : 1;
+  return result.report.steps.size() == static_cast<std::size_t>(a.steps) ? 0 : 1;
 }

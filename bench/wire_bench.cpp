@@ -192,6 +192,33 @@ double step_ms(pipeline& pipe, const torch::Tensor& x, int steps) {
   return bench::median(times);
 }
 
+// A micro-batch through stages on two nodes against the same stages in process: `rounds`
+// medians of 50 forward-only steps each, interleaved.
+std::pair<std::vector<double>, std::vector<double>> steps_in_process_and_on_nodes(int rounds) {
+  node n1(node_options{}), n2(node_options{});
+  engine sys;
+  remote_model model;
+  model.name = "mlp";
+  model.options.in_channels = 1;
+  model.options.image_size = 4;
+  model.options.num_classes = 3;
+  pipeline_options o;
+  o.microbatches = 8;
+  o.threads_per_stage = 1;
+  auto cut = partition_uniform(6, 2);
+  torch::manual_seed(0);
+  pipeline local(sys, make_model("mlp", model.options), cut, o);
+  o.placement.nodes = {n1.address(), n2.address()};
+  pipeline remote(sys, model, cut, o);
+  auto x = torch::randn({8, 1, 4, 4});
+  std::vector<double> local_ms, remote_ms;
+  for (int r = 0; r < rounds; ++r) {
+    local_ms.push_back(step_ms(local, x, 50));
+    remote_ms.push_back(step_ms(remote, x, 50));
+  }
+  return {local_ms, remote_ms};
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -242,28 +269,7 @@ int main(int argc, char** argv) {
     hub_lat.push_back(hub_latency_us(2000));
   }
 
-  // A micro-batch through stages on two nodes against the same stages in process.
-  node n1(node_options{}), n2(node_options{});
-  engine sys;
-  remote_model model;
-  model.name = "mlp";
-  model.options.in_channels = 1;
-  model.options.image_size = 4;
-  model.options.num_classes = 3;
-  pipeline_options o;
-  o.microbatches = 8;
-  o.threads_per_stage = 1;
-  auto cut = partition_uniform(6, 2);
-  torch::manual_seed(0);
-  pipeline local(sys, make_model("mlp", model.options), cut, o);
-  o.placement.nodes = {n1.address(), n2.address()};
-  pipeline remote(sys, model, cut, o);
-  auto x = torch::randn({8, 1, 4, 4});
-  std::vector<double> local_ms, remote_ms;
-  for (int r = 0; r < rounds; ++r) {
-    local_ms.push_back(step_ms(local, x, 50));
-    remote_ms.push_back(step_ms(remote, x, 50));
-  }
+  auto [local_ms, remote_ms] = steps_in_process_and_on_nodes(rounds);
   auto local_step = bench::median(local_ms);
   auto remote_step = bench::median(remote_ms);
   // Forward-only over 2 stages: m micro-batches cross 2 hops each (scheduler -> node 1 -> node 2)
