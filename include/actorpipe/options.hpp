@@ -380,16 +380,17 @@ struct pipeline_options {
   /// most one (earlier parts take the remainder); the batch must hold at least m samples.
   std::size_t microbatches = 1;
   schedule_kind schedule = schedule_kind::one_f_one_b;
-  /// Model chunks per stage actor (interleaved: any; zb_v and v_half: 2): the partition must then
-  /// have stages x chunks parts, and chunk c of actor i holds the part chunk_layout() gives
-  /// (looped: c * stages + i; a V: stage 0 holds the first and the last part).
+  /// Model chunks per stage actor (interleaved, interleaved_zb: any; the V schedules: 2): the
+  /// partition must then have stages x chunks parts, and chunk c of actor i holds the part
+  /// chunk_layout() gives (looped: c * stages + i; a V: stage 0 holds the first and the last
+  /// part).
   std::size_t chunks = 1;
   /// A user-supplied training schedule (e.g. load_schedule(file)); used instead of `schedule`
   /// when not empty, validated before its first step.
   actorpipe::schedule custom_schedule;
 
   /// How the stages' chunks map onto the partition's parts: the custom schedule's placement, else
-  /// the built-in schedule's (v_shape for zb_v and v_half, looped for the others).
+  /// the built-in schedule's (v_shape for the V schedules, looped for the others).
   chunk_placement chunk_layout() const {
     return custom_schedule.empty() ? placement_of(schedule) : custom_schedule.placement;
   }
