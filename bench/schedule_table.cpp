@@ -5,6 +5,7 @@
 //   actorpipe_schedule_table --stages 2,4,8 --microbatches 8,16,32 --link 0,0.33
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -75,8 +76,7 @@ int main(int argc, char** argv) {
         for (const auto& name : names) {
           auto kind = parse_schedule_kind(name);
           auto chunks = chunks_for(kind, 2);
-          if ((interleaves(kind) && m % p != 0) ||
-              (kind == schedule_kind::dualpipe_v && m < 2 * p)) {
+          if (!takes_microbatches(kind, p, m)) {
             continue;
           }
           auto s = make_schedule(kind, p, m, interleaves(kind) || in_a_v(kind) ? chunks : 1);
@@ -105,13 +105,11 @@ int main(int argc, char** argv) {
                      {"makespan", r.makespan},
                      {"peak_stash", r.peak_stash}});
     }
-    std::FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) {
-      std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
+    std::ofstream file(json_path);
+    if (!(file << out.dump(1) << '\n')) {
+      std::fprintf(stderr, "--json: cannot write '%s'\n", json_path.c_str());
       return 1;
     }
-    std::fputs(out.dump(1).c_str(), f);
-    std::fclose(f);
   }
   return 0;
 }

@@ -155,10 +155,10 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
     ->capture_default_str();
   cmd
     ->add_option("--schedule", a.schedule,
-                 "Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, interleaved-zb, zb-v, "
-                 "v-half, v-min, dualpipe-v, auto (fastest simulated with profiled costs) or "
-                 "file:PATH (JSON: {\"programs\": [[\"F0\", ...], ...]}); "
-                 "with --stages auto chosen unless given")
+                 "Schedule: " + known_schedules() +
+                   ", auto (fastest simulated with profiled costs) or file:PATH (JSON: "
+                   "{\"programs\": [[\"F0\", ...], ...]}); with --stages auto chosen unless "
+                   "given")
     ->capture_default_str();
   cmd
     ->add_option(

@@ -189,6 +189,14 @@ caf::error forwarded(proxy_actor self, const char* action, const caf::error& e) 
                    ", ", actors::request_error(self->system(), e, self->state.timeout)));
 }
 
+// Answers every save and fetch in flight with `error`.
+void fail_saves(proxy_state& st, const caf::error& error) {
+  for (auto& [id, save] : st.saves) {
+    save.fail(error);
+  }
+  st.saves.clear();
+}
+
 // What the stage's heartbeat says (nodes/heartbeat.hpp): a node that stopped answering fails the
 // running step, and every request to it in flight is answered now rather than at its deadline.
 void heard(proxy_actor self, bool answers, const std::string& why) {
@@ -206,10 +214,7 @@ void heard(proxy_actor self, bool answers, const std::string& why) {
   for (auto& [id, answer] : pending) {
     answer(error);
   }
-  for (auto& [id, save] : st.saves) {
-    save.fail(error);
-  }
-  st.saves.clear();
+  fail_saves(st, error);
 }
 
 // Asks the node to abort `step`; a silent node is not asked (it would hold the scheduler until the
@@ -280,10 +285,7 @@ void node_down(proxy_actor self, const caf::down_msg& msg) {
                       detail::concat(what, " while the scheduler waited for stage ", st.index,
                                      " to finish its program of step ", st.step)});
   }
-  for (auto& [id, save] : st.saves) {
-    save.fail(caf::make_error(caf::sec::request_receiver_down, what));
-  }
-  st.saves.clear();
+  fail_saves(st, caf::make_error(caf::sec::request_receiver_down, what));
   self->quit(caf::make_error(caf::sec::runtime_error, what));
 }
 
@@ -720,8 +722,9 @@ std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::strin
           // connected but silent runs out of time.
           caf::scoped_actor self{sys};
           self->monitor(node);
-          auto wait = handle && heartbeat.count() > 0 ? heartbeat : timeout;
-          if (handle && heartbeat.count() > 0) {
+          bool by_heartbeat = handle && heartbeat.count() > 0;
+          auto wait = by_heartbeat ? heartbeat : timeout;
+          if (by_heartbeat) {
             self->send(node, heartbeat_atom::value);
           } else {
             self->send(node, hello_atom::value);

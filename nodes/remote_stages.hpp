@@ -55,8 +55,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
 /// For each of `addresses`, whether its node answers: a node in `known` is asked over its
 /// connection for a heartbeat within placement.heartbeat_timeout (a hello within
 /// connect_timeout when heartbeats are off), any other is reached and greeted within
-/// connect_timeout. All are asked at
-/// once, so the whole costs one deadline at most.
+/// connect_timeout. All are asked at once, so the whole costs one deadline at most.
 std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
                             const std::map<std::string, caf::actor>& known,
                             const node_placement& placement);

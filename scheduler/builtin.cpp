@@ -478,6 +478,13 @@ std::string to_string(schedule_kind kind) {
   return "?";
 }
 
+bool takes_microbatches(schedule_kind kind, std::size_t stages, std::size_t microbatches) {
+  if (interleaves(kind)) {
+    return microbatches % stages == 0;
+  }
+  return kind != schedule_kind::dualpipe_v || microbatches >= 2 * stages;
+}
+
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks) {
   check_sizes(stages, microbatches, chunks);

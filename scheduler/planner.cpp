@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <functional>
 #include <stdexcept>
 
 #include <actorpipe/errors.hpp>
@@ -46,18 +45,21 @@ bool applies(schedule_kind kind, std::size_t stages, std::size_t m, std::size_t 
   if (stages * v > layers) {
     return false;
   }
-  if (kind == schedule_kind::dualpipe_v) {
-    return m >= 2 * stages;
-  }
-  return !interleaves(kind) || (v >= 2 && m % stages == 0);
+  return takes_microbatches(kind, stages, m) && (!interleaves(kind) || v >= 2);
 }
 
-// Charges each part the transfer of its output to the next part (`transfer_ms` of the bytes,
-// scaled to the micro-batch), nothing where the next part is on the same stage (the V's turn);
-// returns the longest.
+// Time to move `bytes` over the space's link in `messages` messages (0 without a link).
+double transfer_ms(const layout_space& space, double bytes, double messages = 1) {
+  return space.link_gbps > 0 ? messages * space.link_latency_ms + bytes / (space.link_gbps * 1e6)
+                             : 0.0;
+}
+
+// Charges each part the transfer of its output to the next part over the space's link (the
+// bytes scaled to the micro-batch), nothing where the next part is on the same stage (the V's
+// turn); returns the longest.
 double charge_transfers(std::vector<action_costs>& parts, const schedule& plan,
                         const measured_costs& measured, const partition& cut, double samples_scale,
-                        const std::function<double(double)>& transfer_ms) {
+                        const layout_space& space) {
   double longest = 0;
   auto stages = plan.size();
   for (std::size_t part = 0; part + 1 < parts.size(); ++part) {
@@ -67,7 +69,7 @@ double charge_transfers(std::vector<action_costs>& parts, const schedule& plan,
     }
     auto bytes =
       static_cast<double>(measured.layers[cut.end(part) - 1].output_bytes) * samples_scale;
-    parts[part].send = transfer_ms(bytes);
+    parts[part].send = transfer_ms(space, bytes);
     longest = std::max(longest, parts[part].send);
   }
   return longest;
@@ -183,11 +185,6 @@ double parameter_count(const measured_costs& measured) {
 std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
                                  const layout_space& space) {
   check_ranking_inputs(layers, costs, space);
-  // Time to move `bytes` over the link in `messages` messages (0 without a link).
-  auto transfer_ms = [&](double bytes, double messages = 1) {
-    return space.link_gbps > 0 ? messages * space.link_latency_ms + bytes / (space.link_gbps * 1e6)
-                               : 0.0;
-  };
   std::vector<layout> ranked;
   for_each_shape(
     layers, space, [&](std::size_t r, int64_t batch, std::size_t s, std::size_t t, std::size_t m) {
@@ -231,8 +228,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
           }
           auto plan = make_schedule(kind, s, m, v);
           auto part_costs = costs_of(measured.layers, l.cut, scale);
-          l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale,
-                                       [&](double bytes) { return transfer_ms(bytes); });
+          l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale, space);
           auto sim = simulate(plan, m, part_costs, s > 1 ? space.hop_ms : 0.0);
           l.bubble = sim.mean_bubble();
           // After the last backward: every stage steps its optimizer, replicas first
@@ -257,8 +253,9 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
             }
             if (r > 1) { // a ring all-reduce of the stage's fp32 gradients
               auto rd = static_cast<double>(r);
-              l.allreduce_ms = std::max(
-                l.allreduce_ms, transfer_ms(4 * parameters * 2 * (rd - 1) / rd, 2 * (rd - 1)));
+              l.allreduce_ms =
+                std::max(l.allreduce_ms,
+                         transfer_ms(space, 4 * parameters * 2 * (rd - 1) / rd, 2 * (rd - 1)));
             }
           }
           l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;

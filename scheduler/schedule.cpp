@@ -158,9 +158,12 @@ void validate(const schedule& s, std::size_t microbatches, bool training) {
   run_simulation(s, microbatches, {action_costs{}}, 0, /*timeline=*/false);
 }
 
-double peak_stash(const stage_program& program, std::size_t chunks) {
+namespace {
+
+// peak_stash with `split` = split_backwards(program), which the simulator has already.
+double peak_stash_of(const stage_program& program, const std::vector<bool>& split,
+                     std::size_t chunks) {
   // A micro-batch is stashed from its forward to its W, or to its B when that is whole.
-  auto split = split_backwards(program);
   double live = 0;
   double peak = 0;
   for (std::size_t i = 0; i < program.size(); ++i) {
@@ -173,6 +176,12 @@ double peak_stash(const stage_program& program, std::size_t chunks) {
     }
   }
   return peak;
+}
+
+} // namespace
+
+double peak_stash(const stage_program& program, std::size_t chunks) {
+  return peak_stash_of(program, split_backwards(program), chunks);
 }
 
 double simulation::mean_bubble() const {
@@ -343,7 +352,7 @@ simulation run_simulation(const schedule& s, std::size_t microbatches,
   }
   for (std::size_t st = 0; st < p; ++st) {
     result.bubble.push_back(result.makespan > 0 ? 1 - result.busy[st] / result.makespan : 0);
-    result.peak_stash.push_back(peak_stash(s[st], v));
+    result.peak_stash.push_back(peak_stash_of(s[st], split[st], v));
   }
   return result;
 }

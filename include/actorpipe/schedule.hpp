@@ -37,6 +37,11 @@ std::size_t chunks_for(schedule_kind kind, std::size_t chunks);
 schedule make_schedule(schedule_kind kind, std::size_t stages, std::size_t microbatches,
                        std::size_t chunks = 1);
 
+/// Whether the built-in schedule of `kind` takes `microbatches` on `stages` stages: the
+/// interleaved ones a multiple of stages, dualpipe-v at least 2 x stages, the others any
+/// (make_schedule refuses the rest, naming the rule).
+bool takes_microbatches(schedule_kind kind, std::size_t stages, std::size_t microbatches);
+
 /// Forward-only (evaluation): every stage forwards micro-batches 0..m-1 through its chunks, in
 /// chunk order, placed as `placement`.
 schedule make_forward_schedule(std::size_t stages, std::size_t microbatches, std::size_t chunks = 1,

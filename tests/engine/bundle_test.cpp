@@ -103,7 +103,7 @@ TEST_CASE("bundles with float, bool and integer tensors train like plain libtorc
           continue;
         }
         for (std::size_t m : {1, 3, 4}) {
-          if (!takes(kind, stages, m)) {
+          if (!takes_microbatches(kind, stages, m)) {
             continue;
           }
           CAPTURE(with_names);

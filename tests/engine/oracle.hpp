@@ -185,15 +185,6 @@ inline std::vector<schedule_setting> every_schedule() {
           {schedule_kind::v_min, 2},       {schedule_kind::dualpipe_v, 2}};
 }
 
-/// Whether `kind` takes `m` micro-batches on `stages` stages (the interleaved ones a multiple of
-/// stages, dualpipe-v at least 2 x stages).
-inline bool takes(schedule_kind kind, std::size_t stages, std::size_t m) {
-  if (interleaves(kind)) {
-    return m % stages == 0;
-  }
-  return kind != schedule_kind::dualpipe_v || m >= 2 * stages;
-}
-
 /// The micro-batches a test gives `kind` on `stages` stages where it gives the others `m`: 2 x
 /// stages to the interleaved ones, at least 2 x stages to dualpipe-v.
 inline std::size_t microbatches_for(schedule_kind kind, std::size_t stages, std::size_t m) {

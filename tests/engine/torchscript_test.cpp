@@ -299,7 +299,7 @@ TEST_CASE("PyTorch is the oracle: models scripted in Python train in pipelines t
     for (const auto& s : every_schedule()) {
       for (std::size_t stages = 1; stages <= 4; ++stages) {
         auto parts = stages * s.chunks;
-        if (parts > layer_count || !takes(s.kind, stages, r.microbatches)) {
+        if (parts > layer_count || !takes_microbatches(s.kind, stages, r.microbatches)) {
           continue;
         }
         CAPTURE(to_string(s.kind));
