@@ -58,7 +58,7 @@ using load_atom = caf::atom_constant<caf::atom("load")>;
 /// tensor_map>): copies of the stage's state as save_atom would write it, in memory.
 using fetch_atom = caf::atom_constant<caf::atom("fetch")>;
 /// scheduler -> stage request: (block_atom) -> error text or empty: BMUF, end the warm-up or the
-/// running block now.
+/// running block now; a sharded optimizer state, gather it on replica 0 (for a checkpoint).
 using block_atom = caf::atom_constant<caf::atom("block")>;
 
 /// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.

@@ -283,21 +283,7 @@ void advance(stage_actor_type self) {
   if (s.active) {
     if (s.plan.train) {
       try {
-        add_losses(s);
-        for (auto& chunk : s.chunks) {
-          chunk->end_step();
-        }
-        if (s.options.sync && !s.bmuf()) {
-          sync_replicas(s, origin);
-        }
-        if (s.options.ties) {
-          sum_tied_gradients(s);
-        }
-        if (s.options.report_gradient_norm) {
-          for (auto& chunk : s.chunks) {
-            s.report.gradient_square_sum += chunk->gradient_square_sum();
-          }
-        }
+        end_training_program(s, origin);
       } catch (const std::exception& e) {
         fail(self, e);
         return;
@@ -328,7 +314,9 @@ void advance(stage_actor_type self) {
       // The next step may start on the parameters of an early step that nothing validates (no
       // clipping: the update can only confirm it, or a failure undo both steps); otherwise the
       // update steps or confirms first.
-      s.awaiting_update = !(s.stepped_early == s.plan.step && !s.options.report_gradient_norm);
+      // Sharded, the parameters are whole only after the update's broadcast.
+      s.awaiting_update =
+        sharded(s) || !(s.stepped_early == s.plan.step && !s.options.report_gradient_norm);
       start_queued(self);
     }
   }
@@ -450,6 +438,11 @@ void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
     }
     s.warmed_up = s.options.bmuf.warmup_steps == 0;
   }
+  if (sharded(s)) {
+    for (auto& chunk : s.chunks) {
+      chunk->shard_optimizer(s.options.sync->rank(), s.options.sync->size());
+    }
+  }
   if (s.options.sync && s.options.sync_batch_norm) {
     s.batch_norm_sync = c10::make_intrusive<replica_batch_norm_sync>(s.options.sync);
     for (auto& chunk : s.chunks) {
@@ -514,6 +507,25 @@ void abort_step(stage_actor_type self, uint64_t step) {
 // BMUF: ends the running block now (or says why not).
 std::string end_block_now(stage_state& s) {
   set_threads(s);
+  if (sharded(s)) {
+    // Every rank takes the same steps and gathers, so all skip together when nothing has stepped
+    // since the last gather (train() ends a run's last epoch, and checkpoints it, on rank 0 only).
+    bool current = std::all_of(s.chunks.begin(), s.chunks.end(),
+                               [](const auto& chunk) { return chunk->holds_gathered_state(); });
+    if (current) {
+      return std::string{};
+    }
+    try {
+      gather_optimizer_state(s);
+      s.device->synchronize();
+    } catch (const std::exception& e) {
+      return detail::concat("stage ", s.options.index,
+                            ": gathering the sharded optimizer state "
+                            "failed: ",
+                            e.what());
+    }
+    return std::string{};
+  }
   if (!s.bmuf()) {
     return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
   }
@@ -530,10 +542,11 @@ std::string end_block_now(stage_state& s) {
 }
 
 // Every chunk's parameters, buffers and optimizer state, on the CPU.
+// Sharded: rank 0's, with the other replicas' optimizer state gathered since its last step.
 tensor_map state_on_cpu(stage_state& s) {
   tensor_map all;
   for (auto& chunk : s.chunks) {
-    all.merge(chunk->state());
+    all.merge(chunk->checkpoint_state());
   }
   return on_cpu(std::move(all));
 }

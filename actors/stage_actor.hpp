@@ -30,9 +30,14 @@
 ///       With BMUF (options.bmuf.block_steps > 0) gradients are not averaged (nor the loss):
 ///       after the optimizer step that ends a warm-up or a block, the parameters are broadcast
 ///       from rank 0 or averaged and filtered (bmuf_options); a failed block sync restores the
-///       chunks' state from before the optimizer step.
+///       chunks' state from before the optimizer step. With a sharded optimizer state
+///       (options.shard): each chunk's optimizer steps this replica's parameters only, then every
+///       parameter is broadcast from its owner (a failed broadcast restores what the step
+///       changed here).
 /// - in  (block_atom) -> std::string error: BMUF: end the warm-up or the running block now (no
-///       effect at a block's start); an error without BMUF.
+///       effect at a block's start). Sharded: gather every replica's optimizer state on replica
+///       0's chunks for a checkpoint (no effect when nothing stepped since the last gather). An
+///       error otherwise.
 /// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.

@@ -124,10 +124,20 @@ void add_losses(stage_state& s);
 /// After a training program: averages gradients (and buffers) with the other replicas' same
 /// stage; `origin` is the step's start (the sync's times in the report).
 void sync_replicas(stage_state& s, clock_type::time_point origin);
+/// After a training program: losses, batch-norm commits, the replica sync, tied gradients, and
+/// the report's memory and gradient norm figures; throws what fails.
+void end_training_program(stage_state& s, clock_type::time_point origin);
 /// BMUF: ends the warm-up or the running block.
 void end_block(stage_state& s);
 /// BMUF after an optimizer step: whether this step ends the warm-up or a block.
 bool ends_block(const stage_state& s);
+/// Whether the replicas shard this stage's optimizer state (ZeRO-1 or -2).
+inline bool sharded(const stage_state& s) {
+  return s.options.sync && s.options.shard != shard_mode::none && s.options.sync->size() > 1;
+}
+/// ZeRO: every replica's optimizer state gathered on rank 0's chunks, for a checkpoint
+/// (stages::stage::keep_gathered_state).
+void gather_optimizer_state(stage_state& s);
 /// After the replica sync: tied parameters' gradients become the sum over their holders.
 void sum_tied_gradients(stage_state& s);
 /// Puts back the chunks' state from before an early optimizer step; what failed, or empty.

@@ -37,9 +37,13 @@ void sync_replicas(stage_state& s, clock_type::time_point origin) {
   }
   double scale = mean ? weight / total.weight : 1.0;
   for (auto it = s.chunks.rbegin(); it != s.chunks.rend(); ++it) {
+    auto layout =
+      s.options.shard == shard_mode::gradients ? (*it)->shards() : stages::stage::shard_layout{};
     (*it)->with_tensors(
       [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
-        s.report.stats.sync_bytes += sync.all_reduce_gradients(parameters, scale);
+        s.report.stats.sync_bytes +=
+          layout.ranks > 1 ? sync.reduce_gradients(parameters, layout.owner, layout.tied, scale)
+                           : sync.all_reduce_gradients(parameters, scale);
       });
   }
   if (s.options.buffers != buffer_sync::none) {
@@ -55,6 +59,40 @@ void sync_replicas(stage_state& s, clock_type::time_point origin) {
   log::get()->debug("stage {}, step {}: replica sync of {} bytes took {:.1f} ms", s.options.index,
                     s.plan.step, s.report.stats.sync_bytes,
                     s.report.stats.sync_end_ms - s.report.stats.sync_start_ms);
+}
+
+// After a training program: losses, batch-norm commits, the replica sync, tied gradients, the
+// memory the stage holds and its gradients' sum of squares, in the report.
+void end_training_program(stage_state& s, clock_type::time_point origin) {
+  add_losses(s);
+  for (auto& chunk : s.chunks) {
+    chunk->end_step();
+  }
+  if (s.options.sync && !s.bmuf()) {
+    sync_replicas(s, origin);
+  }
+  if (s.options.ties) {
+    sum_tied_gradients(s);
+  }
+  for (auto& chunk : s.chunks) {
+    s.report.stats.optimizer_bytes += chunk->optimizer_bytes();
+    s.report.stats.gradient_bytes += chunk->gradient_bytes();
+  }
+  if (!s.options.report_gradient_norm) {
+    return;
+  }
+  // ZeRO-2: each rank holds its own parameters' summed gradients; the stage's sum of squares is
+  // the sum over the ranks of theirs.
+  bool partial = sharded(s) && s.options.shard == shard_mode::gradients;
+  for (auto& chunk : s.chunks) {
+    s.report.gradient_square_sum += chunk->gradient_square_sum(partial);
+  }
+  if (partial) {
+    auto sum = torch::tensor({s.report.gradient_square_sum}, torch::kDouble)
+                 .to(s.chunks.front()->config().device);
+    s.options.sync->all_reduce_sum(sum, "gradient norm all-reduce");
+    s.report.gradient_square_sum = sum.cpu().item<double>();
+  }
 }
 
 // BMUF: ends the warm-up (every replica takes rank 0's parameters and buffers) or the running
@@ -129,6 +167,46 @@ void sum_tied_gradients(stage_state& s) {
   }
 }
 
+// ZeRO, after the optimizer step: every parameter takes its owner's value. When a broadcast
+// fails, the chunks go back to `before` (owned_only: owned_state()'s copies, else state()'s)
+// and the error is returned; empty on success.
+std::string gather_parameters(stage_state& s, uint64_t step,
+                              const std::vector<stages::stage::tensor_map>& before,
+                              bool owned_only) {
+  try {
+    for (auto& chunk : s.chunks) {
+      auto layout = chunk->shards();
+      chunk->with_tensors(
+        [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>&) {
+          s.options.sync->broadcast_from_owners(parameters, layout.owner);
+        });
+    }
+    return std::string{};
+  } catch (const std::exception& e) {
+    for (std::size_t c = 0; c < before.size(); ++c) {
+      owned_only ? s.chunks[c]->load_owned_state(before[c]) : s.chunks[c]->load_state(before[c]);
+    }
+    return detail::concat("stage ", s.options.index, ", step ", step,
+                          ": the sharded optimizer step's parameter broadcast failed: ", e.what());
+  }
+}
+
+void gather_optimizer_state(stage_state& s) {
+  for (auto& chunk : s.chunks) {
+    stages::stage::tensor_map optimizer;
+    for (auto& [name, t] : chunk->owned_state()) {
+      if (name.rfind("optimizer/", 0) == 0) {
+        optimizer.emplace(name, t.cpu());
+      }
+    }
+    chunk->keep_gathered_state(
+      s.options.sync->gather_on_first(optimizer, "optimizer state gather"));
+  }
+  log::get()->debug("stage {}, data parallel rank {}: the replicas' optimizer state gathered{}",
+                    s.options.index, s.options.sync->rank(),
+                    s.options.sync->rank() == 0 ? " here" : "");
+}
+
 // Puts back the chunks' state from before an early optimizer step; what failed, or empty.
 std::string restore_before_update(stage_state& s) {
   std::string error;
@@ -184,10 +262,11 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
     bool same = s.stepped_early == step && gradient_scale == 1.0 &&
                 (learning_rate < 0 || learning_rate == s.early_learning_rate);
     if (same) {
+      auto error = sharded(s) ? gather_parameters(s, step, s.before_update, false) : std::string{};
       s.before_update.clear();
       s.early_buffers.clear();
       s.stepped_early = 0;
-      return {s.early_ms, std::string{}};
+      return {s.early_ms + ms_since(start), error};
     }
     if (s.plan.step != step) {
       return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
@@ -199,13 +278,16 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
       return {ms_since(start), error};
     }
   }
-  // A block's last step: the state before it, restored if the block sync fails.
+  // A block's last step: the state before it, restored if the block sync fails (sharded: what
+  // the step changes here, restored if the parameters' broadcast fails).
   bool block_end = s.bmuf() && ends_block(s);
   std::vector<stages::stage::tensor_map> before;
   try {
     for (auto& chunk : s.chunks) {
       if (block_end) {
         before.push_back(chunk->state());
+      } else if (sharded(s)) {
+        before.push_back(chunk->owned_state());
       }
       if (learning_rate >= 0) {
         chunk->set_learning_rate(learning_rate);
@@ -215,6 +297,10 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
   } catch (const std::exception& e) {
     return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
                                             ": optimizer step failed: ", e.what())};
+  }
+  if (sharded(s)) {
+    auto error = gather_parameters(s, step, before, true);
+    return {ms_since(start), error};
   }
   if (!s.bmuf()) {
     return {ms_since(start), std::string{}};

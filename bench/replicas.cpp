@@ -23,6 +23,7 @@ struct configuration {
   std::vector<double> times;
   std::vector<double> syncs;
   std::vector<double> exposed;
+  std::vector<double> updates;
   step_result last;
 };
 
@@ -45,6 +46,15 @@ void record(configuration& c, step_result r) {
   c.times.push_back(r.wall_ms);
   c.syncs.push_back(sync);
   c.row.sync_bytes = bytes;
+  c.row.optimizer_bytes = 0;
+  c.row.gradient_bytes = 0;
+  double update = 0;
+  for (const auto& s : r.stages) {
+    c.row.optimizer_bytes += s.optimizer_bytes;
+    c.row.gradient_bytes += s.gradient_bytes;
+    update = std::max(update, s.optimizer_ms);
+  }
+  c.updates.push_back(update);
   c.row.loss = r.loss;
   c.last = std::move(r);
 }
@@ -55,6 +65,10 @@ void write_json(const std::string& path, const training::model_setup& setup,
   for (const auto& r : rows) {
     j.push_back({{"replicas", r.replicas},
                  {"stages", r.stages},
+                 {"shard", r.shard},
+                 {"optimizer_bytes", r.optimizer_bytes},
+                 {"gradient_bytes", r.gradient_bytes},
+                 {"update_ms", r.update_ms},
                  {"splits", r.splits},
                  {"median_ms", r.median_ms},
                  {"min_ms", r.min_ms},
@@ -70,6 +84,38 @@ void write_json(const std::string& path, const training::model_setup& setup,
   std::ofstream out(path);
   ACTORPIPE_CHECK(out.good(), "--json: cannot write '", path, "'");
   out << nlohmann::json{{"model", setup.name}, {"batch", setup.batch}, {"rows", j}}.dump(2) << '\n';
+}
+
+// The configurations of `r` replicas x `p` stages, one per --shard mode, all on one plan (cut,
+// micro-batches, threads: cores / (r x p) per stage).
+std::vector<configuration> configure(engine& sys, const sweep_options& o,
+                                     const training::model_setup& setup, std::size_t r,
+                                     std::size_t p) {
+  ACTORPIPE_CHECK(r >= 1 && p >= 1, "--replicas and --stage-counts must be >= 1");
+  ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(r) == 0, "--batch (", setup.batch,
+                  ") must be a multiple of ", r, " replicas");
+  auto cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
+  auto plan_args = o.plan;
+  plan_args.stages = p;
+  plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
+  auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
+  auto choice = training::choose_plan(setup.layers, local, plan_args);
+  std::vector<configuration> out;
+  for (const auto& shard : o.shards.empty() ? std::vector<std::string>{"none"} : o.shards) {
+    auto po = training::pipeline_options_for(choice, plan_args);
+    po.loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+    po.optimizer = o.optimizer == "adam" ? adam(o.lr) : sgd(o.lr);
+    po.data_parallel.shard = parse_shard_mode(shard);
+    configuration c;
+    c.row.replicas = r;
+    c.row.stages = p;
+    c.row.shard = shard;
+    c.row.splits = choice.microbatches;
+    c.replicas = std::make_unique<replicated_pipeline>(
+      sys, [&] { return setup.fresh(o.model.seed); }, choice.cut, po, r);
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 } // namespace
@@ -88,26 +134,9 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
   std::vector<configuration> grid;
   for (auto r : o.replicas) {
     for (auto p : stage_counts) {
-      ACTORPIPE_CHECK(r >= 1 && p >= 1, "--replicas and --stage-counts must be >= 1");
-      ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(r) == 0, "--batch (", setup.batch,
-                      ") must be a multiple of ", r, " replicas");
-      auto plan_args = o.plan;
-      plan_args.stages = p;
-      plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
-      auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
-      auto choice = training::choose_plan(setup.layers, local, plan_args);
-      auto po = training::pipeline_options_for(choice, plan_args);
-      po.loss = [](const torch::Tensor& y, const torch::Tensor& t) {
-        return torch::mse_loss(y, t);
-      };
-      po.optimizer = sgd(o.lr);
-      configuration c;
-      c.row.replicas = r;
-      c.row.stages = p;
-      c.row.splits = choice.microbatches;
-      c.replicas = std::make_unique<replicated_pipeline>(
-        sys, [&] { return setup.fresh(o.model.seed); }, choice.cut, po, r);
-      grid.push_back(std::move(c));
+      for (auto& c : configure(sys, o, setup, r, p)) {
+        grid.push_back(std::move(c));
+      }
     }
   }
   ACTORPIPE_CHECK(!grid.empty(), "--replicas needs at least one count");
@@ -134,9 +163,10 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
   }
 
   std::vector<replica_row> rows;
-  std::printf("\n%8s %6s %6s %9s %9s %9s %10s %8s %9s %7s %10s %9s %12s\n", "replicas", "stages",
-              "splits", "median s", "min s", "max s", "samples/s", "speedup", "sync ms", "sync%",
-              "exposed ms", "sync MB", "loss");
+  std::printf("\n%8s %6s %9s %6s %9s %9s %9s %10s %8s %9s %7s %10s %9s %9s %8s %8s %12s\n",
+              "replicas", "stages", "shard", "splits", "median s", "min s", "max s", "samples/s",
+              "speedup", "sync ms", "sync%", "exposed ms", "sync MB", "update ms", "opt MB",
+              "grad MB", "loss");
   for (auto& c : grid) {
     auto& row = c.row;
     row.median_ms = median(c.times);
@@ -147,13 +177,21 @@ std::vector<replica_row> run_replica_sweep(const sweep_options& o) {
     row.sync_ms = median(c.syncs);
     row.sync_share = row.sync_ms / row.median_ms;
     row.exposed_sync_ms = median(c.exposed);
-    std::printf(
-      "%8zu %6zu %6zu %9.3f %9.3f %9.3f %10.1f %7.2fx %9.1f %6.1f%% %10.1f %9.1f %12.6f\n",
-      row.replicas, row.stages, row.splits, row.median_ms / 1000, row.min_ms / 1000,
-      row.max_ms / 1000, row.samples_per_second, row.speedup, row.sync_ms, 100 * row.sync_share,
-      row.exposed_sync_ms, static_cast<double>(row.sync_bytes) / 1e6, row.loss);
+    row.update_ms = median(c.updates);
+    std::printf("%8zu %6zu %9s %6zu %9.3f %9.3f %9.3f %10.1f %7.2fx %9.1f %6.1f%% %10.1f %9.1f "
+                "%9.1f %8.1f %8.1f %12.6f\n",
+                row.replicas, row.stages, row.shard.c_str(), row.splits, row.median_ms / 1000,
+                row.min_ms / 1000, row.max_ms / 1000, row.samples_per_second, row.speedup,
+                row.sync_ms, 100 * row.sync_share, row.exposed_sync_ms,
+                static_cast<double>(row.sync_bytes) / 1e6, row.update_ms,
+                static_cast<double>(row.optimizer_bytes) / 1e6,
+                static_cast<double>(row.gradient_bytes) / 1e6, row.loss);
     rows.push_back(row);
   }
+  std::printf("update: the longest stage's optimizer step (sharded: with the parameters' "
+              "broadcast from their owners); opt MB, grad MB: replica 0's optimizer state and "
+              "gradients after the sync (ZeRO-2 keeps its own parameters'), summed over its "
+              "stages, at the last step\n");
   std::printf("sync: the longest stage's gradient all-reduce (+ buffer sync) on replica 0, "
               "median over steps; exposed: how long the step ran on after every stage's last "
               "backward (the sync not hidden behind backward). loss: the last step's, over the "

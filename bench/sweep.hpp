@@ -49,6 +49,11 @@ struct sweep_options {
   /// Data parallelism grid: when not empty, the bench measures every replicas x stages pair
   /// (each replica on batch / replicas samples) instead of the split sweep.
   std::vector<std::size_t> replicas;
+  /// With replicas: the optimizer state's sharding side by side ("none", "optimizer",
+  /// "gradients": data_parallel_options::shard; empty: none), and the optimizer ("sgd", plain;
+  /// "adam", whose state is twice the parameters).
+  std::vector<std::string> shards;
+  std::string optimizer = "sgd";
   /// Stage counts: of the replica grid, or (without replicas) of the pipelines swept side by
   /// side (empty: plan.stages).
   std::vector<std::size_t> stage_counts;
@@ -60,6 +65,15 @@ struct sweep_options {
 struct replica_row {
   std::size_t replicas = 1;
   std::size_t stages = 1;
+  /// data_parallel_options::shard, by name.
+  std::string shard = "none";
+  /// Replica 0's optimizer state and gradients after the sync, summed over its stages, at the
+  /// last step (stage_stats::optimizer_bytes, gradient_bytes).
+  int64_t optimizer_bytes = 0;
+  int64_t gradient_bytes = 0;
+  /// The longest stage's update (optimizer step; sharded, with the parameters' broadcast from
+  /// their owners), median over steps.
+  double update_ms = 0;
   std::size_t splits = 1;
   double median_ms = 0;
   double min_ms = 0;

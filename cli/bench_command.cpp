@@ -75,6 +75,17 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
       "Stage counts side by side, e.g. 1,2,4: of the pipelines swept, or with --replicas "
       "of the grid (default: --stages)")
     ->delimiter(',');
+  cmd
+    ->add_option("--shard", o.shards,
+                 "With --replicas: the optimizer state's sharding side by side, e.g. "
+                 "none,optimizer,gradients (ZeRO-1, ZeRO-2; docs/memory.md)")
+    ->delimiter(',')
+    ->check(CLI::IsMember({"none", "optimizer", "gradients"}));
+  cmd
+    ->add_option("--optimizer", o.optimizer,
+                 "With --replicas: sgd (plain, no state) or adam (state twice the parameters)")
+    ->check(CLI::IsMember({"sgd", "adam"}))
+    ->capture_default_str();
   cmd->add_option("--trace", o.trace,
                   "With --replicas: Chrome trace of the largest configuration's last step");
   return cmd;

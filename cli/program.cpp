@@ -87,6 +87,8 @@ int program::run() {
       if (!bench.replicas.empty()) {
         bench::run_replica_sweep(bench);
       } else {
+        ACTORPIPE_CHECK(bench.shards.empty() && bench.optimizer == "sgd",
+                        "--shard and --optimizer apply to the replica grid (--replicas)");
         bench::run_sweep(bench);
       }
       return 0;

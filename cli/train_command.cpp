@@ -412,7 +412,9 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                           {"optimizer_ms", st.optimizer_ms},
                           {"sync_ms", st.sync_end_ms - st.sync_start_ms},
                           {"peak_stash", st.peak_stash},
-                          {"peak_stash_bytes", st.peak_stash_bytes}});
+                          {"peak_stash_bytes", st.peak_stash_bytes},
+                          {"optimizer_bytes", st.optimizer_bytes},
+                          {"gradient_bytes", st.gradient_bytes}});
       }
       row["wall_ms"] = r.wall_ms;
       row["stages"] = stages;
@@ -503,6 +505,26 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   return 0;
 }
 
+// --shard-optimizer, --shard-gradients: what each of `replicas` keeps of the optimizer step.
+shard_mode shard_for(const train_args& a, std::size_t replicas) {
+  if (!a.shard_optimizer && !a.shard_gradients) {
+    return shard_mode::none;
+  }
+  const char* flag = a.shard_gradients ? "--shard-gradients" : "--shard-optimizer";
+  ACTORPIPE_CHECK(replicas > 1, flag,
+                  " divides the optimizer's state among replicas: give "
+                  "--replicas or --world-size > 1");
+  ACTORPIPE_CHECK(a.sync != "bmuf", flag,
+                  " cannot be combined with --sync bmuf (BMUF replicas "
+                  "step on their own, each with its whole optimizer "
+                  "state)");
+  ACTORPIPE_CHECK(a.on_node_loss != "continue", flag,
+                  " cannot be combined with --on-node-loss continue yet: its snapshots hold "
+                  "replica 0's state, and replica 0 holds 1/R of the optimizer's (checkpoints "
+                  "gather it whole)");
+  return a.shard_gradients ? shard_mode::gradients : shard_mode::optimizer;
+}
+
 // The replicas' options from the flags and the environment (torchrun's RANK, WORLD_SIZE, ...),
 // each checked against the others and the model.
 data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup,
@@ -573,6 +595,7 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
       ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " applies to --sync bmuf");
     }
   }
+  dp.shard = shard_for(a, std::max(a.replicas, dp.replicas));
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
                   "--batch (", setup.batch, ") must be a multiple of the ",
                   std::max(a.replicas, dp.replicas), " replicas");

@@ -95,6 +95,9 @@ struct train_args {
   std::vector<std::string> devices;
   /// --dp-backend: auto (NCCL for stages on GPUs, else Gloo), gloo or nccl.
   std::string dp_backend = "auto";
+  /// --shard-optimizer (ZeRO-1), --shard-gradients (ZeRO-2): data_parallel_options::shard.
+  bool shard_optimizer = false;
+  bool shard_gradients = false;
   /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
   std::vector<std::string> nodes;
   std::string secret_file;

@@ -117,6 +117,12 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   opt("--dp-backend", a.dp_backend,
       "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
     ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  cmd->add_flag("--shard-optimizer", a.shard_optimizer,
+                "Replicas: each keeps and steps 1/R of every stage's optimizer state, then the "
+                "parameters are broadcast from their owners (ZeRO-1; docs/memory.md)");
+  cmd->add_flag("--shard-gradients", a.shard_gradients,
+                "Replicas: as --shard-optimizer, and each gradient is reduced to its owner only "
+                "(ZeRO-2; docs/memory.md)");
   opt("--buffers", a.buffers,
       "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
       "none")

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/serialize.h>
 #ifdef ACTORPIPE_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -426,6 +428,124 @@ int64_t stage_sync::average(std::vector<torch::Tensor> tensors, const char* what
   return s.coalesced(
     tensors, what, [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
     [n](torch::Tensor& flat) { flat.div_(n); });
+}
+
+std::size_t stage_sync::rank() const {
+  return self_->rank;
+}
+
+std::size_t stage_sync::size() const {
+  return self_->size;
+}
+
+int64_t stage_sync::reduce_gradients(const std::vector<torch::Tensor>& parameters,
+                                     const std::vector<std::size_t>& owner,
+                                     const std::vector<bool>& all_reduce, double scale) {
+  auto& s = *self_;
+  ACTORPIPE_ASSERT(owner.size() == parameters.size() && all_reduce.size() == parameters.size());
+  // Last parameters first, as all_reduce_gradients; one list per owner, and the tied ones.
+  std::vector<std::vector<torch::Tensor>> by_owner(s.size);
+  std::vector<torch::Tensor> everyone;
+  for (std::size_t k = parameters.size(); k-- > 0;) {
+    torch::Tensor p = parameters[k];
+    if (!p.grad().defined()) {
+      p.mutable_grad() = torch::zeros_like(p);
+    }
+    (all_reduce[k] ? everyone : by_owner.at(owner[k])).push_back(p.grad());
+  }
+  auto scaled = [scale](std::vector<torch::Tensor>& flat) {
+    if (scale != 1.0) {
+      flat[0].mul_(scale);
+    }
+  };
+  int64_t bytes = s.coalesced(
+    everyone, "gradient all-reduce",
+    [&](std::vector<torch::Tensor>& flat) {
+      scaled(flat);
+      return s.all_reduce(flat);
+    },
+    [](torch::Tensor&) {});
+  for (std::size_t r = 0; r < s.size; ++r) {
+    bytes += s.coalesced(
+      by_owner[r], "gradient reduce to its owner",
+      [&](std::vector<torch::Tensor>& flat) {
+        scaled(flat);
+        c10d::ReduceOptions options;
+        options.rootRank = static_cast<int64_t>(r);
+        options.timeout = s.timeout;
+        return s.pg().reduce(flat, options);
+      },
+      [](torch::Tensor&) {});
+  }
+  for (std::size_t k = 0; k < parameters.size(); ++k) {
+    if (!all_reduce[k] && owner[k] != s.rank) {
+      torch::Tensor p = parameters[k];
+      p.mutable_grad() = torch::Tensor{};
+    }
+  }
+  return bytes;
+}
+
+int64_t stage_sync::broadcast_from_owners(const std::vector<torch::Tensor>& parameters,
+                                          const std::vector<std::size_t>& owner) {
+  auto& s = *self_;
+  ACTORPIPE_ASSERT(owner.size() == parameters.size());
+  std::vector<std::vector<torch::Tensor>> by_owner(s.size);
+  for (std::size_t k = 0; k < parameters.size(); ++k) {
+    by_owner.at(owner[k]).push_back(parameters[k]);
+  }
+  int64_t bytes = 0;
+  for (std::size_t r = 0; r < s.size; ++r) {
+    bytes += s.coalesced(
+      by_owner[r], "parameter broadcast from their owner",
+      [&](std::vector<torch::Tensor>& flat) {
+        c10d::BroadcastOptions options;
+        options.rootRank = static_cast<int64_t>(r);
+        options.timeout = s.timeout;
+        return s.pg().broadcast(flat, options);
+      },
+      [](torch::Tensor&) {});
+  }
+  return bytes;
+}
+
+std::map<std::string, torch::Tensor>
+stage_sync::gather_on_first(const std::map<std::string, torch::Tensor>& mine, const char* what) {
+  auto& s = *self_;
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& [name, t] : mine) {
+    dict.insert(name, t.cpu());
+  }
+  auto bytes = torch::pickle_save(c10::IValue(dict));
+  // Every rank's size, then each rank's bytes broadcast from it (on the group's device).
+  auto options = torch::TensorOptions().device(s.device);
+  std::vector<torch::Tensor> sizes{
+    torch::zeros({static_cast<int64_t>(s.size)}, options.dtype(torch::kInt64))};
+  sizes[0][static_cast<int64_t>(s.rank)] = static_cast<int64_t>(bytes.size());
+  s.wait(s.all_reduce(sizes), what);
+  auto counts = sizes[0].cpu();
+  std::map<std::string, torch::Tensor> merged;
+  for (std::size_t r = 0; r < s.size; ++r) {
+    auto n = counts[static_cast<int64_t>(r)].item<int64_t>();
+    std::vector<torch::Tensor> buffer{torch::empty({n}, options.dtype(torch::kUInt8))};
+    if (r == s.rank) {
+      buffer[0].copy_(torch::from_blob(bytes.data(), {n}, torch::kUInt8));
+    }
+    c10d::BroadcastOptions b;
+    b.rootRank = static_cast<int64_t>(r);
+    b.timeout = s.timeout;
+    s.wait(s.pg().broadcast(buffer, b), what);
+    if (s.rank != 0) {
+      continue;
+    }
+    auto received = buffer[0].cpu();
+    std::vector<char> data(static_cast<std::size_t>(n));
+    std::memcpy(data.data(), received.data_ptr(), data.size());
+    for (const auto& entry : torch::pickle_load(data).toGenericDict()) {
+      merged[entry.key().toStringRef()] = entry.value().toTensor();
+    }
+  }
+  return merged;
 }
 
 replica_group::replica_group(const data_parallel_options& o, std::size_t stages,

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,28 @@ public:
 
   /// Buffers after a step: rank 0's, or the average of floating-point buffers.
   void sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mode);
+
+  /// This replica's rank in the group, and the group's size.
+  std::size_t rank() const;
+  std::size_t size() const;
+
+  /// ZeRO-2: as all_reduce_gradients, but the gradient of parameter i is summed on its owner
+  /// `owner[i]` only (reduce, in buckets per owner) and released (undefined) on the other ranks;
+  /// the parameters flagged in `all_reduce` (tied to another stage) are all-reduced as before.
+  /// Returns the bytes sent into the collectives.
+  int64_t reduce_gradients(const std::vector<torch::Tensor>& parameters,
+                           const std::vector<std::size_t>& owner,
+                           const std::vector<bool>& all_reduce, double scale);
+
+  /// ZeRO after the optimizer step: every parameter i takes its owner's value (broadcast from
+  /// `owner[i]`, in buckets per owner). Returns the bytes broadcast.
+  int64_t broadcast_from_owners(const std::vector<torch::Tensor>& parameters,
+                                const std::vector<std::size_t>& owner);
+
+  /// Every rank's `mine` (CPU tensors by name) merged on rank 0, in rank order (a later rank's
+  /// entry wins a name); the other ranks get an empty map. `what` names it in errors.
+  std::map<std::string, torch::Tensor>
+  gather_on_first(const std::map<std::string, torch::Tensor>& mine, const char* what);
 
 private:
   std::unique_ptr<impl> self_;

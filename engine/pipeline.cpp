@@ -92,6 +92,20 @@ std::size_t check_pipeline(std::size_t layer_count, const partition& cut,
   return stage_count;
 }
 
+// ZeRO (data_parallel_options::shard) needs replicas that step together.
+void check_sharding(const data_parallel_options& dp) {
+  if (dp.shard == shard_mode::none) {
+    return;
+  }
+  ACTORPIPE_CHECK(dp.replicas > 1, "pipeline: data_parallel.shard (", to_string(dp.shard),
+                  ") divides the optimizer's state among replicas: it needs "
+                  "data_parallel.replicas > 1");
+  ACTORPIPE_CHECK(dp.bmuf.block_steps == 0,
+                  "pipeline: BMUF replicas step their own optimizers on their own gradients "
+                  "within a block, so each needs its whole optimizer state: data_parallel.shard (",
+                  to_string(dp.shard), ") cannot be combined with BMUF");
+}
+
 // Checks the replicas' BMUF and synchronised batch norm settings against the model; the BMUF
 // settings with a negative block momentum resolved (1 - 1/replicas).
 bmuf_options checked_bmuf(const pipeline_options& options, const layer_list& layers) {
@@ -112,6 +126,7 @@ bmuf_options checked_bmuf(const pipeline_options& options, const layer_list& lay
       bmuf.block_momentum = 1.0 - 1.0 / static_cast<double>(dp.replicas);
     }
   }
+  check_sharding(dp);
   if (dp.sync_batch_norm) {
     auto local = local_batch_norms(layers);
     std::string names;
@@ -256,6 +271,7 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
                   "step at a time");
   ACTORPIPE_CHECK(!options.placement.nodes.empty(),
                   "pipeline: a remote_model needs options.placement.nodes");
+  check_sharding(dp);
   options.loss = builtin_loss(model.loss);
   options.optimizer = make_optimizer(model.optimizer);
   impl_ = std::make_unique<impl>(std::move(cut), std::move(options));
@@ -458,7 +474,8 @@ void pipeline::save_torchscript(const std::string& path) {
 
 void pipeline::end_block() {
   auto& self = *impl_;
-  if (!self.replicas || self.options.data_parallel.bmuf.block_steps == 0) {
+  const auto& dp = self.options.data_parallel;
+  if (!self.replicas || (dp.bmuf.block_steps == 0 && dp.shard == shard_mode::none)) {
     return;
   }
   auto request = std::make_shared<scheduler::step_request>();

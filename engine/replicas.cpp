@@ -173,6 +173,11 @@ void replicated_pipeline::end_block() {
   get_all(running, deadline_, "replicated end_block");
 }
 
+void replicated_pipeline::save_state(const std::string& dir) {
+  end_block();
+  replicas_.front()->save_state(dir);
+}
+
 void replicated_pipeline::set_learning_rate(double lr) {
   for (auto& p : replicas_) {
     p->set_learning_rate(lr);

@@ -573,6 +573,23 @@ caf::result<double, std::string> relay_update(node_actor* self, uint32_t index, 
   return rp;
 }
 
+caf::result<std::string> relay_block(node_actor* self, uint32_t index) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "block")) {
+    return missing_stage(self, index);
+  }
+  auto rp = self->make_response_promise<std::string>();
+  auto deadline = h->deadline;
+  self->request(h->actor, deadline, block_atom::value)
+    .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+          [=](caf::error& e) mutable {
+            rp.deliver(detail::concat("stage ", index, " on node ", self->state.label,
+                                      ", asked to gather its replicas' state, ",
+                                      request_error(self->system(), e, deadline)));
+          });
+  return rp;
+}
+
 std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
   auto* h = find_stage(self, index);
   if (h == nullptr || !allowed(self, "save")) {
@@ -595,7 +612,7 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
     // completes its request when the frame has come.
     stages::stage::tensor_map all;
     for (auto& chunk : h->chunks) {
-      all.merge(chunk->state(/*copy=*/false));
+      all.merge(chunk->checkpoint_state(/*copy=*/false));
     }
     stages::pack_tensors_into(all, *bytes);
   } catch (const std::exception& e) {
@@ -697,6 +714,9 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     },
     [=](rupdate_atom, uint32_t index, uint64_t step, double lr, double scale)
       -> caf::result<double, std::string> { return relay_update(self, index, step, lr, scale); },
+    [=](rblock_atom, uint32_t index) -> caf::result<std::string> {
+      return relay_block(self, index);
+    },
     [=](rsave_atom, uint32_t index, uint64_t id) -> std::string {
       return send_state(self, index, id);
     },

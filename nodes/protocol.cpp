@@ -85,6 +85,9 @@ json encode(precision_mode v) {
 json encode(buffer_sync v) {
   return to_string(v);
 }
+json encode(shard_mode v) {
+  return to_string(v);
+}
 
 template <class T>
 void decode(const json& j, T& v) {
@@ -115,6 +118,9 @@ void decode(const json& j, loss_reduction& v) {
 }
 void decode(const json& j, buffer_sync& v) {
   v = parse_buffer_sync(j.get<std::string>());
+}
+void decode(const json& j, shard_mode& v) {
+  v = parse_shard_mode(j.get<std::string>());
 }
 
 json settings_json(const stage_settings& s) {
@@ -405,6 +411,9 @@ std::string to_json(const actors::stage_report& r) {
               {"peak_stash_bytes", s.peak_stash_bytes},
               {"recomputed", s.recomputed},
               {"early_update", s.early_update},
+              {"sync", {s.sync_start_ms, s.sync_end_ms, s.sync_bytes}},
+              {"optimizer_bytes", s.optimizer_bytes},
+              {"gradient_bytes", s.gradient_bytes},
               {"actions", actions}}
     .dump();
 }
@@ -426,6 +435,13 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   s.peak_stash_bytes = field<int64_t>(j, "peak_stash_bytes", what);
   s.recomputed = field<std::size_t>(j, "recomputed", what);
   s.early_update = field<bool>(j, "early_update", what);
+  auto sync = field<json>(j, "sync", what);
+  ACTORPIPE_CHECK(sync.is_array() && sync.size() == 3, what, ": field 'sync' is malformed");
+  s.sync_start_ms = sync.at(0).get<double>();
+  s.sync_end_ms = sync.at(1).get<double>();
+  s.sync_bytes = sync.at(2).get<int64_t>();
+  s.optimizer_bytes = field<int64_t>(j, "optimizer_bytes", what);
+  s.gradient_bytes = field<int64_t>(j, "gradient_bytes", what);
   for (const auto& a : field<json>(j, "actions", what)) {
     action_record rec;
     rec.what = {static_cast<action_kind>(a.at(0).get<int>()), a.at(1).get<int32_t>(),

@@ -21,6 +21,8 @@
 /// - (rabort_atom, uint32 stage, uint64 step) -> bool
 /// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> (double, std::string)
 /// - (rsave_atom, uint32 stage, uint64 id) -> std::string error, after sending a state frame
+/// - (rblock_atom, uint32 stage) -> std::string error: the stage's end_block (replicas with a
+///   sharded optimizer: its state gathered on rank 0's stage for a checkpoint)
 /// - (rload_atom, uint32 stage, uint64 id) -> std::string error, once the state frame id came
 /// - (release_atom, uint32 stage): drop the stage.
 /// - (heartbeat_atom) -> bool: answered at once by the node actor, beside its stages' work; a
@@ -56,6 +58,7 @@ using rplan_atom = caf::atom_constant<caf::atom("rplan")>;
 using rabort_atom = caf::atom_constant<caf::atom("rabort")>;
 using rupdate_atom = caf::atom_constant<caf::atom("rupdate")>;
 using rsave_atom = caf::atom_constant<caf::atom("rsave")>;
+using rblock_atom = caf::atom_constant<caf::atom("rblock")>;
 using rload_atom = caf::atom_constant<caf::atom("rload")>;
 using release_atom = caf::atom_constant<caf::atom("release")>;
 using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
@@ -77,8 +80,8 @@ struct stage_spec {
   stage_settings settings;
   /// Replicas (data_parallel.replicas > 1): this stage's rank, where rank 0's driver serves the
   /// store (master_addr:master_port), its deadline and buckets; the stage forms its group under
-  /// `group_prefix` (data_parallel.local and bmuf are not used; the settings carry buffers and
-  /// batch norm).
+  /// `group_prefix` (data_parallel.local and bmuf are not used; the settings carry buffers,
+  /// batch norm and sharding).
   data_parallel_options data_parallel;
   std::string group_prefix;
 };

@@ -421,8 +421,12 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       return ask_update(self, step, lr, scale);
     },
     [=](block_atom) -> caf::result<std::string> {
-      // Stages on nodes have no replicas (the pipeline constructor refuses them).
-      return std::string("BMUF needs replicas, which stages on nodes do not have");
+      // Replicas on nodes with a sharded optimizer (the pipeline constructor refuses BMUF there).
+      auto rp = self->make_response_promise<std::string>();
+      self->request(self->state.node, self->state.timeout, rblock_atom::value, self->state.index)
+        .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+              [=](caf::error& e) mutable { rp.deliver(forwarded(self, "gather its state", e)); });
+      return rp;
     },
     [=](save_atom, const std::string& path) -> caf::result<std::string> {
       save_request request;

@@ -56,6 +56,8 @@ py::dict stats_of(const step_result& r) {
     stage["peak_stash"] = s.peak_stash;
     stage["peak_stash_bytes"] = s.peak_stash_bytes;
     stage["recomputed"] = s.recomputed;
+    stage["optimizer_bytes"] = s.optimizer_bytes;
+    stage["gradient_bytes"] = s.gradient_bytes;
     stages.append(stage);
   }
   py::dict result;
@@ -139,6 +141,7 @@ void bind_config(py::module_& m) {
     .def_readwrite("nodes", &c::nodes)
     .def_readwrite("secret", &c::secret)
     .def_readwrite("replicas", &c::replicas)
+    .def_readwrite("shard", &c::shard)
     .def_property(
       "wait_timeout", [](const c& x) { return x.wait_timeout.count() / 1000.0; },
       [](c& x, double s) { x.wait_timeout = millis(s); })

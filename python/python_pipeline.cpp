@@ -89,6 +89,7 @@ pipeline_options options_for(const pipeline_config& c, const training::plan_choi
   po.step_timeout = c.step_timeout;
   ACTORPIPE_CHECK(c.replicas >= 1, "replicas must be >= 1");
   po.data_parallel.replicas = c.replicas;
+  po.data_parallel.shard = parse_shard_mode(c.shard);
   if (c.loss_module.empty()) {
     po.loss = builtin_loss(c.loss);
   } else {
@@ -231,6 +232,10 @@ void python_pipeline::set_learning_rate(double lr) {
 }
 
 void python_pipeline::save_state(const std::string& dir) {
+  if (replicas_) {
+    replicas_->save_state(dir); // the optimizer state gathered when it is sharded
+    return;
+  }
   first().save_state(dir);
 }
 

@@ -50,6 +50,8 @@ struct pipeline_config {
   std::vector<std::string> nodes;
   std::string secret;
   std::size_t replicas = 1;
+  /// data_parallel_options::shard by name: "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2).
+  std::string shard = "none";
   std::chrono::milliseconds wait_timeout{60000};
   std::chrono::milliseconds step_timeout{600000};
   /// A batch like the ones to come, for the planner (stages == 0, schedule "auto", partition

@@ -228,7 +228,20 @@ void write_bytes(const std::string& path, const char* data, std::size_t size) {
   }
 }
 
+std::string partial_state_error(const tensor_map& tensors) {
+  auto where = tensors.at(partial_state_key);
+  return detail::concat(
+    "the optimizer state is sharded across ", where[1].item<int64_t>(),
+    " replicas (data_parallel_options::shard) and this is replica ", where[0].item<int64_t>(),
+    "'s part: a whole state is on replica 0 after pipeline::end_block() on every replica, until "
+    "the next step (train() and replicated_pipeline::save_state do this; snapshots of sharded "
+    "replicas are not supported)");
+}
+
 void save_tensors(const std::string& path, const tensor_map& tensors) {
+  if (tensors.count(partial_state_key) != 0) {
+    throw invalid_argument(partial_state_error(tensors));
+  }
   auto bytes = pickle_tensors(tensors);
   write_bytes(path, bytes.data(), bytes.size());
 }

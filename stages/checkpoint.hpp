@@ -74,8 +74,17 @@ tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what);
 /// Writes `size` bytes to `path` (replacing it); throws pipeline_error (io) naming the file.
 void write_bytes(const std::string& path, const char* data, std::size_t size);
 
+/// The key a stage's state carries when it holds only its replica's part of a sharded optimizer
+/// state (stage::checkpoint_state): such a state is never written (save_tensors) nor loaded
+/// (stage::load_state); its value is {rank, replicas}.
+inline constexpr const char* partial_state_key = "optimizer/:sharded";
+
+/// Why a state with partial_state_key cannot be written or loaded.
+std::string partial_state_error(const tensor_map& tensors);
+
 /// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).
-/// Throws pipeline_error (io) naming the file when it cannot be written.
+/// Throws pipeline_error (io) naming the file when it cannot be written, invalid_argument for a
+/// state that holds part of a sharded optimizer state.
 void save_tensors(const std::string& path, const tensor_map& tensors);
 
 /// Reads a file written by save_tensors. Throws pipeline_error (io) naming the file and the

@@ -94,6 +94,7 @@ stage::stage(stage_config config, layer_list layers) : config_(config), layers_(
 
 void stage::attach_optimizer(const optimizer_factory& make) {
   std::lock_guard<std::mutex> guard{mutex_};
+  make_optimizer_ = make;
   auto params = parameters();
   if (!params.empty()) {
     optimizer_ = make(std::move(params));

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -77,6 +78,28 @@ public:
 
   /// Creates the optimizer over this stage's parameters.
   void attach_optimizer(const optimizer_factory& make);
+
+  /// ZeRO (shard_mode): this stage is replica `rank`'s of `ranks`; from now on its optimizer
+  /// holds and steps only the parameters this rank owns (whole tensors, largest first, each to
+  /// the rank owning the fewest elements so far: every rank computes the same split). Call it
+  /// before the first step (the optimizer is made anew, without state). `ranks` 1 undoes it.
+  void shard_optimizer(std::size_t rank, std::size_t ranks);
+
+  /// Which rank owns each parameter, in with_tensors' order (empty when not sharded), and
+  /// whether each is tied to another stage (its gradient is all-reduced even under ZeRO-2,
+  /// since the tie's holders sum it).
+  struct shard_layout {
+    std::size_t rank = 0;
+    std::size_t ranks = 1;
+    std::vector<std::size_t> owner;
+    std::vector<bool> tied;
+  };
+  shard_layout shards() const;
+
+  /// Bytes of optimizer state this stage holds now (SGD's momenta, Adam's averages), and of
+  /// parameter gradients (defined ones).
+  int64_t optimizer_bytes() const;
+  int64_t gradient_bytes() const;
 
   /// Starts a step: clears gradients and the stash, sets train/eval mode and, for training,
   /// snapshots buffers (batch-norm statistics) so that abort_step can restore them.
@@ -154,8 +177,9 @@ public:
   void reset_optimizer_state();
 
   /// Sum of the squares of all gradients (for the global gradient norm); a tied parameter's
-  /// copy does not count (its original does, once).
-  double gradient_square_sum() const;
+  /// copy does not count (its original does, once). `owned_only` (sharded): only the
+  /// parameters this rank owns, whose sums over the ranks make the stage's.
+  double gradient_square_sum(bool owned_only = false) const;
 
   /// The parameters this stage shares with other stages (config().shared_ties), by tie name,
   /// with their gradients defined: the holders sum these gradients before the optimizer steps.
@@ -192,6 +216,25 @@ public:
   /// holder) is the first holder's to store; `tie_copies` includes it too (and its optimizer
   /// state), for a state this stage alone restores (load_state takes either).
   tensor_map state(bool copy = true, bool tie_copies = false) const;
+
+  /// Sharded (shard_optimizer): copies of the parameters this rank owns and of their optimizer
+  /// state (keys as state()'s), and putting such a copy back: what an optimizer step changes
+  /// here before the parameters are broadcast from their owners.
+  tensor_map owned_state() const;
+  void load_owned_state(const tensor_map& part);
+
+  /// Sharded, on rank 0: every rank's optimizer state (keys as state()'s), gathered for a
+  /// checkpoint; checkpoint_state() includes it until the next optimizer step or load.
+  void keep_gathered_state(tensor_map optimizer_state);
+  /// Whether keep_gathered_state() came after the last optimizer step or load (on every rank:
+  /// the others keep an empty map).
+  bool holds_gathered_state() const;
+
+  /// What a checkpoint or snapshot holds: state(copy). Sharded, rank 0's with the state
+  /// keep_gathered_state() kept; without it (or on another rank), this rank's part, marked
+  /// with stages::partial_state_key so that it is never written or loaded (its parameters
+  /// may be read).
+  tensor_map checkpoint_state(bool copy = true) const;
 
   /// The parameter and buffer keys of state(), with their shapes.
   std::map<std::string, std::vector<int64_t>> required_keys() const;
@@ -265,6 +308,19 @@ private:
   stage_config config_;
   layer_list layers_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  optimizer_factory make_optimizer_;
+  // ZeRO: this rank's place and the parameters it owns (empty set, ranks 1: not sharded).
+  std::size_t shard_rank_ = 0;
+  std::size_t shard_ranks_ = 1;
+  std::vector<std::size_t> owners_;
+  std::set<const c10::TensorImpl*> owned_;
+  // Rank 0 after a gather (keep_gathered_state), until the next step or load.
+  std::optional<tensor_map> gathered_;
+  bool owns(const torch::Tensor& p) const;
+  // state(), under the lock; `owned_only`: owned parameters and their optimizer state only.
+  tensor_map collect_state(bool copy, bool tie_copies, bool owned_only) const;
+  // The optimizer's state of the owned parameters from `all` (cleared where absent).
+  void load_optimizer_state(const tensor_map& all);
   std::map<int32_t, stash_entry> stash_;
   std::size_t peak_stash_ = 0;
   int64_t stash_bytes_ = 0;

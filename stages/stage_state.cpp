@@ -2,6 +2,7 @@
 // and its state for checkpoints and snapshots (stages/stage.hpp).
 #include "stages/stage.hpp"
 
+#include <algorithm>
 #include <set>
 
 #include <torch/optim/adam.h>
@@ -9,13 +10,107 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "stages/checkpoint.hpp"
 #include "stages/stage_helpers.hpp"
 
 namespace actorpipe::stages {
 using namespace stage_helpers;
 
+bool stage::owns(const torch::Tensor& p) const {
+  return shard_ranks_ == 1 || owned_.count(p.unsafeGetTensorImpl()) != 0;
+}
+
+void stage::shard_optimizer(std::size_t rank, std::size_t ranks) {
+  ACTORPIPE_CHECK(ranks >= 1 && rank < ranks, "stage ", config_.index, ": shard ", rank, " of ",
+                  ranks, " does not exist");
+  std::lock_guard<std::mutex> guard{mutex_};
+  auto all = parameters();
+  owners_.assign(all.size(), 0);
+  shard_rank_ = rank;
+  shard_ranks_ = ranks;
+  // Largest first (stable: model order among equals), each to the least loaded rank.
+  std::vector<std::size_t> order(all.size());
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return all[a].numel() > all[b].numel(); });
+  std::vector<int64_t> load(ranks, 0);
+  for (auto i : order) {
+    auto least =
+      static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owners_[i] = least;
+    load[least] += all[i].numel();
+  }
+  if (ranks == 1) {
+    owners_.clear();
+  }
+  optimizer_.reset();
+  owned_.clear();
+  gathered_.reset();
+  std::vector<torch::Tensor> mine;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (ranks == 1 || owners_[i] == rank) {
+      mine.push_back(all[i]);
+      owned_.insert(all[i].unsafeGetTensorImpl());
+    }
+  }
+  if (make_optimizer_ && !mine.empty()) {
+    optimizer_ = make_optimizer_(std::move(mine));
+  }
+}
+
+stage::shard_layout stage::shards() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  shard_layout layout;
+  layout.rank = shard_rank_;
+  layout.ranks = shard_ranks_;
+  layout.owner = owners_;
+  std::set<const c10::TensorImpl*> tied;
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (config_.shared_ties.count(name) != 0) {
+                     tied.insert(p.unsafeGetTensorImpl());
+                   }
+                 });
+  for (const auto& p : parameters()) {
+    layout.tied.push_back(tied.count(p.unsafeGetTensorImpl()) != 0);
+  }
+  return layout;
+}
+
+int64_t stage::optimizer_bytes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  int64_t bytes = 0;
+  if (!optimizer_) {
+    return bytes;
+  }
+  for (const auto& entry : optimizer_->state()) {
+    if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(entry.second.get())) {
+      if (sgd->momentum_buffer().defined()) {
+        bytes += static_cast<int64_t>(sgd->momentum_buffer().nbytes());
+      }
+    } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(entry.second.get())) {
+      for (const auto& t : {adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()}) {
+        bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+      }
+    }
+  }
+  return bytes;
+}
+
+int64_t stage::gradient_bytes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  int64_t bytes = 0;
+  for (const auto& p : parameters()) {
+    bytes += p.grad().defined() ? static_cast<int64_t>(p.grad().nbytes()) : 0;
+  }
+  return bytes;
+}
+
 void stage::optimizer_step(double gradient_scale) {
   std::lock_guard<std::mutex> guard{mutex_};
+  gathered_.reset();
   if (gradient_scale != 1.0) {
     torch::NoGradGuard no_grad;
     for (auto& p : parameters()) {
@@ -92,12 +187,12 @@ void stage::reset_optimizer_state() {
   }
 }
 
-double stage::gradient_square_sum() const {
+double stage::gradient_square_sum(bool owned_only) const {
   std::lock_guard<std::mutex> guard{mutex_};
   double sum = 0;
   for_each_named(layers_, false, config_.tied,
                  [&](const std::string& name, const torch::Tensor& p) {
-                   if (p.grad().defined() && !is_copy(name)) {
+                   if (p.grad().defined() && !is_copy(name) && (!owned_only || owns(p))) {
                      sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
                    }
                  });
@@ -164,6 +259,57 @@ void stage::set_learning_rate(double lr) {
 
 stage::tensor_map stage::state(bool copy, bool tie_copies) const {
   std::lock_guard<std::mutex> guard{mutex_};
+  return collect_state(copy, tie_copies, /*owned_only=*/false);
+}
+
+stage::tensor_map stage::owned_state() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return collect_state(/*copy=*/true, /*tie_copies=*/true, /*owned_only=*/true);
+}
+
+void stage::load_owned_state(const tensor_map& part) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  torch::NoGradGuard no_grad;
+  for_each_named(layers_, false, config_.tied,
+                 [&](const std::string& name, const torch::Tensor& p) {
+                   if (auto it = part.find(name); it != part.end() && owns(p)) {
+                     const_cast<torch::Tensor&>(p).copy_(it->second);
+                   }
+                 });
+  load_optimizer_state(part);
+}
+
+void stage::keep_gathered_state(tensor_map optimizer_state) {
+  std::lock_guard<std::mutex> guard{mutex_};
+  gathered_ = std::move(optimizer_state);
+}
+
+bool stage::holds_gathered_state() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return gathered_.has_value();
+}
+
+stage::tensor_map stage::checkpoint_state(bool copy) const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  auto all = collect_state(copy, /*tie_copies=*/false, /*owned_only=*/false);
+  if (shard_ranks_ > 1 && (!gathered_ || shard_rank_ != 0)) {
+    all[partial_state_key] = torch::tensor(
+      {static_cast<int64_t>(shard_rank_), static_cast<int64_t>(shard_ranks_)}, torch::kInt64);
+    return all;
+  }
+  if (gathered_) {
+    for (const auto& [name, t] : *gathered_) {
+      // "optimizer/<parameter>/<field>", for the parameters this stage stores.
+      auto parameter = name.substr(10, name.rfind('/') - 10);
+      if (all.count(parameter) != 0) {
+        all[name] = copy ? t.clone() : t;
+      }
+    }
+  }
+  return all;
+}
+
+stage::tensor_map stage::collect_state(bool copy, bool tie_copies, bool owned_only) const {
   torch::NoGradGuard no_grad;
   tensor_map result;
   auto take = [copy](const torch::Tensor& t) { return copy ? t.detach().clone() : t.detach(); };
@@ -193,7 +339,7 @@ stage::tensor_map stage::state(bool copy, bool tie_copies) const {
   };
   for_each_named(layers_, false, config_.tied,
                  [&](const std::string& name, const torch::Tensor& p) {
-                   if (is_copy(name) && !tie_copies) {
+                   if ((is_copy(name) && !tie_copies) || (owned_only && !owns(p))) {
                      return; // the stage of the tie's first holder stores it, once
                    }
                    result[name] = take(p);
@@ -205,8 +351,11 @@ stage::tensor_map stage::state(bool copy, bool tie_copies) const {
                      }
                    }
                  });
-  for_each_named(layers_, true, config_.tied,
-                 [&](const std::string& name, const torch::Tensor& b) { result[name] = take(b); });
+  if (!owned_only) {
+    for_each_named(
+      layers_, true, config_.tied,
+      [&](const std::string& name, const torch::Tensor& b) { result[name] = take(b); });
+  }
   return result;
 }
 
@@ -222,6 +371,9 @@ std::map<std::string, std::vector<int64_t>> stage::required_keys() const {
 }
 
 void stage::load_state(const tensor_map& all) {
+  if (all.count(partial_state_key) != 0) {
+    throw invalid_argument(detail::concat("stage ", config_.index, ": ", partial_state_error(all)));
+  }
   auto required = required_keys();
   for (const auto& [name, shape] : required) {
     auto it = all.find(name);
@@ -245,6 +397,11 @@ void stage::load_state(const tensor_map& all) {
                      const_cast<torch::Tensor&>(t).copy_(all.at(name));
                    });
   }
+  load_optimizer_state(all);
+}
+
+void stage::load_optimizer_state(const tensor_map& all) {
+  gathered_.reset();
   if (!optimizer_) {
     return;
   }
@@ -256,6 +413,9 @@ void stage::load_state(const tensor_map& all) {
                    auto prefix = "optimizer/" + name + "/";
                    auto key = optimizer_key(p);
                    states.erase(key);
+                   if (!owns(p)) {
+                     return; // sharded: another replica keeps (and loads) its state
+                   }
                    auto field = [&](const char* f) {
                      auto it = all.find(prefix + f);
                      return it == all.end() ? torch::Tensor{} : it->second.to(p.device()).clone();

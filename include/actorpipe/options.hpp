@@ -195,6 +195,45 @@ inline buffer_sync parse_buffer_sync(const std::string& text) {
   throw invalid_argument("unknown buffer sync '" + text + "' (choose broadcast, average or none)");
 }
 
+/// ZeRO (Rajbhandari et al., SC'20) across data-parallel replicas: what each replica keeps of a
+/// stage's optimizer step. Each stage's parameters are divided among the R replicas by whole
+/// tensors, largest first, each to the replica holding the fewest elements so far (PyTorch's
+/// ZeroRedundancyOptimizer); a replica's optimizer holds and steps its own part only, and after
+/// the step every parameter is broadcast from its owner. Parameters stay those of the unsharded
+/// run (the same update of the same summed gradients). docs/memory.md.
+enum class shard_mode {
+  /// Every replica keeps the whole optimizer state (DDP).
+  none,
+  /// ZeRO-1 (--shard-optimizer): optimizer state 1/R per replica; gradients all-reduced.
+  optimizer,
+  /// ZeRO-2 (--shard-gradients): also gradients reduced to their owner only (parameters tied
+  /// across stages still all-reduced, for the tie's sum); the others' are released.
+  gradients,
+};
+
+/// "none", "optimizer", "gradients".
+inline const char* to_string(shard_mode mode) {
+  switch (mode) {
+  case shard_mode::optimizer:
+    return "optimizer";
+  case shard_mode::gradients:
+    return "gradients";
+  case shard_mode::none:
+    break;
+  }
+  return "none";
+}
+
+/// The shard mode named by to_string; invalid_argument naming the choices otherwise.
+inline shard_mode parse_shard_mode(const std::string& text) {
+  for (auto mode : {shard_mode::none, shard_mode::optimizer, shard_mode::gradients}) {
+    if (text == to_string(mode)) {
+      return mode;
+    }
+  }
+  throw invalid_argument("unknown shard mode '" + text + "' (choose none, optimizer or gradients)");
+}
+
 namespace detail {
 /// An in-process rendezvous store shared by replicas of one process (see replicated_pipeline).
 struct local_store;
@@ -265,6 +304,8 @@ struct data_parallel_options {
   std::string group = "actorpipe";
   /// The collectives' backend, chosen per stage group (--dp-backend).
   dp_backend backend = dp_backend::automatic;
+  /// ZeRO-1 or ZeRO-2 (shard_mode): not with BMUF, whose replicas step on their own.
+  shard_mode shard = shard_mode::none;
   /// Set by replicated_pipeline for replicas that live in one process; empty for processes.
   std::shared_ptr<detail::local_store> local;
 };

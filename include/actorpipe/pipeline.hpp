@@ -154,10 +154,13 @@ public:
   /// or the ranks and values that differ. Does nothing without replicas. Call it between steps.
   void replicas_agree(const std::string& what, int64_t value);
 
-  /// BMUF (data_parallel_options::bmuf): ends the warm-up or the running block now, so that
-  /// every replica holds the same (filtered) parameters; nothing at a block's start or without
-  /// BMUF. Every replica must call it at the same point. train() calls it at each epoch's end
-  /// and before each checkpoint. Throws pipeline_error (replica_failure) when the sync fails.
+  /// Makes the replicas' state whole for a checkpoint. BMUF (data_parallel_options::bmuf): ends
+  /// the warm-up or the running block now, so that every replica holds the same (filtered)
+  /// parameters; nothing at a block's start. Sharded optimizer state
+  /// (data_parallel_options::shard): replica 0's stages gather every replica's part, which
+  /// replica 0's save_state then writes whole, until its next step. Nothing otherwise. Every
+  /// replica must call it at the same point. train() calls it at each epoch's end and before
+  /// each checkpoint. Throws pipeline_error (replica_failure) when the sync fails.
   void end_block();
 
   /// The training schedule for the configured micro-batch count (built in or custom).

@@ -69,8 +69,13 @@ public:
   step_result train_step_scattered(std::vector<torch::Tensor> inputs,
                                    std::vector<torch::Tensor> targets);
 
-  /// BMUF: every replica's pipeline::end_block(), together.
+  /// Every replica's pipeline::end_block(), together (BMUF; sharded optimizer state).
   void end_block();
+
+  /// Writes the replicas' state as pipeline::save_state does (replica 0's parameters and
+  /// buffers; the optimizer state gathered from every replica when it is sharded): end_block()
+  /// then replica 0's save_state. A pipeline of any replica count, or none, loads it.
+  void save_state(const std::string& dir);
 
   /// Sets every replica's learning rate from the next step on.
   void set_learning_rate(double lr);

@@ -55,6 +55,11 @@ struct stage_stats {
   double sync_start_ms = 0;
   double sync_end_ms = 0;
   int64_t sync_bytes = 0;
+  /// Training: bytes of optimizer state the stage held as its program ended (the steps before
+  /// made it; under data_parallel_options::shard, this replica's part), and of parameter
+  /// gradients after the replica sync (shard_mode::gradients: this replica's own parameters').
+  int64_t optimizer_bytes = 0;
+  int64_t gradient_bytes = 0;
 };
 
 /// The outcome of a training step.

@@ -20,7 +20,7 @@ namespace actorpipe {
 
 struct stage_settings {
   /// The wire format's version: a node refuses settings of another.
-  static constexpr int version = 2;
+  static constexpr int version = 3;
 
   /// This stage actor's index among `count`, its chunks and which virtual stage each chunk is.
   std::size_t index = 0;
@@ -47,6 +47,8 @@ struct stage_settings {
   /// momentum resolved, >= 0).
   buffer_sync buffers = buffer_sync::broadcast;
   bool sync_batch_norm = false;
+  /// Replicas: what each keeps of the optimizer step (ZeRO-1, ZeRO-2).
+  shard_mode shard = shard_mode::none;
   bmuf_options bmuf;
 };
 
@@ -69,6 +71,7 @@ void visit_fields(Settings& s, F&& f) {
   f("precision", s.precision);
   f("buffers", s.buffers);
   f("sync_batch_norm", s.sync_batch_norm);
+  f("shard", s.shard);
   f("bmuf.block_steps", s.bmuf.block_steps);
   f("bmuf.block_lr", s.bmuf.block_lr);
   f("bmuf.block_momentum", s.bmuf.block_momentum);
@@ -100,6 +103,7 @@ inline stage_settings stage_settings_for(const pipeline_options& o, std::size_t 
   s.precision = o.precision;
   s.buffers = o.data_parallel.buffers;
   s.sync_batch_norm = o.data_parallel.sync_batch_norm;
+  s.shard = o.data_parallel.shard;
   s.bmuf = bmuf;
   return s;
 }

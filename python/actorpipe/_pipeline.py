@@ -177,6 +177,9 @@ class Pipeline:
       secret: their shared secret.
     replicas: data-parallel replicas (in this process, or on nodes); a batch is split among them
       and their gradients averaged, so a step equals one pipeline's on the whole batch.
+    shard: with replicas, "none", "optimizer" (ZeRO-1: each keeps and steps 1/R of the
+      optimizer state) or "gradients" (ZeRO-2: also each gradient reduced to its owner only);
+      parameters as with "none".
     wait_timeout, step_timeout: seconds a stage waits for a neighbour, and a step may take.
     example: a batch like the ones to come, for stages="auto", schedule="auto",
       partition="time".
@@ -186,7 +189,8 @@ class Pipeline:
                  partition="uniform", optimizer=("sgd", {"lr": 0.05}), loss="mse", devices=None,
                  threads=0, recompute="never", precision="fp32", max_grad_norm=0.0,
                  after_forward=None, after_backward=None, nodes=None, secret="", replicas=1,
-                 wait_timeout=60.0, step_timeout=600.0, warm_memory=True, example=None):
+                 shard="none", wait_timeout=60.0, step_timeout=600.0, warm_memory=True,
+                 example=None):
         auto = stages == "auto"
         if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")
@@ -211,7 +215,7 @@ class Pipeline:
         hooks = (_hook_of(after_forward, "after_forward"), _hook_of(after_backward, "after_backward"))
         c.set_after_forward(hooks[0])
         c.set_after_backward(hooks[1])
-        c.nodes, c.secret, c.replicas = list(nodes or []), secret, replicas
+        c.nodes, c.secret, c.replicas, c.shard = list(nodes or []), secret, replicas, shard
         c.wait_timeout, c.step_timeout = float(wait_timeout), float(step_timeout)
         if example is not None:
             c.example = example
@@ -228,6 +232,7 @@ class Pipeline:
             optimizer=[opt_name, opt_args], loss=loss_name, devices=list(c.devices),
             threads=threads, recompute=recompute, precision=precision,
             max_grad_norm=float(max_grad_norm), nodes=list(c.nodes), replicas=replicas,
+            shard=shard,
             wait_timeout=float(wait_timeout), step_timeout=float(step_timeout),
             warm_memory=warm_memory)
         _live.add(self)

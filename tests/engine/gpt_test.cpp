@@ -198,6 +198,38 @@ TEST_CASE("2 replicas of a 3-stage gpt step like plain libtorch on the whole bat
   check_close(replicas.replica(1).named_parameters(), named(plain.layers, false), 1e-4, 1e-6);
 }
 
+TEST_CASE("sharded replicas of a 3-stage gpt (embedding and head tied across stages) step like "
+          "unsharded ones, clipped, under ZeRO-1 and ZeRO-2") {
+  engine sys;
+  auto o = gpt_options(2);
+  o.max_grad_norm = 0.5;
+  replicated_pipeline reference(
+    sys, [] { return tiny_gpt(); }, partition_uniform(5, 3), o, 2);
+  std::vector<std::unique_ptr<replicated_pipeline>> sharded;
+  for (auto mode : {shard_mode::optimizer, shard_mode::gradients}) {
+    auto s = o;
+    s.data_parallel.shard = mode;
+    sharded.push_back(std::make_unique<replicated_pipeline>(
+      sys, [] { return tiny_gpt(); }, partition_uniform(5, 3), s, 2));
+  }
+  for (int step = 0; step < 4; ++step) {
+    auto [x, t] = tokens(8, 6, 60 + step);
+    auto expected = reference.train_step(x, t);
+    for (auto& p : sharded) {
+      auto r = p->train_step(x, t);
+      CHECK(r.loss == doctest::Approx(expected.loss).epsilon(1e-6));
+      CHECK(r.grad_norm == doctest::Approx(expected.grad_norm).epsilon(1e-6));
+    }
+  }
+  for (auto& p : sharded) {
+    for (std::size_t k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      check_close(p->replica(k).named_parameters(), reference.replica(0).named_parameters(), 1e-6,
+                  1e-7);
+    }
+  }
+}
+
 TEST_CASE("a checkpoint stores a tied parameter once and resumes with another stage count") {
   engine sys;
   auto dir = temp_dir("resume");

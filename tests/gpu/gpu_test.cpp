@@ -56,6 +56,16 @@ to_cpu(std::vector<std::pair<std::string, torch::Tensor>> all) {
   return all;
 }
 
+// A replica group of one rank over NCCL, in process.
+data_parallel_options nccl_of_one() {
+  data_parallel_options o;
+  o.replicas = 1;
+  o.backend = dp_backend::nccl;
+  o.local = comm::make_local_store();
+  o.timeout = std::chrono::milliseconds(30000);
+  return o;
+}
+
 pipeline_options options_for(schedule_setting s, std::vector<c10::Device> devices) {
   pipeline_options o;
   o.microbatches = 4;
@@ -249,12 +259,7 @@ TEST_CASE("gpu: stages on a node's GPU train like stages on the GPU in this proc
 
 TEST_CASE("gpu: an NCCL replica group of one rank all-reduces a stage's gradients on the GPU") {
   require_gpu();
-  data_parallel_options o;
-  o.replicas = 1;
-  o.backend = dp_backend::nccl;
-  o.local = comm::make_local_store();
-  o.timeout = std::chrono::milliseconds(30000);
-  comm::replica_group group(o, 1, {gpu});
+  comm::replica_group group(nccl_of_one(), 1, {gpu});
   auto p = torch::ones({4, 3}, torch::TensorOptions().device(gpu)).requires_grad_(true);
   p.mutable_grad() = torch::full({4, 3}, 2.0, p.options());
   auto bytes = group.stage(0)->all_reduce_gradients({p}, 0.5);
@@ -263,6 +268,26 @@ TEST_CASE("gpu: an NCCL replica group of one rank all-reduces a stage's gradient
   auto totals = group.stage(0)->sum(8, 4.0);
   CHECK(totals.weight == 8);
   CHECK(totals.weighted_loss == 4.0);
+}
+
+TEST_CASE("gpu: ZeRO's collectives (reduce to the owner, broadcast from it, the state gather) run "
+          "on NCCL") {
+  require_gpu();
+  comm::replica_group group(nccl_of_one(), 1, {gpu});
+  auto& sync = *group.stage(0);
+  auto options = torch::TensorOptions().device(gpu);
+  auto a = torch::ones({4, 3}, options).requires_grad_(true);
+  auto b = torch::ones({5}, options).requires_grad_(true);
+  a.mutable_grad() = torch::full({4, 3}, 2.0, options);
+  b.mutable_grad() = torch::full({5}, 4.0, options);
+  auto bytes = sync.reduce_gradients({a, b}, {0, 0}, {false, true}, 0.5);
+  CHECK(bytes == (12 + 5) * 4);
+  CHECK(torch::allclose(a.grad().cpu(), torch::ones({4, 3})));
+  CHECK(torch::allclose(b.grad().cpu(), torch::full({5}, 2.0)));
+  CHECK(sync.broadcast_from_owners({a, b}, {0, 0}) == (12 + 5) * 4);
+  auto gathered = sync.gather_on_first({{"optimizer/x/exp_avg", torch::arange(6.0)}}, "test");
+  REQUIRE(gathered.count("optimizer/x/exp_avg") == 1);
+  CHECK(torch::equal(gathered.at("optimizer/x/exp_avg"), torch::arange(6.0)));
 }
 
 TEST_CASE("gpu: the planner profiles layers on the GPU and leaves them where they were") {

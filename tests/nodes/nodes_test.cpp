@@ -1121,6 +1121,7 @@ stage_settings unusual_settings() {
   s.precision = precision_mode::bf16;
   s.buffers = buffer_sync::average;
   s.sync_batch_norm = true;
+  s.shard = shard_mode::gradients;
   s.bmuf = {7, 0.5, 0.25, true, true, 2};
   return s;
 }
@@ -1138,12 +1139,12 @@ std::map<std::string, std::string> fields_of(const stage_settings& s) {
 TEST_CASE("stage settings cross to a node whole: every field, with a version, checked") {
   // A field added to stage_settings needs its line in visit_fields (the serializer, the parser
   // and this test walk that list); then update this size.
-  static_assert(sizeof(stage_settings) == 128, "stage_settings changed: list the new field in "
+  static_assert(sizeof(stage_settings) == 136, "stage_settings changed: list the new field in "
                                                "visit_fields (stage_settings.hpp), then update");
   auto sent = unusual_settings();
   auto defaults = fields_of(stage_settings{});
   auto unusual = fields_of(sent);
-  REQUIRE(unusual.size() == 22);
+  REQUIRE(unusual.size() == 23);
   for (const auto& [name, value] : unusual) {
     CAPTURE(name);
     CHECK(value != defaults.at(name));

@@ -119,6 +119,23 @@ class ReplicasTest(unittest.TestCase):
         for name, want in want_params.items():
             torch.testing.assert_close(params[name], want.detach(), rtol=1e-5, atol=1e-6)
 
+    def test_sharded_replicas_equal_pytorch_alone(self):
+        # ZeRO-1 and ZeRO-2 with Adam: each replica keeps half the optimizer state.
+        xs, ys = make_data(False)
+        reference = make_model()
+        optimizer = ("adam", {"lr": 0.01})
+        want_losses, want_params = torch_alone(copy.deepcopy(reference), optimizer, xs, ys, False)
+        for shard in ("optimizer", "gradients"):
+            with self.subTest(shard=shard), \
+                    actorpipe.Pipeline(reference, stages=2, microbatches=2, replicas=2,
+                                       optimizer=optimizer, shard=shard) as p:
+                losses = [p.train_step(x, y) for x, y in zip(xs, ys)]
+                params = dict(p.named_parameters())
+                for got, want in zip(losses, want_losses):
+                    self.assertAlmostEqual(got, want, delta=1e-5)
+                for name, want in want_params.items():
+                    torch.testing.assert_close(params[name], want.detach(), rtol=1e-4, atol=1e-5)
+
 
 if __name__ == "__main__":
     unittest.main()
