@@ -2,6 +2,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <CLI/CLI.hpp>
 
@@ -93,8 +94,10 @@ std::optional<std::size_t> count_or_auto(const std::string& flag, const std::str
   return static_cast<std::size_t>(n);
 }
 
-// "2" (micro-batches) or "512MB", "1.5GiB", "4096B" (bytes of activations).
-void parse_stash_cap(const std::string& value, planning_args& a) {
+// A number and its unit: {n, bytes per unit}, the factor 0 when no unit is given. `flag` and
+// `what` name it in errors.
+std::pair<double, double> number_and_unit(const char* flag, const std::string& value,
+                                          const char* what) {
   std::size_t used = 0;
   double n = -1;
   try {
@@ -102,29 +105,41 @@ void parse_stash_cap(const std::string& value, planning_args& a) {
   } catch (const std::exception&) {
     used = 0;
   }
+  if (used == 0 || n < 0) {
+    throw CLI::ValidationError(flag, "'" + value + "' is " + what);
+  }
   auto unit = value.substr(used);
+  if (unit.empty()) {
+    return {n, 0.0};
+  }
   static const std::pair<const char*, double> units[] = {
     {"B", 1},      {"KB", 1e3},        {"MB", 1e6},          {"GB", 1e9},
     {"KiB", 1024}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
-  if (used == 0 || n < 0) {
-    throw CLI::ValidationError("--max-stash", "'" + value +
-                                                "' is neither a micro-batch count nor bytes "
-                                                "(e.g. 2, 512MB, 1.5GiB)");
-  }
-  if (unit.empty()) {
-    a.max_stash = n;
-    a.max_stash_bytes = 0;
-    return;
-  }
   for (const auto& [name, factor] : units) {
     if (unit == name) {
-      a.max_stash = 0;
-      a.max_stash_bytes = static_cast<int64_t>(n * factor);
-      return;
+      return {n, factor};
     }
   }
-  throw CLI::ValidationError("--max-stash", "'" + value + "': unknown unit '" + unit +
-                                              "' (B, KB, MB, GB, KiB, MiB, GiB)");
+  throw CLI::ValidationError(flag, "'" + value + "': unknown unit '" + unit +
+                                     "' (B, KB, MB, GB, KiB, MiB, GiB)");
+}
+
+// "2" (micro-batches) or "512MB", "1.5GiB", "4096B" (bytes of activations).
+void parse_stash_cap(const std::string& value, planning_args& a) {
+  auto [n, factor] = number_and_unit(
+    "--max-stash", value, "neither a micro-batch count nor bytes (e.g. 2, 512MB, 1.5GiB)");
+  a.max_stash = factor == 0 ? n : 0;
+  a.max_stash_bytes = factor == 0 ? 0 : static_cast<int64_t>(n * factor);
+}
+
+// "2GiB", "512MB" (0: no cap): the most a stage may hold.
+void parse_memory_cap(const std::string& value, planning_args& a) {
+  auto [n, factor] =
+    number_and_unit("--max-memory", value, "not bytes with a unit (e.g. 512MB, 2GiB; 0: no cap)");
+  if (factor == 0 && n != 0) {
+    throw CLI::ValidationError("--max-memory", "'" + value + "' needs a unit (e.g. 512MB, 2GiB)");
+  }
+  a.max_memory_bytes = static_cast<int64_t>(n * factor);
 }
 
 } // namespace
@@ -173,6 +188,13 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
       "The planner's memory cap (--schedule auto, --stages auto): most micro-batches a stage "
       "may stash (e.g. 2), or most bytes of activations it may keep (e.g. 512MB, 2GiB); 0: no "
       "limit")
+    ->default_str("0");
+  cmd
+    ->add_option_function<std::string>(
+      "--max-memory", [&a](const std::string& v) { parse_memory_cap(v, a); },
+      "The planner's memory cap per stage (--schedule auto, --stages auto): the most a stage "
+      "may hold at its peak, predicted (parameters, gradients, optimizer state, stashed "
+      "activations; docs/memory.md), e.g. 2GiB; 0: no limit")
     ->default_str("0");
   cmd
     ->add_option_function<std::string>(

@@ -1,5 +1,6 @@
 #include "cli/plan_command.hpp"
 
+#include <cmath>
 #include <cstdio>
 #include <tuple>
 
@@ -121,7 +122,44 @@ int run_projection(const plan_args& a) {
 
 } // namespace
 
-int run_plan(const plan_args& a) {
+// The simulated step per stage actor, with what it is predicted to hold at its peak
+// (estimate_memory; `optimizer_state` tensors per parameter).
+void print_stages(const schedule& plan, const training::plan_choice& choice, const simulation& sim,
+                  double scale, double optimizer_state) {
+  std::printf("simulated step: %.1f ms, mean bubble %.1f%%; predicted memory per stage with %g "
+              "optimizer tensor(s) per parameter (docs/memory.md)\n",
+              sim.makespan, 100 * sim.mean_bubble(), optimizer_state);
+  const auto& cut = choice.cut;
+  for (std::size_t s = 0; s < plan.programs.size(); ++s) {
+    double kept = 0;
+    int64_t parameters = 0;
+    for (std::size_t c = 0; c < choice.chunks; ++c) {
+      auto part = plan.virtual_stage(s, c);
+      kept += kept_bytes(choice.profile, cut.begin(part), cut.end(part)) * scale;
+      for (auto i = cut.begin(part); i < cut.end(part); ++i) {
+        parameters += choice.profile[i].parameters;
+      }
+    }
+    auto m = estimate_memory(parameters, optimizer_state,
+                             static_cast<int64_t>(std::llround(
+                               sim.peak_stash[s] * kept / static_cast<double>(choice.chunks))));
+    std::printf("  stage %zu: busy %.1f ms, bubble %.1f%%, peak stash %.2f micro-batches; memory "
+                "%.1f MB (parameters %.1f, gradients %.1f, optimizer %.1f, activations %.1f)\n",
+                s, sim.busy[s], 100 * sim.bubble[s], sim.peak_stash[s],
+                static_cast<double>(m.total()) / 1e6, static_cast<double>(m.parameters) / 1e6,
+                static_cast<double>(m.gradients) / 1e6, static_cast<double>(m.optimizer) / 1e6,
+                static_cast<double>(m.activations) / 1e6);
+  }
+}
+
+int run_plan(const plan_args& given) {
+  auto a = given;
+  if (a.plan.optimizer_state < 0) {
+    // What `actorpipe train` would use: Adam for the gpt, plain SGD on streams (synthetic
+    // data, tensor files), SGD with momentum otherwise.
+    bool stream = a.model.data == "synthetic" || !training::tensor_file_of(a.model.data).empty();
+    a.plan.optimizer_state = training::model_name(a.model) == "gpt" ? 2.0 : stream ? 0.0 : 1.0;
+  }
   ACTORPIPE_CHECK(a.link.empty() || !a.devices.empty(),
                   "--link applies to projections: give --devices too");
   if (!a.devices.empty()) {
@@ -171,12 +209,7 @@ int run_plan(const plan_args& a) {
                 : choice.custom;
   validate(plan, choice.microbatches, true);
   auto sim = simulate(plan, choice.microbatches, costs_of(choice.profile, cut, scale));
-  std::printf("simulated step: %.1f ms, mean bubble %.1f%%\n", sim.makespan,
-              100 * sim.mean_bubble());
-  for (std::size_t s = 0; s < p; ++s) {
-    std::printf("  stage %zu: busy %.1f ms, bubble %.1f%%, peak stash %.2f micro-batches\n", s,
-                sim.busy[s], 100 * sim.bubble[s], sim.peak_stash[s]);
-  }
+  print_stages(plan, choice, sim, scale, a.plan.optimizer_state);
   if (!a.svg.empty()) {
     write_gantt_svg(a.svg, sim.timeline,
                     detail::concat("planned ", choice.schedule_name, ": ", setup.name, ", ", p,

@@ -123,6 +123,31 @@ int64_t largest_microbatch(int64_t batch, std::size_t microbatches) {
   return std::max<int64_t>(1, (batch + count - 1) / count);
 }
 
+memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_state,
+                                int64_t activation_bytes, std::size_t shard_ways) {
+  ACTORPIPE_CHECK(parameter_elements >= 0 && optimizer_state >= 0 && activation_bytes >= 0 &&
+                    shard_ways >= 1,
+                  "estimate_memory: counts must be >= 0 and shard_ways >= 1");
+  memory_estimate m;
+  m.parameters = 4 * parameter_elements;
+  m.gradients = m.parameters;
+  m.optimizer = static_cast<int64_t>(std::llround(
+    static_cast<double>(m.parameters) * optimizer_state / static_cast<double>(shard_ways)));
+  m.activations = activation_bytes;
+  return m;
+}
+
+double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end) {
+  ACTORPIPE_CHECK(begin <= end && end <= layers.size(), "kept_bytes: layers [", begin, ", ", end,
+                  ") of ", layers.size());
+  double bytes = begin > 0 ? static_cast<double>(layers[begin - 1].output_bytes) : 0.0;
+  for (auto i = begin; i < end; ++i) {
+    const auto& l = layers[i];
+    bytes += static_cast<double>(l.retained_bytes > 0 ? l.retained_bytes : l.output_bytes);
+  }
+  return bytes;
+}
+
 std::string layout::to_string() const {
   return detail::concat(stages, " x ", threads, threads == 1 ? " thread, " : " threads, ",
                         microbatches, microbatches == 1 ? " micro-batch, " : " micro-batches, ",
@@ -238,15 +263,20 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
             double parameters = 0;
             for (std::size_t c = 0; c < v; ++c) {
               auto part = plan.virtual_stage(a, c);
+              kept +=
+                kept_bytes(measured.layers, l.cut.begin(part), l.cut.end(part)) * samples_scale;
               for (auto i = l.cut.begin(part); i < l.cut.end(part); ++i) {
-                kept += static_cast<double>(measured.layers[i].output_bytes) * samples_scale;
                 parameters += static_cast<double>(measured.layers[i].parameters);
               }
             }
             l.stash = std::max(l.stash, sim.peak_stash[a]);
-            l.stash_bytes =
-              std::max(l.stash_bytes, static_cast<int64_t>(std::llround(sim.peak_stash[a] * kept /
-                                                                        static_cast<double>(v))));
+            auto stashed =
+              static_cast<int64_t>(std::llround(sim.peak_stash[a] * kept / static_cast<double>(v)));
+            l.stash_bytes = std::max(l.stash_bytes, stashed);
+            l.memory_bytes =
+              std::max(l.memory_bytes, estimate_memory(static_cast<int64_t>(parameters),
+                                                       space.optimizer_state, stashed)
+                                         .total());
             if (total_parameters > 0) {
               l.update_ms = std::max(l.update_ms, measured.update_ms * contention * parameters /
                                                     total_parameters);
@@ -260,7 +290,8 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
           }
           l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;
           l.fits = (space.max_stash <= 0 || l.stash <= space.max_stash + 1e-9) &&
-                   (space.max_stash_bytes <= 0 || l.stash_bytes <= space.max_stash_bytes);
+                   (space.max_stash_bytes <= 0 || l.stash_bytes <= space.max_stash_bytes) &&
+                   (space.max_memory_bytes <= 0 || l.memory_bytes <= space.max_memory_bytes);
           ranked.push_back(std::move(l));
         }
       }

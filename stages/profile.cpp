@@ -1,3 +1,4 @@
+#include <actorpipe/memory.hpp>
 #include <actorpipe/profile.hpp>
 
 #include <algorithm>
@@ -37,6 +38,8 @@ struct layer_run {
   std::vector<torch::Tensor> roots;
   std::vector<torch::Tensor> gradients; // drawn once, reused every round
   std::vector<double> forward, backward, input_backward, weight_backward;
+  // What each timed forward kept (layer_profile::retained_bytes).
+  std::vector<double> retained;
 };
 
 void forward_layer(const layer& l, const bundle& x, bool first, layer_run& run) {
@@ -120,11 +123,13 @@ void forward_all(const layer_list& layers, const bundle& sample, std::vector<lay
                  bool timed, c10::Device device) {
   bundle x = sample;
   for (std::size_t i = 0; i < layers.size(); ++i) {
+    memory::allocation_tally tally; // what the forward keeps, as a stage's stash counts it
     auto t0 = clock::now();
     forward_layer(layers[i], x, i == 0, runs[i]);
     auto t1 = done_on(device);
     if (timed) {
       runs[i].forward.push_back(ms_between(t0, t1));
+      runs[i].retained.push_back(static_cast<double>(tally.live_bytes()));
     }
     x = runs[i].output;
   }
@@ -209,6 +214,8 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     p.input_backward_ms = median_and_spread(r.input_backward).first;
     p.weight_backward_ms = median_and_spread(r.weight_backward).first;
     p.output_bytes = r.output.nbytes();
+    p.retained_bytes =
+      device.is_cpu() ? static_cast<int64_t>(median_and_spread(r.retained).first) : 0;
     result.push_back(std::move(p));
   }
   runs.clear();

@@ -358,6 +358,8 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   }
   space.max_stash = a.max_stash;
   space.max_stash_bytes = a.max_stash_bytes;
+  space.max_memory_bytes = a.max_memory_bytes;
+  space.optimizer_state = std::max(0.0, a.optimizer_state);
   if (a.profile_device().is_cuda() && !a.threads_auto) {
     space.cores = 0; // stages on GPUs do not share the host's cores for their compute
   }
@@ -404,16 +406,16 @@ std::vector<measured_costs> measure_costs(const layer_list& layers, const torch:
 }
 
 void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
-  std::printf("  %4s %6s %7s %4s %-12s %6s %-19s %11s %7s %6s %9s  %s\n", "rank", "stages",
+  std::printf("  %4s %6s %7s %4s %-12s %6s %-19s %11s %7s %6s %9s %8s  %s\n", "rank", "stages",
               "threads", "m", "schedule", "chunks", "partition", "step ms", "bubble", "stash",
-              "stash MB", "cut");
+              "stash MB", "mem MB", "cut");
   auto row = [&](std::size_t i) {
     const auto& l = ranking[i];
-    std::printf("  %4zu %6zu %7zu %4zu %-12s %6zu %-19s %11.2f %6.1f%% %6.2f %9.1f  %s%s\n", i + 1,
-                l.stages, l.threads, l.microbatches, to_string(l.schedule).c_str(), l.chunks,
+    std::printf("  %4zu %6zu %7zu %4zu %-12s %6zu %-19s %11.2f %6.1f%% %6.2f %9.1f %8.1f  %s%s\n",
+                i + 1, l.stages, l.threads, l.microbatches, to_string(l.schedule).c_str(), l.chunks,
                 l.partition_spec.c_str(), l.step_ms, 100 * l.bubble, l.stash,
-                static_cast<double>(l.stash_bytes) / 1e6, l.cut.to_string().c_str(),
-                l.fits ? "" : "  (over --max-stash)");
+                static_cast<double>(l.stash_bytes) / 1e6, static_cast<double>(l.memory_bytes) / 1e6,
+                l.cut.to_string().c_str(), l.fits ? "" : "  (over the memory cap)");
   };
   std::size_t shown = std::min(rows, ranking.size());
   for (std::size_t i = 0; i < shown; ++i) {
@@ -442,9 +444,34 @@ void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
   }
   if (ranking.size() > shown) {
     std::printf("  (%zu layouts in all%s)\n", ranking.size(),
-                over > 0 ? detail::concat(", ", over, " more over --max-stash not shown").c_str()
+                over > 0 ? detail::concat(", ", over, " more over the memory cap not shown").c_str()
                          : "");
   }
+}
+
+// No layout fits the memory caps: the error names the caps and the smallest need.
+[[noreturn]] void refuse_over_caps(const std::vector<layout>& ranking, const planning_args& a) {
+  auto smallest =
+    std::min_element(ranking.begin(), ranking.end(), [&](const layout& x, const layout& y) {
+      if (a.max_memory_bytes > 0) {
+        return x.memory_bytes < y.memory_bytes;
+      }
+      return a.max_stash_bytes > 0 ? x.stash_bytes < y.stash_bytes : x.stash < y.stash;
+    });
+  std::string caps;
+  if (a.max_stash > 0 || a.max_stash_bytes > 0) {
+    caps = detail::concat("--max-stash ", a.max_stash_bytes > 0
+                                            ? detail::concat(a.max_stash_bytes, " bytes")
+                                            : detail::concat(a.max_stash, " micro-batches"));
+  }
+  if (a.max_memory_bytes > 0) {
+    caps += detail::concat(caps.empty() ? "" : ", ", "--max-memory ", a.max_memory_bytes,
+                           " bytes per stage");
+  }
+  throw invalid_argument(detail::concat(
+    "the planner: no layout fits the memory cap (", caps, "); the smallest needs ", smallest->stash,
+    " micro-batches, ", smallest->stash_bytes, " bytes of activations, ", smallest->memory_bytes,
+    " bytes in all on its fullest stage (", smallest->to_string(), ")"));
 }
 
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
@@ -502,16 +529,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   print_ranking(choice.ranking);
   const auto& best = choice.ranking.front();
   if (!best.fits) {
-    auto smallest = std::min_element(
-      choice.ranking.begin(), choice.ranking.end(), [&](const layout& x, const layout& y) {
-        return a.max_stash_bytes > 0 ? x.stash_bytes < y.stash_bytes : x.stash < y.stash;
-      });
-    throw invalid_argument(
-      detail::concat("the planner: no layout fits the memory cap (--max-stash ",
-                     a.max_stash_bytes > 0 ? detail::concat(a.max_stash_bytes, " bytes")
-                                           : detail::concat(a.max_stash, " micro-batches"),
-                     "); the smallest needs ", smallest->stash, " micro-batches, ",
-                     smallest->stash_bytes, " bytes (", smallest->to_string(), ")"));
+    refuse_over_caps(choice.ranking, a);
   }
   choice.kind = best.schedule;
   choice.schedule_name = to_string(best.schedule);
@@ -581,6 +599,8 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
       space.partitions = {a.partition_given ? a.partition : "time"};
       space.max_stash = a.max_stash;
       space.max_stash_bytes = a.max_stash_bytes;
+      space.max_memory_bytes = a.max_memory_bytes;
+      space.optimizer_state = std::max(0.0, a.optimizer_state);
       space.link_gbps = p.link_gbps;
       space.link_latency_ms = p.link_latency_ms;
       std::vector<layout> ranking;

@@ -125,6 +125,11 @@ struct planning_args {
   /// a stage may keep (0: no limit).
   double max_stash = 0;
   int64_t max_stash_bytes = 0;
+  /// The most bytes a stage may hold at its peak, predicted (--max-memory; 0: no limit), and
+  /// the fp32 tensors the optimizer keeps per parameter (layout_space::optimizer_state; below 0:
+  /// not known, counted as 0; `actorpipe plan` takes the train command's default for the model).
+  int64_t max_memory_bytes = 0;
+  double optimizer_state = -1;
   /// Intra-op threads per stage (0: cores / stages); threads_auto: the planner tries each
   /// count that fits the cores.
   std::size_t threads = 0;

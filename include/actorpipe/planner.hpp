@@ -52,10 +52,14 @@ struct layout_space {
   /// stages as the layout).
   std::vector<std::string> partitions{"time"};
   /// Memory caps (0: none): the most micro-batches any stage stashes, and the most bytes of
-  /// activations any stage keeps (estimated: its layers' outputs per micro-batch times its peak
-  /// stash).
+  /// activations any stage keeps (estimated: kept_bytes per micro-batch times its peak stash).
   double max_stash = 0;
   int64_t max_stash_bytes = 0;
+  /// The most bytes any stage may hold at its peak, predicted (memory_estimate; 0: no limit),
+  /// and the fp32 tensors the optimizer keeps per parameter (0: plain SGD, 1: SGD with
+  /// momentum, 2: Adam).
+  int64_t max_memory_bytes = 0;
+  double optimizer_state = 0;
   /// The engine's own costs in ms, measured by actorpipe_micro_bench: per message between
   /// stages, and per step (planning, hand-out, optimizer round trips).
   double hop_ms = 0.01;
@@ -92,6 +96,8 @@ struct layout {
   double bubble = 0;
   double stash = 0;
   int64_t stash_bytes = 0;
+  /// The predicted peak of the fullest stage (memory_estimate::total), in bytes.
+  int64_t memory_bytes = 0;
   /// Within the space's memory caps.
   bool fits = true;
   /// Projections: data-parallel replicas, the longest transfer of one micro-batch's activation
@@ -105,6 +111,27 @@ struct layout {
   /// "2 x 1 thread, 8 micro-batches, 1f1b, time [0, 5) [5, 9)".
   std::string to_string() const;
 };
+
+/// What a stage holds at its peak, predicted: its parameters, their gradients and the
+/// optimizer's state (fp32: 4 bytes an element; optimizer_state tensors per parameter, divided
+/// among `shard_ways` replicas under data_parallel_options::shard) and the activations its
+/// schedule stashes at once (its peak stash times kept_bytes: layout::stash_bytes). The forward and
+/// backward working set of one layer, and the allocator's slack, are not counted.
+struct memory_estimate {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+  int64_t activations = 0;
+  int64_t total() const { return parameters + gradients + optimizer + activations; }
+};
+
+memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_state,
+                                int64_t activation_bytes, std::size_t shard_ways = 1);
+
+/// Bytes a stage holding layers [begin, end) of `layers` keeps per stashed micro-batch, at the
+/// profile's samples: each layer's retained_bytes (its output_bytes where that was not
+/// measured) and, unless it starts the model, its input (the previous layer's output).
+double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end);
 
 /// The largest micro-batch of `batch` samples cut into `microbatches` (tensor_split: the first
 /// parts take the remainder), the size a profile for that count is taken at.

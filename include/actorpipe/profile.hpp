@@ -29,6 +29,11 @@ struct layer_profile {
   double weight_backward_ms = 0;
   /// Bytes of the layer's output (the activation a cut after it would send).
   int64_t output_bytes = 0;
+  /// Bytes a training forward of the layer allocates and keeps until its backward (its output
+  /// and the tensors autograd saved), measured by the allocation tally
+  /// (<actorpipe/memory.hpp>) as a stage measures its stash; 0 where it was not measured (a
+  /// layer profiled on a GPU).
+  int64_t retained_bytes = 0;
   int64_t parameters = 0;
   /// Spread of the timed rounds: (upper quartile - lower quartile) / median of forward and of
   /// backward; 0.05 means the middle half of the rounds lay within 5% of the median.

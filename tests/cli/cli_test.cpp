@@ -386,7 +386,7 @@ TEST_CASE("--stages auto ranks layouts by simulated step, trains the fastest to 
   REQUIRE(plan.exit_code == 0);
   CHECK(plan.output.find("rank stages threads") != std::string::npos);
   CHECK(plan.output.find("profile spread") != std::string::npos);
-  CHECK(plan.output.find("(over --max-stash)") != std::string::npos);
+  CHECK(plan.output.find("(over the memory cap)") != std::string::npos);
   CHECK(plan.output.find("simulated step:") != std::string::npos);
   // A cap in bytes, too small for anything: named, with what the smallest layout needs.
   auto tiny = run("plan --data synthetic --model mlp --batch 16 --stages auto --max-stash 10B "
@@ -394,6 +394,20 @@ TEST_CASE("--stages auto ranks layouts by simulated step, trains the fastest to 
   CHECK(tiny.exit_code == 2);
   CHECK(tiny.output.find("no layout fits the memory cap (--max-stash 10 bytes)") !=
         std::string::npos);
+  // The memory model: each stage's predicted peak, and a cap on it, in bytes with a unit.
+  CHECK(plan.output.find("mem MB") != std::string::npos);
+  CHECK(std::regex_search(
+    plan.output,
+    std::regex(
+      R"(stage 0: busy .*; memory [0-9.]+ MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations [0-9.]+\))")));
+  auto small = run("plan --data synthetic --model mlp --batch 16 --stages auto --max-memory 10KB "
+                   "--profile-repeats 1");
+  CAPTURE(small.output);
+  CHECK(small.exit_code == 2);
+  CHECK(small.output.find("no layout fits the memory cap (--max-memory 10000 bytes per stage); "
+                          "the smallest needs ") != std::string::npos);
+  refused("plan --data synthetic --model mlp --stages auto --max-memory 5",
+          "'5' needs a unit (e.g. 512MB, 2GiB)");
 
   refused("train --data synthetic --model mlp --stages 0 --steps 1",
           "'0' is neither a count >= 1 nor auto");
@@ -458,7 +472,7 @@ TEST_CASE("train takes a schedule from a JSON file or picks one itself") {
   CAPTURE(automatic.output);
   CHECK(automatic.exit_code == 0);
   CHECK(automatic.output.find("chosen: ") != std::string::npos);
-  CHECK(automatic.output.find("(over --max-stash)") != std::string::npos);
+  CHECK(automatic.output.find("(over the memory cap)") != std::string::npos);
   {
     std::ofstream out(file);
     out << R"({"programs": [["F0", "B0", "F1", "B1"], ["F1", "F0", "B1", "B0"]]})";

@@ -171,6 +171,44 @@ TEST_CASE("layouts over a memory cap rank after every layout that fits") {
   CHECK(by_bytes.front().microbatches >= 4);
 }
 
+TEST_CASE("the memory model: parameters, gradients, the optimizer's state (sharded or not) and "
+          "the stash, and a cap on it per stage") {
+  // 1,000 parameters: 4,000 bytes each for the values and the gradients; Adam keeps 2 tensors.
+  auto adam = estimate_memory(1000, 2, 500);
+  CHECK(adam.parameters == 4000);
+  CHECK(adam.gradients == 4000);
+  CHECK(adam.optimizer == 8000);
+  CHECK(adam.activations == 500);
+  CHECK(adam.total() == 16500);
+  CHECK(estimate_memory(1000, 1, 0).optimizer == 4000);                   // SGD with momentum
+  CHECK(estimate_memory(1000, 2, 0, /*shard_ways=*/4).optimizer == 2000); // ZeRO over 4
+  CHECK_THROWS_AS(estimate_memory(-1, 0, 0), invalid_argument);
+
+  // Four layers of 72 parameters, 100 bytes of output per sample; SGD with momentum.
+  auto layers = four_layers();
+  auto space = small_space();
+  space.optimizer_state = 1;
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  auto whole = find(ranking, 1, 1, schedule_kind::one_f_one_b);
+  auto halves = find(ranking, 2, 8, schedule_kind::one_f_one_b);
+  REQUIRE(whole != nullptr);
+  REQUIRE(halves != nullptr);
+  // One stage: 288 parameters x 12 bytes, and the whole batch's 3,200 bytes of activations.
+  CHECK(whole->memory_bytes == 288 * 12 + 3200);
+  // Two stages of 144 parameters; the fuller (the first: 1F1B stashes 2 of 8 micro-batches of
+  // one sample there, 200 bytes each).
+  CHECK(halves->memory_bytes == 144 * 12 + halves->stash_bytes);
+  // A cap per stage leaves out every layout over it, and ranks them last.
+  space.max_memory_bytes = 2500;
+  auto capped = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  CHECK(capped.front().fits);
+  for (const auto& l : capped) {
+    CAPTURE(l.to_string());
+    CHECK(l.fits == (l.memory_bytes <= 2500));
+  }
+  CHECK(capped.front().stages == 2);
+}
+
 TEST_CASE("costs measured at another size are scaled, and missing thread counts are named") {
   auto layers = four_layers();
   auto space = small_space();

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <actorpipe/layers.hpp>
+#include <actorpipe/memory.hpp>
 #include <actorpipe/profile.hpp>
 
 using namespace actorpipe;
@@ -56,6 +57,31 @@ TEST_CASE("a profile times forward, fused and split backward per layer, as stage
     }
   }
   CHECK(torch::equal(before, layers[0].module()->parameters()[0]));
+}
+
+TEST_CASE("a profile counts what each layer's forward keeps for its backward, as a stage's stash "
+          "does") {
+  memory::warm_memory_scope warm; // the allocator that tallies (stages profile so)
+  torch::manual_seed(0);
+  layer_list layers;
+  layers.emplace_back("fc1", linear(64, 128));
+  // tanh keeps its output for its backward, which is also what it returns: one tensor.
+  layers.emplace_back("tanh", [](const torch::Tensor& x) { return torch::tanh(x); });
+  // x * x saves its input (allocated by the layer before, counted there) and returns a new one.
+  layers.emplace_back("square", [](const torch::Tensor& x) { return x * x; });
+  profile_options options;
+  options.warmup = 1;
+  options.repeats = 3;
+  auto profile = profile_layers(layers, torch::randn({16, 64}), options);
+  REQUIRE(profile.size() == 3);
+  const int64_t activation = 16 * 128 * 4;
+  for (const auto& p : profile) {
+    CAPTURE(p.name);
+    CHECK(p.output_bytes == activation);
+    CHECK(p.retained_bytes >= p.output_bytes); // at least its output, never less
+    CHECK(p.retained_bytes < 4 * activation);
+  }
+  CHECK(profile[1].retained_bytes == activation);
 }
 
 TEST_CASE("a profile of unequal layers gives the same time-balanced cut every time") {
