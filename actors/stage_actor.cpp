@@ -520,9 +520,7 @@ std::string end_block_now(stage_state& s) {
       s.device->synchronize();
     } catch (const std::exception& e) {
       return detail::concat("stage ", s.options.index,
-                            ": gathering the sharded optimizer state "
-                            "failed: ",
-                            e.what());
+                            ": gathering the sharded optimizer state failed: ", e.what());
     }
     return std::string{};
   }

@@ -193,10 +193,12 @@ std::string gather_parameters(stage_state& s, uint64_t step,
 
 void gather_optimizer_state(stage_state& s) {
   for (auto& chunk : s.chunks) {
+    // The chunk's own tensors, not copies (only the parameters it owns have optimizer state;
+    // the gather pickles what it sends).
     stages::stage::tensor_map optimizer;
-    for (auto& [name, t] : chunk->owned_state()) {
+    for (auto& [name, t] : chunk->state(/*copy=*/false, /*tie_copies=*/true)) {
       if (name.rfind("optimizer/", 0) == 0) {
-        optimizer.emplace(name, t.cpu());
+        optimizer.emplace(name, t);
       }
     }
     chunk->keep_gathered_state(

@@ -223,15 +223,26 @@ struct stage_sync::impl {
     return bytes;
   }
 
+  // `flat` (one tensor) takes rank `root`'s; reduce_to: rank `root`'s becomes the sum.
+  c10::intrusive_ptr<c10d::Work> broadcast_from(std::vector<torch::Tensor>& flat,
+                                                std::size_t root) {
+    c10d::BroadcastOptions options;
+    options.rootRank = static_cast<int64_t>(root);
+    options.timeout = timeout;
+    return pg().broadcast(flat, options);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_to(std::vector<torch::Tensor>& flat, std::size_t root) {
+    c10d::ReduceOptions options;
+    options.rootRank = static_cast<int64_t>(root);
+    options.timeout = timeout;
+    return pg().reduce(flat, options);
+  }
+
   void broadcast(const std::vector<torch::Tensor>& tensors) {
     coalesced(
       tensors, "broadcast from rank 0",
-      [&](std::vector<torch::Tensor>& flat) {
-        c10d::BroadcastOptions options;
-        options.rootRank = 0;
-        options.timeout = timeout;
-        return pg().broadcast(flat, options);
-      },
+      [&](std::vector<torch::Tensor>& flat) { return broadcast_from(flat, 0); },
       [](torch::Tensor&) {});
   }
 
@@ -443,37 +454,30 @@ int64_t stage_sync::reduce_gradients(const std::vector<torch::Tensor>& parameter
                                      const std::vector<bool>& all_reduce, double scale) {
   auto& s = *self_;
   ACTORPIPE_ASSERT(owner.size() == parameters.size() && all_reduce.size() == parameters.size());
-  // Last parameters first, as all_reduce_gradients; one list per owner, and the tied ones.
+  // The tied ones as before; the others in one list per owner, last parameters first.
+  std::vector<torch::Tensor> tied;
   std::vector<std::vector<torch::Tensor>> by_owner(s.size);
-  std::vector<torch::Tensor> everyone;
   for (std::size_t k = parameters.size(); k-- > 0;) {
     torch::Tensor p = parameters[k];
+    if (all_reduce[k]) {
+      tied.push_back(p);
+      continue;
+    }
     if (!p.grad().defined()) {
       p.mutable_grad() = torch::zeros_like(p);
     }
-    (all_reduce[k] ? everyone : by_owner.at(owner[k])).push_back(p.grad());
+    by_owner.at(owner[k]).push_back(p.grad());
   }
-  auto scaled = [scale](std::vector<torch::Tensor>& flat) {
-    if (scale != 1.0) {
-      flat[0].mul_(scale);
-    }
-  };
-  int64_t bytes = s.coalesced(
-    everyone, "gradient all-reduce",
-    [&](std::vector<torch::Tensor>& flat) {
-      scaled(flat);
-      return s.all_reduce(flat);
-    },
-    [](torch::Tensor&) {});
+  std::reverse(tied.begin(), tied.end()); // model order, as all_reduce_gradients takes them
+  int64_t bytes = all_reduce_gradients(tied, scale);
   for (std::size_t r = 0; r < s.size; ++r) {
     bytes += s.coalesced(
       by_owner[r], "gradient reduce to its owner",
       [&](std::vector<torch::Tensor>& flat) {
-        scaled(flat);
-        c10d::ReduceOptions options;
-        options.rootRank = static_cast<int64_t>(r);
-        options.timeout = s.timeout;
-        return s.pg().reduce(flat, options);
+        if (scale != 1.0) {
+          flat[0].mul_(scale);
+        }
+        return s.reduce_to(flat, r);
       },
       [](torch::Tensor&) {});
   }
@@ -498,12 +502,7 @@ int64_t stage_sync::broadcast_from_owners(const std::vector<torch::Tensor>& para
   for (std::size_t r = 0; r < s.size; ++r) {
     bytes += s.coalesced(
       by_owner[r], "parameter broadcast from their owner",
-      [&](std::vector<torch::Tensor>& flat) {
-        c10d::BroadcastOptions options;
-        options.rootRank = static_cast<int64_t>(r);
-        options.timeout = s.timeout;
-        return s.pg().broadcast(flat, options);
-      },
+      [&](std::vector<torch::Tensor>& flat) { return s.broadcast_from(flat, r); },
       [](torch::Tensor&) {});
   }
   return bytes;
@@ -531,10 +530,7 @@ stage_sync::gather_on_first(const std::map<std::string, torch::Tensor>& mine, co
     if (r == s.rank) {
       buffer[0].copy_(torch::from_blob(bytes.data(), {n}, torch::kUInt8));
     }
-    c10d::BroadcastOptions b;
-    b.rootRank = static_cast<int64_t>(r);
-    b.timeout = s.timeout;
-    s.wait(s.pg().broadcast(buffer, b), what);
+    s.wait(s.broadcast_from(buffer, r), what);
     if (s.rank != 0) {
       continue;
     }

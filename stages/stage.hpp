@@ -85,9 +85,9 @@ public:
   /// before the first step (the optimizer is made anew, without state). `ranks` 1 undoes it.
   void shard_optimizer(std::size_t rank, std::size_t ranks);
 
-  /// Which rank owns each parameter, in with_tensors' order (empty when not sharded), and
+  /// This rank and the ranks; which rank owns each parameter, in with_tensors' order, and
   /// whether each is tied to another stage (its gradient is all-reduced even under ZeRO-2,
-  /// since the tie's holders sum it).
+  /// since the tie's holders sum it): both empty when not sharded. Set by shard_optimizer.
   struct shard_layout {
     std::size_t rank = 0;
     std::size_t ranks = 1;
@@ -309,10 +309,8 @@ private:
   layer_list layers_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   optimizer_factory make_optimizer_;
-  // ZeRO: this rank's place and the parameters it owns (empty set, ranks 1: not sharded).
-  std::size_t shard_rank_ = 0;
-  std::size_t shard_ranks_ = 1;
-  std::vector<std::size_t> owners_;
+  // ZeRO: this rank's place, and the parameters it owns for owns() (ranks 1: not sharded).
+  shard_layout shards_;
   std::set<const c10::TensorImpl*> owned_;
   // Rank 0 after a gather (keep_gathered_state), until the next step or load.
   std::optional<tensor_map> gathered_;

@@ -17,7 +17,7 @@ namespace actorpipe::stages {
 using namespace stage_helpers;
 
 bool stage::owns(const torch::Tensor& p) const {
-  return shard_ranks_ == 1 || owned_.count(p.unsafeGetTensorImpl()) != 0;
+  return shards_.ranks == 1 || owned_.count(p.unsafeGetTensorImpl()) != 0;
 }
 
 void stage::shard_optimizer(std::size_t rank, std::size_t ranks) {
@@ -25,32 +25,41 @@ void stage::shard_optimizer(std::size_t rank, std::size_t ranks) {
                   ranks, " does not exist");
   std::lock_guard<std::mutex> guard{mutex_};
   auto all = parameters();
-  owners_.assign(all.size(), 0);
-  shard_rank_ = rank;
-  shard_ranks_ = ranks;
-  // Largest first (stable: model order among equals), each to the least loaded rank.
-  std::vector<std::size_t> order(all.size());
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    order[i] = i;
-  }
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return all[a].numel() > all[b].numel(); });
-  std::vector<int64_t> load(ranks, 0);
-  for (auto i : order) {
-    auto least =
-      static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    owners_[i] = least;
-    load[least] += all[i].numel();
-  }
-  if (ranks == 1) {
-    owners_.clear();
-  }
+  shards_ = shard_layout{rank, ranks, {}, {}};
   optimizer_.reset();
   owned_.clear();
   gathered_.reset();
+  if (ranks > 1) {
+    // Largest first (stable: model order among equals), each to the least loaded rank.
+    std::vector<std::size_t> order(all.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      order[i] = i;
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return all[a].numel() > all[b].numel(); });
+    shards_.owner.assign(all.size(), 0);
+    std::vector<int64_t> load(ranks, 0);
+    for (auto i : order) {
+      auto least =
+        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      shards_.owner[i] = least;
+      load[least] += all[i].numel();
+    }
+    // Tied to another stage: all-reduced under ZeRO-2 (the tie's holders sum the gradient).
+    std::set<const c10::TensorImpl*> tied;
+    for_each_named(layers_, false, config_.tied,
+                   [&](const std::string& name, const torch::Tensor& p) {
+                     if (config_.shared_ties.count(name) != 0) {
+                       tied.insert(p.unsafeGetTensorImpl());
+                     }
+                   });
+    for (const auto& p : all) {
+      shards_.tied.push_back(tied.count(p.unsafeGetTensorImpl()) != 0);
+    }
+  }
   std::vector<torch::Tensor> mine;
   for (std::size_t i = 0; i < all.size(); ++i) {
-    if (ranks == 1 || owners_[i] == rank) {
+    if (ranks == 1 || shards_.owner[i] == rank) {
       mine.push_back(all[i]);
       owned_.insert(all[i].unsafeGetTensorImpl());
     }
@@ -62,21 +71,7 @@ void stage::shard_optimizer(std::size_t rank, std::size_t ranks) {
 
 stage::shard_layout stage::shards() const {
   std::lock_guard<std::mutex> guard{mutex_};
-  shard_layout layout;
-  layout.rank = shard_rank_;
-  layout.ranks = shard_ranks_;
-  layout.owner = owners_;
-  std::set<const c10::TensorImpl*> tied;
-  for_each_named(layers_, false, config_.tied,
-                 [&](const std::string& name, const torch::Tensor& p) {
-                   if (config_.shared_ties.count(name) != 0) {
-                     tied.insert(p.unsafeGetTensorImpl());
-                   }
-                 });
-  for (const auto& p : parameters()) {
-    layout.tied.push_back(tied.count(p.unsafeGetTensorImpl()) != 0);
-  }
-  return layout;
+  return shards_;
 }
 
 int64_t stage::optimizer_bytes() const {
@@ -292,9 +287,9 @@ bool stage::holds_gathered_state() const {
 stage::tensor_map stage::checkpoint_state(bool copy) const {
   std::lock_guard<std::mutex> guard{mutex_};
   auto all = collect_state(copy, /*tie_copies=*/false, /*owned_only=*/false);
-  if (shard_ranks_ > 1 && (!gathered_ || shard_rank_ != 0)) {
+  if (shards_.ranks > 1 && (!gathered_ || shards_.rank != 0)) {
     all[partial_state_key] = torch::tensor(
-      {static_cast<int64_t>(shard_rank_), static_cast<int64_t>(shard_ranks_)}, torch::kInt64);
+      {static_cast<int64_t>(shards_.rank), static_cast<int64_t>(shards_.ranks)}, torch::kInt64);
     return all;
   }
   if (gathered_) {
