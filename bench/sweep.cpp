@@ -399,7 +399,6 @@ std::vector<std::string> memory_modes_of(const sweep_options& o) {
 struct pipeline_setting {
   training::planning_args plan;
   std::string precision = "fp32";
-  std::string recompute = "never";
   std::string memory;
   std::string update = "wait";
 };
@@ -433,21 +432,20 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
     po.loss = loss_for(setup);
     po.optimizer = sgd(o.lr);
     po.precision = parse_precision(s.precision);
-    po.recompute = parse_recompute_mode(s.recompute);
     po.optimistic_update = s.update == "early";
     po.overlap_steps = s.update == "overlap";
     contender c;
     c.loss_fn = po.loss;
     c.precision = po.precision;
     c.row.precision = s.precision;
-    c.row.recompute = s.recompute;
+    c.row.recompute = to_string(po.recompute);
     auto partition_name =
       choice.ranking.empty() ? s.plan.partition : choice.ranking.front().partition_spec;
     c.row.name =
       detail::concat(prefix, choice.schedule_name, " ", partition_name, " ", choice.stages(), "p",
                      choice.threads > 0 ? detail::concat(" ", choice.threads, "t") : std::string{},
                      memory_modes.size() > 1 ? " " + s.memory : "", suffix(precisions, s.precision),
-                     suffix(recompute_modes, s.recompute, "never", "rc "),
+                     suffix(recompute_modes, s.plan.recompute, "never", "rc "),
                      suffix(updates, s.update, "wait", "update "));
     c.row.partition = partition_name;
     c.row.splits = choice.microbatches;
@@ -485,8 +483,10 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   });
   expand(settings, precisions,
          [](pipeline_setting& s, const std::string& precision) { s.precision = precision; });
-  expand(settings, recompute_modes,
-         [](pipeline_setting& s, const std::string& recompute) { s.recompute = recompute; });
+  expand(settings, recompute_modes, [&o](pipeline_setting& s, const std::string& recompute) {
+    s.plan.recompute = recompute;
+    s.plan.recompute_given = s.plan.recompute_given || !o.recompute.empty();
+  });
   expand(settings, updates,
          [](pipeline_setting& s, const std::string& update) { s.update = update; });
 

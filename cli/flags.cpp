@@ -144,6 +144,21 @@ void parse_memory_cap(const std::string& value, planning_args& a) {
 
 } // namespace
 
+void add_recompute_flag(CLI::App* cmd, planning_args& a) {
+  cmd
+    ->add_option_function<std::string>(
+      "--recompute",
+      [&a](const std::string& v) {
+        a.recompute = v;
+        a.recompute_given = true;
+      },
+      "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
+      "always: keep only each stage's input between forward and backward and recompute the "
+      "forward during backward (less memory, more time; docs/transformers.md). Left out under "
+      "--max-memory, the planner chooses it when that is what fits (docs/memory.md)")
+    ->default_str(a.recompute); // parse_recompute_mode names the modes
+}
+
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
   cmd
     ->add_option_function<std::string>(

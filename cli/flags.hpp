@@ -22,5 +22,7 @@ using training::threads_per_stage;
 
 void add_model_flags(CLI::App* cmd, model_args& args);
 void add_pipeline_flags(CLI::App* cmd, planning_args& args);
+/// --recompute (train, plan): sets args.recompute and recompute_given.
+void add_recompute_flag(CLI::App* cmd, planning_args& args);
 
 } // namespace actorpipe::cli

@@ -18,6 +18,7 @@ CLI::App* add_plan_command(CLI::App& app, plan_args& a) {
             "--stages auto (or --schedule/--threads auto) the planner's ranking of layouts");
   add_model_flags(cmd, a.model);
   add_pipeline_flags(cmd, a.plan);
+  add_recompute_flag(cmd, a.plan);
   cmd->add_option("--svg", a.svg, "Draw the planned schedule as a Gantt chart into this SVG file");
   cmd
     ->add_option("--devices", a.devices,
@@ -127,22 +128,14 @@ int run_projection(const plan_args& a) {
 void print_stages(const schedule& plan, const training::plan_choice& choice, const simulation& sim,
                   double scale, double optimizer_state) {
   std::printf("simulated step: %.1f ms, mean bubble %.1f%%; predicted memory per stage with %g "
-              "optimizer tensor(s) per parameter (docs/memory.md)\n",
-              sim.makespan, 100 * sim.mean_bubble(), optimizer_state);
-  const auto& cut = choice.cut;
+              "optimizer tensor(s) per parameter%s (docs/memory.md)\n",
+              sim.makespan, 100 * sim.mean_bubble(), optimizer_state,
+              choice.recompute == recompute_mode::never
+                ? ""
+                : (std::string(", recompute ") + to_string(choice.recompute)).c_str());
   for (std::size_t s = 0; s < plan.programs.size(); ++s) {
-    double kept = 0;
-    int64_t parameters = 0;
-    for (std::size_t c = 0; c < choice.chunks; ++c) {
-      auto part = plan.virtual_stage(s, c);
-      kept += kept_bytes(choice.profile, cut.begin(part), cut.end(part)) * scale;
-      for (auto i = cut.begin(part); i < cut.end(part); ++i) {
-        parameters += choice.profile[i].parameters;
-      }
-    }
-    auto m = estimate_memory(parameters, optimizer_state,
-                             static_cast<int64_t>(std::llround(
-                               sim.peak_stash[s] * kept / static_cast<double>(choice.chunks))));
+    auto m = stage_memory(choice.profile, choice.cut, plan, s, sim.peak_stash[s], scale,
+                          optimizer_state, choice.recompute, choice.microbatches);
     std::printf("  stage %zu: busy %.1f ms, bubble %.1f%%, peak stash %.2f micro-batches; memory "
                 "%.1f MB (parameters %.1f, gradients %.1f, optimizer %.1f, activations %.1f)\n",
                 s, sim.busy[s], 100 * sim.bubble[s], sim.peak_stash[s],
@@ -208,7 +201,9 @@ int run_plan(const plan_args& given) {
                 ? make_schedule(choice.kind, p, choice.microbatches, choice.chunks)
                 : choice.custom;
   validate(plan, choice.microbatches, true);
-  auto sim = simulate(plan, choice.microbatches, costs_of(choice.profile, cut, scale));
+  auto costs = costs_of(choice.profile, cut, scale);
+  charge_recomputation(costs, choice.recompute, choice.microbatches);
+  auto sim = simulate(plan, choice.microbatches, costs);
   print_stages(plan, choice, sim, scale, a.plan.optimizer_state);
   if (!a.svg.empty()) {
     write_gantt_svg(a.svg, sim.timeline,

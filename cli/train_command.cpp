@@ -72,6 +72,7 @@ nlohmann::json config_json(const train_args& a, const model_setup& setup, const 
           {"bounds", c.cut.bounds},
           {"microbatches", c.microbatches},
           {"schedule", c.schedule_name},
+          {"recompute", to_string(c.recompute)},
           {"batch", setup.batch},
           {"image", setup.options.image_size},
           {"classes", setup.options.num_classes},
@@ -422,6 +423,7 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                           {"sync_ms", st.sync_end_ms - st.sync_start_ms},
                           {"peak_stash", st.peak_stash},
                           {"peak_stash_bytes", st.peak_stash_bytes},
+                          {"recomputed", st.recomputed},
                           {"optimizer_bytes", st.optimizer_bytes},
                           {"gradient_bytes", st.gradient_bytes}});
       }
@@ -645,7 +647,6 @@ int run_train(const train_args& given) {
   po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
   ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
   po.max_grad_norm = a.max_grad_norm;
-  po.recompute = parse_recompute_mode(a.recompute);
   po.precision = parse_precision(a.precision);
   po.devices = a.plan.devices;
   if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {

@@ -84,8 +84,6 @@ struct train_args {
   std::string sync = "gradients";
   bmuf_options bmuf{/*block_steps=*/8};
   double max_grad_norm = 0;
-  /// --recompute: never, except_last or always.
-  std::string recompute = "never";
   /// --after-forward, --after-backward: a built-in hook or a TorchScript file (hook_from_text).
   std::string after_forward;
   std::string after_backward;

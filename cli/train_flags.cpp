@@ -21,10 +21,7 @@ auto option_adder(CLI::App* cmd) {
 // How each stage computes: recomputation, precision, devices, hooks, waits, the loader.
 void add_stage_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
-  opt("--recompute", a.recompute,
-      "Activation recomputation: never, except_last (all but each step's last micro-batch) or "
-      "always: keep only each stage's input between forward and backward and recompute the "
-      "forward during backward (less memory, more time; docs/transformers.md)");
+  add_recompute_flag(cmd, a.plan);
   opt("--precision", a.precision,
       "fp32, or bf16 mixed precision: each stage computes under autocast to bfloat16 (CPU "
       "autocast, or CUDA autocast for a stage on a GPU), activations and their gradients cross "

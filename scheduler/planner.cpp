@@ -140,12 +140,78 @@ memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_sta
 double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end) {
   ACTORPIPE_CHECK(begin <= end && end <= layers.size(), "kept_bytes: layers [", begin, ", ", end,
                   ") of ", layers.size());
-  double bytes = begin > 0 ? static_cast<double>(layers[begin - 1].output_bytes) : 0.0;
+  // The stage's input: the previous layer's output, or a micro-batch of the model's input.
+  double bytes = static_cast<double>(begin > 0         ? layers[begin - 1].output_bytes
+                                     : !layers.empty() ? layers[0].input_bytes
+                                                       : 0);
   for (auto i = begin; i < end; ++i) {
     const auto& l = layers[i];
     bytes += static_cast<double>(l.retained_bytes > 0 ? l.retained_bytes : l.output_bytes);
+    if (i > begin) { // what the stage's own layers free of each other's outputs
+      bytes -= static_cast<double>(l.freed_input_bytes);
+    }
   }
-  return bytes;
+  return std::max(0.0, bytes);
+}
+
+double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
+                     const schedule& plan, std::size_t stage, double peak_stash,
+                     double samples_scale, recompute_mode recompute, std::size_t microbatches) {
+  auto v = chunks_of(plan);
+  double whole = 0;   // what the stage's chunks keep per micro-batch, summed
+  double largest = 0; // the most one chunk keeps
+  double inputs = 0;  // the chunks' inputs, summed
+  for (std::size_t c = 0; c < v; ++c) {
+    auto part = plan.virtual_stage(stage, c);
+    auto kept = kept_bytes(layers, cut.begin(part), cut.end(part)) * samples_scale;
+    whole += kept;
+    largest = std::max(largest, kept);
+    inputs += kept_bytes(layers, cut.begin(part), cut.begin(part)) * samples_scale;
+  }
+  auto chunks = static_cast<double>(v);
+  if (recompute == recompute_mode::except_last && microbatches < 2) {
+    recompute = recompute_mode::never; // the only micro-batch is the last
+  }
+  if (recompute == recompute_mode::never || peak_stash <= 0) {
+    return peak_stash * whole / chunks;
+  }
+  // Entries held at the peak; `rebuilt` of them whole (one being recomputed, and under
+  // except_last the last micro-batch's), the rest as their input.
+  auto entries = peak_stash * chunks;
+  auto rebuilt = std::min(entries, recompute == recompute_mode::always ? 1.0 : 2.0);
+  return (entries - rebuilt) * inputs / chunks + rebuilt * largest;
+}
+
+memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
+                             const schedule& plan, std::size_t stage, double peak_stash,
+                             double samples_scale, double optimizer_state, recompute_mode recompute,
+                             std::size_t microbatches) {
+  int64_t parameters = 0;
+  for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
+    auto part = plan.virtual_stage(stage, c);
+    for (auto i = cut.begin(part); i < cut.end(part); ++i) {
+      parameters += layers[i].parameters;
+    }
+  }
+  auto activations =
+    stashed_bytes(layers, cut, plan, stage, peak_stash, samples_scale, recompute, microbatches);
+  return estimate_memory(parameters, optimizer_state,
+                         static_cast<int64_t>(std::llround(activations)));
+}
+
+void charge_recomputation(std::vector<action_costs>& costs, recompute_mode recompute,
+                          std::size_t microbatches) {
+  double share = 0; // of the micro-batches recomputed
+  if (recompute == recompute_mode::always) {
+    share = 1;
+  } else if (recompute == recompute_mode::except_last && microbatches >= 1) {
+    share = static_cast<double>(microbatches - 1) / static_cast<double>(microbatches);
+  }
+  for (auto& c : costs) {
+    // The recomputation runs where the backward starts: B (or a whole backward).
+    c.backward += share * c.forward;
+    c.fused += c.fused >= 0 ? share * c.forward : 0;
+  }
 }
 
 std::string layout::to_string() const {
@@ -153,7 +219,10 @@ std::string layout::to_string() const {
                         microbatches, microbatches == 1 ? " micro-batch, " : " micro-batches, ",
                         actorpipe::to_string(schedule),
                         chunks > 1 ? detail::concat(" (", chunks, " chunks)") : std::string{}, ", ",
-                        partition_spec, " ", cut.to_string());
+                        partition_spec, " ", cut.to_string(),
+                        recompute != recompute_mode::never
+                          ? detail::concat(", recompute ", actorpipe::to_string(recompute))
+                          : std::string{});
 }
 
 std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& layers,
@@ -205,11 +274,54 @@ double parameter_count(const measured_costs& measured) {
   return total;
 }
 
+// Simulates `l` (its shape, schedule, cut and recomputation set) on `measured` costs and fills
+// in its times, stash, memory and whether it fits the space's caps.
+void simulate_layout(layout& l, const measured_costs& measured, double samples_scale,
+                     double contention, const layout_space& space) {
+  auto plan = make_schedule(l.schedule, l.stages, l.microbatches, l.chunks);
+  auto part_costs = costs_of(measured.layers, l.cut, samples_scale * contention);
+  charge_recomputation(part_costs, l.recompute, l.microbatches);
+  l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale, space);
+  auto sim = simulate(plan, l.microbatches, part_costs, l.stages > 1 ? space.hop_ms : 0.0);
+  l.bubble = sim.mean_bubble();
+  auto total_parameters = parameter_count(measured);
+  // After the last backward: every stage steps its optimizer, replicas first all-reduce each
+  // stage's gradients (stages in parallel).
+  for (std::size_t a = 0; a < l.stages; ++a) {
+    auto m = stage_memory(measured.layers, l.cut, plan, a, sim.peak_stash[a], samples_scale,
+                          space.optimizer_state, l.recompute, l.microbatches);
+    l.stash = std::max(l.stash, sim.peak_stash[a]);
+    l.stash_bytes = std::max(l.stash_bytes, m.activations);
+    l.memory_bytes = std::max(l.memory_bytes, m.total());
+    auto parameters = static_cast<double>(m.parameters) / 4;
+    if (total_parameters > 0) {
+      l.update_ms =
+        std::max(l.update_ms, measured.update_ms * contention * parameters / total_parameters);
+    }
+    if (l.replicas > 1) { // a ring all-reduce of the stage's fp32 gradients
+      auto rd = static_cast<double>(l.replicas);
+      l.allreduce_ms = std::max(
+        l.allreduce_ms, transfer_ms(space, 4 * parameters * 2 * (rd - 1) / rd, 2 * (rd - 1)));
+    }
+  }
+  l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;
+  l.fits = (space.max_stash <= 0 || l.stash <= space.max_stash + 1e-9) &&
+           (space.max_stash_bytes <= 0 || l.stash_bytes <= space.max_stash_bytes) &&
+           (space.max_memory_bytes <= 0 || l.memory_bytes <= space.max_memory_bytes);
+}
+
+bool same_layout(const layout& a, const layout& b) {
+  return a.stages == b.stages && a.threads == b.threads && a.microbatches == b.microbatches &&
+         a.schedule == b.schedule && a.chunks == b.chunks && a.replicas == b.replicas &&
+         a.recompute == b.recompute && a.cut.bounds == b.cut.bounds;
+}
+
 } // namespace
 
 std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<measured_costs>& costs,
                                  const layout_space& space) {
   check_ranking_inputs(layers, costs, space);
+  ACTORPIPE_CHECK(!space.recompute.empty(), "rank_layouts: no recomputation mode to try");
   std::vector<layout> ranked;
   for_each_shape(
     layers, space, [&](std::size_t r, int64_t batch, std::size_t s, std::size_t t, std::size_t m) {
@@ -222,77 +334,36 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
       // Sizes scale with the samples per micro-batch, times also with the contention.
       auto samples_scale =
         static_cast<double>(batch) / static_cast<double>(m) / static_cast<double>(measured.samples);
-      auto scale = samples_scale * contention;
-      auto total_parameters = parameter_count(measured);
       for (auto kind : space.schedules) {
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
         }
-        auto v = chunks_in(kind, space.chunks);
         for (const auto& spec : space.partitions) {
           layout l;
           l.stages = s;
           l.threads = t;
           l.microbatches = m;
-          l.chunks = v;
+          l.chunks = chunks_in(kind, space.chunks);
           l.schedule = kind;
           l.partition_spec = spec;
           l.replicas = r;
           try {
-            l.cut = partition_by_spec(spec, layers, s * v, measured.layers);
+            l.cut = partition_by_spec(spec, layers, s * l.chunks, measured.layers);
           } catch (const std::invalid_argument&) {
             continue; // e.g. a cut:I,J of another stage count
           }
-          auto same = std::find_if(ranked.begin(), ranked.end(), [&](const layout& o) {
-            return o.stages == s && o.threads == t && o.microbatches == m && o.schedule == kind &&
-                   o.chunks == v && o.replicas == r && o.cut.bounds == l.cut.bounds;
-          });
-          if (same != ranked.end()) { // another spec, the same cut: one layout, both names
-            same->partition_spec += "," + spec;
-            continue;
+          for (auto mode : space.recompute) {
+            l.recompute = mode;
+            auto same = std::find_if(ranked.begin(), ranked.end(),
+                                     [&](const layout& o) { return same_layout(o, l); });
+            if (same != ranked.end()) { // another spec, the same cut: one layout, both names
+              same->partition_spec += "," + spec;
+              continue;
+            }
+            auto simulated = l;
+            simulate_layout(simulated, measured, samples_scale, contention, space);
+            ranked.push_back(std::move(simulated));
           }
-          auto plan = make_schedule(kind, s, m, v);
-          auto part_costs = costs_of(measured.layers, l.cut, scale);
-          l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale, space);
-          auto sim = simulate(plan, m, part_costs, s > 1 ? space.hop_ms : 0.0);
-          l.bubble = sim.mean_bubble();
-          // After the last backward: every stage steps its optimizer, replicas first
-          // all-reduce each stage's gradients (stages in parallel).
-          for (std::size_t a = 0; a < s; ++a) {
-            double kept = 0; // activation bytes per micro-batch on actor a, over its chunks
-            double parameters = 0;
-            for (std::size_t c = 0; c < v; ++c) {
-              auto part = plan.virtual_stage(a, c);
-              kept +=
-                kept_bytes(measured.layers, l.cut.begin(part), l.cut.end(part)) * samples_scale;
-              for (auto i = l.cut.begin(part); i < l.cut.end(part); ++i) {
-                parameters += static_cast<double>(measured.layers[i].parameters);
-              }
-            }
-            l.stash = std::max(l.stash, sim.peak_stash[a]);
-            auto stashed =
-              static_cast<int64_t>(std::llround(sim.peak_stash[a] * kept / static_cast<double>(v)));
-            l.stash_bytes = std::max(l.stash_bytes, stashed);
-            l.memory_bytes =
-              std::max(l.memory_bytes, estimate_memory(static_cast<int64_t>(parameters),
-                                                       space.optimizer_state, stashed)
-                                         .total());
-            if (total_parameters > 0) {
-              l.update_ms = std::max(l.update_ms, measured.update_ms * contention * parameters /
-                                                    total_parameters);
-            }
-            if (r > 1) { // a ring all-reduce of the stage's fp32 gradients
-              auto rd = static_cast<double>(r);
-              l.allreduce_ms =
-                std::max(l.allreduce_ms,
-                         transfer_ms(space, 4 * parameters * 2 * (rd - 1) / rd, 2 * (rd - 1)));
-            }
-          }
-          l.step_ms = sim.makespan + space.step_ms + l.update_ms + l.allreduce_ms;
-          l.fits = (space.max_stash <= 0 || l.stash <= space.max_stash + 1e-9) &&
-                   (space.max_stash_bytes <= 0 || l.stash_bytes <= space.max_stash_bytes) &&
-                   (space.max_memory_bytes <= 0 || l.memory_bytes <= space.max_memory_bytes);
-          ranked.push_back(std::move(l));
         }
       }
     });

@@ -135,6 +135,48 @@ void forward_all(const layer_list& layers, const bundle& sample, std::vector<lay
   }
 }
 
+// One untimed forward of the layers chained, as a stage runs them, holding only the latest
+// output: per layer, what of its input was freed once it ran (nothing's graph saved it).
+std::vector<int64_t> chained_frees(const layer_list& layers, const bundle& sample) {
+  std::vector<int64_t> freed(layers.size(), 0);
+  memory::allocation_tally tally;
+  bundle x = sample;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    auto y = layers[i].forward(x);
+    auto before = tally.live_bytes();
+    x = std::move(y); // the previous output's last reference outside the graph
+    freed[i] = std::max<int64_t>(0, before - tally.live_bytes());
+  }
+  return freed;
+}
+
+// The medians of every layer's rounds, its sizes and, on the CPU, what it keeps and frees.
+std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vector<layer_run>& runs,
+                                       const bundle& input, c10::Device device) {
+  std::vector<int64_t> freed(layers.size(), 0);
+  if (device.is_cpu()) { // the tally does not reach a GPU's memory
+    freed = chained_frees(layers, input);
+  }
+  std::vector<layer_profile> result;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const auto& r = runs[i];
+    layer_profile p;
+    p.name = layers[i].name();
+    p.parameters = layers[i].parameter_count();
+    std::tie(p.forward_ms, p.forward_spread) = median_and_spread(r.forward);
+    std::tie(p.backward_ms, p.backward_spread) = median_and_spread(r.backward);
+    p.input_backward_ms = median_and_spread(r.input_backward).first;
+    p.weight_backward_ms = median_and_spread(r.weight_backward).first;
+    p.output_bytes = r.output.nbytes();
+    p.input_bytes = i == 0 ? input.nbytes() : runs[i - 1].output.nbytes();
+    p.retained_bytes =
+      device.is_cpu() ? static_cast<int64_t>(median_and_spread(r.retained).first) : 0;
+    p.freed_input_bytes = freed[i];
+    result.push_back(std::move(p));
+  }
+  return result;
+}
+
 } // namespace
 
 std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
@@ -203,21 +245,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       }
     }
   }
-  std::vector<layer_profile> result;
-  for (std::size_t i = 0; i < layers.size(); ++i) {
-    auto& r = runs[i];
-    layer_profile p;
-    p.name = layers[i].name();
-    p.parameters = layers[i].parameter_count();
-    std::tie(p.forward_ms, p.forward_spread) = median_and_spread(r.forward);
-    std::tie(p.backward_ms, p.backward_spread) = median_and_spread(r.backward);
-    p.input_backward_ms = median_and_spread(r.input_backward).first;
-    p.weight_backward_ms = median_and_spread(r.weight_backward).first;
-    p.output_bytes = r.output.nbytes();
-    p.retained_bytes =
-      device.is_cpu() ? static_cast<int64_t>(median_and_spread(r.retained).first) : 0;
-    result.push_back(std::move(p));
-  }
+  auto result = profiles_of(layers, runs, input, device);
   runs.clear();
   torch::NoGradGuard no_grad;
   std::size_t i = 0;

@@ -390,6 +390,7 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
       bn->recomputing = false;
     }
   };
+  memory::allocation_tally tally; // what the rebuilt forward keeps, until its backward frees it
   auto rerun = [&] {
     auto y = run(microbatch, entry.input);
     return is_last() && entry.loss
@@ -419,6 +420,11 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
   restore();
   entry.recompute = false;
   entry.generator_state = torch::Tensor();
+  // The rebuilt activations count in the stash while they live: a recomputing stage's peak
+  // is its stashed inputs plus the one micro-batch being backed up.
+  entry.bytes += tally.live_bytes();
+  stash_bytes_ += tally.live_bytes();
+  peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
 }
 
 void stage::pair_gradients(int32_t microbatch, stash_entry& entry,

@@ -195,7 +195,8 @@ public:
   std::size_t peak_stash() const;
   /// Most bytes stashed at once since begin_step: the inputs of the micro-batches between
   /// forward and backward, and what their forwards allocated that the graph keeps alive (saved
-  /// activations, outputs); for a recomputed micro-batch, its input only.
+  /// activations, outputs); for a recomputed micro-batch, its input only until its backward
+  /// rebuilds the rest.
   int64_t peak_stash_bytes() const;
 
   int64_t parameter_count() const;

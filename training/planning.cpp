@@ -191,6 +191,15 @@ void take_example(model_setup& setup, const model_args& m) {
   setup.example = setup.file.images.index({rows});
 }
 
+// The recomputation modes the planner compares: the user's, or every mode under a byte cap
+// when --recompute was left out.
+std::vector<recompute_mode> recompute_modes_for(const planning_args& a) {
+  if (!a.recompute_given && (a.max_memory_bytes > 0 || a.max_stash_bytes > 0)) {
+    return {recompute_mode::never, recompute_mode::except_last, recompute_mode::always};
+  }
+  return {parse_recompute_mode(a.recompute)};
+}
+
 } // namespace
 
 model_setup build_model(const model_args& m) {
@@ -360,6 +369,7 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   space.max_stash_bytes = a.max_stash_bytes;
   space.max_memory_bytes = a.max_memory_bytes;
   space.optimizer_state = std::max(0.0, a.optimizer_state);
+  space.recompute = recompute_modes_for(a);
   if (a.profile_device().is_cuda() && !a.threads_auto) {
     space.cores = 0; // stages on GPUs do not share the host's cores for their compute
   }
@@ -411,11 +421,15 @@ void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
               "stash MB", "mem MB", "cut");
   auto row = [&](std::size_t i) {
     const auto& l = ranking[i];
-    std::printf("  %4zu %6zu %7zu %4zu %-12s %6zu %-19s %11.2f %6.1f%% %6.2f %9.1f %8.1f  %s%s\n",
+    std::printf("  %4zu %6zu %7zu %4zu %-12s %6zu %-19s %11.2f %6.1f%% %6.2f %9.1f %8.1f  %s%s%s\n",
                 i + 1, l.stages, l.threads, l.microbatches, to_string(l.schedule).c_str(), l.chunks,
                 l.partition_spec.c_str(), l.step_ms, 100 * l.bubble, l.stash,
                 static_cast<double>(l.stash_bytes) / 1e6, static_cast<double>(l.memory_bytes) / 1e6,
-                l.cut.to_string().c_str(), l.fits ? "" : "  (over the memory cap)");
+                l.cut.to_string().c_str(),
+                l.recompute == recompute_mode::never
+                  ? ""
+                  : (std::string(" recompute ") + to_string(l.recompute)).c_str(),
+                l.fits ? "" : "  (over the memory cap)");
   };
   std::size_t shown = std::min(rows, ranking.size());
   for (std::size_t i = 0; i < shown; ++i) {
@@ -483,6 +497,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   plan_choice choice;
   choice.microbatches = a.microbatches;
   choice.chunks = a.chunks;
+  choice.recompute = parse_recompute_mode(a.recompute);
   if (a.schedule.rfind("file:", 0) == 0) {
     ACTORPIPE_CHECK(!automatic, "--schedule ", a.schedule,
                     " fixes stages, micro-batches and schedule: --stages auto and --threads auto "
@@ -535,6 +550,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   choice.schedule_name = to_string(best.schedule);
   choice.microbatches = best.microbatches;
   choice.chunks = best.chunks;
+  choice.recompute = best.recompute;
   choice.threads = best.threads;
   choice.cut = best.cut;
   auto samples = largest_microbatch(batch_size, best.microbatches);
@@ -545,9 +561,13 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
     }
   }
   std::printf("  chosen: %s, %zu micro-batch(es), %zu chunk(s), %zu stage(s) x %zu thread(s), "
-              "cut %s, predicted %.1f ms per step\n",
+              "cut %s%s, predicted %.1f ms per step\n",
               choice.schedule_name.c_str(), choice.microbatches, choice.chunks, best.stages,
-              best.threads, choice.cut.to_string().c_str(), best.step_ms);
+              best.threads, choice.cut.to_string().c_str(),
+              best.recompute == recompute_mode::never
+                ? ""
+                : (std::string(", recompute ") + to_string(best.recompute)).c_str(),
+              best.step_ms);
   std::fflush(stdout);
   return choice;
 }
@@ -601,6 +621,7 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
       space.max_stash_bytes = a.max_stash_bytes;
       space.max_memory_bytes = a.max_memory_bytes;
       space.optimizer_state = std::max(0.0, a.optimizer_state);
+      space.recompute = recompute_modes_for(a);
       space.link_gbps = p.link_gbps;
       space.link_latency_ms = p.link_latency_ms;
       std::vector<layout> ranking;
@@ -634,6 +655,7 @@ pipeline_options pipeline_options_for(const plan_choice& choice, const planning_
   po.chunks = choice.chunks;
   po.custom_schedule = choice.custom;
   po.threads_per_stage = choice.threads > 0 ? choice.threads : args.threads;
+  po.recompute = choice.recompute;
   po.warm_memory = !args.cold_memory;
   return po;
 }

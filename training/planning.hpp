@@ -130,6 +130,11 @@ struct planning_args {
   /// not known, counted as 0; `actorpipe plan` takes the train command's default for the model).
   int64_t max_memory_bytes = 0;
   double optimizer_state = -1;
+  /// --recompute: never, except_last or always. Not given (recompute_given false) under a byte
+  /// cap (--max-memory, --max-stash in bytes), the planner tries every mode and keeps the
+  /// fastest layout that fits.
+  std::string recompute = "never";
+  bool recompute_given = false;
   /// Intra-op threads per stage (0: cores / stages); threads_auto: the planner tries each
   /// count that fits the cores.
   std::size_t threads = 0;
@@ -161,6 +166,7 @@ struct plan_choice {
   schedule custom;
   std::size_t microbatches = 1;
   std::size_t chunks = 1;
+  recompute_mode recompute = recompute_mode::never;
   /// Intra-op threads per stage (0: as the flags say).
   std::size_t threads = 0;
   /// Per-layer costs at the chosen micro-batch size (empty unless something needed them).

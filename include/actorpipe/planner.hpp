@@ -14,6 +14,7 @@
 
 #include <actorpipe/actions.hpp>
 #include <actorpipe/layers.hpp>
+#include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
 #include <actorpipe/profile.hpp>
 
@@ -60,6 +61,10 @@ struct layout_space {
   /// momentum, 2: Adam).
   int64_t max_memory_bytes = 0;
   double optimizer_state = 0;
+  /// Activation recomputation to try: a recomputing stage stashes its input alone and pays
+  /// each recomputed backward its forward again (the planner tries every mode under a byte cap
+  /// when the user left --recompute out; the fastest that fits wins).
+  std::vector<recompute_mode> recompute{recompute_mode::never};
   /// The engine's own costs in ms, measured by actorpipe_micro_bench: per message between
   /// stages, and per step (planning, hand-out, optimizer round trips).
   double hop_ms = 0.01;
@@ -86,6 +91,7 @@ struct layout {
   /// Model chunks per stage (interleaved: the space's; zb-v, v-half: 2), else 1.
   std::size_t chunks = 1;
   schedule_kind schedule = schedule_kind::one_f_one_b;
+  recompute_mode recompute = recompute_mode::never;
   /// The partition specs the cut came from ("time", "uniform,params", ...), and the cut
   /// (stages x chunks parts).
   std::string partition_spec;
@@ -108,15 +114,16 @@ struct layout {
   /// The optimizer step of the stage with the most parameters, in ms (included in step_ms).
   double update_ms = 0;
 
-  /// "2 x 1 thread, 8 micro-batches, 1f1b, time [0, 5) [5, 9)".
+  /// "2 x 1 thread, 8 micro-batches, 1f1b, time [0, 5) [5, 9)" (", recompute always" when it
+  /// recomputes).
   std::string to_string() const;
 };
 
 /// What a stage holds at its peak, predicted: its parameters, their gradients and the
 /// optimizer's state (fp32: 4 bytes an element; optimizer_state tensors per parameter, divided
 /// among `shard_ways` replicas under data_parallel_options::shard) and the activations its
-/// schedule stashes at once (its peak stash times kept_bytes: layout::stash_bytes). The forward and
-/// backward working set of one layer, and the allocator's slack, are not counted.
+/// schedule stashes at once (stage_memory). The forward and backward working set of one layer,
+/// and the allocator's slack, are not counted.
 struct memory_estimate {
   int64_t parameters = 0;
   int64_t gradients = 0;
@@ -130,8 +137,33 @@ memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_sta
 
 /// Bytes a stage holding layers [begin, end) of `layers` keeps per stashed micro-batch, at the
 /// profile's samples: each layer's retained_bytes (its output_bytes where that was not
-/// measured) and, unless it starts the model, its input (the previous layer's output).
+/// measured) less what its layers after the first free of their inputs (freed_input_bytes)
+/// and its input (the previous layer's output, or the first layer's input_bytes).
 double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end);
+
+/// Activation bytes stage `stage` of `plan` holds at its peak: `peak_stash` micro-batches (the
+/// simulator's; a chunk's entry counts 1/v) of what its parts of `cut` keep (kept_bytes, times
+/// `samples_scale`). Under recomputation an entry keeps its part's input alone and one at a time
+/// is rebuilt whole during its backward; except_last also keeps each step's last micro-batch
+/// whole (counted as held beside a rebuilt one: an upper bound).
+double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
+                     const schedule& plan, std::size_t stage, double peak_stash,
+                     double samples_scale, recompute_mode recompute = recompute_mode::never,
+                     std::size_t microbatches = 1);
+
+/// What stage `stage` of `plan` holds at its peak: its parameters (from `layers`' counts), their
+/// gradients, the optimizer's state and stashed_bytes.
+memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
+                             const schedule& plan, std::size_t stage, double peak_stash,
+                             double samples_scale, double optimizer_state,
+                             recompute_mode recompute = recompute_mode::never,
+                             std::size_t microbatches = 1);
+
+/// Charges each recomputed backward in `costs` (one per virtual stage) its forward again: every
+/// micro-batch's (always), all but the last of `microbatches` (except_last, as a mean), none
+/// (never).
+void charge_recomputation(std::vector<action_costs>& costs, recompute_mode recompute,
+                          std::size_t microbatches);
 
 /// The largest micro-batch of `batch` samples cut into `microbatches` (tensor_split: the first
 /// parts take the remainder), the size a profile for that count is taken at.

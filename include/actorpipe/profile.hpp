@@ -27,13 +27,20 @@ struct layer_profile {
   /// alone (B, keeping the graph) and then the weight gradients (W).
   double input_backward_ms = 0;
   double weight_backward_ms = 0;
-  /// Bytes of the layer's output (the activation a cut after it would send).
+  /// Bytes of the layer's output (the activation a cut after it would send), and of its input
+  /// (for the first layer, a micro-batch of the model's input).
   int64_t output_bytes = 0;
+  int64_t input_bytes = 0;
   /// Bytes a training forward of the layer allocates and keeps until its backward (its output
   /// and the tensors autograd saved), measured by the allocation tally
   /// (<actorpipe/memory.hpp>) as a stage measures its stash; 0 where it was not measured (a
   /// layer profiled on a GPU).
   int64_t retained_bytes = 0;
+  /// Bytes of the layer's input that nothing keeps once it has run, in a chain of the layers
+  /// (the previous layer's output, where neither graph saved it: a batch norm's output read
+  /// by a ReLU, which saves its own result): a stage holding both layers does not keep them.
+  /// Measured by one chained forward under the allocation tally; 0 where not measured.
+  int64_t freed_input_bytes = 0;
   int64_t parameters = 0;
   /// Spread of the timed rounds: (upper quartile - lower quartile) / median of forward and of
   /// backward; 0.05 means the middle half of the rounds lay within 5% of the median.

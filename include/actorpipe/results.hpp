@@ -44,7 +44,7 @@ struct stage_stats {
   double peak_stash = 0;
   /// Most bytes stashed at once during the step (summed over an actor's chunks): the inputs of
   /// the micro-batches between forward and backward and the activations their graphs keep (a
-  /// recomputed micro-batch keeps its input only).
+  /// recomputed micro-batch keeps its input only until its backward rebuilds the rest).
   int64_t peak_stash_bytes = 0;
   /// Forwards that kept only their input, recomputed at backward (pipeline_options::recompute).
   std::size_t recomputed = 0;

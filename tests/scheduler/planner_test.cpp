@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -183,6 +184,12 @@ TEST_CASE("the memory model: parameters, gradients, the optimizer's state (shard
   CHECK(estimate_memory(1000, 1, 0).optimizer == 4000);                   // SGD with momentum
   CHECK(estimate_memory(1000, 2, 0, /*shard_ways=*/4).optimizer == 2000); // ZeRO over 4
   CHECK_THROWS_AS(estimate_memory(-1, 0, 0), invalid_argument);
+  // What a stage keeps per micro-batch: its input, each layer's retained bytes, less what its
+  // layers after the first free of their inputs (a ReLU after a batch norm frees its output).
+  auto chain = linear_costs(1, 1, 1, 2).layers; // 100 bytes of output each
+  chain[2].freed_input_bytes = 100;
+  CHECK(kept_bytes(chain, 1, 4) == doctest::Approx(100 + 300 - 100));
+  CHECK(kept_bytes(chain, 2, 4) == doctest::Approx(100 + 200)); // its input is the stage's own
 
   // Four layers of 72 parameters, 100 bytes of output per sample; SGD with momentum.
   auto layers = four_layers();
@@ -207,6 +214,76 @@ TEST_CASE("the memory model: parameters, gradients, the optimizer's state (shard
     CHECK(l.fits == (l.memory_bytes <= 2500));
   }
   CHECK(capped.front().stages == 2);
+}
+
+TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch rebuilt, each "
+          "recomputed backward charged its forward, and chosen when only it fits") {
+  // Four layers of 100 bytes of output per sample, two stages of two layers, GPipe over 8
+  // micro-batches of one sample: each stage stashes all 8.
+  auto profile = linear_costs(1, 1, 1, 2).layers;
+  auto cut = partition_uniform(4, 2);
+  auto plan = make_schedule(schedule_kind::gpipe, 2, 8);
+  // The second stage keeps its input (100) and its layers' outputs (200) per micro-batch.
+  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1) == doctest::Approx(8 * 300));
+  // Recomputed: 7 inputs and one micro-batch rebuilt whole; except_last keeps its last whole.
+  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1, recompute_mode::always, 8) ==
+        doctest::Approx(7 * 100 + 300));
+  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1, recompute_mode::except_last, 8) ==
+        doctest::Approx(6 * 100 + 2 * 300));
+  // except_last of one micro-batch recomputes nothing; the first stage stashes no input.
+  CHECK(stashed_bytes(profile, cut, plan, 1, 1, 1, recompute_mode::except_last, 1) ==
+        doctest::Approx(300));
+  CHECK(stashed_bytes(profile, cut, plan, 0, 8, 1, recompute_mode::always, 8) ==
+        doctest::Approx(200));
+  auto memory = stage_memory(profile, cut, plan, 1, 8, 1, 1, recompute_mode::always, 8);
+  CHECK(memory.parameters == 144 * 4);
+  CHECK(memory.total() == 144 * 12 + 1000);
+
+  std::vector<action_costs> costs{{1, 2, 3, 5, 0}, {2, 1, 1, -1, 0}};
+  auto always = costs;
+  charge_recomputation(always, recompute_mode::always, 4);
+  CHECK(always[0].backward == doctest::Approx(3));
+  CHECK(always[0].fused == doctest::Approx(6));
+  CHECK(always[1].fused == doctest::Approx(-1)); // not given stays not given
+  auto except_last = costs;
+  charge_recomputation(except_last, recompute_mode::except_last, 4);
+  CHECK(except_last[1].backward == doctest::Approx(1 + 0.75 * 2));
+  auto never = costs;
+  charge_recomputation(never, recompute_mode::never, 4);
+  CHECK(never[0].backward == doctest::Approx(2));
+
+  // 1F1B, SGD with momentum: 2 stages x 8 micro-batches hold 1,728 bytes of state each and
+  // stage 0 stashes 2 micro-batches of 200 bytes (2,128 in all); recomputed, 200 (1,928), and
+  // stage 1 then holds the most: 2,028. Under a cap of 2,100 only recomputation fits.
+  auto layers = four_layers();
+  auto space = small_space();
+  space.schedules = {schedule_kind::one_f_one_b};
+  space.optimizer_state = 1;
+  space.max_memory_bytes = 2100;
+  space.recompute = {recompute_mode::never, recompute_mode::except_last, recompute_mode::always};
+  auto ranking = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  const auto& best = ranking.front();
+  CAPTURE(best.to_string());
+  CHECK(best.fits);
+  CHECK(best.recompute == recompute_mode::always);
+  CHECK(best.stages == 2);
+  CHECK(best.microbatches == 8);
+  CHECK(best.memory_bytes == 2028);
+  CHECK(best.to_string().find("recompute always") != std::string::npos);
+  auto kept = std::find_if(ranking.begin(), ranking.end(), [&](const layout& l) {
+    return l.recompute == recompute_mode::never && l.stages == 2 && l.microbatches == 8;
+  });
+  REQUIRE(kept != ranking.end());
+  CHECK_FALSE(kept->fits);
+  CHECK(kept->memory_bytes == 2128);
+  CHECK(kept->step_ms < best.step_ms); // recomputing costs a forward per backward
+  // Without a cap the fastest never recomputes.
+  space.max_memory_bytes = 0;
+  auto free = rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space);
+  CHECK(free.front().recompute == recompute_mode::never);
+  space.recompute.clear();
+  CHECK_THROWS_AS(rank_layouts(layers, costs_for(layers, space, 1, 2, 0.5, 1), space),
+                  invalid_argument);
 }
 
 TEST_CASE("costs measured at another size are scaled, and missing thread counts are named") {

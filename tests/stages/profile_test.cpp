@@ -60,7 +60,7 @@ TEST_CASE("a profile times forward, fused and split backward per layer, as stage
 }
 
 TEST_CASE("a profile counts what each layer's forward keeps for its backward, as a stage's stash "
-          "does") {
+          "does, and what a chain of them frees") {
   memory::warm_memory_scope warm; // the allocator that tallies (stages profile so)
   torch::manual_seed(0);
   layer_list layers;
@@ -82,6 +82,11 @@ TEST_CASE("a profile counts what each layer's forward keeps for its backward, as
     CHECK(p.retained_bytes < 4 * activation);
   }
   CHECK(profile[1].retained_bytes == activation);
+  // Chained as a stage runs them: tanh saves its result, not its input, so fc1's output is
+  // freed once tanh ran; square saves its input (tanh's output), which stays.
+  CHECK(profile[0].freed_input_bytes == 0); // the model's input is not the profile's to free
+  CHECK(profile[1].freed_input_bytes == activation);
+  CHECK(profile[2].freed_input_bytes == 0);
 }
 
 TEST_CASE("a profile of unequal layers gives the same time-balanced cut every time") {

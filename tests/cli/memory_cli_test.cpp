@@ -1,0 +1,92 @@
+// The memory model from the command line: `plan` counts --recompute in each stage's predicted
+// memory, and under --max-memory the planner turns recomputation on when only that fits, and
+// `train` runs what it chose.
+#include <algorithm>
+#include <fstream>
+#include <regex>
+
+#include <nlohmann/json.hpp>
+
+#include "helpers.hpp"
+
+using namespace actorpipe::test;
+
+namespace {
+
+// Each stage's predicted total and activations, in MB, from plan's per-stage lines.
+struct predicted {
+  double total = 0;
+  double activations = 0;
+};
+
+std::vector<predicted> stages_of(const std::string& output) {
+  static const std::regex line(
+    R"(stage [0-9]+: busy .*; memory ([0-9.]+) MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations ([0-9.]+)\))");
+  std::vector<predicted> stages;
+  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
+    stages.push_back({std::stod((*it)[1]), std::stod((*it)[2])});
+  }
+  return stages;
+}
+
+double fullest(const std::vector<predicted>& stages) {
+  double most = 0;
+  for (const auto& s : stages) {
+    most = std::max(most, s.total);
+  }
+  return most;
+}
+
+} // namespace
+
+TEST_CASE("plan counts --recompute in each stage's memory, under --max-memory the planner "
+          "recomputes when only that fits, and train runs it") {
+  const std::string common = " --data text --stages 2 --microbatches 4 --schedule 1f1b "
+                             "--partition uniform --profile-repeats 1";
+  auto kept = run("plan" + common);
+  auto recomputed = run("plan" + common + " --recompute always");
+  CAPTURE(kept.output);
+  CAPTURE(recomputed.output);
+  REQUIRE(kept.exit_code == 0);
+  REQUIRE(recomputed.exit_code == 0);
+  CHECK(recomputed.output.find("per parameter, recompute always") != std::string::npos);
+  auto k = stages_of(kept.output);
+  auto r = stages_of(recomputed.output);
+  REQUIRE(k.size() == 2);
+  REQUIRE(r.size() == 2);
+  // Stage 0 stashes two micro-batches under 1F1B; recomputed, one is rebuilt at a time.
+  CHECK(r[0].activations < k[0].activations);
+  REQUIRE(fullest(r) < fullest(k));
+
+  // A cap between the two: the planner (asked to choose, here the threads) must recompute.
+  auto cap = std::to_string(static_cast<long long>((fullest(k) + fullest(r)) / 2 * 1e6)) + "B";
+  auto capped = run("plan" + common + " --threads auto --max-memory " + cap);
+  CAPTURE(capped.output);
+  REQUIRE(capped.exit_code == 0);
+  CHECK(std::regex_search(capped.output, std::regex("chosen: 1f1b, .*, recompute always")));
+  CHECK(capped.output.find("(over the memory cap)") != std::string::npos);
+
+  auto json = temp_file("memory_cli.json");
+  auto trained = run("train" + common + " --threads auto --max-memory " + cap +
+                     " --steps 2 --json " + json.string());
+  CAPTURE(trained.output);
+  REQUIRE(trained.exit_code == 0);
+  std::ifstream in(json);
+  auto report = nlohmann::json::parse(in);
+  CHECK(report["config"]["recompute"] == "always");
+  REQUIRE(report["steps"].size() == 2);
+  for (const auto& stage : report["steps"][1]["stages"]) {
+    CHECK(stage["recomputed"].get<int>() == 4); // every micro-batch of the step
+  }
+  std::filesystem::remove(json);
+
+  // Told never to recompute, the planner keeps to it and refuses the cap by name.
+  auto never = run("plan" + common + " --threads auto --recompute never --max-memory " + cap);
+  CAPTURE(never.output);
+  CHECK(never.exit_code == 2);
+  CHECK(never.output.find("no layout fits the memory cap (--max-memory ") != std::string::npos);
+  auto unknown = run("plan" + common + " --recompute sometimes");
+  CHECK(unknown.exit_code != 0);
+  CHECK(unknown.output.find("unknown recompute mode 'sometimes' (choose never, except_last or "
+                            "always)") != std::string::npos);
+}
