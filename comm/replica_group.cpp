@@ -3,6 +3,7 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/torch_compat.hpp>
 
+#include "comm/replica_failures.hpp"
 #include "comm/replica_group.hpp"
 #include "logging/log.hpp"
 
@@ -128,17 +129,58 @@ struct replica_group::rendezvous {
 
 struct stage_sync::impl {
   c10::intrusive_ptr<compat::process_group> group;
-  // For a stage on a node: forms `group` on first use, on the stage's thread (every replica's
-  // stage reaches its first collective at about the same time; forming waits for all of them).
-  std::function<c10::intrusive_ptr<compat::process_group>()> form;
+  // Forms the group of a generation (below): in the constructor of a replica_group, or for a
+  // stage on a node on first use, on the stage's thread (every replica's stage reaches its
+  // first collective at about the same time; forming waits for all of them).
+  std::function<c10::intrusive_ptr<compat::process_group>(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix)>
+    form;
+  // Where the group's keys go in the store (a generation's below it).
+  std::string group_prefix;
+  // For a stage on a node: connects `store` at the first collective.
+  std::function<c10::intrusive_ptr<c10d::Store>()> connect_store;
   // Where the stage's tensors are: NCCL's collectives take tensors on it.
   c10::Device device{c10::kCPU};
+  // Other replicas' failed steps (comm/replica_failures.hpp), and why the group was
+  // abandoned (empty while it is not).
+  std::unique_ptr<failure_watch> failures;
+  std::string abandoned;
 
   compat::process_group& pg() {
+    if (!abandoned.empty()) {
+      throw pipeline_error(who() + ": the replica group was abandoned when " + abandoned_because +
+                             " (" + abandoned +
+                             "); build the replicas again (recover() on nodes, or new pipelines "
+                             "from the last checkpoint)",
+                           error_details{error_kind::replica_failure});
+    }
     if (!group) {
-      group = form();
+      if (!failures->store() && connect_store) {
+        failures->attach(connect_store());
+      }
+      failures->start();
+      group = form(failures->store(), group_prefix);
     }
     return *group;
+  }
+
+  // Drops the group for good without waiting for it: a collective that the failed replica
+  // never joins ends at Gloo's deadline, on a thread of its own.
+  void abandon(std::string why) {
+    abandoned = std::move(why);
+    if (group) {
+      std::thread([old = std::move(group)]() mutable { old.reset(); }).detach();
+      group.reset();
+    }
+  }
+
+  // Before a step's first collective: another replica failed a step since the group formed
+  // (this one, or one this replica failed too).
+  void refresh() {
+    if (group && failures->news()) {
+      abandon(failures->last());
+    }
+    pg();
   }
   std::size_t stage = 0;
   std::size_t rank = 0;
@@ -146,18 +188,53 @@ struct stage_sync::impl {
   std::chrono::milliseconds timeout{60000};
   std::size_t bucket_bytes = 25u << 20;
 
+  std::string who() const {
+    return detail::concat("stage ", stage, ", data parallel rank ", rank, " of ", size);
+  }
+
   std::string where(const char* what) const {
     return detail::concat("stage ", stage, ", data parallel rank ", rank, " of ", size, ": ", what);
   }
 
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
     try {
-      work->wait(timeout);
+      if (device.is_cuda() || !failures->store()) {
+        work->wait(timeout);
+      } else {
+        wait_or_abandon(work, what);
+      }
+    } catch (const pipeline_error&) {
+      throw;
     } catch (const std::exception& e) {
       throw pipeline_error(detail::concat(where(what), " failed or passed its deadline of ",
                                           timeout.count(),
                                           " ms (a replica failed or is gone): ", brief(e)),
                            error_details{error_kind::replica_failure});
+    }
+  }
+
+  // Waits for a Gloo collective in slices, looking between them for another replica's failed
+  // step: then the group is abandoned and the step fails at once, not at the deadline.
+  void wait_or_abandon(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+    constexpr std::chrono::milliseconds slice{100};
+    auto deadline = clock_type::now() + timeout;
+    for (;;) {
+      auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
+      try {
+        work->wait(std::max(std::chrono::milliseconds(1), std::min(slice, left)));
+        return;
+      } catch (const std::exception&) {
+        if (work->isCompleted() || clock_type::now() >= deadline) {
+          throw;
+        }
+      }
+      if (failures->news()) {
+        abandon(failures->last());
+        throw pipeline_error(
+          detail::concat(where(what), " abandoned: ", abandoned_because, " (", abandoned, ")"),
+          error_details{error_kind::replica_failure});
+      }
     }
   }
 
@@ -255,6 +332,10 @@ struct stage_sync::impl {
 
 namespace {
 
+std::string failures_key_of(const data_parallel_options& o) {
+  return detail::concat(o.group, "/failures");
+}
+
 std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::size_t stage) {
   auto self = std::make_unique<stage_sync::impl>();
   self->stage = stage;
@@ -262,6 +343,7 @@ std::unique_ptr<stage_sync::impl> sync_of(const data_parallel_options& o, std::s
   self->size = o.replicas;
   self->timeout = o.timeout;
   self->bucket_bytes = o.bucket_bytes;
+  self->failures = std::make_unique<failure_watch>(failures_key_of(o));
   return self;
 }
 
@@ -374,11 +456,13 @@ stage_sync::stage_sync(std::unique_ptr<impl> self) : self_(std::move(self)) {}
 stage_sync::~stage_sync() = default;
 
 void stage_sync::broadcast(std::vector<torch::Tensor> tensors) {
+  self_->refresh();
   self_->broadcast(tensors);
 }
 
 stage_sync::totals stage_sync::sum(double weight, double weighted_loss) {
   auto& s = *self_;
+  s.refresh(); // a step's first collective
   std::vector<torch::Tensor> meta{
     torch::tensor({weight, weighted_loss}, torch::kDouble).to(s.device)};
   s.wait(s.all_reduce(meta), "all-reduce of sample counts");
@@ -435,6 +519,7 @@ void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mo
 
 int64_t stage_sync::average(std::vector<torch::Tensor> tensors, const char* what) {
   auto& s = *self_;
+  s.refresh(); // BMUF's block sync: the first collective of its step
   auto n = static_cast<double>(s.size);
   return s.coalesced(
     tensors, what, [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
@@ -511,6 +596,7 @@ int64_t stage_sync::broadcast_from_owners(const std::vector<torch::Tensor>& para
 std::map<std::string, torch::Tensor>
 stage_sync::gather_on_first(const std::map<std::string, torch::Tensor>& mine, const char* what) {
   auto& s = *self_;
+  s.refresh();
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : mine) {
     dict.insert(name, t.cpu());
@@ -561,10 +647,30 @@ replica_group::replica_group(const data_parallel_options& o, std::size_t stages,
     std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());
   for (std::size_t s = 0; s < stages; ++s) {
     auto self = sync_of(o, s);
-    self->device = s < devices.size() ? devices[s] : c10::Device(c10::kCPU);
-    self->group = form_group(o, s, self->device, store, detail::concat(o.group, "/stage", s));
+    auto device = self->device = s < devices.size() ? devices[s] : c10::Device(c10::kCPU);
+    self->failures->attach(store);
+    self->group_prefix = detail::concat(o.group, "/stage", s);
+    self->form = [o, s, device](const c10::intrusive_ptr<c10d::Store>& store,
+                                const std::string& prefix) {
+      return form_group(o, s, device, store, prefix);
+    };
+    self->pg(); // formed now, every rank's at once
     stages_.push_back(std::make_shared<stage_sync>(std::move(self)));
   }
+}
+
+std::function<void(uint64_t, const std::string&)> replica_group::failure_announcer() const {
+  auto store = rendezvous_->store;
+  auto key = failures_key_of(rendezvous_->options);
+  auto rank = rendezvous_->options.rank;
+  return [store, key, rank](uint64_t step, const std::string& why) {
+    if (!failure_watch::announce(*store, key,
+                                 detail::concat("rank ", rank, ", step ", step, ": ", why))) {
+      log::get()->warn("data parallel rank {}: could not tell the other replicas that step {} "
+                       "failed; their collectives end at the deadline",
+                       rank, step);
+    }
+  };
 }
 
 std::string replica_group::fresh_prefix(const std::string& what) {
@@ -579,11 +685,13 @@ std::shared_ptr<stage_sync> join_stage_group(const data_parallel_options& o, std
                             "rendezvous store");
   auto self = sync_of(o, stage);
   self->device = device;
-  self->form = [o, stage, prefix, device] {
+  // A client of rank 0's store (a node never serves it), connected at the first collective.
+  self->connect_store = [o] { return connect(o, false); };
+  self->group_prefix = detail::concat(prefix, "/stage", stage);
+  self->form = [o, stage, device](const c10::intrusive_ptr<c10d::Store>& store,
+                                  const std::string& group_prefix) {
     auto start = clock_type::now();
-    // A client of rank 0's store (a node never serves it).
-    auto store = connect(o, false);
-    auto group = form_group(o, stage, device, store, detail::concat(prefix, "/stage", stage));
+    auto group = form_group(o, stage, device, store, group_prefix);
     log::get()->info(
       "stage {}, {}: formed its replica group after {} ms", stage, who(o),
       std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - start).count());

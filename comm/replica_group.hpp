@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -107,6 +108,14 @@ public:
 
   /// The sync of stage index `stage` (shared with its stage actor).
   std::shared_ptr<stage_sync> stage(std::size_t stage) const { return stages_.at(stage); }
+
+  /// What this replica's scheduler calls when a training step fails: the failure is counted in
+  /// the rendezvous store (once: a step that failed because another replica's did is not
+  /// counted again), where every rank's stage syncs look while they wait in a collective (Gloo:
+  /// the wait ends there, not at the deadline) and before each step's first collective; their
+  /// groups are then abandoned for good (comm/replica_failures.hpp). Never throws: a store that
+  /// cannot be reached is logged.
+  std::function<void(uint64_t step, const std::string& why)> failure_announcer() const;
 
   /// A store prefix no earlier call on this rank gave (`what` and a call number; every rank
   /// calls in the same order, so the ranks' prefixes match): where stages on nodes form their

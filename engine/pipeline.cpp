@@ -186,7 +186,11 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     self.replicas = std::make_unique<comm::replica_group>(dp, stage_count, options.devices);
   }
   auto& actor_system = sys.internals().system;
-  self.scheduler = scheduler::spawn_scheduler(actor_system, scheduler_options_of(options));
+  auto so = scheduler_options_of(options);
+  if (self.replicas) {
+    so.on_step_failure = self.replicas->failure_announcer();
+  }
+  self.scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   // Virtual stage k (model order) lives on the actor and chunk the placement says.
   auto placement = options.chunk_layout();
   for (std::size_t k = 0; k < cut.stages(); ++k) {
@@ -347,6 +351,9 @@ void pipeline::impl::place_on_nodes() {
   auto so = scheduler_options_of(options);
   so.nodes = options.placement.nodes;
   so.first_step = steps;
+  if (replicas) {
+    so.on_step_failure = replicas->failure_announcer();
+  }
   scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   try {
     // Each placement forms its replica groups anew, under a prefix all ranks agree on.

@@ -263,6 +263,7 @@ std::string to_json(const stage_spec& s) {
                           {"master_port", dp.master_port},
                           {"timeout_ms", dp.timeout.count()},
                           {"bucket_bytes", dp.bucket_bytes},
+                          {"group", dp.group},
                           {"group_prefix", s.group_prefix}};
   }
   return j.dump();
@@ -314,6 +315,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
     dp.master_port = static_cast<uint16_t>(port);
     dp.timeout = std::chrono::milliseconds(field<int64_t>(d, "timeout_ms", what));
     dp.bucket_bytes = field<std::size_t>(d, "bucket_bytes", what);
+    dp.group = field<std::string>(d, "group", what); // where failed steps are announced
     dp.buffers = s.settings.buffers;
     dp.sync_batch_norm = s.settings.sync_batch_norm;
     s.group_prefix = field<std::string>(d, "group_prefix", what);

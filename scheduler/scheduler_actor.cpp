@@ -114,6 +114,9 @@ void fail(scheduler_actor_type self, failure why) {
   s.abort_failure = std::move(why);
   log::get()->warn("step {} fails: {}", s.step, s.abort_failure.message);
   auto step = s.step;
+  if (s.options.on_step_failure && s.current && s.current->train()) {
+    s.options.on_step_failure(step, s.abort_failure.message);
+  }
   // Overlapping steps: the step behind it ran on parameters the failed step would have set; it is
   // aborted first (a stage then undoes both steps' early optimizer steps) and fails with it.
   std::vector<uint64_t> steps;

@@ -110,6 +110,10 @@ struct scheduler_options {
   /// recover() continues its predecessor's numbers, so that frames of the failed step still on
   /// their way are older than any step the new stages run (and dropped).
   uint64_t first_step = 0;
+  /// Called (on the scheduler's thread) when a training step fails, before its stages are told
+  /// to abort: replicas tell each other (comm::replica_group::failure_announcer), so that the
+  /// others' collectives stop waiting for this one.
+  std::function<void(uint64_t step, const std::string& why)> on_step_failure;
 };
 
 /// Spawns the scheduler; connect it to its stages with (connect_atom, stages) before running.

@@ -384,6 +384,36 @@ TEST_CASE("replicas on node processes lose a node mid-run: a spare takes its sta
   }
 }
 
+TEST_CASE("replicas on nodes: a frozen node (SIGSTOP) ends the other replica's step within "
+          "seconds, not at --dp-timeout, and the run goes on with the replica left") {
+  node_process a("", "dp-freeze-a"), b("", "dp-freeze-b"), c("", "dp-freeze-c"),
+    d("", "dp-freeze-d");
+  auto json = temp_file("dp-freeze.json");
+  auto flags = " --stages 2 --replicas 2 --dp-timeout 60000 --master-port " +
+               std::to_string(free_port()) + " --nodes " + a.address() + "," + b.address() + "," +
+               c.address() + "," + d.address();
+  background train("train" + recovering_mlp + flags + " --json " + json.string(),
+                   temp_file("dp-freeze.log"));
+  REQUIRE_MESSAGE(train.wait_for("step 12/", 60s), train.output());
+  // Replica 1's second stage freezes: replica 0's second stage waits for it in an all-reduce.
+  d.process->signal(SIGSTOP);
+  auto start = std::chrono::steady_clock::now();
+  auto recovered = train.wait_for("recovery 1 of at most", 60s);
+  auto took = std::chrono::steady_clock::now() - start;
+  auto code = train.stop(0, 90s);
+  d.process->signal(SIGCONT);
+  auto output = train.output();
+  CAPTURE(output);
+  REQUIRE(recovered);
+  CHECK(took < 10s); // the heartbeat and the announced failure, not the 60 s deadline
+  CHECK(code == 0);
+  CHECK(output.find("did not answer a heartbeat") != std::string::npos);
+  CHECK(output.find("now 1 replica of 2 stages on " + a.address() + ", " + b.address()) !=
+        std::string::npos);
+  check_losses_equal_in_process(json, 2);
+  std::filesystem::remove(json);
+}
+
 TEST_CASE("the flags of lost-node recovery are refused where they do not apply") {
   const std::string two_nodes = " --steps 1 --nodes 127.0.0.1:1,127.0.0.1:2";
   const std::vector<std::pair<std::string, std::string>> refusals{

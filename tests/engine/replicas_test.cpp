@@ -229,6 +229,84 @@ TEST_CASE("a replica that fails its step fails the other within the deadline, an
   check_close(p1->named_parameters(), before, 0, 0);
 }
 
+TEST_CASE("a replica's failed step ends the other's at once, not at the deadline, their groups "
+          "refuse further steps by name, and replicas built again train like plain libtorch") {
+  engine sys;
+  auto o = mlp_options(2);
+  o.data_parallel.replicas = 2;
+  o.data_parallel.local = make_local_rendezvous();
+  o.data_parallel.timeout = std::chrono::milliseconds(30000);
+  auto build = [&] {
+    std::vector<std::future<std::unique_ptr<pipeline>>> building;
+    for (std::size_t r = 0; r < 2; ++r) {
+      auto ro = o;
+      ro.data_parallel.rank = r;
+      auto layers = tiny_mlp(1); // here: the seeded draws of two threads would interleave
+      building.push_back(std::async(std::launch::async, [&sys, ro, layers] {
+        return std::make_unique<pipeline>(sys, layers, partition_uniform(6, 2), ro);
+      }));
+    }
+    auto p0 = building[0].get();
+    return std::make_pair(std::move(p0), building[1].get());
+  };
+  auto [p0, p1] = build();
+  auto before = p0->named_parameters();
+  auto start = std::chrono::steady_clock::now();
+  auto good = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
+  // Replica 1's targets have the wrong width: its last stage fails in the loss, and replica
+  // 0's stages wait in their all-reduces for replica 1's, which never come.
+  auto bad = p1->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 5}));
+  CHECK_THROWS_AS(bad.get(), pipeline_error);
+  try {
+    good.get();
+    FAIL("replica 0's step succeeded without replica 1's");
+  } catch (const pipeline_error& e) {
+    std::string message = e.what();
+    CAPTURE(message);
+    CHECK(e.kind() == error_kind::replica_failure);
+    CHECK(message.find("data parallel rank 0 of 2: ") != std::string::npos);
+    CHECK(message.find("another replica's step failed (rank 1, step 1: stage 1, microbatch 0: "
+                       "the loss function failed") != std::string::npos);
+  }
+  // At the announcement, not at the 30 s deadline; and nothing changed.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  check_close(p0->named_parameters(), before, 0, 0);
+  check_close(p1->named_parameters(), before, 0, 0);
+  // Their groups may hold a collective replica 1 never joined: refused by name, at once.
+  start = std::chrono::steady_clock::now();
+  auto again0 = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
+  auto again1 = p1->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
+  for (auto* f : {&again0, &again1}) {
+    try {
+      f->get();
+      FAIL("a step ran on an abandoned replica group");
+    } catch (const pipeline_error& e) {
+      CHECK(std::string(e.what()).find("the replica group was abandoned when another replica's "
+                                       "step failed") != std::string::npos);
+    }
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  // Built again (at a new rendezvous), the replicas step as plain libtorch on their batches
+  // together.
+  p0.reset();
+  p1.reset();
+  o.data_parallel.local = make_local_rendezvous();
+  std::tie(p0, p1) = build();
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    auto x = torch::randn({8, 1, 4, 4});
+    auto t = torch::randn({8, 3});
+    auto a = p0->train_step_async(x.slice(0, 0, 4), t.slice(0, 0, 4));
+    auto b = p1->train_step_async(x.slice(0, 4, 8), t.slice(0, 4, 8));
+    auto loss = a.get().loss;
+    b.get();
+    CHECK(loss == doctest::Approx(plain.step(x, t)).epsilon(1e-6));
+  }
+  check_close(p0->named_parameters(), named(plain.layers, false));
+  check_close(p1->named_parameters(), named(plain.layers, false));
+}
+
 TEST_CASE("the distributed sampler gives every rank an equal share and every sample once") {
   for (int64_t n : {10, 11, 7}) {
     for (int64_t replicas : {1, 2, 3}) {
