@@ -129,13 +129,13 @@ struct replica_group::rendezvous {
 
 struct stage_sync::impl {
   c10::intrusive_ptr<compat::process_group> group;
-  // Forms the group of a generation (below): in the constructor of a replica_group, or for a
-  // stage on a node on first use, on the stage's thread (every replica's stage reaches its
-  // first collective at about the same time; forming waits for all of them).
+  // Forms the group under `prefix` in `store`: in the constructor of a replica_group, or for a
+  // stage on a node at its first collective, on the stage's thread (every replica's stage
+  // reaches its first collective at about the same time; forming waits for all of them).
   std::function<c10::intrusive_ptr<compat::process_group>(
     const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix)>
     form;
-  // Where the group's keys go in the store (a generation's below it).
+  // Where the group's keys go in the store.
   std::string group_prefix;
   // For a stage on a node: connects `store` at the first collective.
   std::function<c10::intrusive_ptr<c10d::Store>()> connect_store;
@@ -192,9 +192,7 @@ struct stage_sync::impl {
     return detail::concat("stage ", stage, ", data parallel rank ", rank, " of ", size);
   }
 
-  std::string where(const char* what) const {
-    return detail::concat("stage ", stage, ", data parallel rank ", rank, " of ", size, ": ", what);
-  }
+  std::string where(const char* what) const { return detail::concat(who(), ": ", what); }
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
     try {
