@@ -174,11 +174,14 @@ struct stage_sync::impl {
     }
   }
 
-  // Before a step's first collective: another replica failed a step since the group formed
-  // (this one, or one this replica failed too).
-  void refresh() {
+  // Before a step's first collective, `what`: another replica failed a step since the group
+  // formed (this one, or one this replica failed too).
+  void refresh(const char* what) {
     if (group && failures->news()) {
       abandon(failures->last());
+      throw pipeline_error(
+        detail::concat(where(what), " abandoned: ", abandoned_because, " (", abandoned, ")"),
+        error_details{error_kind::replica_failure});
     }
     pg();
   }
@@ -454,13 +457,13 @@ stage_sync::stage_sync(std::unique_ptr<impl> self) : self_(std::move(self)) {}
 stage_sync::~stage_sync() = default;
 
 void stage_sync::broadcast(std::vector<torch::Tensor> tensors) {
-  self_->refresh();
+  self_->refresh("broadcast from rank 0");
   self_->broadcast(tensors);
 }
 
 stage_sync::totals stage_sync::sum(double weight, double weighted_loss) {
   auto& s = *self_;
-  s.refresh(); // a step's first collective
+  s.refresh("all-reduce of sample counts"); // a step's first collective
   std::vector<torch::Tensor> meta{
     torch::tensor({weight, weighted_loss}, torch::kDouble).to(s.device)};
   s.wait(s.all_reduce(meta), "all-reduce of sample counts");
@@ -517,7 +520,7 @@ void stage_sync::sync_buffers(std::vector<torch::Tensor> buffers, buffer_sync mo
 
 int64_t stage_sync::average(std::vector<torch::Tensor> tensors, const char* what) {
   auto& s = *self_;
-  s.refresh(); // BMUF's block sync: the first collective of its step
+  s.refresh(what); // BMUF's block sync: the first collective of its step
   auto n = static_cast<double>(s.size);
   return s.coalesced(
     tensors, what, [&](std::vector<torch::Tensor>& flat) { return s.all_reduce(flat); },
@@ -594,7 +597,7 @@ int64_t stage_sync::broadcast_from_owners(const std::vector<torch::Tensor>& para
 std::map<std::string, torch::Tensor>
 stage_sync::gather_on_first(const std::map<std::string, torch::Tensor>& mine, const char* what) {
   auto& s = *self_;
-  s.refresh();
+  s.refresh(what);
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : mine) {
     dict.insert(name, t.cpu());
