@@ -130,9 +130,7 @@ void print_stages(const schedule& plan, const training::plan_choice& choice, con
   std::printf("simulated step: %.1f ms, mean bubble %.1f%%; predicted memory per stage with %g "
               "optimizer tensor(s) per parameter%s (docs/memory.md)\n",
               sim.makespan, 100 * sim.mean_bubble(), optimizer_state,
-              choice.recompute == recompute_mode::never
-                ? ""
-                : (std::string(", recompute ") + to_string(choice.recompute)).c_str());
+              recompute_suffix(choice.recompute).c_str());
   for (std::size_t s = 0; s < plan.programs.size(); ++s) {
     auto m = stage_memory(choice.profile, choice.cut, plan, s, sim.peak_stash[s], scale,
                           optimizer_state, choice.recompute, choice.microbatches);

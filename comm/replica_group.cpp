@@ -199,7 +199,7 @@ struct stage_sync::impl {
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
     try {
-      if (device.is_cuda() || !failures->store()) {
+      if (device.is_cuda()) { // NCCL: WorkNCCL's wait is not one to slice
         work->wait(timeout);
       } else {
         wait_or_abandon(work, what);

@@ -143,7 +143,9 @@ bmuf_options checked_bmuf(const pipeline_options& options, const layer_list& lay
   return bmuf;
 }
 
-scheduler::scheduler_options scheduler_options_of(const pipeline_options& options) {
+// The scheduler's options; with replicas, a failed step is announced to them.
+scheduler::scheduler_options scheduler_options_of(const pipeline_options& options,
+                                                  const comm::replica_group* replicas) {
   scheduler::scheduler_options so;
   so.schedule = options.schedule;
   so.chunks = options.chunks;
@@ -156,6 +158,9 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   so.overlap_steps = options.overlap_steps;
   so.linger = options.linger;
   so.inputs_to_loss = static_cast<bool>(options.loss_with_inputs);
+  if (replicas != nullptr) {
+    so.on_step_failure = replicas->failure_announcer();
+  }
   return so;
 }
 
@@ -186,11 +191,8 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     self.replicas = std::make_unique<comm::replica_group>(dp, stage_count, options.devices);
   }
   auto& actor_system = sys.internals().system;
-  auto so = scheduler_options_of(options);
-  if (self.replicas) {
-    so.on_step_failure = self.replicas->failure_announcer();
-  }
-  self.scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
+  self.scheduler =
+    scheduler::spawn_scheduler(actor_system, scheduler_options_of(options, self.replicas.get()));
   // Virtual stage k (model order) lives on the actor and chunk the placement says.
   auto placement = options.chunk_layout();
   for (std::size_t k = 0; k < cut.stages(); ++k) {
@@ -348,12 +350,9 @@ void pipeline::impl::place_on_nodes() {
     sys->internals().use_tls(options.placement.tls);
   }
   auto& actor_system = sys->internals().system;
-  auto so = scheduler_options_of(options);
+  auto so = scheduler_options_of(options, replicas.get());
   so.nodes = options.placement.nodes;
   so.first_step = steps;
-  if (replicas) {
-    so.on_step_failure = replicas->failure_announcer();
-  }
   scheduler = scheduler::spawn_scheduler(actor_system, std::move(so));
   try {
     // Each placement forms its replica groups anew, under a prefix all ranks agree on.

@@ -137,13 +137,22 @@ memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_sta
   return m;
 }
 
+namespace {
+
+// The input of a stage starting at layer `begin`: the previous layer's output, or a
+// micro-batch of the model's input.
+double input_of(const std::vector<layer_profile>& layers, std::size_t begin) {
+  return static_cast<double>(begin > 0         ? layers[begin - 1].output_bytes
+                             : !layers.empty() ? layers[0].input_bytes
+                                               : 0);
+}
+
+} // namespace
+
 double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end) {
   ACTORPIPE_CHECK(begin <= end && end <= layers.size(), "kept_bytes: layers [", begin, ", ", end,
                   ") of ", layers.size());
-  // The stage's input: the previous layer's output, or a micro-batch of the model's input.
-  double bytes = static_cast<double>(begin > 0         ? layers[begin - 1].output_bytes
-                                     : !layers.empty() ? layers[0].input_bytes
-                                                       : 0);
+  double bytes = input_of(layers, begin);
   for (auto i = begin; i < end; ++i) {
     const auto& l = layers[i];
     bytes += static_cast<double>(l.retained_bytes > 0 ? l.retained_bytes : l.output_bytes);
@@ -166,7 +175,7 @@ double stashed_bytes(const std::vector<layer_profile>& layers, const partition& 
     auto kept = kept_bytes(layers, cut.begin(part), cut.end(part)) * samples_scale;
     whole += kept;
     largest = std::max(largest, kept);
-    inputs += kept_bytes(layers, cut.begin(part), cut.begin(part)) * samples_scale;
+    inputs += input_of(layers, cut.begin(part)) * samples_scale;
   }
   auto chunks = static_cast<double>(v);
   if (recompute == recompute_mode::except_last && microbatches < 2) {
@@ -219,10 +228,13 @@ std::string layout::to_string() const {
                         microbatches, microbatches == 1 ? " micro-batch, " : " micro-batches, ",
                         actorpipe::to_string(schedule),
                         chunks > 1 ? detail::concat(" (", chunks, " chunks)") : std::string{}, ", ",
-                        partition_spec, " ", cut.to_string(),
-                        recompute != recompute_mode::never
-                          ? detail::concat(", recompute ", actorpipe::to_string(recompute))
-                          : std::string{});
+                        partition_spec, " ", cut.to_string(), recompute_suffix(recompute));
+}
+
+std::string recompute_suffix(recompute_mode recompute) {
+  return recompute == recompute_mode::never
+           ? std::string{}
+           : detail::concat(", recompute ", actorpipe::to_string(recompute));
 }
 
 std::vector<std::pair<std::size_t, int64_t>> costs_needed(const layer_list& layers,
@@ -274,17 +286,17 @@ double parameter_count(const measured_costs& measured) {
   return total;
 }
 
-// Simulates `l` (its shape, schedule, cut and recomputation set) on `measured` costs and fills
-// in its times, stash, memory and whether it fits the space's caps.
-void simulate_layout(layout& l, const measured_costs& measured, double samples_scale,
-                     double contention, const layout_space& space) {
+// Simulates `l` (its shape, schedule, cut and recomputation set) on `measured` costs (whose
+// layers hold `total_parameters`) and fills in its times, stash, memory and whether it fits the
+// space's caps.
+void simulate_layout(layout& l, const measured_costs& measured, double total_parameters,
+                     double samples_scale, double contention, const layout_space& space) {
   auto plan = make_schedule(l.schedule, l.stages, l.microbatches, l.chunks);
   auto part_costs = costs_of(measured.layers, l.cut, samples_scale * contention);
   charge_recomputation(part_costs, l.recompute, l.microbatches);
   l.send_ms = charge_transfers(part_costs, plan, measured, l.cut, samples_scale, space);
   auto sim = simulate(plan, l.microbatches, part_costs, l.stages > 1 ? space.hop_ms : 0.0);
   l.bubble = sim.mean_bubble();
-  auto total_parameters = parameter_count(measured);
   // After the last backward: every stage steps its optimizer, replicas first all-reduce each
   // stage's gradients (stages in parallel).
   for (std::size_t a = 0; a < l.stages; ++a) {
@@ -334,6 +346,7 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
       // Sizes scale with the samples per micro-batch, times also with the contention.
       auto samples_scale =
         static_cast<double>(batch) / static_cast<double>(m) / static_cast<double>(measured.samples);
+      auto total_parameters = parameter_count(measured);
       for (auto kind : space.schedules) {
         if (!applies(kind, s, m, space.chunks, layers.size())) {
           continue;
@@ -361,7 +374,8 @@ std::vector<layout> rank_layouts(const layer_list& layers, const std::vector<mea
               continue;
             }
             auto simulated = l;
-            simulate_layout(simulated, measured, samples_scale, contention, space);
+            simulate_layout(simulated, measured, total_parameters, samples_scale, contention,
+                            space);
             ranked.push_back(std::move(simulated));
           }
         }

@@ -191,13 +191,19 @@ void take_example(model_setup& setup, const model_args& m) {
   setup.example = setup.file.images.index({rows});
 }
 
-// The recomputation modes the planner compares: the user's, or every mode under a byte cap
-// when --recompute was left out.
-std::vector<recompute_mode> recompute_modes_for(const planning_args& a) {
+// The memory caps of `a` and what they weigh (the optimizer's state), and the recomputation
+// modes the planner compares: the user's, or every mode under a byte cap when --recompute was
+// left out.
+void set_memory_caps(layout_space& space, const planning_args& a) {
+  space.max_stash = a.max_stash;
+  space.max_stash_bytes = a.max_stash_bytes;
+  space.max_memory_bytes = a.max_memory_bytes;
+  space.optimizer_state = std::max(0.0, a.optimizer_state);
   if (!a.recompute_given && (a.max_memory_bytes > 0 || a.max_stash_bytes > 0)) {
-    return {recompute_mode::never, recompute_mode::except_last, recompute_mode::always};
+    space.recompute = {recompute_mode::never, recompute_mode::except_last, recompute_mode::always};
+  } else {
+    space.recompute = {parse_recompute_mode(a.recompute)};
   }
-  return {parse_recompute_mode(a.recompute)};
 }
 
 } // namespace
@@ -365,11 +371,7 @@ layout_space layout_space_for(const layer_list& layers, int64_t batch, const pla
   } else {
     space.partitions = {a.partition};
   }
-  space.max_stash = a.max_stash;
-  space.max_stash_bytes = a.max_stash_bytes;
-  space.max_memory_bytes = a.max_memory_bytes;
-  space.optimizer_state = std::max(0.0, a.optimizer_state);
-  space.recompute = recompute_modes_for(a);
+  set_memory_caps(space, a);
   if (a.profile_device().is_cuda() && !a.threads_auto) {
     space.cores = 0; // stages on GPUs do not share the host's cores for their compute
   }
@@ -425,10 +427,7 @@ void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
                 i + 1, l.stages, l.threads, l.microbatches, to_string(l.schedule).c_str(), l.chunks,
                 l.partition_spec.c_str(), l.step_ms, 100 * l.bubble, l.stash,
                 static_cast<double>(l.stash_bytes) / 1e6, static_cast<double>(l.memory_bytes) / 1e6,
-                l.cut.to_string().c_str(),
-                l.recompute == recompute_mode::never
-                  ? ""
-                  : (std::string(" recompute ") + to_string(l.recompute)).c_str(),
+                l.cut.to_string().c_str(), recompute_suffix(l.recompute).c_str(),
                 l.fits ? "" : "  (over the memory cap)");
   };
   std::size_t shown = std::min(rows, ranking.size());
@@ -564,10 +563,7 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
               "cut %s%s, predicted %.1f ms per step\n",
               choice.schedule_name.c_str(), choice.microbatches, choice.chunks, best.stages,
               best.threads, choice.cut.to_string().c_str(),
-              best.recompute == recompute_mode::never
-                ? ""
-                : (std::string(", recompute ") + to_string(best.recompute)).c_str(),
-              best.step_ms);
+              recompute_suffix(best.recompute).c_str(), best.step_ms);
   std::fflush(stdout);
   return choice;
 }
@@ -617,11 +613,7 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
                           : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
       space.chunks = std::max<std::size_t>(2, a.chunks);
       space.partitions = {a.partition_given ? a.partition : "time"};
-      space.max_stash = a.max_stash;
-      space.max_stash_bytes = a.max_stash_bytes;
-      space.max_memory_bytes = a.max_memory_bytes;
-      space.optimizer_state = std::max(0.0, a.optimizer_state);
-      space.recompute = recompute_modes_for(a);
+      set_memory_caps(space, a);
       space.link_gbps = p.link_gbps;
       space.link_latency_ms = p.link_latency_ms;
       std::vector<layout> ranking;

@@ -119,6 +119,9 @@ struct layout {
   std::string to_string() const;
 };
 
+/// ", recompute always" (or except_last), "" for never: how layouts and plans name it.
+std::string recompute_suffix(recompute_mode recompute);
+
 /// What a stage holds at its peak, predicted: its parameters, their gradients and the
 /// optimizer's state (fp32: 4 bytes an element; optimizer_state tensors per parameter, divided
 /// among `shard_ways` replicas under data_parallel_options::shard) and the activations its

@@ -192,6 +192,27 @@ TEST_CASE("a rank that never arrives fails the others at the rendezvous, naming 
                        pipeline_error);
 }
 
+namespace {
+
+// Replicas 0 and 1 of tiny_mlp(1) in 2 stages, as pipelines of their own at `o`'s rendezvous,
+// built at once (each waits for the other).
+std::pair<std::unique_ptr<pipeline>, std::unique_ptr<pipeline>>
+two_replicas(engine& sys, const pipeline_options& o) {
+  std::vector<std::future<std::unique_ptr<pipeline>>> building;
+  for (std::size_t r = 0; r < 2; ++r) {
+    auto ro = o;
+    ro.data_parallel.rank = r;
+    auto layers = tiny_mlp(1); // here: the seeded draws of two threads would interleave
+    building.push_back(std::async(std::launch::async, [&sys, ro, layers] {
+      return std::make_unique<pipeline>(sys, layers, partition_uniform(6, 2), ro);
+    }));
+  }
+  auto p0 = building[0].get();
+  return {std::move(p0), building[1].get()};
+}
+
+} // namespace
+
 TEST_CASE("a replica that fails its step fails the other within the deadline, and no parameter "
           "changes") {
   engine sys;
@@ -199,16 +220,7 @@ TEST_CASE("a replica that fails its step fails the other within the deadline, an
   o.data_parallel.replicas = 2;
   o.data_parallel.local = make_local_rendezvous();
   o.data_parallel.timeout = std::chrono::milliseconds(1500);
-  std::vector<std::future<std::unique_ptr<pipeline>>> building;
-  for (std::size_t r = 0; r < 2; ++r) {
-    auto ro = o;
-    ro.data_parallel.rank = r;
-    building.push_back(std::async(std::launch::async, [&sys, ro] {
-      return std::make_unique<pipeline>(sys, tiny_mlp(1), partition_uniform(6, 2), ro);
-    }));
-  }
-  auto p0 = building[0].get();
-  auto p1 = building[1].get();
+  auto [p0, p1] = two_replicas(sys, o);
   auto before = p0->named_parameters();
   auto start = std::chrono::steady_clock::now();
   auto good = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
@@ -236,20 +248,7 @@ TEST_CASE("a replica's failed step ends the other's at once, not at the deadline
   o.data_parallel.replicas = 2;
   o.data_parallel.local = make_local_rendezvous();
   o.data_parallel.timeout = std::chrono::milliseconds(30000);
-  auto build = [&] {
-    std::vector<std::future<std::unique_ptr<pipeline>>> building;
-    for (std::size_t r = 0; r < 2; ++r) {
-      auto ro = o;
-      ro.data_parallel.rank = r;
-      auto layers = tiny_mlp(1); // here: the seeded draws of two threads would interleave
-      building.push_back(std::async(std::launch::async, [&sys, ro, layers] {
-        return std::make_unique<pipeline>(sys, layers, partition_uniform(6, 2), ro);
-      }));
-    }
-    auto p0 = building[0].get();
-    return std::make_pair(std::move(p0), building[1].get());
-  };
-  auto [p0, p1] = build();
+  auto [p0, p1] = two_replicas(sys, o);
   auto before = p0->named_parameters();
   auto start = std::chrono::steady_clock::now();
   auto good = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
@@ -293,7 +292,7 @@ TEST_CASE("a replica's failed step ends the other's at once, not at the deadline
   p0.reset();
   p1.reset();
   o.data_parallel.local = make_local_rendezvous();
-  std::tie(p0, p1) = build();
+  std::tie(p0, p1) = two_replicas(sys, o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   for (int step = 0; step < 3; ++step) {
     CAPTURE(step);
