@@ -43,6 +43,7 @@ void drop_step(std::map<key, bundle>& inputs, uint64_t step) {
 }
 
 void abort_chunks(stage_state& s) {
+  s.device->end_chunks(); // what follows runs on the stage's stream, after the chunks'
   for (auto& chunk : s.chunks) {
     chunk->abort_step();
   }
@@ -257,6 +258,7 @@ void advance(stage_actor_type self) {
     }
     auto start = clock_type::now();
     int64_t bytes = 0;
+    s.device->select(static_cast<std::size_t>(a.chunk));
     int first_mark = s.options.device_timing ? s.device->mark() : -1;
     try {
       bytes = run_action(self, a);
@@ -281,6 +283,7 @@ void advance(stage_actor_type self) {
     ++s.next_action;
   }
   if (s.active) {
+    s.device->end_chunks();
     if (s.plan.train) {
       try {
         end_training_program(s, origin);
@@ -295,6 +298,10 @@ void advance(stage_actor_type self) {
     s.report.stats.peak_stash_bytes = 0;
     for (const auto& chunk : s.chunks) {
       s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
+    }
+    // A GPU's peak is the process's: this stage's when it is alone there.
+    if (s.device->is_cuda() && stages::cuda::stages_on(s.device->device()) == 1) {
+      s.report.stats.device_peak_bytes = stages::cuda::peak_allocated_bytes(s.device->device());
     }
     // The report's loss and outputs are read by other threads: the stream is done first.
     s.device->synchronize();
@@ -361,6 +368,12 @@ void start_plan(stage_actor_type self, step_plan plan) {
       std::chrono::duration<double, std::milli>(
         clock_type::now() - clock_type::time_point(std::chrono::nanoseconds(plan.origin_ns)))
         .count());
+  }
+  if (s.device->is_cuda()) {
+    stages::cuda::reset_peak_allocated(s.device->device());
+  }
+  if (s.options.chunk_streams) {
+    s.device->begin_chunks(s.chunks.size());
   }
   s.report.step = plan.step;
   s.report.stats.stage = s.options.index;

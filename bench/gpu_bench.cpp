@@ -5,7 +5,10 @@
 //      (as actorpipe_micro_bench on the CPU);
 //   3. the gpt's tokens per second in fp32 and bf16 (two stages on the device, 4 micro-batches),
 //      width 1024 and 512 tokens, at 16 and 64 sequences a batch: the smaller leaves a GPU
-//      waiting for the host's kernel launches, the larger is decided by its matrix products.
+//      waiting for the host's kernel launches, the larger is decided by its matrix products;
+//   4. schedules on the gpt (fp32, 32 sequences, 8 micro-batches, two stages): 1F1B, ZB-V, and
+//      DualPipeV with each chunk on a stream of its own (pipeline_options::chunk_streams) and
+//      with one stream per stage, side by side.
 // The batch and targets start on the device for plain libtorch and the pipeline alike (the
 // pipeline's hand-off of a host batch is what `--host-batch` adds). Medians over the timed steps,
 // after a warm-up step; one JSON object on stdout or --json.
@@ -43,6 +46,7 @@ struct settings {
   int64_t gpt_layers = 8;
   int64_t gpt_context = 512;
   std::vector<int64_t> gpt_batches{16, 64};
+  int64_t schedules_batch = 32;
   bool host_batch = false;
 };
 
@@ -176,17 +180,20 @@ nlohmann::json hop_cost(engine& sys, const settings& s, c10::Device device) {
   return out;
 }
 
+// The bench's gpt (vocabulary 256, 8 heads), its parameters drawn after seed 3.
+layer_list bench_gpt(const settings& s) {
+  torch::manual_seed(3);
+  model_options o;
+  o.vocabulary = 256;
+  o.layers = s.gpt_layers;
+  o.heads = 8;
+  o.width = s.gpt_width;
+  o.context = s.gpt_context;
+  return make_model("gpt", o);
+}
+
 nlohmann::json gpt_tokens(engine& sys, const settings& s, int64_t batch, c10::Device device) {
-  auto gpt = [&] {
-    torch::manual_seed(3);
-    model_options o;
-    o.vocabulary = 256;
-    o.layers = s.gpt_layers;
-    o.heads = 8;
-    o.width = s.gpt_width;
-    o.context = s.gpt_context;
-    return make_model("gpt", o);
-  };
+  auto gpt = [&] { return bench_gpt(s); };
   auto x = torch::randint(256, {batch, s.gpt_context});
   auto y = torch::randint(256, {batch, s.gpt_context});
   auto px = batch_for(s, x, device);
@@ -210,6 +217,43 @@ nlohmann::json gpt_tokens(engine& sys, const settings& s, int64_t batch, c10::De
   return out;
 }
 
+// Step times of the schedules on the gpt: two stages sharing the device, 8 micro-batches.
+nlohmann::json schedules(engine& sys, const settings& s, c10::Device device) {
+  auto gpt = [&] { return bench_gpt(s); };
+  auto x = batch_for(s, torch::randint(256, {s.schedules_batch, s.gpt_context}), device);
+  auto y = batch_for(s, torch::randint(256, {s.schedules_batch, s.gpt_context}), device);
+  struct contender {
+    const char* name;
+    schedule_kind kind;
+    std::size_t chunks;
+    bool chunk_streams;
+  };
+  const contender contenders[] = {{"1f1b", schedule_kind::one_f_one_b, 1, true},
+                                  {"zb-v", schedule_kind::zb_v, 2, true},
+                                  {"dualpipe-v", schedule_kind::dualpipe_v, 2, true},
+                                  {"dualpipe-v, one stream", schedule_kind::dualpipe_v, 2, false}};
+  nlohmann::json out{{"batch", s.schedules_batch}, {"microbatches", 8}};
+  double base = 0;
+  for (const auto& c : contenders) {
+    auto layers = gpt();
+    pipeline_options o;
+    o.microbatches = 8;
+    o.schedule = c.kind;
+    o.chunks = c.chunks;
+    o.chunk_streams = c.chunk_streams;
+    o.loss = builtin_loss("cross_entropy");
+    o.optimizer = sgd(0.05);
+    o.devices.assign(2, device);
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2 * c.chunks), o);
+    double ms = median_step_ms(s.steps, [&] { pipe.train_step(x, y); });
+    base = base > 0 ? base : ms;
+    out[c.name] = {{"step_ms", ms}, {"over_1f1b", base / ms}};
+    std::fprintf(stderr, "gpt schedules, batch %lld: %s %.1f ms (%.3fx 1f1b)\n",
+                 static_cast<long long>(s.schedules_batch), c.name, ms, base / ms);
+  }
+  return out;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -226,6 +270,10 @@ int main(int argc, char** argv) {
   app.add_option("--gpt-context", s.gpt_context, "gpt: tokens per sequence")->capture_default_str();
   app.add_option("--gpt-batch", s.gpt_batches, "gpt: sequences per batch (each size measured)")
     ->delimiter(',');
+  app
+    .add_option("--schedules-batch", s.schedules_batch,
+                "schedules on the gpt: sequences per batch (0: not measured)")
+    ->capture_default_str();
   app.add_flag("--host-batch", s.host_batch,
                "the pipeline's batch starts on the host (pinned and copied every step)");
   app.add_option("--json", json_path, "write the results here (default: stdout)");
@@ -243,6 +291,9 @@ int main(int argc, char** argv) {
     result["gpt"] = nlohmann::json::array();
     for (auto batch : s.gpt_batches) {
       result["gpt"].push_back(gpt_tokens(sys, s, batch, device));
+    }
+    if (s.schedules_batch > 0) {
+      result["schedules"] = schedules(sys, s, device);
     }
     if (json_path.empty()) {
       std::cout << result.dump(2) << "\n";

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Predicted memory per stage against measured (docs/memory.md, BENCHMARKS.md).
 
-    python3 bench/memory_model.py build/cli/actorpipe [--resnet50] [--json OUT]
+    python3 bench/memory_model.py build/cli/actorpipe [--resnet50] [--gpu] [--json OUT]
 
 For each case, `actorpipe plan` predicts every stage's peak (parameters, gradients, optimizer
 state, stashed activations) and `actorpipe train --json` measures the same layout: gradients
@@ -10,6 +10,11 @@ much as their gradients) and the most the stage stashed (peak_stash_bytes, recom
 activations included while they live), the largest over the steps after the first. Cases: the
 gpt on fortunes, a TorchScript CNN scripted here by PyTorch, each with and without
 `--recompute always`, and with --resnet50 the bench's ResNet-50 (minutes on 2 cores).
+
+With --gpu (the CUDA build, a GPU): plan profiles the layers on cuda:0 (--profile-device) and
+each stage is measured on cuda:0 with the other stage on the CPU (`--devices cuda:0,cpu`, then
+`cpu,cuda:0`), so that the caching allocator's peak on the GPU (stage_stats::device_peak_bytes)
+is that stage's alone; the table adds it beside the prediction.
 """
 import json
 import os
@@ -50,30 +55,47 @@ def run(actorpipe, args):
     return result.stdout
 
 
-def measure(actorpipe, name, model, layout, steps, directory):
-    predicted = {}
-    for m in STAGE.finditer(run(actorpipe, f"plan {model} {layout} --profile-repeats 2")):
-        predicted[int(m.group(1))] = [float(m.group(i)) for i in range(2, 7)]
+def train_stats(actorpipe, model, layout, steps, directory, devices):
+    """Per stage: [gradients, optimizer, peak stash, device peak] in MB, the most over the steps
+    after the first."""
     report_path = os.path.join(directory, "report.json")
     trace_path = os.path.join(directory, "trace.json")  # makes train keep every step's stats
     run(actorpipe, f"train {model} {layout} --steps {steps} --no-progress --json {report_path} "
-                   f"--trace {trace_path}")
+                   f"--trace {trace_path}" + (f" --devices {devices}" if devices else ""))
     with open(report_path) as f:
         report = json.load(f)
     measured = {}
     for step in report["steps"][1:]:
         for s in step.get("stages", []):
             mb = [s["gradient_bytes"] / 1e6, s["optimizer_bytes"] / 1e6,
-                  s["peak_stash_bytes"] / 1e6]
-            old = measured.get(s["stage"], [0, 0, 0])
+                  s["peak_stash_bytes"] / 1e6, s.get("device_peak_bytes", -1) / 1e6]
+            old = measured.get(s["stage"], [0, 0, 0, -1])
             measured[s["stage"]] = [max(a, b) for a, b in zip(old, mb)]
+    return measured
+
+
+def measure(actorpipe, name, model, layout, steps, directory, gpu):
+    predicted = {}
+    device = " --profile-device cuda:0" if gpu else ""
+    plan = run(actorpipe, f"plan {model} {layout} --profile-repeats 2{device}")
+    for m in STAGE.finditer(plan):
+        predicted[int(m.group(1))] = [float(m.group(i)) for i in range(2, 7)]
+    if gpu:  # each stage alone on the GPU, the other on the CPU
+        measured = {}
+        for stage in sorted(predicted):
+            devices = ",".join("cuda:0" if k == stage else "cpu" for k in sorted(predicted))
+            measured[stage] = train_stats(actorpipe, model, layout, steps, directory,
+                                          devices)[stage]
+    else:
+        measured = train_stats(actorpipe, model, layout, steps, directory, None)
     rows = []
     for stage, p in sorted(predicted.items()):
-        g, o, a = measured[stage]
+        g, o, a, peak = measured[stage]
         total = 2 * g + o + a
         rows.append({"case": name, "stage": stage, "predicted": p, "measured": [g, o, a],
                      "predicted_total": p[0], "measured_total": total,
-                     "error": (p[0] - total) / total if total > 0 else 0.0})
+                     "error": (p[0] - total) / total if total > 0 else 0.0,
+                     "device_peak": peak})
     return rows
 
 
@@ -83,33 +105,46 @@ def main():
     actorpipe = sys.argv[1]
     out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     layout = "--stages 2 --microbatches 4 --schedule 1f1b"
+    gpu = "--gpu" in sys.argv
     with tempfile.TemporaryDirectory() as directory:
         cnn = script_cnn(directory)
+        # The GPU machine has no fortunes: there the gpt trains on synthetic token sequences.
+        gpt, gpt_name = (("--data synthetic --model gpt --width 512 --layers 4 --heads 8 "
+                          "--context 128 --batch 16", "gpt (width 512, 128 tokens), Adam")
+                         if gpu else ("--data text", "gpt on fortunes, Adam"))
         cases = [
-            ("gpt on fortunes, Adam", "--data text", layout, 3),
-            ("gpt on fortunes, Adam, recompute always", "--data text",
-             layout + " --recompute always", 3),
+            (gpt_name, gpt, layout, 3),
+            (gpt_name + ", recompute always", gpt, layout + " --recompute always", 3),
             ("TorchScript CNN, 64 images 3x64x64, SGD", cnn, layout + " --partition params", 3),
             ("TorchScript CNN, recompute always", cnn,
              layout + " --partition params --recompute always", 3),
         ]
         if "--resnet50" in sys.argv:
+            # On a GPU by parameters: a cut by time would be profiled on each run's first
+            # device (the GPU or the CPU) and differ between them.
+            resnet = layout + (" --partition params" if gpu else " --partition time")
             cases.append(("ResNet-50, batch 120, SGD", "--data synthetic --model resnet50",
-                          layout + " --partition time", 2))
+                          resnet, 2))
             cases.append(("ResNet-50, recompute always", "--data synthetic --model resnet50",
-                          layout + " --partition time --recompute always", 2))
+                          resnet + " --recompute always", 2))
         rows = []
         for name, model, case_layout, steps in cases:
             print(f"measuring: {name}", file=sys.stderr, flush=True)
-            rows += measure(actorpipe, name, model, case_layout, steps, directory)
+            rows += measure(actorpipe, name, model, case_layout, steps, directory, gpu)
+            if out:  # what was measured so far, should a later case not finish
+                with open(out, "w") as f:
+                    json.dump(rows, f, indent=1)
     print("| case | stage | predicted: parameters, gradients, optimizer, activations (MB) | "
-          "measured: gradients, optimizer, peak stash (MB) | total, predicted / measured |")
-    print("|---|---|---|---|---|")
+          "measured: gradients, optimizer, peak stash (MB) | total, predicted / measured |"
+          + (" device peak (MB), over predicted |" if gpu else ""))
+    print("|---|---|---|---|---|" + ("---|" if gpu else ""))
     for r in rows:
         p, m = r["predicted"], r["measured"]
+        peak = (f" {r['device_peak']:.1f} ({100 * (r['device_peak'] / p[0] - 1):+.1f}%) |"
+                if gpu else "")
         print(f"| {r['case']} | {r['stage']} | {p[1]:.1f}, {p[2]:.1f}, {p[3]:.1f}, {p[4]:.1f} | "
               f"{m[0]:.2f}, {m[1]:.2f}, {m[2]:.2f} | {r['predicted_total']:.1f} / "
-              f"{r['measured_total']:.1f} ({100 * r['error']:+.1f}%) |")
+              f"{r['measured_total']:.1f} ({100 * r['error']:+.1f}%) |{peak}")
     worst = max(abs(r["error"]) for r in rows)
     print(f"\nlargest difference: {100 * worst:.1f}%")
     if out:

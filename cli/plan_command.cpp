@@ -9,6 +9,8 @@
 
 #include <actorpipe/trace.hpp>
 
+#include "stages/device.hpp"
+
 namespace actorpipe::cli {
 
 CLI::App* add_plan_command(CLI::App& app, plan_args& a) {
@@ -20,6 +22,10 @@ CLI::App* add_plan_command(CLI::App& app, plan_args& a) {
   add_pipeline_flags(cmd, a.plan);
   add_recompute_flag(cmd, a.plan);
   cmd->add_option("--svg", a.svg, "Draw the planned schedule as a Gantt chart into this SVG file");
+  cmd->add_option("--profile-device", a.profile_device,
+                  "Profile the layers on this device (cpu, cuda or cuda:N; default cpu): the "
+                  "times and memory of stages on that GPU, to compare with `train --devices` "
+                  "(docs/memory.md); the CUDA build only");
   cmd
     ->add_option("--devices", a.devices,
                  "Project a step onto other machines instead: device counts, e.g. 8,16,64, each "
@@ -159,6 +165,13 @@ int run_plan(const plan_args& given) {
                     "--max-stages and --threads auto do not apply");
     ACTORPIPE_CHECK(a.svg.empty(), "--svg draws this machine's plan, not a projection");
     return run_projection(a);
+  }
+  if (!a.profile_device.empty()) {
+    ACTORPIPE_CHECK(!a.plan.layout_auto(),
+                    "--profile-device profiles a given layout's layers; with --stages or "
+                    "--threads auto give the devices the planner may use to train's --devices");
+    a.plan.devices = training::parse_devices({a.profile_device}, a.plan, "--profile-device");
+    stages::check_device(a.plan.devices.front(), "--profile-device");
   }
   auto setup = build_model(a.model);
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan, /*always_profile=*/true);

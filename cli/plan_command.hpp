@@ -20,6 +20,8 @@ struct plan_args {
   /// --devices, --link: a projection onto other machines instead of this one.
   std::vector<std::size_t> devices;
   std::string link;
+  /// --profile-device: the device the layers are profiled on (a GPU's times and memory).
+  std::string profile_device;
 };
 
 CLI::App* add_plan_command(CLI::App& app, plan_args& args);

@@ -423,6 +423,7 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                           {"sync_ms", st.sync_end_ms - st.sync_start_ms},
                           {"peak_stash", st.peak_stash},
                           {"peak_stash_bytes", st.peak_stash_bytes},
+                          {"device_peak_bytes", st.device_peak_bytes},
                           {"recomputed", st.recomputed},
                           {"optimizer_bytes", st.optimizer_bytes},
                           {"gradient_bytes", st.gradient_bytes}});

@@ -411,6 +411,7 @@ std::string to_json(const actors::stage_report& r) {
               {"wait_ms", s.wait_ms},
               {"peak_stash", s.peak_stash},
               {"peak_stash_bytes", s.peak_stash_bytes},
+              {"device_peak_bytes", s.device_peak_bytes},
               {"recomputed", s.recomputed},
               {"early_update", s.early_update},
               {"sync", {s.sync_start_ms, s.sync_end_ms, s.sync_bytes}},
@@ -435,6 +436,7 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   s.wait_ms = field<double>(j, "wait_ms", what);
   s.peak_stash = field<double>(j, "peak_stash", what);
   s.peak_stash_bytes = field<int64_t>(j, "peak_stash_bytes", what);
+  s.device_peak_bytes = field<int64_t>(j, "device_peak_bytes", what);
   s.recomputed = field<std::size_t>(j, "recomputed", what);
   s.early_update = field<bool>(j, "early_update", what);
   auto sync = field<json>(j, "sync", what);

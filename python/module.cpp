@@ -55,6 +55,7 @@ py::dict stats_of(const step_result& r) {
     stage["optimizer_ms"] = s.optimizer_ms;
     stage["peak_stash"] = s.peak_stash;
     stage["peak_stash_bytes"] = s.peak_stash_bytes;
+    stage["device_peak_bytes"] = s.device_peak_bytes;
     stage["recomputed"] = s.recomputed;
     stage["optimizer_bytes"] = s.optimizer_bytes;
     stage["gradient_bytes"] = s.gradient_bytes;

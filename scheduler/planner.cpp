@@ -155,7 +155,7 @@ double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, s
   double bytes = input_of(layers, begin);
   for (auto i = begin; i < end; ++i) {
     const auto& l = layers[i];
-    bytes += static_cast<double>(l.retained_bytes > 0 ? l.retained_bytes : l.output_bytes);
+    bytes += static_cast<double>(l.retained_bytes >= 0 ? l.retained_bytes : l.output_bytes);
     if (i > begin) { // what the stage's own layers free of each other's outputs
       bytes -= static_cast<double>(l.freed_input_bytes);
     }

@@ -12,12 +12,77 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
 #include <actorpipe/errors.hpp>
 
 namespace actorpipe::stages {
 namespace {
 
 using c10::cuda::CUDAStream;
+
+// Stage contexts alive per device index (stages_on).
+constexpr std::size_t max_devices = 64;
+std::array<std::atomic<int>, max_devices> contexts{};
+
+std::atomic<int>& contexts_on(c10::DeviceIndex index) {
+  return contexts.at(static_cast<std::size_t>(index));
+}
+
+c10::DeviceIndex index_of(c10::Device device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
+// memory_tally on a GPU: the counter of the calling thread's innermost tally, and every tallied
+// allocation alive (its address: its counter and bytes). The caching allocator calls
+// on_allocator_trace under its own lock on the thread that allocates or frees; this map's lock
+// is taken inside it, never around a call into the allocator.
+thread_local std::shared_ptr<std::atomic<int64_t>> thread_tally;
+
+struct tallied_allocations {
+  std::mutex mutex;
+  std::unordered_map<std::size_t, std::pair<std::shared_ptr<std::atomic<int64_t>>, int64_t>> live;
+};
+
+tallied_allocations& tallied() {
+  static auto* all = new tallied_allocations; // the allocator may call after static destruction
+  return *all;
+}
+
+void on_allocator_trace(const c10::CachingDeviceAllocator::TraceEntry& e) {
+  using action = c10::CachingDeviceAllocator::TraceEntry::Action;
+  if (e.action_ == action::ALLOC) {
+    if (thread_tally) {
+      auto bytes = static_cast<int64_t>(e.size_);
+      *thread_tally += bytes;
+      std::lock_guard<std::mutex> lock{tallied().mutex};
+      tallied().live[e.addr_] = {thread_tally, bytes};
+    }
+  } else if (e.action_ == action::FREE_REQUESTED) {
+    auto& all = tallied();
+    std::lock_guard<std::mutex> lock{all.mutex};
+    if (auto it = all.live.find(e.addr_); it != all.live.end()) {
+      *it->second.first -= it->second.second;
+      all.live.erase(it);
+    }
+  }
+}
+
+void log_once_without_tally(const std::exception& e) {
+  std::fprintf(stderr,
+               "actorpipe: the CUDA allocator reports no allocations (%s): stashes on GPUs are "
+               "counted as 0 bytes\n",
+               detail::first_line(e.what()).c_str());
+}
+
+const c10::CachingAllocator::Stat& aggregate(const c10::CachingAllocator::StatArray& stats) {
+  return stats[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+}
 
 // Recorded on the producing stage's stream after the bundle's tensors were made.
 class cuda_ready_event final : public ready_event {
@@ -40,20 +105,60 @@ class cuda_context final : public device_context {
 public:
   explicit cuda_context(c10::Device device)
     : device_context(device), index_(device.index()),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())) {}
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())),
+      current_(stream_) {
+    ++contexts_on(index_);
+  }
+  ~cuda_context() override { --contexts_on(index_); }
+  cuda_context(const cuda_context&) = delete;
+  cuda_context& operator=(const cuda_context&) = delete;
 
   void bind_current_thread() override {
     c10::cuda::set_device(index_);
     c10::cuda::setCurrentCUDAStream(stream_);
   }
 
+  void begin_chunks(std::size_t chunks) override {
+    end_chunks();
+    if (chunks < 2) {
+      return;
+    }
+    while (chunk_streams_.size() < chunks) {
+      chunk_streams_.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index_));
+    }
+    c10::cuda::CUDAEvent before(cudaEventDisableTiming);
+    before.record(stream_);
+    for (std::size_t c = 0; c < chunks; ++c) {
+      before.block(chunk_streams_[c]);
+    }
+    active_chunks_ = chunks;
+  }
+
+  void select(std::size_t chunk) override {
+    if (active_chunks_ > 0) {
+      current_ = chunk_streams_.at(chunk);
+      c10::cuda::setCurrentCUDAStream(current_);
+    }
+  }
+
+  void end_chunks() override {
+    for (std::size_t c = 0; c < active_chunks_; ++c) {
+      c10::cuda::CUDAEvent done(cudaEventDisableTiming);
+      done.record(chunk_streams_[c]);
+      done.block(stream_);
+    }
+    active_chunks_ = 0;
+    current_ = stream_;
+    c10::cuda::setCurrentCUDAStream(stream_);
+  }
+
   std::shared_ptr<const ready_event> record() override {
-    return std::make_shared<cuda_ready_event>(stream_);
+    return std::make_shared<cuda_ready_event>(current_);
   }
 
   void adopt(bundle& b) override {
     if (const auto* event = dynamic_cast<const cuda_ready_event*>(b.ready().get())) {
-      event->block(stream_);
+      event->block(current_);
       // A tensor from another GPU is copied here by that GPU's current stream on this thread
       // (libtorch's cross-device copy): it waits too.
       if (event->device() != index_) {
@@ -65,7 +170,7 @@ public:
     for (const auto& t : b.tensors()) {
       if (t.defined() && t.is_cuda()) {
         auto on = t.device().index() == index_
-                    ? stream_
+                    ? current_
                     : c10::cuda::getCurrentCUDAStream(t.device().index());
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), on);
       }
@@ -73,7 +178,12 @@ public:
     b.set_ready(nullptr);
   }
 
-  void synchronize() override { stream_.synchronize(); }
+  void synchronize() override {
+    stream_.synchronize();
+    for (const auto& chunk : chunk_streams_) {
+      chunk.synchronize();
+    }
+  }
 
   void begin_timeline(double host_ms) override {
     used_ = 0;
@@ -85,7 +195,7 @@ public:
     if (used_ == marks_.size()) {
       marks_.push_back(std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault)); // timed
     }
-    marks_[used_]->record(stream_);
+    marks_[used_]->record(current_);
     return static_cast<int>(used_++);
   }
 
@@ -100,6 +210,10 @@ public:
 private:
   c10::DeviceIndex index_;
   CUDAStream stream_;
+  // The chunk streams (begin_chunks; the first active_chunks_ in use) and the current stream.
+  std::vector<CUDAStream> chunk_streams_;
+  std::size_t active_chunks_ = 0;
+  CUDAStream current_;
   // Timing events, reused step after step; the first `used_` belong to the running step.
   std::vector<std::unique_ptr<c10::cuda::CUDAEvent>> marks_;
   std::size_t used_ = 0;
@@ -145,6 +259,47 @@ std::string out_of_memory(const std::exception& e) {
     return detail::first_line(oom->what_without_backtrace());
   }
   return {};
+}
+
+std::shared_ptr<std::atomic<int64_t>> begin_tally(c10::Device device,
+                                                  std::shared_ptr<std::atomic<int64_t>>& previous) {
+  static const bool watching = [device] {
+    try {
+      // The allocator attaches the callback to the devices it has: it starts here first.
+      at::empty({1}, at::TensorOptions().device(device));
+      c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(on_allocator_trace);
+      return true;
+    } catch (const std::exception& e) { // cudaMallocAsync's backend has no trace callback
+      log_once_without_tally(e);
+      return false;
+    }
+  }();
+  previous = std::move(thread_tally);
+  thread_tally = watching ? std::make_shared<std::atomic<int64_t>>(0) : nullptr;
+  return thread_tally;
+}
+
+void end_tally(std::shared_ptr<std::atomic<int64_t>> previous) {
+  thread_tally = std::move(previous);
+}
+
+int64_t peak_allocated_bytes(c10::Device device) {
+  if (!device.is_cuda()) {
+    return 0;
+  }
+  return aggregate(
+           c10::cuda::CUDACachingAllocator::getDeviceStats(index_of(device)).allocated_bytes)
+    .peak;
+}
+
+void reset_peak_allocated(c10::Device device) {
+  if (device.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(index_of(device));
+  }
+}
+
+int stages_on(c10::Device device) {
+  return device.is_cuda() ? contexts_on(index_of(device)).load() : 0;
 }
 
 } // namespace cuda

@@ -6,6 +6,7 @@
 /// stream of its own. The scheduler, the actors and comm/ stay device-blind: they call this.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include <c10/core/Device.h>
 
 #include <actorpipe/bundle.hpp>
+#include <actorpipe/memory.hpp>
 
 namespace actorpipe::stages {
 
@@ -26,6 +28,17 @@ public:
   /// Makes the calling thread compute on this device and its stream from now on (a stage
   /// actor's thread is its own: called once, before its first action).
   virtual void bind_current_thread() {}
+
+  /// A stage of several chunks (interleaved and V schedules) on a GPU gives each chunk a stream
+  /// of its own for a program (pipeline_options::chunk_streams), so that one chunk's forward
+  /// and another's backward may run side by side on the device. begin_chunks(n) makes n chunk
+  /// streams wait for the stage's stream (the optimizer step before); select(c) makes chunk c's
+  /// stream current (record, adopt and mark use the current stream); end_chunks() makes the
+  /// stage's stream wait for every chunk stream and current again (for what follows a program:
+  /// the replica sync, clipping, the optimizer step). Nothing on the CPU, or for one chunk.
+  virtual void begin_chunks(std::size_t /*chunks*/) {}
+  virtual void select(std::size_t /*chunk*/) {}
+  virtual void end_chunks() {}
 
   /// An event recorded on the stream after what it has been given so far (null on the CPU):
   /// set it on a bundle before the bundle leaves the stage.
@@ -42,8 +55,8 @@ public:
     b.set_ready(nullptr);
   }
 
-  /// Blocks until everything queued on the stream is done (before a report leaves the stage:
-  /// once per step, never per hop).
+  /// Blocks until everything queued on the stream (and the chunk streams) is done (before a
+  /// report leaves the stage: once per step, never per hop).
   virtual void synchronize() {}
 
   /// The device's own clock (a GPU runs an action's kernels after the host queued them):
@@ -77,6 +90,28 @@ at::Generator default_generator(c10::Device device);
 /// Checks a device a user named for a stage (as make_device_context does, without making one).
 void check_device(c10::Device device, const std::string& who);
 
+/// What the calling thread keeps of what it allocates from now on, for a stage's stash and a
+/// layer's profile: every buffer it allocates while the tally is alive counts until it is freed,
+/// by whichever thread. CPU buffers through memory::allocation_tally; on a CUDA `device`, the
+/// caching allocator's allocations (watched through its trace callback, installed at the first
+/// such tally: a map entry per tallied allocation while it lives, as the CPU's). Tallies nest;
+/// the innermost counts.
+class memory_tally {
+public:
+  explicit memory_tally(c10::Device device);
+  ~memory_tally();
+  memory_tally(const memory_tally&) = delete;
+  memory_tally& operator=(const memory_tally&) = delete;
+
+  int64_t live_bytes() const;
+
+private:
+  memory::allocation_tally host_;
+  bool cuda_;
+  std::shared_ptr<std::atomic<int64_t>> device_;
+  std::shared_ptr<std::atomic<int64_t>> previous_;
+};
+
 /// CUDA-only operations that leave the CPU as it is (`cuda_device.cpp` defines them in a CUDA
 /// build, `device.cpp` otherwise).
 namespace cuda {
@@ -95,6 +130,19 @@ void wait_for_current_stream(c10::Device device);
 /// "CUDA out of memory" in the caching allocator's words, with what was asked for; empty when
 /// `e` is not a CUDA out-of-memory error.
 std::string out_of_memory(const std::exception& e);
+/// memory_tally's CUDA half: from now on the calling thread's allocations from the caching
+/// allocator count on the returned counter until they are freed, and until end_tally(previous)
+/// gives the thread back the counter it had (null: none). Null on the CPU line, and where the
+/// allocator has no trace callback (PyTorch's cudaMallocAsync backend: said once on stderr).
+std::shared_ptr<std::atomic<int64_t>> begin_tally(c10::Device device,
+                                                  std::shared_ptr<std::atomic<int64_t>>& previous);
+void end_tally(std::shared_ptr<std::atomic<int64_t>> previous);
+/// The most bytes the caching allocator held allocated on a CUDA `device` at once (block sizes)
+/// since the last reset_peak_allocated; 0 for the CPU.
+int64_t peak_allocated_bytes(c10::Device device);
+void reset_peak_allocated(c10::Device device);
+/// Stage contexts of this process alive on `device` (0 for the CPU).
+int stages_on(c10::Device device);
 } // namespace cuda
 
 } // namespace actorpipe::stages

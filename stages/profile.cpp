@@ -123,7 +123,7 @@ void forward_all(const layer_list& layers, const bundle& sample, std::vector<lay
                  bool timed, c10::Device device) {
   bundle x = sample;
   for (std::size_t i = 0; i < layers.size(); ++i) {
-    memory::allocation_tally tally; // what the forward keeps, as a stage's stash counts it
+    stages::memory_tally tally{device}; // what the forward keeps, as a stage's stash counts it
     auto t0 = clock::now();
     forward_layer(layers[i], x, i == 0, runs[i]);
     auto t1 = done_on(device);
@@ -137,9 +137,10 @@ void forward_all(const layer_list& layers, const bundle& sample, std::vector<lay
 
 // One untimed forward of the layers chained, as a stage runs them, holding only the latest
 // output: per layer, what of its input was freed once it ran (nothing's graph saved it).
-std::vector<int64_t> chained_frees(const layer_list& layers, const bundle& sample) {
+std::vector<int64_t> chained_frees(const layer_list& layers, const bundle& sample,
+                                   c10::Device device) {
   std::vector<int64_t> freed(layers.size(), 0);
-  memory::allocation_tally tally;
+  stages::memory_tally tally{device};
   bundle x = sample;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     auto y = layers[i].forward(x);
@@ -150,13 +151,10 @@ std::vector<int64_t> chained_frees(const layer_list& layers, const bundle& sampl
   return freed;
 }
 
-// The medians of every layer's rounds, its sizes and, on the CPU, what it keeps and frees.
+// The medians of every layer's rounds, its sizes, and what it keeps and frees.
 std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vector<layer_run>& runs,
                                        const bundle& input, c10::Device device) {
-  std::vector<int64_t> freed(layers.size(), 0);
-  if (device.is_cpu()) { // the tally does not reach a GPU's memory
-    freed = chained_frees(layers, input);
-  }
+  auto freed = chained_frees(layers, input, device);
   std::vector<layer_profile> result;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const auto& r = runs[i];
@@ -169,8 +167,7 @@ std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vect
     p.weight_backward_ms = median_and_spread(r.weight_backward).first;
     p.output_bytes = r.output.nbytes();
     p.input_bytes = i == 0 ? input.nbytes() : runs[i - 1].output.nbytes();
-    p.retained_bytes =
-      device.is_cpu() ? static_cast<int64_t>(median_and_spread(r.retained).first) : 0;
+    p.retained_bytes = static_cast<int64_t>(median_and_spread(r.retained).first);
     p.freed_input_bytes = freed[i];
     result.push_back(std::move(p));
   }

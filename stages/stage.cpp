@@ -305,7 +305,7 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   // With recomputation the graph is built (it says which outputs need a gradient) and dropped
   // at once: only the input, and where the stage draws random numbers the generator's state,
   // stay until backward.
-  memory::allocation_tally tally;
+  memory_tally tally{config_.device};
   auto y = drawing(draws_random_, recompute, config_.device, entry.generator_state,
                    [&] { return run(microbatch, entry.input); });
   auto sent = detach_keeping_flags(y);
@@ -353,7 +353,7 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
   stash_entry entry;
   entry.input = receive(input, true);
   torch::Tensor value;
-  memory::allocation_tally tally;
+  memory_tally tally{config_.device};
   {
     // Recomputed, the forward runs without a graph (the last stage sends no activation whose
     // flags would need one); the loss function and target wait for backward.
@@ -390,7 +390,8 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
       bn->recomputing = false;
     }
   };
-  memory::allocation_tally tally; // what the rebuilt forward keeps, until its backward frees it
+  // What the rebuilt forward keeps, until its backward frees it.
+  memory_tally tally{config_.device};
   auto rerun = [&] {
     auto y = run(microbatch, entry.input);
     return is_last() && entry.loss

@@ -498,6 +498,11 @@ struct pipeline_options {
   /// action_record has the device's times (device_start_ms, device_end_ms) beside the host's.
   /// Off by default: four CUDA calls per action (`actorpipe train --trace` turns it on).
   bool device_timing = false;
+  /// A stage of several chunks (interleaved and V schedules) on a GPU runs each chunk on a CUDA
+  /// stream of its own, so that one chunk's forward and another's backward may run side by side
+  /// on the device (DualPipeV's pairs); false: one stream per stage. Nothing changes on the CPU
+  /// or for one chunk (docs/gpu.md).
+  bool chunk_streams = true;
   /// Replicas of this pipeline (off by default).
   data_parallel_options data_parallel;
   /// Hooks run by every stage (none by default).

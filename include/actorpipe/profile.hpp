@@ -32,14 +32,15 @@ struct layer_profile {
   int64_t output_bytes = 0;
   int64_t input_bytes = 0;
   /// Bytes a training forward of the layer allocates and keeps until its backward (its output
-  /// and the tensors autograd saved), measured by the allocation tally
-  /// (<actorpipe/memory.hpp>) as a stage measures its stash; 0 where it was not measured (a
-  /// layer profiled on a GPU).
-  int64_t retained_bytes = 0;
+  /// and the tensors autograd saved), measured as a stage measures its stash: the allocation
+  /// tally (<actorpipe/memory.hpp>) on the CPU, the CUDA caching allocator's allocations on a
+  /// GPU (stages::memory_tally). 0 for a view of its input (a flatten); -1 where not measured
+  /// (the planner counts output_bytes then).
+  int64_t retained_bytes = -1;
   /// Bytes of the layer's input that nothing keeps once it has run, in a chain of the layers
   /// (the previous layer's output, where neither graph saved it: a batch norm's output read
   /// by a ReLU, which saves its own result): a stage holding both layers does not keep them.
-  /// Measured by one chained forward under the allocation tally; 0 where not measured.
+  /// Measured by one chained forward, as retained_bytes.
   int64_t freed_input_bytes = 0;
   int64_t parameters = 0;
   /// Spread of the timed rounds: (upper quartile - lower quartile) / median of forward and of

@@ -44,8 +44,14 @@ struct stage_stats {
   double peak_stash = 0;
   /// Most bytes stashed at once during the step (summed over an actor's chunks): the inputs of
   /// the micro-batches between forward and backward and the activations their graphs keep (a
-  /// recomputed micro-batch keeps its input only until its backward rebuilds the rest).
+  /// recomputed micro-batch keeps its input only until its backward rebuilds the rest): the
+  /// bytes its forwards allocated and did not free, on the CPU and on a GPU alike.
   int64_t peak_stash_bytes = 0;
+  /// A stage on a GPU it has to itself (within its process): the most bytes the CUDA caching
+  /// allocator held allocated on it at once from the step's start to the stage's report
+  /// (parameters, gradients, optimizer state, stash, the working set of every action, the
+  /// cuBLAS workspace; the optimizer step after the report is not included). -1 elsewhere.
+  int64_t device_peak_bytes = -1;
   /// Forwards that kept only their input, recomputed at backward (pipeline_options::recompute).
   std::size_t recomputed = 0;
   /// Every action in the order it ran.

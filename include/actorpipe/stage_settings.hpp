@@ -20,7 +20,7 @@ namespace actorpipe {
 
 struct stage_settings {
   /// The wire format's version: a node refuses settings of another.
-  static constexpr int version = 3;
+  static constexpr int version = 4;
 
   /// This stage actor's index among `count`, its chunks and which virtual stage each chunk is.
   std::size_t index = 0;
@@ -41,6 +41,8 @@ struct stage_settings {
   bool report_gradient_norm = false;
   /// Time every action on the device too (pipeline_options::device_timing).
   bool device_timing = false;
+  /// Each chunk on a stream of its own on a GPU (pipeline_options::chunk_streams).
+  bool chunk_streams = true;
   recompute_mode recompute = recompute_mode::never;
   precision_mode precision = precision_mode::fp32;
   /// Replicas: buffers after a step, synchronised batch norm, BMUF (block_steps > 0; its block
@@ -67,6 +69,7 @@ void visit_fields(Settings& s, F&& f) {
   f("reduction", s.reduction);
   f("report_gradient_norm", s.report_gradient_norm);
   f("device_timing", s.device_timing);
+  f("chunk_streams", s.chunk_streams);
   f("recompute", s.recompute);
   f("precision", s.precision);
   f("buffers", s.buffers);
@@ -99,6 +102,7 @@ inline stage_settings stage_settings_for(const pipeline_options& o, std::size_t 
   s.reduction = o.reduction;
   s.report_gradient_norm = o.max_grad_norm > 0;
   s.device_timing = o.device_timing;
+  s.chunk_streams = o.chunk_streams;
   s.recompute = o.recompute;
   s.precision = o.precision;
   s.buffers = o.data_parallel.buffers;

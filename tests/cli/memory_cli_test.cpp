@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "helpers.hpp"
+#include "stages/device.hpp"
 
 using namespace actorpipe::test;
 
@@ -89,4 +90,39 @@ TEST_CASE("plan counts --recompute in each stage's memory, under --max-memory th
   CHECK(unknown.exit_code != 0);
   CHECK(unknown.output.find("unknown recompute mode 'sometimes' (choose never, except_last or "
                             "always)") != std::string::npos);
+}
+
+TEST_CASE("plan --profile-device profiles where it is told, and what does not apply is refused "
+          "by name, and a stage on the CPU reports no device peak") {
+  const std::string common = " --data synthetic --model mlp --batch 16 --profile-repeats 1";
+  auto on_cpu = run("plan" + common + " --profile-device cpu");
+  CAPTURE(on_cpu.output);
+  REQUIRE(on_cpu.exit_code == 0);
+  CHECK(stages_of(on_cpu.output).size() == 2);
+  auto refused = [&](const std::string& flags, const std::string& message) {
+    auto r = run("plan" + common + flags);
+    CAPTURE(flags);
+    CAPTURE(r.output);
+    CHECK(r.exit_code != 0);
+    CHECK(r.output.find(message) != std::string::npos);
+  };
+  refused(" --profile-device gpu:1",
+          "--profile-device: 'gpu:1' is no device (cpu, cuda or cuda:N)");
+  refused(" --profile-device cpu --stages auto",
+          "--profile-device profiles a given layout's layers; with --stages or --threads auto");
+  if (!actorpipe::stages::built_with_cuda()) {
+    refused(" --profile-device cuda:0",
+            "--profile-device: device cuda:0: this build of actorpipe has no CUDA");
+  }
+
+  auto json = temp_file("memory_cli_device.json");
+  auto trained = run("train" + common + " --steps 1 --no-progress --json " + json.string());
+  REQUIRE(trained.exit_code == 0);
+  std::ifstream in(json);
+  auto report = nlohmann::json::parse(in);
+  for (const auto& stage : report["steps"][0]["stages"]) {
+    CHECK(stage["device_peak_bytes"].get<int64_t>() == -1);
+    CHECK(stage["peak_stash_bytes"].get<int64_t>() > 0);
+  }
+  std::filesystem::remove(json);
 }

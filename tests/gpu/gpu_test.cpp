@@ -11,6 +11,8 @@
 #include <torch/cuda.h>
 
 #include <actorpipe/node.hpp>
+#include <actorpipe/planner.hpp>
+#include <actorpipe/profile.hpp>
 
 #include "../engine/oracle.hpp"
 #include "comm/replica_group.hpp"
@@ -346,4 +348,86 @@ TEST_CASE("gpu: a batch already on the GPU trains as one on the host, and every 
     }
   }
   check_close(to_cpu(device.named_parameters()), to_cpu(host.named_parameters()), 0, 0);
+}
+
+TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak from the caching "
+          "allocator, as the planner predicts, and stages sharing a GPU measure their own stash") {
+  require_gpu();
+  engine sys;
+  model_options mo;
+  mo.in_channels = 1;
+  mo.image_size = 32; // 1,024 inputs, hidden 256 and 128: tensors of kilobytes, not bytes
+  mo.num_classes = 3;
+  auto model = [&] {
+    torch::manual_seed(3);
+    return make_model("mlp", mo);
+  };
+  auto x = torch::randn({64, 1, 32, 32});
+  auto t = torch::randn({64, 3});
+  const std::size_t m = 4;
+  auto cut = partition_uniform(model().size(), 2);
+  auto measured = [&](std::vector<c10::Device> devices) {
+    auto layers = model();
+    auto o = options_for({schedule_kind::one_f_one_b, 1}, devices);
+    o.microbatches = m;
+    pipeline pipe(sys, layers, cut, o);
+    pipe.train_step(x, t);
+    return pipe.train_step(x, t).stages; // the second: cuBLAS started in the first
+  };
+  auto cpu_run = measured({cpu, cpu});
+  auto gpu_first = measured({gpu, cpu});
+  auto gpu_last = measured({cpu, gpu});
+  auto shared = measured({gpu, gpu});
+
+  profile_options po;
+  po.repeats = 2;
+  po.device = gpu;
+  auto layers = model();
+  auto profile = profile_layers(layers, x.slice(0, 0, 64 / m), po);
+  auto plan = make_schedule(schedule_kind::one_f_one_b, 2, m, 1);
+  for (std::size_t s = 0; s < 2; ++s) {
+    CAPTURE(s);
+    const auto& on_gpu = (s == 0 ? gpu_first : gpu_last).at(s);
+    auto predicted = stage_memory(profile, cut, plan, s, peak_stash(plan.programs[s]), 1.0, 0.0);
+    CHECK(on_gpu.peak_stash_bytes > 0);
+    CHECK(static_cast<double>(on_gpu.peak_stash_bytes) ==
+          doctest::Approx(static_cast<double>(predicted.activations)).epsilon(0.05));
+    // The same tensors are kept on the CPU (the allocation tally) as on the GPU.
+    CHECK(static_cast<double>(on_gpu.peak_stash_bytes) ==
+          doctest::Approx(static_cast<double>(cpu_run.at(s).peak_stash_bytes)).epsilon(0.05));
+    // The device's peak holds at least the parameters, their gradients and the stash.
+    CHECK(on_gpu.device_peak_bytes >=
+          predicted.parameters + predicted.gradients + on_gpu.peak_stash_bytes);
+    CHECK(cpu_run.at(s).device_peak_bytes == -1);
+    // Sharing the GPU, each stage counts what its own thread allocated; the device's peak is
+    // no stage's alone.
+    CHECK(static_cast<double>(shared.at(s).peak_stash_bytes) ==
+          doctest::Approx(static_cast<double>(on_gpu.peak_stash_bytes)).epsilon(0.01));
+    CHECK(shared.at(s).device_peak_bytes == -1);
+  }
+}
+
+TEST_CASE("gpu: DualPipeV's chunks on streams of their own train a tied gpt as one stream does, "
+          "bit for bit") {
+  require_gpu();
+  engine sys;
+  auto [x, y] = tokens(16, 8, 5);
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> parameters;
+  std::vector<double> losses;
+  for (bool streams : {true, false}) {
+    CAPTURE(streams);
+    auto layers = test_gpt(tiny_vocabulary, 4, 32, 8, 9);
+    auto o = options_for({schedule_kind::dualpipe_v, 2}, {gpu, gpu});
+    o.loss = builtin_loss("cross_entropy");
+    o.chunk_streams = streams;
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 4), o);
+    for (int step = 0; step < 3; ++step) {
+      losses.push_back(pipe.train_step(x, y).loss);
+    }
+    parameters.push_back(to_cpu(pipe.named_parameters()));
+  }
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(losses[i] == losses[i + 3]);
+  }
+  check_close(parameters[0], parameters[1], 0, 0);
 }

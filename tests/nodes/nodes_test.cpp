@@ -1117,6 +1117,7 @@ stage_settings unusual_settings() {
   s.reduction = loss_reduction::sum;
   s.report_gradient_norm = true;
   s.device_timing = true;
+  s.chunk_streams = false;
   s.recompute = recompute_mode::always;
   s.precision = precision_mode::bf16;
   s.buffers = buffer_sync::average;
@@ -1144,7 +1145,7 @@ TEST_CASE("stage settings cross to a node whole: every field, with a version, ch
   auto sent = unusual_settings();
   auto defaults = fields_of(stage_settings{});
   auto unusual = fields_of(sent);
-  REQUIRE(unusual.size() == 23);
+  REQUIRE(unusual.size() == 24);
   for (const auto& [name, value] : unusual) {
     CAPTURE(name);
     CHECK(value != defaults.at(name));

@@ -190,6 +190,11 @@ TEST_CASE("the memory model: parameters, gradients, the optimizer's state (shard
   chain[2].freed_input_bytes = 100;
   CHECK(kept_bytes(chain, 1, 4) == doctest::Approx(100 + 300 - 100));
   CHECK(kept_bytes(chain, 2, 4) == doctest::Approx(100 + 200)); // its input is the stage's own
+  // A view of its input (a flatten) keeps nothing; a layer not measured counts its output.
+  chain[1].retained_bytes = 0;
+  CHECK(kept_bytes(chain, 1, 4) == doctest::Approx(100 + 0 + 200 - 100));
+  chain[1].retained_bytes = -1;
+  CHECK(kept_bytes(chain, 1, 4) == doctest::Approx(100 + 300 - 100));
 
   // Four layers of 72 parameters, 100 bytes of output per sample; SGD with momentum.
   auto layers = four_layers();
