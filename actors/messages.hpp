@@ -44,21 +44,22 @@ using failed_atom = caf::atom_constant<caf::atom("failed")>;
 /// scheduler -> stage: (abort_atom, step): drop the step, restore the stage as it was.
 using abort_atom = caf::atom_constant<caf::atom("abort")>;
 /// scheduler -> stage request: (update_atom, step, learning_rate, gradient_scale) ->
-/// (optimizer_ms, error text or empty); a negative learning rate keeps the current one.
+/// optimizer_ms; a negative learning rate keeps the current one. Requests that fail answer with
+/// a refusal through CAF's error channel (actors/pipeline_errc.hpp: the kind and the sentence).
 using update_atom = caf::atom_constant<caf::atom("update")>;
 /// self-timer: (timeout_atom): the running wait's deadline may have passed.
 using timeout_atom = caf::atom_constant<caf::atom("timeout")>;
 /// user -> scheduler: (run_atom, shared_ptr<step_request>).
 using run_atom = caf::atom_constant<caf::atom("run")>;
-/// scheduler -> stage request: (save_atom, path) -> error text or empty: write the stage's state.
+/// scheduler -> stage request: (save_atom, path) -> true: write the stage's state.
 using save_atom = caf::atom_constant<caf::atom("save")>;
-/// scheduler -> stage request: (load_atom, shared_ptr<const tensor_map>) -> error text or empty.
+/// scheduler -> stage request: (load_atom, shared_ptr<const tensor_map>) -> true once loaded.
 using load_atom = caf::atom_constant<caf::atom("load")>;
-/// scheduler -> stage request: (fetch_atom) -> (error text or empty, shared_ptr<const
-/// tensor_map>): copies of the stage's state as save_atom would write it, in memory.
+/// scheduler -> stage request: (fetch_atom) -> shared_ptr<const tensor_map>: copies of the
+/// stage's state as save_atom would write it, in memory.
 using fetch_atom = caf::atom_constant<caf::atom("fetch")>;
-/// scheduler -> stage request: (block_atom) -> error text or empty: BMUF, end the warm-up or the
-/// running block now; a sharded optimizer state, gather it on replica 0 (for a checkpoint).
+/// scheduler -> stage request: (block_atom) -> true: BMUF, end the warm-up or the running block
+/// now; a sharded optimizer state, gather it on replica 0 (for a checkpoint).
 using block_atom = caf::atom_constant<caf::atom("block")>;
 
 /// Tensors keyed model-wide ("<layer>.<name>"), as checkpoints hold them.
@@ -149,13 +150,14 @@ using stage_listener_actor = caf::typed_actor<caf::reacts_to<done_atom, stage_re
 /// The stage protocol as the scheduler uses it (actors/stage_actor.hpp has each message's
 /// meaning). A stage actor and the scheduler's proxy of a stage on a node both implement it, so
 /// a message it does not list, or a reply of the wrong type, is a compile error.
-using stage_actor = caf::typed_actor<
-  caf::reacts_to<plan_atom, step_plan>, caf::replies_to<abort_atom, uint64_t>::with<bool>,
-  caf::replies_to<update_atom, uint64_t, double, double>::with<double, std::string>,
-  caf::replies_to<save_atom, std::string>::with<std::string>,
-  caf::replies_to<load_atom, std::shared_ptr<const tensor_map>>::with<std::string>,
-  caf::replies_to<fetch_atom>::with<std::string, std::shared_ptr<const tensor_map>>,
-  caf::replies_to<block_atom>::with<std::string>>;
+using stage_actor =
+  caf::typed_actor<caf::reacts_to<plan_atom, step_plan>,
+                   caf::replies_to<abort_atom, uint64_t>::with<bool>,
+                   caf::replies_to<update_atom, uint64_t, double, double>::with<double>,
+                   caf::replies_to<save_atom, std::string>::with<bool>,
+                   caf::replies_to<load_atom, std::shared_ptr<const tensor_map>>::with<bool>,
+                   caf::replies_to<fetch_atom>::with<std::shared_ptr<const tensor_map>>,
+                   caf::replies_to<block_atom>::with<bool>>;
 
 /// A stage actor running in this process: the scheduler's protocol, its neighbours', and
 /// (connect_atom, peers) once, which tells it the actor holding each stage.

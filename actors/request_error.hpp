@@ -14,6 +14,8 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "actors/pipeline_errc.hpp"
+
 namespace actorpipe::actors {
 
 /// "did not answer within 5000 ms" for a request that timed out, else "failed: <CAF's error>".
@@ -25,9 +27,10 @@ inline std::string request_error(caf::actor_system& sys, const caf::error& err,
   return "failed: " + sys.render(err);
 }
 
-/// The sentence an actor that answers for another (a stage proxy for its node) put into the
-/// error it delivered: caf::make_error(code, "stage 1 on node ..., asked to ..., did not answer
-/// within 2000 ms"), whose code says the kind (request_timeout, request_receiver_down).
+/// The sentence an error carries: a stage's refusal (actors/pipeline_errc.hpp), or what an actor
+/// that answers for another (a stage proxy for its node) put into the error it delivered:
+/// caf::make_error(code, "stage 1 on node ..., asked to ..., did not answer within 2000 ms"),
+/// whose code says the kind (request_timeout, request_receiver_down).
 inline std::optional<std::string> carried_sentence(const caf::error& err) {
   const auto& context = err.context();
   if (context.size() == 1 && context.match_element<std::string>(0)) {
@@ -36,9 +39,13 @@ inline std::optional<std::string> carried_sentence(const caf::error& err) {
   return std::nullopt;
 }
 
-/// What kind of failure a failed request is: a timeout, a receiver that is gone (the stage
-/// actor terminated), or something else.
+/// What kind of failure a failed request is: the kind a stage's refusal carries
+/// (actors/pipeline_errc.hpp), a timeout, a receiver that is gone (the stage actor terminated),
+/// or something else.
 inline error_kind request_error_kind(const caf::error& err) {
+  if (is_pipeline_error(err)) {
+    return kind_of_pipeline_error(err);
+  }
   if (err == caf::sec::request_timeout) {
     return error_kind::timeout;
   }

@@ -17,6 +17,7 @@
 #include "actors/deadline.hpp"
 #include "actors/linger.hpp"
 #include "actors/messages.hpp"
+#include "actors/pipeline_errc.hpp"
 #include "actors/stage_state.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tie_group.hpp"
@@ -562,7 +563,15 @@ tensor_map state_on_cpu(stage_state& s) {
   return on_cpu(std::move(all));
 }
 
-// Loads every chunk's state from `all` (and BMUF's block state); an empty string on success.
+// A reply that is done (true) unless `error` says what failed: then the error, as CAF error data.
+caf::result<bool> done_or(error_kind kind, std::string error) {
+  if (error.empty()) {
+    return true;
+  }
+  return make_pipeline_error(kind, std::move(error));
+}
+
+// Loads every chunk's state from `all` (and BMUF's block state); what failed, or nothing.
 std::string load_state(stage_state& s, const tensor_map& all) {
   set_threads(s);
   try {
@@ -632,15 +641,19 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       return true;
     },
     [=](update_atom, uint64_t step, double learning_rate,
-        double gradient_scale) -> caf::result<double, std::string> {
+        double gradient_scale) -> caf::result<double> {
       // Replied before the actor lingers for the next step's plan.
       auto& s = self->state;
       set_threads(s);
-      auto promise = self->make_response_promise<double, std::string>();
+      auto promise = self->make_response_promise<double>();
       auto [ms, error] = update(s, step, learning_rate, gradient_scale);
       // The caller may read the parameters once this replies (on a GPU: from another stream).
       s.device->synchronize();
-      promise.deliver(ms, std::move(error));
+      if (error.empty()) {
+        promise.deliver(ms);
+      } else {
+        promise.deliver(make_pipeline_error(error_kind::stage_failure, std::move(error)));
+      }
       if (s.awaiting_update && step == s.plan.step) {
         s.awaiting_update = false;
         start_queued(self);
@@ -648,27 +661,30 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       rest(self);
       return promise;
     },
-    [=](block_atom) -> caf::result<std::string> { return end_block_now(self->state); },
-    [=](save_atom, const std::string& path) -> caf::result<std::string> {
+    [=](block_atom) -> caf::result<bool> {
+      return done_or(error_kind::replica_failure, end_block_now(self->state));
+    },
+    [=](save_atom, const std::string& path) -> caf::result<bool> {
       set_threads(self->state);
       try {
         stages::save_tensors(path, state_on_cpu(self->state));
       } catch (const std::exception& e) {
-        return detail::concat("stage ", self->state.options.index, ": ", e.what());
+        return done_or(error_kind::io,
+                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
       }
-      return std::string{};
+      return true;
     },
-    [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
+    [=](fetch_atom) -> caf::result<std::shared_ptr<const tensor_map>> {
       set_threads(self->state);
       try {
-        return {std::string{}, std::make_shared<const tensor_map>(state_on_cpu(self->state))};
+        return std::make_shared<const tensor_map>(state_on_cpu(self->state));
       } catch (const std::exception& e) {
-        return {detail::concat("stage ", self->state.options.index, ": ", e.what()),
-                std::shared_ptr<const tensor_map>{}};
+        return make_pipeline_error(
+          error_kind::io, detail::concat("stage ", self->state.options.index, ": ", e.what()));
       }
     },
-    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
-      return load_state(self->state, *all);
+    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
+      return done_or(error_kind::io, load_state(self->state, *all));
     },
   };
 }

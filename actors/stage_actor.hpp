@@ -25,8 +25,10 @@
 ///       carries the loss over all replicas.
 /// - Then, with parameters tied to other stages: their gradients are summed with the other
 ///       holders' (comm::tie_group).
-/// - in  (update_atom, step, learning_rate, gradient_scale) -> (double optimizer_ms, std::string
-///       error): set the learning rate (when >= 0), scale gradients, step the optimizers.
+/// - Replies that fail carry a CAF error of category `actorpipe` (actors/pipeline_errc.hpp:
+///       the error_kind and the sentence naming the stage), never an error string in the value.
+/// - in  (update_atom, step, learning_rate, gradient_scale) -> double optimizer_ms: set the
+///       learning rate (when >= 0), scale gradients, step the optimizers.
 ///       With BMUF (options.bmuf.block_steps > 0) gradients are not averaged (nor the loss):
 ///       after the optimizer step that ends a warm-up or a block, the parameters are broadcast
 ///       from rank 0 or averaged and filtered (bmuf_options); a failed block sync restores the
@@ -34,15 +36,15 @@
 ///       (options.shard): each chunk's optimizer steps this replica's parameters only, then every
 ///       parameter is broadcast from its owner (a failed broadcast restores what the step
 ///       changed here).
-/// - in  (block_atom) -> std::string error: BMUF: end the warm-up or the running block now (no
+/// - in  (block_atom) -> true (replica_failure): BMUF: end the warm-up or the running block now (no
 ///       effect at a block's start). Sharded: gather every replica's optimizer state on replica
 ///       0's chunks for a checkpoint (no effect when nothing stepped since the last gather). An
 ///       error otherwise.
-/// - in  (save_atom, path) -> std::string error: write the chunks' state (parameters, buffers,
+/// - in  (save_atom, path) -> true (io): write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
-/// - in  (load_atom, shared_ptr<const tensor_map>) -> std::string error: load the chunks' keys.
-/// - in  (fetch_atom) -> (std::string error, shared_ptr<const tensor_map>): the chunks' state
-///       (as save_atom writes it) in memory.
+/// - in  (load_atom, shared_ptr<const tensor_map>) -> true (io): load the chunks' keys.
+/// - in  (fetch_atom) -> shared_ptr<const tensor_map> (io): the chunks' state (as save_atom
+///       writes it) in memory.
 /// - out (done_atom, stage_report) to its listener (`stage_listener_actor`: the scheduler, or the
 ///       node hosting it) when the program has run.
 /// - out (failed_atom, step, failure) to its listener when an action throws or a wait runs past

@@ -22,6 +22,7 @@
 
 #include "actors/linger.hpp"
 #include "actors/messages.hpp"
+#include "actors/pipeline_errc.hpp"
 #include "actors/stage_actor.hpp"
 #include "comm/replica_group.hpp"
 #include "comm/tensor_hub.hpp"
@@ -47,6 +48,7 @@ struct engine::impl {
     cfg.load<caf::io::middleman>();
     cfg.load<caf::openssl::manager>();
     cfg.set("logger.verbosity", caf::atom("quiet"));
+    actors::add_pipeline_errors(cfg); // stages' refusals render as their sentence
     return cfg;
   }
 

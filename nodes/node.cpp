@@ -65,7 +65,7 @@ struct hosted {
   std::map<std::pair<uint64_t, int32_t>, torch::Tensor> targets;
   // Checkpoint state sent by the scheduler, by request id, and loads waiting for it.
   std::map<uint64_t, torch::Tensor> states;
-  std::map<uint64_t, caf::typed_response_promise<std::string>> loads;
+  std::map<uint64_t, caf::typed_response_promise<bool>> loads;
 };
 
 struct node_state {
@@ -555,37 +555,51 @@ caf::result<bool> relay_abort(node_actor* self, uint32_t index, uint64_t step) {
   return rp;
 }
 
-caf::result<double, std::string> relay_update(node_actor* self, uint32_t index, uint64_t step,
-                                              double lr, double scale) {
+// No stage `index` here (or the node does not take the request now), as a refusal.
+caf::error no_stage(node_actor* self, uint32_t index) {
+  return actors::make_pipeline_error(error_kind::other, missing_stage(self, index));
+}
+
+// What a relay answers when its request to the node's stage failed: the stage's refusal as it
+// is, else a refusal naming the stage, this node and what it was asked.
+caf::error relayed(node_actor* self, uint32_t index, const char* asked, const caf::error& e,
+                   std::chrono::milliseconds deadline) {
+  if (actors::is_pipeline_error(e)) {
+    return e;
+  }
+  return actors::make_pipeline_error(
+    e == caf::sec::request_timeout ? error_kind::timeout : error_kind::stage_failure,
+    detail::concat("stage ", index, " on node ", self->state.label, ", asked to ", asked, ", ",
+                   request_error(self->system(), e, deadline)));
+}
+
+caf::result<double> relay_update(node_actor* self, uint32_t index, uint64_t step, double lr,
+                                 double scale) {
   auto* h = find_stage(self, index);
   if (h == nullptr || !allowed(self, "update")) {
-    return {0.0, missing_stage(self, index)};
+    return no_stage(self, index);
   }
-  auto rp = self->make_response_promise<double, std::string>();
+  auto rp = self->make_response_promise<double>();
   auto deadline = h->deadline;
   self->request(h->actor, deadline, update_atom::value, step, lr, scale)
-    .then([=](double ms, std::string& error) mutable { rp.deliver(ms, std::move(error)); },
+    .then([=](double ms) mutable { rp.deliver(ms); },
           [=](caf::error& e) mutable {
-            rp.deliver(0.0, detail::concat("stage ", index, " on node ", self->state.label,
-                                           ", asked to step its optimizer, ",
-                                           request_error(self->system(), e, deadline)));
+            rp.deliver(relayed(self, index, "step its optimizer", e, deadline));
           });
   return rp;
 }
 
-caf::result<std::string> relay_block(node_actor* self, uint32_t index) {
+caf::result<bool> relay_block(node_actor* self, uint32_t index) {
   auto* h = find_stage(self, index);
   if (h == nullptr || !allowed(self, "block")) {
-    return missing_stage(self, index);
+    return no_stage(self, index);
   }
-  auto rp = self->make_response_promise<std::string>();
+  auto rp = self->make_response_promise<bool>();
   auto deadline = h->deadline;
   self->request(h->actor, deadline, block_atom::value)
-    .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+    .then([=](bool) mutable { rp.deliver(true); },
           [=](caf::error& e) mutable {
-            rp.deliver(detail::concat("stage ", index, " on node ", self->state.label,
-                                      ", asked to gather its replicas' state, ",
-                                      request_error(self->system(), e, deadline)));
+            rp.deliver(relayed(self, index, "gather its replicas' state", e, deadline));
           });
   return rp;
 }
@@ -640,7 +654,7 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
     return;
   }
   auto rp = h->loads.at(id);
-  std::string outcome;
+  caf::error outcome;
   {
     auto blob = h->states.at(id);
     h->loads.erase(id);
@@ -651,13 +665,19 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
         chunk->load_state(all);
       }
     } catch (const std::exception& e) {
-      outcome = detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what());
+      outcome = actors::make_pipeline_error(
+        error_kind::io,
+        detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
     }
   }
   // The state frame came once (a restore, a resume): its buffer is not kept for reuse.
   self->state.hub->release_cached_buffers();
   memory::release_free_heap();
-  rp.deliver(std::move(outcome));
+  if (outcome) {
+    rp.deliver(std::move(outcome));
+  } else {
+    rp.deliver(true);
+  }
 }
 
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
@@ -712,20 +732,21 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](rabort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
       return relay_abort(self, index, step);
     },
-    [=](rupdate_atom, uint32_t index, uint64_t step, double lr, double scale)
-      -> caf::result<double, std::string> { return relay_update(self, index, step, lr, scale); },
-    [=](rblock_atom, uint32_t index) -> caf::result<std::string> {
-      return relay_block(self, index);
+    [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
+        double scale) -> caf::result<double> { return relay_update(self, index, step, lr, scale); },
+    [=](rblock_atom, uint32_t index) -> caf::result<bool> { return relay_block(self, index); },
+    [=](rsave_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
+      if (auto error = send_state(self, index, id); !error.empty()) {
+        return actors::make_pipeline_error(error_kind::io, std::move(error));
+      }
+      return true;
     },
-    [=](rsave_atom, uint32_t index, uint64_t id) -> std::string {
-      return send_state(self, index, id);
-    },
-    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<std::string> {
+    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
       auto* h = find_stage(self, index);
       if (h == nullptr || !allowed(self, "load")) {
-        return missing_stage(self, index);
+        return no_stage(self, index);
       }
-      auto rp = self->make_response_promise<std::string>();
+      auto rp = self->make_response_promise<bool>();
       h->loads.emplace(id, rp);
       self->send(self, state_atom::value, index, id);
       return rp;

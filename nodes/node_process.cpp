@@ -12,6 +12,7 @@
 #include <caf/openssl/publish.hpp>
 
 #include "actors/messages.hpp"
+#include "actors/pipeline_errc.hpp"
 #include "logging/log.hpp"
 #include "nodes/node_host.hpp"
 #include "nodes/protocol.hpp"
@@ -109,6 +110,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   }
   self.config.set("scheduler.max-threads", 2);
   self.config.set("logger.verbosity", caf::atom("quiet"));
+  actors::add_pipeline_errors(self.config); // stages' refusals render as their sentence
   self.system = std::make_unique<caf::actor_system>(self.config);
   // Pooled, not detached: a detached actor's thread waits for the actor object's destruction,
   // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles

@@ -19,11 +19,14 @@
 /// - (rplan_atom, uint32 stage, std::string plan): run a step; the first stage's inputs come as
 ///   activation frames, the last stage's targets as target frames.
 /// - (rabort_atom, uint32 stage, uint64 step) -> bool
-/// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> (double, std::string)
-/// - (rsave_atom, uint32 stage, uint64 id) -> std::string error, after sending a state frame
-/// - (rblock_atom, uint32 stage) -> std::string error: the stage's end_block (replicas with a
-///   sharded optimizer: its state gathered on rank 0's stage for a checkpoint)
-/// - (rload_atom, uint32 stage, uint64 id) -> std::string error, once the state frame id came
+/// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> double optimizer_ms
+/// - (rsave_atom, uint32 stage, uint64 id) -> true, after sending a state frame
+/// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
+///   optimizer: its state gathered on rank 0's stage for a checkpoint)
+/// - (rload_atom, uint32 stage, uint64 id) -> true, once the state frame id came and loaded
+///   These four fail through CAF's error channel: a refusal of category `actorpipe`
+///   (actors/pipeline_errc.hpp: the error_kind and the sentence), as the stage protocol's
+///   replies do.
 /// - (release_atom, uint32 stage): drop the stage.
 /// - (heartbeat_atom) -> bool: answered at once by the node actor, beside its stages' work; a
 ///   node that leaves it unanswered past node_placement::heartbeat_timeout counts as lost.

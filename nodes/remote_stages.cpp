@@ -60,22 +60,13 @@ struct proxy_routes {
 // complete once the node replied and, unless it failed, the state frame came.
 struct save_request {
   std::string path;
-  caf::typed_response_promise<std::string> promise;
+  caf::typed_response_promise<bool> promise;
   bool fetch = false;
-  caf::typed_response_promise<std::string, std::shared_ptr<const tensor_map>> fetch_promise;
+  caf::typed_response_promise<std::shared_ptr<const tensor_map>> fetch_promise;
   bool replied = false;
-  std::string error;
-  // The request to the node failed, or the node is gone (actors/request_error.hpp).
+  // The node refused, the request to it failed, or the node is gone (actors/request_error.hpp).
   caf::error failure;
   torch::Tensor state;
-
-  void fail(std::string why) {
-    if (fetch) {
-      fetch_promise.deliver(std::move(why), std::shared_ptr<const tensor_map>{});
-    } else {
-      promise.deliver(std::move(why));
-    }
-  }
 
   void fail(caf::error why) {
     if (fetch) {
@@ -151,7 +142,7 @@ void finish_save(proxy_actor self, uint64_t id) {
   auto& s = self->state;
   auto it = s.saves.find(id);
   if (it == s.saves.end() || !it->second.replied ||
-      (it->second.error.empty() && !it->second.failure && !it->second.state.defined())) {
+      (!it->second.failure && !it->second.state.defined())) {
     return;
   }
   auto request = std::move(it->second);
@@ -160,29 +151,28 @@ void finish_save(proxy_actor self, uint64_t id) {
     request.fail(std::move(request.failure));
     return;
   }
-  if (!request.error.empty()) {
-    request.fail(std::move(request.error));
-    return;
-  }
   try {
     // Views of the frame's buffer: a snapshot keeps it, a save pickles it into the file.
     auto state =
       stages::unpack_tensors(request.state, detail::concat("stage ", s.index, "'s state"));
     if (request.fetch) {
-      request.fetch_promise.deliver(std::string{},
-                                    std::make_shared<const tensor_map>(std::move(state)));
+      request.fetch_promise.deliver(std::make_shared<const tensor_map>(std::move(state)));
     } else {
       stages::save_tensors(request.path, state);
-      request.promise.deliver(std::string{});
+      request.promise.deliver(true);
     }
   } catch (const std::exception& e) {
-    request.fail(std::string(e.what()));
+    request.fail(actors::make_pipeline_error(error_kind::io, e.what()));
   }
 }
 
-// A request the node did not answer fails as a timeout, any other failure as a node that is
-// gone, each with the sentence saying so (actors::carried_sentence).
+// A refusal from the node's stage passes as it is; a request the node did not answer fails as a
+// timeout, any other failure as a node that is gone, each with the sentence saying so
+// (actors::carried_sentence).
 caf::error forwarded(proxy_actor self, const char* action, const caf::error& e) {
+  if (actors::is_pipeline_error(e)) {
+    return e;
+  }
   return caf::make_error(
     e == caf::sec::request_timeout ? caf::sec::request_timeout : caf::sec::request_receiver_down,
     detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ", action,
@@ -244,22 +234,21 @@ caf::result<bool> ask_abort(proxy_actor self, uint64_t step) {
 }
 
 // Asks the node to step the stage's optimizers.
-caf::result<double, std::string> ask_update(proxy_actor self, uint64_t step, double lr,
-                                            double scale) {
+caf::result<double> ask_update(proxy_actor self, uint64_t step, double lr, double scale) {
   auto& st = self->state;
   if (st.silent) {
     return caf::make_error(caf::sec::request_receiver_down,
                            detail::concat("stage ", st.index, " on ", st.label,
                                           " cannot step its optimizer: its node is silent"));
   }
-  auto rp = self->make_response_promise<double, std::string>();
+  auto rp = self->make_response_promise<double>();
   auto id = ++st.next_pending;
   st.pending[id] = [rp](const caf::error& e) mutable { rp.deliver(e); };
   self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
     .then(
-      [=](double ms, std::string& error) mutable {
+      [=](double ms) mutable {
         if (self->state.pending.erase(id) > 0) {
-          rp.deliver(ms, std::move(error));
+          rp.deliver(ms);
         }
       },
       [=](caf::error& e) mutable {
@@ -297,11 +286,10 @@ void ask_for_state(proxy_actor self, save_request request) {
   st.saves[id] = std::move(request);
   self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
     .then(
-      [=](std::string& error) {
+      [=](bool) {
         auto it = self->state.saves.find(id);
         if (it != self->state.saves.end()) {
           it->second.replied = true;
-          it->second.error = std::move(error);
           finish_save(self, id);
         }
       },
@@ -363,7 +351,7 @@ void took_report(proxy_actor self, const std::string& text) {
 }
 
 // Sends `all` to the node as a state frame and asks it to load it.
-caf::result<std::string> send_state(proxy_actor self, const tensor_map& all) {
+caf::result<bool> send_state(proxy_actor self, const tensor_map& all) {
   auto& st = self->state;
   auto id = ++st.next_id;
   try {
@@ -372,11 +360,12 @@ caf::result<std::string> send_state(proxy_actor self, const tensor_map& all) {
     st.hub->send(st.data.host, st.data.port,
                  comm::describe(comm::frame_kind::state, st.index, id, 0, 0, blob), blob);
   } catch (const std::exception& e) {
-    return detail::concat("stage ", st.index, " on ", st.label, ": ", e.what());
+    return actors::make_pipeline_error(
+      error_kind::io, detail::concat("stage ", st.index, " on ", st.label, ": ", e.what()));
   }
-  auto rp = self->make_response_promise<std::string>();
+  auto rp = self->make_response_promise<bool>();
   self->request(st.node, st.timeout, rload_atom::value, st.index, id)
-    .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+    .then([=](bool) mutable { rp.deliver(true); },
           [=](caf::error& e) mutable { rp.deliver(forwarded(self, "load its state", e)); });
   return rp;
 }
@@ -417,30 +406,29 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
     },
     [=](heartbeat_atom, bool answers, const std::string& why) { heard(self, answers, why); },
     [=](abort_atom, uint64_t step) -> caf::result<bool> { return ask_abort(self, step); },
-    [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double, std::string> {
+    [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double> {
       return ask_update(self, step, lr, scale);
     },
-    [=](block_atom) -> caf::result<std::string> {
+    [=](block_atom) -> caf::result<bool> {
       // Replicas on nodes with a sharded optimizer (the pipeline constructor refuses BMUF there).
-      auto rp = self->make_response_promise<std::string>();
+      auto rp = self->make_response_promise<bool>();
       self->request(self->state.node, self->state.timeout, rblock_atom::value, self->state.index)
-        .then([=](std::string& error) mutable { rp.deliver(std::move(error)); },
+        .then([=](bool) mutable { rp.deliver(true); },
               [=](caf::error& e) mutable { rp.deliver(forwarded(self, "gather its state", e)); });
       return rp;
     },
-    [=](save_atom, const std::string& path) -> caf::result<std::string> {
+    [=](save_atom, const std::string& path) -> caf::result<bool> {
       save_request request;
       request.path = path;
-      request.promise = self->make_response_promise<std::string>();
+      request.promise = self->make_response_promise<bool>();
       auto rp = request.promise;
       ask_for_state(self, std::move(request));
       return rp;
     },
-    [=](fetch_atom) -> caf::result<std::string, std::shared_ptr<const tensor_map>> {
+    [=](fetch_atom) -> caf::result<std::shared_ptr<const tensor_map>> {
       save_request request;
       request.fetch = true;
-      request.fetch_promise =
-        self->make_response_promise<std::string, std::shared_ptr<const tensor_map>>();
+      request.fetch_promise = self->make_response_promise<std::shared_ptr<const tensor_map>>();
       auto rp = request.fetch_promise;
       ask_for_state(self, std::move(request));
       return rp;
@@ -452,7 +440,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
         finish_save(self, id);
       }
     },
-    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<std::string> {
+    [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
       return send_state(self, *all);
     },
   };

@@ -81,8 +81,9 @@ void finish_with_error(scheduler_actor_type self, const failure& why) {
   finish(self, std::move(outcome));
 }
 
-// A failed request to stage `stage`: a timeout, a stage that is gone, or CAF's error.
-// A stage on a node that is gone is a lost node; a proxy's error says itself what it was asked.
+// A failed request to stage `stage`: the stage's refusal (its kind and sentence), a timeout, a
+// stage that is gone, or CAF's error. A stage on a node that is gone is a lost node; a proxy's
+// error says itself what it was asked.
 failure request_failure(scheduler_actor_type self, std::size_t stage, uint64_t step,
                         const caf::error& err, std::chrono::milliseconds timeout,
                         const std::string& what) {
@@ -240,23 +241,23 @@ void run_state_request(scheduler_actor_type self) {
     if (request->kind == request_kind::fetch) {
       self->request(s.stages[i], s.options.step_timeout, fetch_atom::value)
         .then(
-          [=](std::string& error, std::shared_ptr<const tensor_map>& state) {
-            if (error.empty() && state) {
+          [=](std::shared_ptr<const tensor_map>& state) {
+            if (state) {
               fetched->insert(state->begin(), state->end());
             }
-            one_done(error);
+            one_done({});
           },
           on_error);
     } else if (request->kind == request_kind::end_block) {
       self->request(s.stages[i], s.options.step_timeout, block_atom::value)
-        .then([=](const std::string& error) { one_done(error); }, on_error);
+        .then([=](bool) { one_done({}); }, on_error);
     } else if (request->kind == request_kind::save) {
       auto path = stages::stage_file(request->path, i);
       self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
-        .then([=](const std::string& error) { one_done(error); }, on_error);
+        .then([=](bool) { one_done({}); }, on_error);
     } else {
       self->request(s.stages[i], s.options.step_timeout, load_atom::value, request->state)
-        .then([=](const std::string& error) { one_done(error); }, on_error);
+        .then([=](bool) { one_done({}); }, on_error);
     }
   }
   if (request->background) {
@@ -454,13 +455,9 @@ void on_all_reported(scheduler_actor_type self) {
       ->request(s.stages[i], caf::infinite, update_atom::value, step, s.current->learning_rate,
                 gradient_scale)
       .then(
-        [=](double optimizer_ms, const std::string& error) {
+        [=](double optimizer_ms) {
           auto& st = self->state;
           if (!st.current || st.step != step || st.aborting) {
-            return;
-          }
-          if (!error.empty()) {
-            fail(self, failure{{error_kind::stage_failure, i, std::nullopt, step}, error});
             return;
           }
           st.reports[i].stats.optimizer_ms = optimizer_ms;

@@ -8,6 +8,7 @@
 #include <actorpipe/partition.hpp>
 
 #include "actors/messages.hpp"
+#include "actors/pipeline_errc.hpp"
 #include "actors/stage_actor.hpp"
 #include "stages/stage.hpp"
 
@@ -16,9 +17,15 @@ using namespace actorpipe::actors;
 
 namespace {
 
+// The configuration every actorpipe system has: stages' refusals render as their sentence.
+caf::actor_system_config& with_pipeline_errors(caf::actor_system_config& config) {
+  add_pipeline_errors(config);
+  return config;
+}
+
 struct two_stage_fixture {
   caf::actor_system_config config;
-  caf::actor_system system{config};
+  caf::actor_system system{with_pipeline_errors(config)};
   caf::scoped_actor self{system};
   layer_list layers;
   local_stage_actor stage;
@@ -137,4 +144,47 @@ TEST_CASE("a stage actor answers abort, and an activation of the wrong shape fai
     .receive([&](bool ok) { confirmed = ok; },
              [&](const caf::error& err) { FAIL(f.system.render(err)); });
   CHECK(confirmed);
+}
+
+TEST_CASE("a stage actor refuses through CAF's error channel: the kind and the sentence as CAF "
+          "error data, and done replies carry no error text") {
+  two_stage_fixture f;
+  // A file that cannot be written: the save fails as an I/O refusal naming the stage.
+  caf::error refusal;
+  f.self
+    ->request(f.stage, std::chrono::seconds(10), save_atom::value,
+              std::string("/nonexistent-dir/stage.pt"))
+    .receive([&](bool) { FAIL("the save into a missing folder succeeded"); },
+             [&](caf::error& e) { refusal = e; });
+  REQUIRE(is_pipeline_error(refusal));
+  CHECK(kind_of_pipeline_error(refusal) == error_kind::io);
+  auto sentence = f.system.render(refusal);
+  CHECK_MESSAGE(sentence.rfind("stage 1: ", 0) == 0, sentence);
+  CHECK_MESSAGE(sentence.find("/nonexistent-dir/stage.pt") != std::string::npos, sentence);
+
+  // Ending a block without BMUF or sharding is refused as a replicas' failure.
+  f.self->request(f.stage, std::chrono::seconds(10), block_atom::value)
+    .receive([&](bool) { FAIL("a block ended without replicas"); },
+             [&](caf::error& e) { refusal = e; });
+  CHECK(kind_of_pipeline_error(refusal) == error_kind::replica_failure);
+  CHECK(f.system.render(refusal) == "stage 1: ending a block needs BMUF replicas");
+
+  // A fetch answers the state itself, and a load of it is done.
+  std::shared_ptr<const tensor_map> state;
+  f.self->request(f.stage, std::chrono::seconds(10), fetch_atom::value)
+    .receive([&](std::shared_ptr<const tensor_map>& s) { state = s; },
+             [&](caf::error& e) { FAIL(f.system.render(e)); });
+  REQUIRE(state);
+  CHECK(state->count("fc2.weight") == 1);
+  bool loaded = false;
+  f.self->request(f.stage, std::chrono::seconds(10), load_atom::value, state)
+    .receive([&](bool done) { loaded = done; }, [&](caf::error& e) { FAIL(f.system.render(e)); });
+  CHECK(loaded);
+  // A state without the stage's keys is refused by name, as an I/O failure.
+  auto empty = std::make_shared<const tensor_map>();
+  f.self->request(f.stage, std::chrono::seconds(10), load_atom::value, empty)
+    .receive([&](bool) { FAIL("an empty state loaded"); }, [&](caf::error& e) { refusal = e; });
+  CHECK(kind_of_pipeline_error(refusal) == error_kind::io);
+  CHECK_MESSAGE(f.system.render(refusal).find("stage 1: the checkpoint has no tensor 'fc2.") == 0,
+                f.system.render(refusal));
 }

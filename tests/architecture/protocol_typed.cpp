@@ -14,5 +14,9 @@ void use_protocols(caf::event_based_actor* self, const actors::stage_actor& stag
   self->send(scheduler, actors::connect_atom::value, std::vector<actors::stage_actor>{stage});
   self->request(stage, caf::infinite, actors::abort_atom::value, uint64_t{1}).then([](bool) {});
   self->request(stage, caf::infinite, actors::update_atom::value, uint64_t{1}, 0.1, 1.0)
-    .then([](double, std::string&) {});
+    .then([](double) {});
+  self->request(stage, caf::infinite, actors::save_atom::value, std::string{"f"})
+    .then([](bool) {}, [](caf::error&) {});
+  self->request(stage, caf::infinite, actors::fetch_atom::value)
+    .then([](std::shared_ptr<const actors::tensor_map>&) {});
 }

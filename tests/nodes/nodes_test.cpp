@@ -11,6 +11,7 @@
 
 #include "../engine/oracle.hpp"
 #include "../ports.hpp"
+#include "actors/pipeline_errc.hpp"
 #include "comm/tensor_hub.hpp"
 #include "comm/test_certificates.hpp"
 #include "comm/wire.hpp"
@@ -100,6 +101,7 @@ struct control_client {
   explicit control_client(const std::string& address) {
     config.load<caf::io::middleman>();
     config.set("logger.verbosity", caf::atom("quiet"));
+    actors::add_pipeline_errors(config);
     system = std::make_unique<caf::actor_system>(config);
     auto [host, port] = nodes::parse_host_port(address, "node");
     auto handle = system->middleman().remote_actor(host, port);
@@ -433,11 +435,19 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
                 abort_error);
   CHECK_MESSAGE(abort_error.find("100 ms") != std::string::npos, abort_error);
   std::string update_error;
+  caf::error refusal;
   self->request(scheduler.node, 10s, nodes::rupdate_atom::value, uint32_t{0}, uint64_t{1}, 0.1, 1.0)
-    .receive([&](double, std::string& error) { update_error = error; },
-             [&](caf::error& e) { update_error = scheduler.render(e); });
-  CHECK_MESSAGE(update_error.find("asked to step its optimizer") != std::string::npos,
-                update_error);
+    .receive([&](double) { update_error = "the busy stage stepped its optimizer"; },
+             [&](caf::error& e) {
+               refusal = e;
+               update_error = scheduler.render(e);
+             });
+  // A refusal of the node's, as CAF error data: its kind, and the sentence as CAF renders it.
+  CHECK(actors::is_pipeline_error(refusal));
+  CHECK(actors::kind_of_pipeline_error(refusal) == error_kind::timeout);
+  CHECK_MESSAGE(
+    update_error.find("stage 0 on node " + n.address() + ", asked to step its optimizer") == 0,
+    update_error);
   CHECK_MESSAGE(update_error.find("100 ms") != std::string::npos, update_error);
   // Both answers came at the node's deadline, not when the stage got free (or never).
   CHECK(std::chrono::steady_clock::now() - start < 2s);
