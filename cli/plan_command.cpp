@@ -152,10 +152,8 @@ void print_stages(const schedule& plan, const training::plan_choice& choice, con
 int run_plan(const plan_args& given) {
   auto a = given;
   if (a.plan.optimizer_state < 0) {
-    // What `actorpipe train` would use: Adam for the gpt, plain SGD on streams (synthetic
-    // data, tensor files), SGD with momentum otherwise.
-    bool stream = a.model.data == "synthetic" || !training::tensor_file_of(a.model.data).empty();
-    a.plan.optimizer_state = training::model_name(a.model) == "gpt" ? 2.0 : stream ? 0.0 : 1.0;
+    // What `actorpipe train` would use without optimizer flags.
+    a.plan.optimizer_state = training::default_optimizer_for(a.model).state_tensors();
   }
   ACTORPIPE_CHECK(a.link.empty() || !a.devices.empty(),
                   "--link applies to projections: give --devices too");

@@ -181,19 +181,18 @@ run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpu
 }
 
 // One description of the optimizer: built here, or by the nodes from the same spec.
-// Adam for --optimizer adam and for language models unless told otherwise; else SGD with
-// --momentum (0.9 by default, 0 on streams).
-bool trains_with_adam(const train_args& a, const run_kind& k) {
-  return (k.lm && a.optimizer.empty()) || a.optimizer == "adam";
-}
-
-double momentum_of(const train_args& a, const run_kind& k) {
-  return a.momentum < 0 ? (k.stream ? 0.0 : 0.9) : a.momentum;
+// --optimizer and --momentum, else the default (training::default_optimizer_for).
+training::default_optimizer optimizer_of(const train_args& a) {
+  auto o = training::default_optimizer_for(a.model);
+  o.adam = a.optimizer.empty() ? o.adam : a.optimizer == "adam";
+  o.momentum = a.momentum < 0 ? o.momentum : a.momentum;
+  return o;
 }
 
 optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
-  auto optimizer = sgd_spec(k.lr, momentum_of(a, k));
-  if (trains_with_adam(a, k)) {
+  auto chosen = optimizer_of(a);
+  auto optimizer = sgd_spec(k.lr, chosen.momentum);
+  if (chosen.adam) {
     optimizer.name = "adam";
     optimizer.momentum = 0;
     for (const char* flag : {"--momentum", "--nesterov"}) {
@@ -640,8 +639,7 @@ int run_train(const train_args& given) {
   a.plan.devices = training::parse_devices(a.devices, a.plan);
   // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
   // parameter, SGD with momentum 1.
-  auto k = kind_of(a, setup, corpus ? &*corpus : nullptr);
-  a.plan.optimizer_state = trains_with_adam(a, k) ? 2.0 : momentum_of(a, k) > 0 ? 1.0 : 0.0;
+  a.plan.optimizer_state = optimizer_of(a).state_tensors();
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan);

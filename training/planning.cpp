@@ -290,6 +290,14 @@ torch::Tensor model_setup::sample() const {
                       generator);
 }
 
+default_optimizer default_optimizer_for(const model_args& args) {
+  default_optimizer o;
+  o.adam = model_name(args) == "gpt";
+  bool stream = args.data == "synthetic" || !tensor_file_of(args.data).empty();
+  o.momentum = stream ? 0.0 : 0.9;
+  return o;
+}
+
 std::vector<c10::Device> parse_devices(const std::vector<std::string>& names,
                                        const planning_args& plan, const std::string& setting) {
   std::vector<c10::Device> devices;

@@ -96,6 +96,18 @@ struct model_setup {
 /// resnet50 for synthetic data).
 std::string model_name(const model_args& args);
 
+/// The optimizer `actorpipe train` takes where no flag names one: Adam for the gpt; else SGD with
+/// momentum 0.9, or plain SGD on streams (synthetic data, tensor files). `actorpipe plan` counts
+/// its state by the same rule.
+struct default_optimizer {
+  bool adam = false;
+  /// SGD's momentum, when SGD is the default or given without --momentum.
+  double momentum = 0;
+  /// The fp32 tensors it keeps per parameter (planning_args::optimizer_state).
+  double state_tensors() const { return adam ? 2.0 : momentum > 0 ? 1.0 : 0.0; }
+};
+default_optimizer default_optimizer_for(const model_args& args);
+
 /// Throws invalid_argument when --model cannot train on --data (before any data is read).
 void check_model_fits_data(const model_args& args);
 

@@ -12,6 +12,7 @@
 #include <actorpipe/training.hpp>
 
 #include "../engine/oracle.hpp"
+#include "training/planning.hpp"
 
 using namespace actorpipe;
 namespace fs = std::filesystem;
@@ -489,4 +490,29 @@ TEST_CASE("synthetic token sequences count by a stride and are the same for ever
   CHECK(torch::equal(y.select(1, 4), (x.select(1, 4) + stride).remainder(7)));
   auto [x1, y1] = source.batch(0, 3, 4, 1, 1, 2);
   CHECK(torch::equal(x1, x.slice(0, 2, 4)));
+}
+
+TEST_CASE("the default optimizer is one rule for train and plan: Adam for the gpt, SGD with "
+          "momentum 0.9, plain SGD on streams") {
+  training::model_args a;
+  a.data = "text";
+  auto gpt = training::default_optimizer_for(a);
+  CHECK(gpt.adam);
+  CHECK(gpt.state_tensors() == 2.0);
+  a.data = "fashion-mnist";
+  auto cnn = training::default_optimizer_for(a);
+  CHECK(!cnn.adam);
+  CHECK(cnn.momentum == 0.9);
+  CHECK(cnn.state_tensors() == 1.0);
+  for (const char* stream : {"synthetic", "tensors:/tmp/x.pt"}) {
+    CAPTURE(stream);
+    a.data = stream;
+    auto sgd = training::default_optimizer_for(a);
+    CHECK(!sgd.adam);
+    CHECK(sgd.momentum == 0.0);
+    CHECK(sgd.state_tensors() == 0.0);
+  }
+  a.data = "synthetic";
+  a.model = "gpt";
+  CHECK(training::default_optimizer_for(a).state_tensors() == 2.0);
 }
