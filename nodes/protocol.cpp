@@ -401,24 +401,13 @@ std::string to_json(const actors::stage_report& r) {
     actions.push_back({static_cast<int>(a.what.kind), a.what.microbatch, a.what.chunk, a.start_ms,
                        a.end_ms, a.bytes_sent, a.device_start_ms, a.device_end_ms});
   }
-  return json{{"step", r.step},
-              {"loss", r.loss},
-              {"gradient_square_sum", r.gradient_square_sum},
-              {"outputs", r.outputs.size()},
-              {"stage", s.stage},
-              {"forward_ms", s.forward_ms},
-              {"backward_ms", s.backward_ms},
-              {"wait_ms", s.wait_ms},
-              {"peak_stash", s.peak_stash},
-              {"peak_stash_bytes", s.peak_stash_bytes},
-              {"device_peak_bytes", s.device_peak_bytes},
-              {"recomputed", s.recomputed},
-              {"early_update", s.early_update},
-              {"sync", {s.sync_start_ms, s.sync_end_ms, s.sync_bytes}},
-              {"optimizer_bytes", s.optimizer_bytes},
-              {"gradient_bytes", s.gradient_bytes},
-              {"actions", actions}}
-    .dump();
+  json j{{"step", r.step},
+         {"loss", r.loss},
+         {"gradient_square_sum", r.gradient_square_sum},
+         {"outputs", r.outputs.size()},
+         {"actions", actions}};
+  visit_scalars(s, [&](const char* name, const auto& value) { j[name] = value; });
+  return j.dump();
 }
 
 actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs) {
@@ -430,22 +419,9 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   r.gradient_square_sum = field<double>(j, "gradient_square_sum", what);
   outputs = field<std::size_t>(j, "outputs", what);
   auto& s = r.stats;
-  s.stage = field<std::size_t>(j, "stage", what);
-  s.forward_ms = field<double>(j, "forward_ms", what);
-  s.backward_ms = field<double>(j, "backward_ms", what);
-  s.wait_ms = field<double>(j, "wait_ms", what);
-  s.peak_stash = field<double>(j, "peak_stash", what);
-  s.peak_stash_bytes = field<int64_t>(j, "peak_stash_bytes", what);
-  s.device_peak_bytes = field<int64_t>(j, "device_peak_bytes", what);
-  s.recomputed = field<std::size_t>(j, "recomputed", what);
-  s.early_update = field<bool>(j, "early_update", what);
-  auto sync = field<json>(j, "sync", what);
-  ACTORPIPE_CHECK(sync.is_array() && sync.size() == 3, what, ": field 'sync' is malformed");
-  s.sync_start_ms = sync.at(0).get<double>();
-  s.sync_end_ms = sync.at(1).get<double>();
-  s.sync_bytes = sync.at(2).get<int64_t>();
-  s.optimizer_bytes = field<int64_t>(j, "optimizer_bytes", what);
-  s.gradient_bytes = field<int64_t>(j, "gradient_bytes", what);
+  visit_scalars(s, [&](const char* name, auto& value) {
+    value = field<std::decay_t<decltype(value)>>(j, name, what);
+  });
   for (const auto& a : field<json>(j, "actions", what)) {
     action_record rec;
     rec.what = {static_cast<action_kind>(a.at(0).get<int>()), a.at(1).get<int32_t>(),

@@ -48,17 +48,7 @@ py::dict stats_of(const step_result& r) {
   py::list stages;
   for (const auto& s : r.stages) {
     py::dict stage;
-    stage["stage"] = s.stage;
-    stage["forward_ms"] = s.forward_ms;
-    stage["backward_ms"] = s.backward_ms;
-    stage["wait_ms"] = s.wait_ms;
-    stage["optimizer_ms"] = s.optimizer_ms;
-    stage["peak_stash"] = s.peak_stash;
-    stage["peak_stash_bytes"] = s.peak_stash_bytes;
-    stage["device_peak_bytes"] = s.device_peak_bytes;
-    stage["recomputed"] = s.recomputed;
-    stage["optimizer_bytes"] = s.optimizer_bytes;
-    stage["gradient_bytes"] = s.gradient_bytes;
+    visit_scalars(s, [&](const char* name, const auto& value) { stage[name] = value; });
     stages.append(stage);
   }
   py::dict result;

@@ -68,6 +68,29 @@ struct stage_stats {
   int64_t gradient_bytes = 0;
 };
 
+/// Calls `f(name, field)` for every field of `s` but its actions, in order: the one list that a
+/// node's report (written and read back), `actorpipe train --json` and Python's stats are made
+/// from, so that a figure added to stage_stats reaches all of them.
+template <class Stats, class F>
+void visit_scalars(Stats& s, F&& f) {
+  f("stage", s.stage);
+  f("forward_ms", s.forward_ms);
+  f("backward_ms", s.backward_ms);
+  f("wait_ms", s.wait_ms);
+  f("optimizer_ms", s.optimizer_ms);
+  f("early_update", s.early_update);
+  f("overlapped", s.overlapped);
+  f("peak_stash", s.peak_stash);
+  f("peak_stash_bytes", s.peak_stash_bytes);
+  f("device_peak_bytes", s.device_peak_bytes);
+  f("recomputed", s.recomputed);
+  f("sync_start_ms", s.sync_start_ms);
+  f("sync_end_ms", s.sync_end_ms);
+  f("sync_bytes", s.sync_bytes);
+  f("optimizer_bytes", s.optimizer_bytes);
+  f("gradient_bytes", s.gradient_bytes);
+}
+
 /// The outcome of a training step.
 struct step_result {
   /// 1-based step counter of this pipeline.

@@ -1147,6 +1147,34 @@ std::map<std::string, std::string> fields_of(const stage_settings& s) {
 
 } // namespace
 
+TEST_CASE("a stage's report crosses from a node whole: every figure of stage_stats") {
+  actors::stage_report sent;
+  sent.step = 7;
+  auto& st = sent.stats;
+  int n = 0;
+  visit_scalars(st, [&](const char*, auto& value) {
+    ++n;
+    using T = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<T, bool>) {
+      value = true;
+    } else {
+      value = static_cast<T>(n * 3 + 1); // every field away from its default, each its own
+    }
+  });
+  CHECK(n == 16);
+  st.actions.push_back({{action_kind::forward, 2, 1}, 1.5, 2.5, 64, 1.75, 2.25});
+  std::size_t outputs = 0;
+  auto back = nodes::stage_report_from_json(nodes::to_json(sent), outputs);
+  CHECK(back.step == 7);
+  std::map<std::string, std::string> a, b;
+  visit_scalars(st, [&](const char* name, const auto& value) { a[name] = std::to_string(value); });
+  visit_scalars(back.stats,
+                [&](const char* name, const auto& value) { b[name] = std::to_string(value); });
+  CHECK(a == b);
+  REQUIRE(back.stats.actions.size() == 1);
+  CHECK(back.stats.actions[0].device_end_ms == 2.25);
+}
+
 TEST_CASE("stage settings cross to a node whole: every field, with a version, checked") {
   // A field added to stage_settings needs its line in visit_fields (the serializer, the parser
   // and this test walk that list); then update this size.
