@@ -1148,6 +1148,10 @@ std::map<std::string, std::string> fields_of(const stage_settings& s) {
 } // namespace
 
 TEST_CASE("a stage's report crosses from a node whole: every figure of stage_stats") {
+  // A figure added to stage_stats needs its line in visit_scalars (results.hpp: the node report,
+  // train --json and Python's stats are made from that list); then update this size and count.
+  static_assert(sizeof(stage_stats) == 144, "stage_stats changed: list the new field in "
+                                            "visit_scalars (results.hpp), then update");
   actors::stage_report sent;
   sent.step = 7;
   auto& st = sent.stats;
