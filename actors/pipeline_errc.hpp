@@ -14,6 +14,7 @@
 #include <caf/error.hpp>
 #include <caf/make_message.hpp>
 #include <caf/message.hpp>
+#include <caf/result.hpp>
 
 #include <actorpipe/errors.hpp>
 
@@ -26,6 +27,14 @@ constexpr caf::atom_value pipeline_errors = caf::atom("actorpipe");
 inline caf::error make_pipeline_error(error_kind kind, std::string sentence) {
   return caf::error(static_cast<uint8_t>(kind), pipeline_errors,
                     caf::make_message(std::move(sentence)));
+}
+
+/// A reply that is done (true) unless `error` says what failed: then the refusal of `kind`.
+inline caf::result<bool> done_or_refused(error_kind kind, std::string error) {
+  if (error.empty()) {
+    return true;
+  }
+  return make_pipeline_error(kind, std::move(error));
 }
 
 inline bool is_pipeline_error(const caf::error& e) {

@@ -563,14 +563,6 @@ tensor_map state_on_cpu(stage_state& s) {
   return on_cpu(std::move(all));
 }
 
-// A reply that is done (true) unless `error` says what failed: then the error, as CAF error data.
-caf::result<bool> done_or(error_kind kind, std::string error) {
-  if (error.empty()) {
-    return true;
-  }
-  return make_pipeline_error(kind, std::move(error));
-}
-
 // Loads every chunk's state from `all` (and BMUF's block state); what failed, or nothing.
 std::string load_state(stage_state& s, const tensor_map& all) {
   set_threads(s);
@@ -662,15 +654,15 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       return promise;
     },
     [=](block_atom) -> caf::result<bool> {
-      return done_or(error_kind::replica_failure, end_block_now(self->state));
+      return done_or_refused(error_kind::replica_failure, end_block_now(self->state));
     },
     [=](save_atom, const std::string& path) -> caf::result<bool> {
       set_threads(self->state);
       try {
         stages::save_tensors(path, state_on_cpu(self->state));
       } catch (const std::exception& e) {
-        return done_or(error_kind::io,
-                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
+        return make_pipeline_error(
+          error_kind::io, detail::concat("stage ", self->state.options.index, ": ", e.what()));
       }
       return true;
     },
@@ -684,7 +676,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
-      return done_or(error_kind::io, load_state(self->state, *all));
+      return done_or_refused(error_kind::io, load_state(self->state, *all));
     },
   };
 }

@@ -224,6 +224,10 @@ allocation_tally::~allocation_tally() {
   tally = previous_;
 }
 
+std::shared_ptr<std::atomic<int64_t>> allocation_tally::current() {
+  return tally;
+}
+
 void set_cache_limit(std::size_t bytes) {
   instance().set_limit(bytes);
 }

@@ -736,10 +736,7 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
         double scale) -> caf::result<double> { return relay_update(self, index, step, lr, scale); },
     [=](rblock_atom, uint32_t index) -> caf::result<bool> { return relay_block(self, index); },
     [=](rsave_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
-      if (auto error = send_state(self, index, id); !error.empty()) {
-        return actors::make_pipeline_error(error_kind::io, std::move(error));
-      }
-      return true;
+      return actors::done_or_refused(error_kind::io, send_state(self, index, id));
     },
     [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
       auto* h = find_stage(self, index);

@@ -38,12 +38,10 @@ c10::DeviceIndex index_of(c10::Device device) {
   return device.has_index() ? device.index() : c10::cuda::current_device();
 }
 
-// memory_tally on a GPU: the counter of the calling thread's innermost tally, and every tallied
-// allocation alive (its address: its counter and bytes). The caching allocator calls
-// on_allocator_trace under its own lock on the thread that allocates or frees; this map's lock
-// is taken inside it, never around a call into the allocator.
-thread_local std::shared_ptr<std::atomic<int64_t>> thread_tally;
-
+// memory_tally on a GPU: every tallied allocation alive (its address: the tally's count and its
+// bytes). The caching allocator calls on_allocator_trace under its own lock on the thread that
+// allocates or frees; this map's lock is taken inside it, never around a call into the
+// allocator.
 struct tallied_allocations {
   std::mutex mutex;
   std::unordered_map<std::size_t, std::pair<std::shared_ptr<std::atomic<int64_t>>, int64_t>> live;
@@ -57,11 +55,12 @@ tallied_allocations& tallied() {
 void on_allocator_trace(const c10::CachingDeviceAllocator::TraceEntry& e) {
   using action = c10::CachingDeviceAllocator::TraceEntry::Action;
   if (e.action_ == action::ALLOC) {
-    if (thread_tally) {
+    if (auto count = memory::allocation_tally::current()) {
       auto bytes = static_cast<int64_t>(e.size_);
-      *thread_tally += bytes;
-      std::lock_guard<std::mutex> lock{tallied().mutex};
-      tallied().live[e.addr_] = {thread_tally, bytes};
+      *count += bytes;
+      auto& all = tallied();
+      std::lock_guard<std::mutex> lock{all.mutex};
+      all.live[e.addr_] = {std::move(count), bytes};
     }
   } else if (e.action_ == action::FREE_REQUESTED) {
     auto& all = tallied();
@@ -261,26 +260,17 @@ std::string out_of_memory(const std::exception& e) {
   return {};
 }
 
-std::shared_ptr<std::atomic<int64_t>> begin_tally(c10::Device device,
-                                                  std::shared_ptr<std::atomic<int64_t>>& previous) {
-  static const bool watching = [device] {
+void watch_allocations(c10::Device device) {
+  static std::once_flag attached;
+  std::call_once(attached, [device] {
     try {
       // The allocator attaches the callback to the devices it has: it starts here first.
       at::empty({1}, at::TensorOptions().device(device));
       c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(on_allocator_trace);
-      return true;
     } catch (const std::exception& e) { // cudaMallocAsync's backend has no trace callback
       log_once_without_tally(e);
-      return false;
     }
-  }();
-  previous = std::move(thread_tally);
-  thread_tally = watching ? std::make_shared<std::atomic<int64_t>>(0) : nullptr;
-  return thread_tally;
-}
-
-void end_tally(std::shared_ptr<std::atomic<int64_t>> previous) {
-  thread_tally = std::move(previous);
+  });
 }
 
 int64_t peak_allocated_bytes(c10::Device device) {

@@ -67,20 +67,10 @@ std::shared_ptr<device_context> make_device_context(c10::Device device) {
   return cuda::make_context(device.has_index() ? device : c10::Device(c10::kCUDA, 0));
 }
 
-memory_tally::memory_tally(c10::Device device) : cuda_(device.is_cuda()) {
-  if (cuda_) {
-    device_ = cuda::begin_tally(device, previous_);
+memory_tally::memory_tally(c10::Device device) {
+  if (device.is_cuda()) {
+    cuda::watch_allocations(device);
   }
-}
-
-memory_tally::~memory_tally() {
-  if (cuda_) {
-    cuda::end_tally(std::move(previous_));
-  }
-}
-
-int64_t memory_tally::live_bytes() const {
-  return host_.live_bytes() + (device_ ? device_->load() : int64_t{0});
 }
 
 #ifndef ACTORPIPE_WITH_CUDA
@@ -101,11 +91,7 @@ void wait_for_current_stream(c10::Device) {}
 std::string out_of_memory(const std::exception&) {
   return {};
 }
-std::shared_ptr<std::atomic<int64_t>> begin_tally(c10::Device,
-                                                  std::shared_ptr<std::atomic<int64_t>>&) {
-  return nullptr;
-}
-void end_tally(std::shared_ptr<std::atomic<int64_t>>) {}
+void watch_allocations(c10::Device) {}
 int64_t peak_allocated_bytes(c10::Device) {
   return 0;
 }

@@ -6,7 +6,6 @@
 /// stream of its own. The scheduler, the actors and comm/ stay device-blind: they call this.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
 
@@ -91,25 +90,18 @@ at::Generator default_generator(c10::Device device);
 void check_device(c10::Device device, const std::string& who);
 
 /// What the calling thread keeps of what it allocates from now on, for a stage's stash and a
-/// layer's profile: every buffer it allocates while the tally is alive counts until it is freed,
-/// by whichever thread. CPU buffers through memory::allocation_tally; on a CUDA `device`, the
-/// caching allocator's allocations (watched through its trace callback, installed at the first
-/// such tally: a map entry per tallied allocation while it lives, as the CPU's). Tallies nest;
-/// the innermost counts.
+/// layer's profile: a memory::allocation_tally (every buffer it allocates while the tally is
+/// alive counts until it is freed, by whichever thread; tallies nest, the innermost counts)
+/// which, for a CUDA `device`, also counts the caching allocator's allocations
+/// (cuda::watch_allocations).
 class memory_tally {
 public:
   explicit memory_tally(c10::Device device);
-  ~memory_tally();
-  memory_tally(const memory_tally&) = delete;
-  memory_tally& operator=(const memory_tally&) = delete;
 
-  int64_t live_bytes() const;
+  int64_t live_bytes() const { return tally_.live_bytes(); }
 
 private:
-  memory::allocation_tally host_;
-  bool cuda_;
-  std::shared_ptr<std::atomic<int64_t>> device_;
-  std::shared_ptr<std::atomic<int64_t>> previous_;
+  memory::allocation_tally tally_;
 };
 
 /// CUDA-only operations that leave the CPU as it is (`cuda_device.cpp` defines them in a CUDA
@@ -130,13 +122,12 @@ void wait_for_current_stream(c10::Device device);
 /// "CUDA out of memory" in the caching allocator's words, with what was asked for; empty when
 /// `e` is not a CUDA out-of-memory error.
 std::string out_of_memory(const std::exception& e);
-/// memory_tally's CUDA half: from now on the calling thread's allocations from the caching
-/// allocator count on the returned counter until they are freed, and until end_tally(previous)
-/// gives the thread back the counter it had (null: none). Null on the CPU line, and where the
-/// allocator has no trace callback (PyTorch's cudaMallocAsync backend: said once on stderr).
-std::shared_ptr<std::atomic<int64_t>> begin_tally(c10::Device device,
-                                                  std::shared_ptr<std::atomic<int64_t>>& previous);
-void end_tally(std::shared_ptr<std::atomic<int64_t>> previous);
+/// memory_tally's CUDA half, done once per process: from then on every allocation from the
+/// caching allocator counts on the allocating thread's allocation_tally, if it has one, until it
+/// is freed (through the allocator's trace callback: a map entry per tallied allocation while it
+/// lives, as the CPU allocator keeps). Nothing on the CPU line; where the allocator has no trace
+/// callback (PyTorch's cudaMallocAsync backend) it says so once on stderr and counts nothing.
+void watch_allocations(c10::Device device);
 /// The most bytes the caching allocator held allocated on a CUDA `device` at once (block sizes)
 /// since the last reset_peak_allocated; 0 for the CPU.
 int64_t peak_allocated_bytes(c10::Device device);

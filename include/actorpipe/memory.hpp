@@ -36,11 +36,12 @@ private:
   bool previous_;
 };
 
-/// Counts the CPU tensor memory the calling thread allocates during the tally's lifetime, until
-/// it is freed (by any thread): a stage measures what a micro-batch's forward leaves behind for
-/// its backward (stage_stats::peak_stash_bytes). Tallies nest; the innermost counts. Works with
-/// warm and cold memory alike (it installs the allocator, which then forwards cold threads'
-/// buffers to libtorch's).
+/// Counts the CPU tensor memory the calling thread allocates during the tally's lifetime (and,
+/// once a stage on a GPU watches it, the CUDA caching allocator's), until it is freed (by any
+/// thread): a stage measures what a micro-batch's forward leaves behind for its backward
+/// (stage_stats::peak_stash_bytes). Tallies nest; the innermost counts. Works with warm and cold
+/// memory alike (it installs the allocator, which then forwards cold threads' buffers to
+/// libtorch's).
 class allocation_tally {
 public:
   allocation_tally();
@@ -50,6 +51,11 @@ public:
 
   /// Bytes allocated on this thread under the tally and not freed yet.
   int64_t live_bytes() const { return live_->load(); }
+
+  /// The calling thread's innermost tally's count (null: none), for an allocator other than the
+  /// CPU's to count on: a stage on a GPU counts the CUDA caching allocator's allocations here
+  /// (stages::memory_tally), subtracting each when it is freed.
+  static std::shared_ptr<std::atomic<int64_t>> current();
 
 private:
   std::shared_ptr<std::atomic<int64_t>> live_;

@@ -194,10 +194,14 @@ TEST_CASE("a rank that never arrives fails the others at the rendezvous, naming 
 
 namespace {
 
-// Replicas 0 and 1 of tiny_mlp(1) in 2 stages, as pipelines of their own at `o`'s rendezvous,
-// built at once (each waits for the other).
+// Replicas 0 and 1 of tiny_mlp(1) in 2 stages (mlp_options(2)), as pipelines of their own at a
+// fresh rendezvous with the collectives' `timeout`, built at once (each waits for the other).
 std::pair<std::unique_ptr<pipeline>, std::unique_ptr<pipeline>>
-two_replicas(engine& sys, const pipeline_options& o) {
+two_replicas(engine& sys, std::chrono::milliseconds timeout) {
+  auto o = mlp_options(2);
+  o.data_parallel.replicas = 2;
+  o.data_parallel.local = make_local_rendezvous();
+  o.data_parallel.timeout = timeout;
   std::vector<std::future<std::unique_ptr<pipeline>>> building;
   for (std::size_t r = 0; r < 2; ++r) {
     auto ro = o;
@@ -216,11 +220,7 @@ two_replicas(engine& sys, const pipeline_options& o) {
 TEST_CASE("a replica that fails its step fails the other within the deadline, and no parameter "
           "changes") {
   engine sys;
-  auto o = mlp_options(2);
-  o.data_parallel.replicas = 2;
-  o.data_parallel.local = make_local_rendezvous();
-  o.data_parallel.timeout = std::chrono::milliseconds(1500);
-  auto [p0, p1] = two_replicas(sys, o);
+  auto [p0, p1] = two_replicas(sys, std::chrono::milliseconds(1500));
   auto before = p0->named_parameters();
   auto start = std::chrono::steady_clock::now();
   auto good = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
@@ -244,11 +244,7 @@ TEST_CASE("a replica that fails its step fails the other within the deadline, an
 TEST_CASE("a replica's failed step ends the other's at once, not at the deadline, their groups "
           "refuse further steps by name, and replicas built again train like plain libtorch") {
   engine sys;
-  auto o = mlp_options(2);
-  o.data_parallel.replicas = 2;
-  o.data_parallel.local = make_local_rendezvous();
-  o.data_parallel.timeout = std::chrono::milliseconds(30000);
-  auto [p0, p1] = two_replicas(sys, o);
+  auto [p0, p1] = two_replicas(sys, std::chrono::milliseconds(30000));
   auto before = p0->named_parameters();
   auto start = std::chrono::steady_clock::now();
   auto good = p0->train_step_async(torch::randn({4, 1, 4, 4}), torch::randn({4, 3}));
@@ -291,8 +287,7 @@ TEST_CASE("a replica's failed step ends the other's at once, not at the deadline
   // together.
   p0.reset();
   p1.reset();
-  o.data_parallel.local = make_local_rendezvous();
-  std::tie(p0, p1) = two_replicas(sys, o);
+  std::tie(p0, p1) = two_replicas(sys, std::chrono::milliseconds(30000));
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   for (int step = 0; step < 3; ++step) {
     CAPTURE(step);
