@@ -55,8 +55,9 @@ using run_atom = caf::atom_constant<caf::atom("run")>;
 using save_atom = caf::atom_constant<caf::atom("save")>;
 /// scheduler -> stage request: (load_atom, shared_ptr<const tensor_map>) -> true once loaded.
 using load_atom = caf::atom_constant<caf::atom("load")>;
-/// scheduler -> stage request: (fetch_atom) -> shared_ptr<const tensor_map>: copies of the
-/// stage's state as save_atom would write it, in memory.
+/// scheduler -> stage request: (fetch_atom, uint64 keep_as) -> shared_ptr<const tensor_map>:
+/// copies of the stage's state as save_atom would write it, in memory; for snapshot `keep_as`
+/// (> 0), which a stage on a node keeps a copy of once the driver has it whole (0: no snapshot).
 using fetch_atom = caf::atom_constant<caf::atom("fetch")>;
 /// scheduler -> stage request: (block_atom) -> true: BMUF, end the warm-up or the running block
 /// now; a sharded optimizer state, gather it on replica 0 (for a checkpoint).
@@ -156,7 +157,7 @@ using stage_actor =
                    caf::replies_to<update_atom, uint64_t, double, double>::with<double>,
                    caf::replies_to<save_atom, std::string>::with<bool>,
                    caf::replies_to<load_atom, std::shared_ptr<const tensor_map>>::with<bool>,
-                   caf::replies_to<fetch_atom>::with<std::shared_ptr<const tensor_map>>,
+                   caf::replies_to<fetch_atom, uint64_t>::with<std::shared_ptr<const tensor_map>>,
                    caf::replies_to<block_atom>::with<bool>>;
 
 /// A stage actor running in this process: the scheduler's protocol, its neighbours', and

@@ -666,7 +666,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
       return true;
     },
-    [=](fetch_atom) -> caf::result<std::shared_ptr<const tensor_map>> {
+    [=](fetch_atom, uint64_t) -> caf::result<std::shared_ptr<const tensor_map>> {
       set_threads(self->state);
       try {
         return std::make_shared<const tensor_map>(state_on_cpu(self->state));

@@ -43,8 +43,8 @@
 /// - in  (save_atom, path) -> true (io): write the chunks' state (parameters, buffers,
 ///       optimizer state keyed by layer name) to `path`.
 /// - in  (load_atom, shared_ptr<const tensor_map>) -> true (io): load the chunks' keys.
-/// - in  (fetch_atom) -> shared_ptr<const tensor_map> (io): the chunks' state (as save_atom
-///       writes it) in memory.
+/// - in  (fetch_atom, uint64 keep_as) -> shared_ptr<const tensor_map> (io): the chunks' state (as
+///       save_atom writes it) in memory (keep_as: for stages on nodes, a snapshot's number).
 /// - out (done_atom, stage_report) to its listener (`stage_listener_actor`: the scheduler, or the
 ///       node hosting it) when the program has run.
 /// - out (failed_atom, step, failure) to its listener when an action throws or a wait runs past

@@ -32,6 +32,12 @@ CLI::App* add_node_command(CLI::App& app, node_args& a) {
                  "Largest TorchScript model (bytes) a scheduler may send this node")
     ->capture_default_str()
     ->check(CLI::PositiveNumber);
+  cmd
+    ->add_option("--keep-snapshots", a.keep_snapshots,
+                 "Seconds to keep the newest snapshot of the stages hosted here once none is, for "
+                 "a driver that starts again with `train --resume nodes` (0: keep none)")
+    ->capture_default_str()
+    ->check(CLI::NonNegativeNumber);
   add_tls_flags(cmd, a.tls);
   return cmd;
 }
@@ -67,6 +73,7 @@ int run_node(const node_args& a) {
   }
   options.tls = a.tls;
   options.max_model_bytes = a.max_model_bytes;
+  options.keep_snapshots = std::chrono::seconds(a.keep_snapshots);
   // Block the signals first so that every thread the node starts inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);

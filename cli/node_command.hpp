@@ -19,6 +19,7 @@ struct node_args {
   std::string secret_file;
   tls_options tls;
   std::size_t max_model_bytes = std::size_t{256} << 20;
+  int64_t keep_snapshots = 600;
 };
 
 CLI::App* add_node_command(CLI::App& app, node_args& args);

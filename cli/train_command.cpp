@@ -442,9 +442,19 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                                {"snapshot", r.snapshot},
                                {"seconds", r.seconds},
                                {"replicas_left", r.replicas_left},
-                               {"replicas", r.replicas}});
+                               {"replicas", r.replicas},
+                               {"from_replica", r.from_replica}});
   }
   j["replayed_steps"] = report.replayed_steps;
+  j["rejoins"] = nlohmann::json::array();
+  for (const auto& r : report.rejoins) {
+    j["rejoins"].push_back({{"rejoined", r.rejoined},
+                            {"spares", r.spares_used},
+                            {"nodes", r.nodes},
+                            {"bounds", r.bounds},
+                            {"snapshot", r.snapshot},
+                            {"seconds", r.seconds}});
+  }
   write_json(a.json, j);
 }
 

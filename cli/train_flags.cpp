@@ -60,7 +60,8 @@ void add_run_flags(CLI::App* cmd, train_args& a) {
   opt("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: only at the end)");
   opt("--keep", a.keep, "Checkpoints to keep");
   opt("--resume", a.resume,
-      "Continue from a checkpoint (or the newest in a folder); the stage count may differ");
+      "Continue from a checkpoint (or the newest in a folder; the stage count may differ), or "
+      "'nodes': from the newest snapshot the --nodes keep (a driver that died, started again)");
   opt("--metrics", a.metrics,
       "Per-epoch metrics file (.csv, else JSON lines); synthetic data: one row for the run");
   cmd->add_flag("--no-progress", a.no_progress,
@@ -241,6 +242,9 @@ void check_node_flags_apply(const train_args& a) {
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }
+  ACTORPIPE_CHECK(a.resume != "nodes" || !a.nodes.empty(),
+                  "--resume nodes takes the snapshot that nodes keep of the stages they host: "
+                  "give the run's --nodes");
   ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
   ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
 }

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <future>
 #include <vector>
 
@@ -26,12 +27,17 @@ inline int telling(const std::exception_ptr& error) {
 
 // Every future's value, in order; each waited for at most `deadline`. All are waited for before
 // an error is rethrown (a lost node's before the others'), so no replica is left running
-// unobserved.
+// unobserved. `outcomes`, when given, receives each future's error (null: it succeeded), and
+// `on_value(r, value)` sees each value that came.
 template <class T>
 std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::milliseconds deadline,
-                       const char* what) {
+                       const char* what, std::vector<std::exception_ptr>* outcomes = nullptr,
+                       const std::function<void(std::size_t, const T&)>& on_value = {}) {
   std::exception_ptr error;
   std::vector<T> values;
+  if (outcomes != nullptr) {
+    outcomes->assign(futures.size(), nullptr);
+  }
   for (std::size_t r = 0; r < futures.size(); ++r) {
     try {
       if (futures[r].wait_for(deadline) != std::future_status::ready) {
@@ -40,7 +46,13 @@ std::vector<T> get_all(std::vector<std::future<T>>& futures, std::chrono::millis
           error_details{error_kind::timeout});
       }
       values.push_back(futures[r].get());
+      if (on_value) {
+        on_value(r, values.back());
+      }
     } catch (...) {
+      if (outcomes != nullptr) {
+        (*outcomes)[r] = std::current_exception();
+      }
       if (!error || telling(std::current_exception()) > telling(error)) {
         error = std::current_exception();
       }

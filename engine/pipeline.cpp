@@ -284,6 +284,8 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   auto& self = *impl_;
   self.remote = std::move(model);
   self.sys = &sys;
+  self.given_nodes = self.options.placement.nodes;
+  self.given_cut = self.cut;
   self.meet_replicas();
   self.place_on_nodes();
 }

@@ -105,6 +105,13 @@ struct pipeline::impl {
   // A snapshot still arriving (snapshot_in_background), and its number.
   std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> pending_snapshot;
   uint64_t pending_number = 0;
+  std::string pending_note;
+  // Stages on nodes: the nodes and cut as built, the nodes recover() lost since, and whether they
+  // answer again, asked beside the steps (pipeline::rejoin_nodes).
+  std::vector<std::string> given_nodes;
+  partition given_cut;
+  std::vector<std::string> lost_nodes;
+  std::future<std::vector<bool>> lost_answering;
 
   impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
@@ -200,17 +207,31 @@ struct pipeline::impl {
     return future.get();
   }
 
-  // Queues a fetch of every stage's state (pipeline::snapshot), in the background or not.
-  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> submit_fetch(bool background);
+  // Queues a fetch of every stage's state, in the background or not; for snapshot `keep_as`
+  // (pipeline::snapshot; 0: not a snapshot), which nodes keep a copy of.
+  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
+  submit_fetch(bool background, uint64_t keep_as = 0);
   // Waits for a snapshot still arriving and, when all of it came, makes it the newest.
   void settle_snapshot();
-  // Makes `state` the newest snapshot, number `number`.
+  // The same for a snapshot that has arrived, without waiting (before each step: so the nodes
+  // keep it as soon as it is whole).
+  void settle_if_arrived() {
+    if (pending_snapshot.valid() &&
+        pending_snapshot.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      settle_snapshot();
+    }
+  }
+  // Makes `state` the newest snapshot, number `number`; stages on nodes: each node keeps its
+  // stages' copy, with `note`.
   void install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
-                        uint64_t number);
+                        uint64_t number, const std::string& note);
+  // Stages on nodes: the node of each stage actor, in stage order.
+  std::vector<caf::actor> stage_nodes() const;
 
   // Checks and queues a training step on micro-batches.
   std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,
                                         std::vector<torch::Tensor> targets) {
+    settle_if_arrived();
     ACTORPIPE_CHECK(options.loss || options.loss_with_inputs,
                     "train_step: pipeline_options.loss is not set");
     ACTORPIPE_CHECK(static_cast<bool>(options.optimizer),

@@ -8,6 +8,7 @@
 #include <map>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <actorpipe/memory.hpp>
 #include <actorpipe/replicas.hpp>
@@ -135,13 +136,86 @@ whole_replicas(const std::vector<std::vector<std::string>>& replica_nodes,
   return {whole, layouts};
 }
 
+// Whether a step failed only because another replica's did (its stages' all-reduce ended):
+// such a step changed nothing, on stages that all still hold the last completed step's state.
+bool failed_for_another(const std::exception_ptr& outcome) {
+  if (!outcome) {
+    return false;
+  }
+  try {
+    std::rethrow_exception(outcome);
+  } catch (const pipeline_error& e) {
+    return e.kind() == error_kind::replica_failure;
+  } catch (...) {
+    return false;
+  }
+}
+
+// The replica whose stages' live state the others can take after a loss: the lowest rank whose
+// last step completed (its all-reduce had every replica's gradients: its state is that step's,
+// `done`), else the lowest whose step failed for another's (the step before's), if all its nodes
+// answer; only rank 0 where each replica keeps its own buffers. None (-1) with BMUF or sharded
+// optimizer state, where no replica holds the whole state of the last step.
+struct live_choice {
+  int64_t replica = -1;
+  bool done = false;
+};
+live_choice live_source(caf::actor_system& sys, const std::vector<std::vector<std::string>>& nodes,
+                        const std::map<std::string, caf::actor>& known,
+                        const std::vector<std::exception_ptr>& outcomes,
+                        const pipeline_options& options) {
+  const auto& dp = options.data_parallel;
+  if (dp.bmuf.block_steps > 0 || dp.shard != shard_mode::none) {
+    return {};
+  }
+  auto candidates = std::min(nodes.size(), dp.buffers == buffer_sync::none
+                                             ? std::min<std::size_t>(1, outcomes.size())
+                                             : outcomes.size());
+  live_choice choice;
+  for (std::size_t r = 0; r < candidates && choice.replica < 0; ++r) {
+    if (!outcomes[r]) {
+      choice = {static_cast<int64_t>(r), true};
+    }
+  }
+  for (std::size_t r = 0; r < candidates && choice.replica < 0; ++r) {
+    if (failed_for_another(outcomes[r])) {
+      choice = {static_cast<int64_t>(r), false};
+    }
+  }
+  if (choice.replica >= 0) {
+    auto alive = nodes::answering(sys, nodes[static_cast<std::size_t>(choice.replica)], known,
+                                  options.placement);
+    if (!std::all_of(alive.begin(), alive.end(), [](bool a) { return a; })) {
+      return {};
+    }
+  }
+  return choice;
+}
+
+// The state of replica `source`'s stages now (pipeline::impl `r`), or null when it does not
+// come (then the snapshot serves, with a warning).
+template <class Impl>
+std::shared_ptr<const stages::tensor_map> fetch_live(Impl& r, int64_t source) {
+  try {
+    auto future = r.submit_fetch(false);
+    auto state = r.wait(future, "recover");
+    return std::make_shared<const stages::tensor_map>(std::move(*state));
+  } catch (const std::exception& e) {
+    log::get()->warn("recover: the state of replica {} did not come ({}); restoring the newest "
+                     "snapshot instead",
+                     source, e.what());
+    return nullptr;
+  }
+}
+
 } // namespace
 
 std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
-pipeline::impl::submit_fetch(bool background) {
+pipeline::impl::submit_fetch(bool background, uint64_t keep_as) {
   auto request = std::make_shared<scheduler::step_request>();
   request->kind = scheduler::request_kind::fetch;
   request->background = background;
+  request->keep_as = keep_as;
   return submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
     std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
 }
@@ -152,7 +226,7 @@ void pipeline::impl::settle_snapshot() {
   }
   auto number = pending_number;
   try {
-    install_snapshot(wait(pending_snapshot, "snapshot"), number);
+    install_snapshot(wait(pending_snapshot, "snapshot"), number, pending_note);
   } catch (const std::exception& e) {
     // A node lost while its state was on the way: the step after it fails too, and recover()
     // restores the newest snapshot that did arrive.
@@ -165,27 +239,88 @@ void pipeline::impl::settle_snapshot() {
 }
 
 void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
-                                      uint64_t number) {
+                                      uint64_t number, const std::string& note) {
   snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
   snapshot_number = number;
+  if (remote) {
+    // Complete here: every node keeps its stages' copy, tagged with the cut it was taken on.
+    nodes::keep_snapshot(sys->internals().system, stage_nodes(), number,
+                         nlohmann::json{{"bounds", cut.bounds}, {"note", note}}.dump());
+  }
   // The frames and the snapshot this one replaced were megabytes of heap.
   memory::release_free_heap();
 }
 
-uint64_t pipeline::snapshot() {
+std::vector<caf::actor> pipeline::impl::stage_nodes() const {
+  std::vector<caf::actor> result;
+  for (const auto& address : options.placement.nodes) {
+    auto it = nodes.find(address);
+    result.push_back(it == nodes.end() ? caf::actor{} : it->second);
+  }
+  return result;
+}
+
+uint64_t pipeline::snapshot(const std::string& note) {
   auto& self = *impl_;
   self.settle_snapshot();
-  auto future = self.submit_fetch(false);
-  self.install_snapshot(self.wait(future, "snapshot"), ++self.snapshots_taken);
+  auto number = ++self.snapshots_taken;
+  auto future = self.submit_fetch(false, number);
+  self.install_snapshot(self.wait(future, "snapshot"), number, note);
   return self.snapshot_number;
 }
 
-uint64_t pipeline::snapshot_in_background() {
+uint64_t pipeline::snapshot_in_background(const std::string& note) {
   auto& self = *impl_;
   self.settle_snapshot();
-  self.pending_snapshot = self.submit_fetch(true);
   self.pending_number = ++self.snapshots_taken;
+  self.pending_note = note;
+  self.pending_snapshot = self.submit_fetch(true, self.pending_number);
   return self.pending_number;
+}
+
+kept_snapshot pipeline::kept_on_nodes() {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(self.remote, "kept_on_nodes: the stages of this pipeline are in this process; "
+                               "nodes keep snapshots of the stages they host");
+  const auto& addresses = self.options.placement.nodes;
+  auto kept = nodes::kept_by(self.sys->internals().system, self.stage_nodes(),
+                             self.options.placement.connect_timeout);
+  // One snapshot, of this cut, on every stage's node.
+  auto bounds = nlohmann::json(self.cut.bounds).dump();
+  std::string held;
+  bool whole = !kept.empty();
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    auto tag = nlohmann::json::parse(kept[i].note, nullptr, false);
+    auto cut = tag.is_object() && tag.contains("bounds") ? tag["bounds"].dump() : std::string{};
+    whole = whole && kept[i].number != 0 && cut == bounds &&
+            kept[i].number == kept.front().number && kept[i].note == kept.front().note;
+    held += detail::concat(i == 0 ? "" : "; ", "stage ", i, " on ", addresses[i], ": ",
+                           kept[i].number == 0
+                             ? std::string("none")
+                             : detail::concat("snapshot ", kept[i].number, " of cut ", cut));
+  }
+  if (!whole) {
+    throw pipeline_error(detail::concat("the nodes do not keep one snapshot of every stage of cut ",
+                                        bounds, " (", held, ")"),
+                         error_details{error_kind::io});
+  }
+  auto tag = nlohmann::json::parse(kept.front().note);
+  return {kept.front().number, tag.value("note", std::string{})};
+}
+
+void pipeline::restore_from_nodes(uint64_t number) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(self.remote, "restore_from_nodes: the stages of this pipeline are in this "
+                               "process; nodes keep snapshots of the stages they host");
+  self.settle_snapshot();
+  nodes::restore_kept(self.sys->internals().system, self.stage_nodes(),
+                      self.options.placement.nodes, number, self.options.step_timeout);
+  // What a later recover() restores: the state now (the nodes keep theirs still).
+  auto future = self.submit_fetch(false);
+  self.snapshot =
+    std::make_shared<const stages::tensor_map>(std::move(*self.wait(future, "restore_from_nodes")));
+  self.snapshot_number = number;
+  self.snapshots_taken = std::max(self.snapshots_taken, number);
 }
 
 uint64_t pipeline::newest_snapshot() {
@@ -212,6 +347,11 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   recovery_report report;
   report.lost = census.lost;
   report.spares_used = census.spares_used;
+  for (const auto& n : census.lost) {
+    if (std::find(self.lost_nodes.begin(), self.lost_nodes.end(), n) == self.lost_nodes.end()) {
+      self.lost_nodes.push_back(n);
+    }
+  }
   auto placed = census.placed(placement.nodes);
   if (placed.empty()) {
     throw pipeline_error(
@@ -246,6 +386,93 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   return report;
 }
 
+std::optional<recovery_report>
+pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
+  auto& self = *impl_;
+  if (!self.remote || self.replicas || self.lost_nodes.empty()) {
+    return std::nullopt;
+  }
+  auto& actor_system = self.sys->internals().system;
+  if (!self.lost_answering.valid()) {
+    // Asked beside the steps: a host that is gone costs the question its connect timeout.
+    self.lost_answering = std::async(std::launch::async, [&actor_system, lost = self.lost_nodes,
+                                                          placement = self.options.placement] {
+      return nodes::answering(actor_system, lost, {}, placement);
+    });
+    return std::nullopt;
+  }
+  if (self.lost_answering.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    return std::nullopt;
+  }
+  auto alive = self.lost_answering.get();
+  auto started = std::chrono::steady_clock::now();
+  auto& placement = self.options.placement;
+  recovery_report report;
+  std::vector<std::string> still_lost;
+  for (std::size_t i = 0; i < self.lost_nodes.size(); ++i) {
+    const auto& n = self.lost_nodes[i];
+    if (std::find(placement.nodes.begin(), placement.nodes.end(), n) != placement.nodes.end()) {
+      continue; // a spare of the run took stages since
+    }
+    (i < alive.size() && alive[i] ? report.rejoined : still_lost).push_back(n);
+  }
+  self.lost_nodes = still_lost;
+  if (report.rejoined.empty()) {
+    return std::nullopt;
+  }
+  const auto given = self.given_nodes.size();
+  if (placement.nodes.size() >= given) {
+    // A spare holds its stages: it stands by for the next loss.
+    for (const auto& n : report.rejoined) {
+      if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
+          placement.spares.end()) {
+        placement.spares.push_back(n);
+      }
+      report.spares_used.push_back(n);
+    }
+  } else {
+    // Cut anew onto fewer nodes: the stages go over the nodes as built again, from the state now.
+    auto nodes = placement.nodes;
+    for (const auto& n : report.rejoined) {
+      if (nodes.size() < given) {
+        nodes.push_back(n);
+      } else if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
+                 placement.spares.end()) {
+        placement.spares.push_back(n);
+      }
+    }
+    // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
+    // keep the newest snapshot train() noted.
+    self.settle_snapshot();
+    auto future = self.submit_fetch(false);
+    self.snapshot =
+      std::make_shared<const stages::tensor_map>(std::move(*self.wait(future, "rejoin_nodes")));
+    self.snapshot_number = ++self.snapshots_taken;
+    auto parts = nodes.size() * self.options.chunks;
+    auto cut = nodes.size() == given ? self.given_cut
+               : repartition         ? repartition(parts)
+                                     : partition_by_params(self.layers, parts);
+    ACTORPIPE_CHECK(cut.stages() == parts, "rejoin_nodes: the repartition gave ", cut.stages(),
+                    " stages for ", nodes.size(), " nodes (", self.options.chunks, " chunks each)");
+    self.stop_actors();
+    self.cut = cut;
+    placement.nodes = nodes;
+    self.place_on_nodes();
+    self.restore(self.snapshot, self.snapshot_number, "rejoin_nodes");
+    memory::release_free_heap();
+  }
+  report.nodes = placement.nodes;
+  report.bounds = self.cut.bounds;
+  report.snapshot = self.snapshot_number;
+  report.seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  log::get()->info("pipeline: {} back in {:.2f} s: now {} stages on {}, cut {}, spares {}",
+                   fmt::join(report.rejoined, ", "), report.seconds, placement.nodes.size(),
+                   fmt::join(placement.nodes, ", "), self.cut.to_string(),
+                   list_or_none(placement.spares));
+  return report;
+}
+
 // replicated_pipeline::recover() lives here: it re-places each replica's stages through its
 // pipeline::impl, as pipeline::recover() does one pipeline's.
 recovery_report replicated_pipeline::recover() {
@@ -258,24 +485,39 @@ recovery_report replicated_pipeline::recover() {
   auto state = first.snapshot;
   auto number = first.snapshot_number;
   auto taken = first.snapshots_taken;
-  const auto dp = first.options.data_parallel;
   const auto placement = first.options.placement;
   std::vector<std::string> all;
   std::map<std::string, caf::actor> known;
+  std::vector<std::vector<std::string>> replica_nodes;
   for (auto& p : replicas_) {
     auto& r = *p->impl_;
-    // The failed step's proxies go first: a node drops the stages of a proxy that went.
-    r.stop_actors();
     all.insert(all.end(), r.options.placement.nodes.begin(), r.options.placement.nodes.end());
     known.insert(r.nodes.begin(), r.nodes.end());
+    replica_nodes.push_back(r.options.placement.nodes);
   }
-  auto census = take_census(first.sys->internals().system, all, known, placement);
+  auto& actor_system = first.sys->internals().system;
   recovery_report report;
-  report.lost = census.lost;
-  std::vector<std::vector<std::string>> replica_nodes;
-  for (const auto& p : replicas_) {
-    replica_nodes.push_back(p->impl_->options.placement.nodes);
+  // A replica that kept its nodes holds the last completed step's state: taken before its
+  // stages stop, it spares the steps since the newest snapshot.
+  auto source = live_source(actor_system, replica_nodes, known, last_outcomes_, first.options);
+  if (source.replica >= 0) {
+    auto r = static_cast<std::size_t>(source.replica);
+    if (auto live = fetch_live(*replicas_[r]->impl_, source.replica)) {
+      state = std::move(live);
+      number = ++taken;
+      report.from_replica = source.replica;
+      if (source.done && r < last_results_.size()) {
+        report.failed_step = last_results_[r];
+      }
+    }
   }
+  for (auto& p : replicas_) {
+    // The failed step's proxies go first: a node drops the stages of a proxy that went (the
+    // census's questions come after that on each node's connection).
+    p->impl_->stop_actors();
+  }
+  auto census = take_census(actor_system, all, known, placement);
+  report.lost = census.lost;
   auto [whole, layouts] = whole_replicas(replica_nodes, census, report);
   if (whole.empty()) {
     throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
@@ -283,6 +525,33 @@ recovery_report replicated_pipeline::recover() {
                                         " spares answered)"),
                          error_details{error_kind::node_lost});
   }
+  rejoin(whole, layouts, state, number, taken);
+  for (const auto& nodes : layouts) {
+    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
+  }
+  report.bounds = replicas_.front()->impl_->cut.bounds;
+  report.snapshot = number;
+  report.replicas = replicas_.size();
+  report.seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  auto restored =
+    report.from_replica >= 0
+      ? fmt::format("the live state of replica {} (snapshot {})", report.from_replica, number)
+      : fmt::format("snapshot {}", number);
+  log::get()->info("replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, "
+                   "now {} replicas on {}, restored {}",
+                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
+                   list_or_none(report.replicas_left), report.replicas,
+                   fmt::join(report.nodes, ", "), restored);
+  return report;
+}
+
+void replicated_pipeline::rejoin(
+  const std::vector<std::size_t>& whole, const std::vector<std::vector<std::string>>& layouts,
+  const std::shared_ptr<const std::map<std::string, torch::Tensor>>& state, uint64_t number,
+  uint64_t taken) {
+  const auto dp = replicas_.front()->impl_->options.data_parallel;
+  const auto placement = replicas_.front()->impl_->options.placement;
   // Every driver's rendezvous goes before any meets again (rank 0's serves the store that the
   // next rank 0 serves anew), all at once: each waits at its end for the others'.
   std::vector<std::future<void>> leaving;
@@ -298,6 +567,8 @@ recovery_report replicated_pipeline::recover() {
     kept.push_back(std::move(replicas_[r]));
   }
   replicas_ = std::move(kept);
+  last_outcomes_.clear();
+  last_results_.clear();
   const auto world = replicas_.size();
   for (std::size_t k = 0; k < world; ++k) {
     auto& r = *replicas_[k]->impl_;
@@ -323,20 +594,6 @@ recovery_report replicated_pipeline::recover() {
   detail::get_all(
     placing, 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30), "recover");
   memory::release_free_heap();
-  for (const auto& nodes : layouts) {
-    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
-  }
-  report.bounds = lead.cut.bounds;
-  report.snapshot = number;
-  report.replicas = world;
-  report.seconds =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  log::get()->info(
-    "replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, now {} "
-    "replicas on {}, restored snapshot {}",
-    report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
-    list_or_none(report.replicas_left), world, fmt::join(report.nodes, ", "), report.snapshot);
-  return report;
 }
 
 } // namespace actorpipe

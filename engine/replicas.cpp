@@ -154,7 +154,10 @@ step_result replicated_pipeline::train_step_scattered(std::vector<torch::Tensor>
   for (std::size_t k = 0; k < replicas_.size(); ++k) {
     running.push_back(replicas_[k]->train_step_async(inputs[k], targets[k]));
   }
-  auto results = get_all(running, deadline_, "replicated train_step");
+  last_results_.assign(running.size(), std::nullopt);
+  auto results = get_all<step_result>(
+    running, deadline_, "replicated train_step", &last_outcomes_,
+    [this](std::size_t r, const step_result& result) { last_results_[r] = result; });
   auto result = results.front();
   for (const auto& other : results) {
     result.wall_ms = std::max(result.wall_ms, other.wall_ms);
@@ -216,12 +219,12 @@ torch::Tensor replicated_pipeline::forward(const std::vector<torch::Tensor>& par
   return torch::cat(forward_scattered(parts), 0);
 }
 
-uint64_t replicated_pipeline::snapshot() {
-  return replicas_.front()->snapshot();
+uint64_t replicated_pipeline::snapshot(const std::string& note) {
+  return replicas_.front()->snapshot(note);
 }
 
-uint64_t replicated_pipeline::snapshot_in_background() {
-  return replicas_.front()->snapshot_in_background();
+uint64_t replicated_pipeline::snapshot_in_background(const std::string& note) {
+  return replicas_.front()->snapshot_in_background(note);
 }
 
 uint64_t replicated_pipeline::newest_snapshot() {

@@ -31,6 +31,7 @@
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
 #include "nodes/node_host.hpp"
+#include "nodes/node_state.hpp"
 #include "nodes/protocol.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/device.hpp"
@@ -42,71 +43,6 @@ namespace nodes {
 namespace {
 
 using namespace actorpipe::actors;
-
-struct hosted {
-  local_stage_actor actor;
-  // How long the node waits for its stage actor to answer an abort or an update: the stage's
-  // wait deadline, which the scheduler's own requests also use.
-  std::chrono::milliseconds deadline{60000};
-  // The actor's chunks: chunk c is virtual stage virtual_stage_of(placement, count, index, c).
-  std::vector<std::shared_ptr<stages::stage>> chunks;
-  chunk_placement placement = chunk_placement::looped;
-  caf::actor proxy;
-  peer_table peers;
-  // Parameters tied to other stages: the group summing their gradients, and where the other
-  // holders are (filled when the stage is wired).
-  std::shared_ptr<comm::tie_group> ties;
-  std::shared_ptr<std::vector<endpoint>> tie_peers;
-  std::vector<stage_peer_actor> links;
-  // A plan waiting for its targets.
-  bool pending = false;
-  step_plan plan;
-  std::size_t targets_expected = 0;
-  std::map<std::pair<uint64_t, int32_t>, torch::Tensor> targets;
-  // Checkpoint state sent by the scheduler, by request id, and loads waiting for it.
-  std::map<uint64_t, torch::Tensor> states;
-  std::map<uint64_t, caf::typed_response_promise<bool>> loads;
-};
-
-struct node_state {
-  std::string label;
-  std::string secret;
-  std::shared_ptr<comm::tensor_hub> hub;
-  std::shared_ptr<routes> route;
-  std::map<caf::node_id, std::string> challenges;
-  std::set<caf::node_id> authorized;
-  std::map<uint32_t, hosted> stages;
-  // TorchScript models received, by digest, newest last (a few are kept).
-  std::size_t max_model_bytes = 0;
-  std::vector<std::pair<std::string, std::string>> models;
-  // The state frame being sent beside the node's stages (send_state), one at a time, and the
-  // buffer it was packed into.
-  std::shared_ptr<stages::packed_bytes> packed;
-  std::future<void> sending;
-
-  static inline const char* name = "actorpipe.node";
-};
-
-using node_actor = caf::stateful_actor<node_state>;
-
-// Control messages are taken from this process and from processes that passed the challenge.
-bool allowed(node_actor* self, const char* what) {
-  auto sender = self->current_sender();
-  if (sender &&
-      (sender->node() == self->node() || self->state.authorized.count(sender->node()) == 1)) {
-    return true;
-  }
-  ++self->state.route->rejected;
-  log::get()->error("node {}: refused '{}' from {}: the sender has not answered the challenge",
-                    self->state.label, what,
-                    sender ? caf::to_string(sender->node()) : std::string("an anonymous sender"));
-  return false;
-}
-
-std::string refused(node_actor* self) {
-  return detail::concat("node ", self->state.label,
-                        " refused the request: authenticate first (wrong or missing secret)");
-}
 
 void release(node_actor* self, uint32_t index) {
   auto& s = self->state;
@@ -125,11 +61,15 @@ void release(node_actor* self, uint32_t index) {
   }
   s.stages.erase(it);
   if (s.stages.empty()) {
-    // The state buffer goes with the last stage (after its frame, if one is on its way).
+    // The state buffers go with the last stage (after its frame, if one is on its way), but for
+    // the kept snapshots: those wait `keep_for` for a driver that starts again.
     if (s.sending.valid()) {
       s.sending.wait();
     }
-    s.packed.reset();
+    s.snapshots.release_pending();
+    if (!s.snapshots.empty()) {
+      self->delayed_send(self, s.keep_for, expire_atom::value, ++s.generation);
+    }
     // The buffers of frames that came for the stages that were here.
     s.hub->release_cached_buffers();
     memory::release_free_heap();
@@ -303,15 +243,6 @@ std::string receive_model(node_actor* self, const std::string& digest, const std
   log::get()->info("node {}: received a TorchScript model of {} bytes ({})", s.label, bytes.size(),
                    digest.substr(0, 12));
   return {};
-}
-
-hosted* find_stage(node_actor* self, uint32_t index) {
-  auto it = self->state.stages.find(index);
-  return it == self->state.stages.end() ? nullptr : &it->second;
-}
-
-std::string missing_stage(node_actor* self, uint32_t index) {
-  return detail::concat("node ", self->state.label, " hosts no stage ", index);
 }
 
 // Unknown messages are counted and dropped; stopping the node stops its stages; a scheduler
@@ -555,11 +486,6 @@ caf::result<bool> relay_abort(node_actor* self, uint32_t index, uint64_t step) {
   return rp;
 }
 
-// No stage `index` here (or the node does not take the request now), as a refusal.
-caf::error no_stage(node_actor* self, uint32_t index) {
-  return actors::make_pipeline_error(error_kind::other, missing_stage(self, index));
-}
-
 // What a relay answers when its request to the node's stage failed: the stage's refusal as it
 // is, else a refusal naming the stage, this node and what it was asked.
 caf::error relayed(node_actor* self, uint32_t index, const char* asked, const caf::error& e,
@@ -604,93 +530,18 @@ caf::result<bool> relay_block(node_actor* self, uint32_t index) {
   return rp;
 }
 
-std::string send_state(node_actor* self, uint32_t index, uint64_t id) {
-  auto* h = find_stage(self, index);
-  if (h == nullptr || !allowed(self, "save")) {
-    return missing_stage(self, index);
-  }
-  auto& s = self->state;
-  if (s.sending.valid()) {
-    s.sending.wait(); // the previous state first, in order; its buffer is then free again
-  }
-  // One buffer, packed into again at every snapshot: faulting in fresh pages for it cost as much
-  // as the copy. Released with the node's last stage.
-  if (!s.packed) {
-    s.packed = std::make_shared<stages::packed_bytes>();
-  }
-  auto bytes = s.packed;
-  try {
-    // The state as it is now, between two steps (the stage's next plan comes after this
-    // message), packed: one copy, all the next step waits for. Sending it runs beside the node,
-    // so that the next steps need not wait (a snapshot in the background); the scheduler's side
-    // completes its request when the frame has come.
-    stages::stage::tensor_map all;
-    for (auto& chunk : h->chunks) {
-      all.merge(chunk->checkpoint_state(/*copy=*/false));
-    }
-    stages::pack_tensors_into(all, *bytes);
-  } catch (const std::exception& e) {
-    return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
-  }
-  s.sending = std::async(
-    std::launch::async, [bytes, hub = s.hub, label = s.label, to = h->peers.scheduler, index, id] {
-      try {
-        auto blob =
-          torch::from_blob(bytes->data(), {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
-        hub->send(to.host, to.port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob),
-                  blob);
-      } catch (const std::exception& e) {
-        // The scheduler's request for it then ends at its deadline, naming this stage.
-        log::get()->error("node {}: stage {} could not send its state: {}", label, index, e.what());
-      }
-    });
-  return {};
-}
-
-void finish_load(node_actor* self, uint32_t index, uint64_t id) {
-  // A load completes once both its request and its state frame are here.
-  auto* h = find_stage(self, index);
-  if (h == nullptr || h->loads.count(id) == 0 || h->states.count(id) == 0) {
-    return;
-  }
-  auto rp = h->loads.at(id);
-  caf::error outcome;
-  {
-    auto blob = h->states.at(id);
-    h->loads.erase(id);
-    h->states.erase(id);
-    try {
-      auto all = stages::unpack_tensors(blob, "checkpoint state");
-      for (auto& chunk : h->chunks) {
-        chunk->load_state(all);
-      }
-    } catch (const std::exception& e) {
-      outcome = actors::make_pipeline_error(
-        error_kind::io,
-        detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
-    }
-  }
-  // The state frame came once (a restore, a resume): its buffer is not kept for reuse.
-  self->state.hub->release_cached_buffers();
-  memory::release_free_heap();
-  if (outcome) {
-    rp.deliver(std::move(outcome));
-  } else {
-    rp.deliver(true);
-  }
-}
-
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
                             std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
-                            std::size_t max_model_bytes) {
+                            std::size_t max_model_bytes, std::chrono::seconds keep_for) {
   auto& s = self->state;
   s.max_model_bytes = max_model_bytes;
+  s.keep_for = keep_for;
   s.label = std::move(label);
   s.secret = std::move(secret);
   s.hub = std::move(hub);
   s.route = std::move(route);
   install_handlers(self);
-  return {
+  caf::message_handler control{
     [=](hello_atom) -> std::string { return make_challenge(self); },
     // Answers nothing but that the process runs and its link carries messages.
     [=](heartbeat_atom) { return true; },
@@ -735,26 +586,6 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
         double scale) -> caf::result<double> { return relay_update(self, index, step, lr, scale); },
     [=](rblock_atom, uint32_t index) -> caf::result<bool> { return relay_block(self, index); },
-    [=](rsave_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
-      return actors::done_or_refused(error_kind::io, send_state(self, index, id));
-    },
-    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
-      auto* h = find_stage(self, index);
-      if (h == nullptr || !allowed(self, "load")) {
-        return no_stage(self, index);
-      }
-      auto rp = self->make_response_promise<bool>();
-      h->loads.emplace(id, rp);
-      self->send(self, state_atom::value, index, id);
-      return rp;
-    },
-    [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
-      if (auto* h = find_stage(self, index)) {
-        h->states[id] = std::move(blob);
-        self->send(self, state_atom::value, index, id);
-      }
-    },
-    [=](state_atom, uint32_t index, uint64_t id) { finish_load(self, index, id); },
     [=](label_atom, std::string& label) {
       if (self->state.label.empty()) {
         self->state.label = std::move(label);
@@ -766,15 +597,16 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       }
     },
   };
+  return control.or_else(state_handlers(self));
 }
 
 } // namespace
 
 caf::actor spawn_node_host(caf::actor_system& sys, std::string secret,
                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
-                           std::size_t max_model_bytes) {
+                           std::size_t max_model_bytes, std::chrono::seconds keep_snapshots) {
   return sys.spawn(node_behavior, std::string{}, std::move(secret), std::move(hub),
-                   std::move(route), max_model_bytes);
+                   std::move(route), max_model_bytes, keep_snapshots);
 }
 
 } // namespace nodes

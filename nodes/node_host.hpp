@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -93,6 +94,6 @@ void receive_tied_gradients(const routes::tie_route& tie, uint64_t step, int32_t
 /// stages, and relays their reports (nodes/node.cpp).
 caf::actor spawn_node_host(caf::actor_system& sys, std::string secret,
                            std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
-                           std::size_t max_model_bytes);
+                           std::size_t max_model_bytes, std::chrono::seconds keep_snapshots);
 
 } // namespace actorpipe::nodes

@@ -116,8 +116,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
   // which CAF 0.17 sometimes delays past the system's shutdown once remote nodes held handles
   // of it (seen as a hang in ~actor_system). Its rare blocking work (output and checkpoint
   // frames) occupies one of the two workers meanwhile.
-  self.host =
-    nodes::spawn_node_host(*self.system, options.secret, self.hub, route, options.max_model_bytes);
+  self.host = nodes::spawn_node_host(*self.system, options.secret, self.hub, route,
+                                     options.max_model_bytes, options.keep_snapshots);
   {
     std::lock_guard<std::mutex> lock(route->mutex);
     route->host_ptr = caf::actor_cast<caf::weak_actor_ptr>(self.host);

@@ -20,7 +20,15 @@
 ///   activation frames, the last stage's targets as target frames.
 /// - (rabort_atom, uint32 stage, uint64 step) -> bool
 /// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> double optimizer_ms
-/// - (rsave_atom, uint32 stage, uint64 id) -> true, after sending a state frame
+/// - (rsave_atom, uint32 stage, uint64 id, uint64 keep_as) -> true, after sending a state
+///   frame; for a snapshot (keep_as > 0: its number) packed into the stage's pending buffer
+/// - (keep_atom, uint32 stage, uint64 number, std::string note) -> bool: snapshot `number` came
+///   whole to the driver: the node keeps it, with the driver's note, in place of the one before
+///   (false: the pending state is another's, or the node keeps none). Kept after the stage went,
+///   for node_options::keep_snapshots.
+/// - (kept_atom) -> std::string: the kept snapshots, [{"stage", "number", "note"}, ...]
+/// - (rrestore_atom, uint32 stage, uint64 number) -> true: the stage (built anew, by a driver
+///   that started again) loads kept snapshot `number` of its index
 /// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
 ///   optimizer: its state gathered on rank 0's stage for a checkpoint)
 /// - (rload_atom, uint32 stage, uint64 id) -> true, once the state frame id came and loaded
@@ -64,6 +72,9 @@ using rsave_atom = caf::atom_constant<caf::atom("rsave")>;
 using rblock_atom = caf::atom_constant<caf::atom("rblock")>;
 using rload_atom = caf::atom_constant<caf::atom("rload")>;
 using release_atom = caf::atom_constant<caf::atom("release")>;
+using keep_atom = caf::atom_constant<caf::atom("keep")>;
+using kept_atom = caf::atom_constant<caf::atom("kept")>;
+using rrestore_atom = caf::atom_constant<caf::atom("rrestore")>;
 using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
 using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
 using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
@@ -71,6 +82,8 @@ using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
 using target_atom = caf::atom_constant<caf::atom("target")>;
 using output_atom = caf::atom_constant<caf::atom("output")>;
 using state_atom = caf::atom_constant<caf::atom("state")>;
+/// Local only: the node's kept snapshots go when no stage came for their keep time.
+using expire_atom = caf::atom_constant<caf::atom("expire")>;
 
 /// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
 /// model (chunk c is virtual stage virtual_stage_of(placement, count, index, c), as in process).

@@ -62,6 +62,8 @@ struct save_request {
   std::string path;
   caf::typed_response_promise<bool> promise;
   bool fetch = false;
+  // A snapshot's number (0: none), which the node keeps a copy of once the driver has it whole.
+  uint64_t keep_as = 0;
   caf::typed_response_promise<std::shared_ptr<const tensor_map>> fetch_promise;
   bool replied = false;
   // The node refused, the request to it failed, or the node is gone (actors/request_error.hpp).
@@ -283,8 +285,9 @@ void node_down(proxy_actor self, const caf::down_msg& msg) {
 void ask_for_state(proxy_actor self, save_request request) {
   auto& st = self->state;
   auto id = ++st.next_id;
+  auto keep_as = request.keep_as;
   st.saves[id] = std::move(request);
-  self->request(st.node, st.timeout, rsave_atom::value, st.index, id)
+  self->request(st.node, st.timeout, rsave_atom::value, st.index, id, keep_as)
     .then(
       [=](bool) {
         auto it = self->state.saves.find(id);
@@ -425,9 +428,10 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       ask_for_state(self, std::move(request));
       return rp;
     },
-    [=](fetch_atom) -> caf::result<std::shared_ptr<const tensor_map>> {
+    [=](fetch_atom, uint64_t keep_as) -> caf::result<std::shared_ptr<const tensor_map>> {
       save_request request;
       request.fetch = true;
+      request.keep_as = keep_as;
       request.fetch_promise = self->make_response_promise<std::shared_ptr<const tensor_map>>();
       auto rp = request.fetch_promise;
       ask_for_state(self, std::move(request));

@@ -12,6 +12,7 @@
 /// stage.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
+#include <actorpipe/results.hpp>
 
 #include "actors/messages.hpp"
 
@@ -59,5 +61,20 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
 std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
                             const std::map<std::string, caf::actor>& known,
                             const node_placement& placement);
+
+/// Kept snapshots (nodes/kept_snapshots.cpp), `nodes[i]` the node of stage i:
+/// snapshot `number` came whole to the driver: each node keeps its stage's copy, with `note`
+/// (sent, not waited for).
+void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes, uint64_t number,
+                   const std::string& note);
+/// What each node keeps of its stage: {number, note}, number 0 when nothing (or the node did not
+/// answer within `timeout`).
+std::vector<kept_snapshot> kept_by(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
+                                   std::chrono::milliseconds timeout);
+/// Every stage loads kept snapshot `number` on its node, each within `timeout`; throws
+/// pipeline_error (io) naming the stage and its node (`addresses[i]`) otherwise.
+void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
+                  const std::vector<std::string>& addresses, uint64_t number,
+                  std::chrono::milliseconds timeout);
 
 } // namespace actorpipe::nodes

@@ -239,7 +239,7 @@ void run_state_request(scheduler_actor_type self) {
       one_done(why.message);
     };
     if (request->kind == request_kind::fetch) {
-      self->request(s.stages[i], s.options.step_timeout, fetch_atom::value)
+      self->request(s.stages[i], s.options.step_timeout, fetch_atom::value, request->keep_as)
         .then(
           [=](std::shared_ptr<const tensor_map>& state) {
             if (state) {

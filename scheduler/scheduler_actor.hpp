@@ -75,6 +75,8 @@ struct step_request {
   /// runs anything after), not once every copy arrived; `finish` is then called later, from the
   /// scheduler's thread, with the state or the error.
   bool background = false;
+  /// fetch: the snapshot's number (0: not a snapshot), which stages on nodes keep a copy of.
+  uint64_t keep_as = 0;
   std::function<void(step_outcome)> finish;
 
   bool train() const { return kind == request_kind::train; }

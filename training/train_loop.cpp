@@ -12,6 +12,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -118,6 +119,12 @@ recovery_report recover(pipeline& pipe, const train_options& o) {
 recovery_report recover(replicated_pipeline& pipe, const train_options&) {
   return pipe.recover();
 }
+std::optional<recovery_report> rejoin(pipeline& pipe, const train_options& o) {
+  return pipe.rejoin_nodes(o.repartition);
+}
+std::optional<recovery_report> rejoin(replicated_pipeline&, const train_options&) {
+  return std::nullopt; // replicas keep the world recover() left them (docs/distributed.md)
+}
 // The failures a recovery answers: a node lost or silent; with replicas also a replica whose
 // partner stage went (its gradients' all-reduce failed).
 bool recoverable(const pipeline&, error_kind kind) {
@@ -150,10 +157,48 @@ void warn_of_other_settings(const std::string& dir, const std::string& recorded,
   }
 }
 
+// The note a snapshot is kept with on the nodes: where in the data it was taken, and the run.
+std::string snapshot_note(const start_point& at, const train_options& o, const batch_source& data) {
+  return nlohmann::json{{"step", at.step},       {"epoch", at.epoch},     {"batch", at.batch},
+                        {"model", o.model},      {"batch_size", o.batch}, {"seed", o.seed},
+                        {"dataset", data.name()}}
+    .dump();
+}
+
+// --resume nodes: the run goes on from the snapshot its nodes keep (its driver died).
+start_point resume_from_nodes(pipeline& pipe, const batch_source& data, const train_options& o) {
+  auto kept = pipe.kept_on_nodes();
+  auto note = nlohmann::json::parse(kept.note, nullptr, false);
+  ACTORPIPE_CHECK(note.is_object() && note.contains("step") && note.contains("epoch") &&
+                    note.contains("batch"),
+                  "--resume nodes: the nodes keep snapshot ", kept.number,
+                  ", which train() did not take (its note: '", kept.note, "')");
+  start_point at{note["step"].get<uint64_t>(), note["epoch"].get<int64_t>(),
+                 note["batch"].get<int64_t>()};
+  ACTORPIPE_CHECK(note.value("model", std::string{}) == o.model &&
+                    note.value("batch_size", int64_t{0}) == o.batch &&
+                    note.value("seed", uint64_t{0}) == o.seed &&
+                    note.value("dataset", std::string{}) == data.name(),
+                  "--resume nodes: the nodes keep snapshot ", kept.number, " of another run (",
+                  kept.note, "); this run has model '", o.model, "', batch ", o.batch, ", seed ",
+                  o.seed, ", data ", data.name());
+  pipe.restore_from_nodes(kept.number);
+  std::cerr << "resumed from the nodes' snapshot " << kept.number << " at step " << at.step
+            << " (epoch " << at.epoch + 1 << ", batch " << at.batch << ")\n";
+  return at;
+}
+start_point resume_from_nodes(replicated_pipeline&, const batch_source&, const train_options&) {
+  throw invalid_argument("--resume nodes: replicas do not resume from their nodes' snapshots "
+                         "yet; resume them from a checkpoint folder (--checkpoint-dir)");
+}
+
 template <class Pipe>
 start_point resume(Pipe& pipe, const batch_source& data, const train_options& o, bool lead) {
   if (o.resume.empty()) {
     return {};
+  }
+  if (o.resume == "nodes") {
+    return resume_from_nodes(pipe, data, o);
   }
   auto dir = find_checkpoint(o.resume);
   auto m = read_manifest(dir);
@@ -172,13 +217,33 @@ start_point resume(Pipe& pipe, const batch_source& data, const train_options& o,
   return {m.step, m.epoch, m.batch_in_epoch};
 }
 
+// "a, b, c" or "none": what a recovery lists.
+template <class T>
+std::string join(const std::vector<T>& xs) {
+  std::string text;
+  for (const auto& x : xs) {
+    text += (text.empty() ? "" : ", ") + detail::concat(x);
+  }
+  return text.empty() ? std::string("none") : text;
+}
+
+// Where the data is when a recovery goes on: `done` steps were complete when the next failed, at
+// position `now` (`after`: the position after it).
+struct failed_at {
+  uint64_t done = 0;
+  start_point now;
+  start_point after;
+};
+
 // A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
-// forgets what it did after the snapshot it goes back to. `done` steps were complete when the
-// next failed.
+// forgets what it did after the snapshot it goes back to. A recovery from a surviving replica's
+// live state goes on where the data is (that state becomes a snapshot there): before the failed
+// step, or after it when it had completed on that replica (its loss is then reported).
 template <class Pipe>
 start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_options& o,
-                         uint64_t done, const std::map<uint64_t, start_point>& snapshots,
+                         const failed_at& where, std::map<uint64_t, start_point>& snapshots,
                          train_report& report) {
+  const auto done = where.done;
   if (report.recoveries.size() >= o.max_recoveries) {
     throw pipeline_error(detail::concat(failure.what(),
                                         " (no recovery left: ", report.recoveries.size(),
@@ -190,6 +255,16 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
             << "): " << failure.what() << "\n"
             << std::flush;
   auto r = recover(pipe, o);
+  if (r.from_replica >= 0) {
+    snapshots[r.snapshot] = r.failed_step ? where.after : where.now;
+    if (r.failed_step) {
+      report.steps.emplace_back(done + 1, r.failed_step->loss);
+      report.step_ms.push_back(r.failed_step->wall_ms);
+      if (o.keep_results) {
+        report.results.push_back(*r.failed_step);
+      }
+    }
+  }
   // Where in the data the snapshot it restored was taken.
   auto at = snapshots.find(r.snapshot);
   ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
@@ -214,13 +289,6 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
     std::remove_if(report.epochs.begin(), report.epochs.end(),
                    [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
     report.epochs.end());
-  auto join = [](const auto& xs) {
-    std::string text;
-    for (const auto& x : xs) {
-      text += (text.empty() ? "" : ", ") + detail::concat(x);
-    }
-    return text.empty() ? std::string("none") : text;
-  };
   std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
             << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
             << join(r.lost) << ", spares used " << join(r.spares_used)
@@ -233,8 +301,9 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
                   : std::string{})
             << r.nodes.size() / r.replicas << " stages on " << join(r.nodes) << ", cut "
             << partition{r.bounds}.to_string() << "; restored "
-            << (r.snapshot == 0 ? std::string("the run's starting state")
-                                : detail::concat("snapshot ", r.snapshot))
+            << (r.from_replica >= 0 ? detail::concat("the live state of replica ", r.from_replica)
+                : r.snapshot == 0   ? std::string("the run's starting state")
+                                    : detail::concat("snapshot ", r.snapshot))
             << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
             << (replayed.size() == 1 ? "" : "s") << "\n"
             << std::flush;
@@ -272,18 +341,25 @@ public:
     // Lost nodes: the newest snapshot's position in the data, where a recovered run goes on; the
     // first is the run's start (whatever the pipeline did before train()).
     if (o_.recover_lost_nodes) {
-      snapshots_[pipe_.snapshot()] = start;
+      snapshots_[pipe_.snapshot(snapshot_note(start, o_, data_))] = start;
     }
+    position_ = start;
     for (;;) {
       try {
         run_from(start);
+        if (o_.recover_lost_nodes) {
+          // The last snapshot arrives, and the nodes keep it (--resume nodes).
+          pipe_.newest_snapshot();
+        }
         return std::move(report_);
       } catch (const pipeline_error& e) {
         if (!o_.recover_lost_nodes || !recoverable(pipe_, e.kind())) {
           throw;
         }
         // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
-        start = recover_from(pipe_, e, o_, step_, snapshots_, report_);
+        start = recover_from(pipe_, e, o_, {step_, position_, next_position(position_)}, snapshots_,
+                             report_);
+        position_ = start;
       }
       step_ = start.step;
     }
@@ -342,12 +418,14 @@ private:
   }
 
   // Snapshots by number: where in the data each was taken.
-  void take_snapshot(int64_t epoch, int64_t next_batch) {
+  void take_snapshot(const start_point& at) {
     if (!snapshots_after(step_)) {
       return;
     }
-    auto number = o_.snapshot_in_background ? pipe_.snapshot_in_background() : pipe_.snapshot();
-    snapshots_[number] = {step_, epoch, next_batch};
+    auto note = snapshot_note(at, o_, data_);
+    auto number =
+      o_.snapshot_in_background ? pipe_.snapshot_in_background(note) : pipe_.snapshot(note);
+    snapshots_[number] = at;
   }
 
   // The ranks meet at each epoch's end (rank 0 after its evaluation), as the DDP script's barrier.
@@ -451,8 +529,43 @@ private:
     if ((stop && !last) || checkpoints_after(step_)) {
       checkpoint(e.epoch, b + 1);
     }
-    take_snapshot(e.epoch, b + 1);
+    // Where the next step starts in the data.
+    position_ = next_position({step_ - 1, e.epoch, b});
+    take_snapshot(position_);
+    take_back_nodes();
     return stop && !last;
+  }
+
+  // The position after the step at `p` (p.step steps done before it): after an epoch's last
+  // step, the next epoch's start (a recovery from there does not finish that epoch a second time).
+  start_point next_position(const start_point& p) const {
+    return p.batch + 1 == steps_per_epoch_ && !stream_
+             ? start_point{p.step + 1, p.epoch + 1, 0}
+             : start_point{p.step + 1, p.epoch, p.batch + 1};
+  }
+
+  // Nodes lost earlier that answer again take stages back (or stand by as spares), from the state
+  // after this step: nothing is replayed.
+  void take_back_nodes() {
+    if (!o_.recover_lost_nodes) {
+      return;
+    }
+    auto r = rejoin(pipe_, o_);
+    if (!r) {
+      return;
+    }
+    snapshots_[r->snapshot] = position_;
+    if (lead_) {
+      std::cerr << "actorpipe: after step " << step_ << ", " << join(r->rejoined)
+                << " answered again: now " << r->nodes.size() << " stages on " << join(r->nodes)
+                << ", cut " << partition{r->bounds}.to_string() << " (" << std::setprecision(3)
+                << r->seconds << " s)"
+                << (r->spares_used.empty() ? std::string{}
+                                           : "; standing by as spares: " + join(r->spares_used))
+                << "\n"
+                << std::flush;
+    }
+    report_.rejoins.push_back(std::move(*r));
   }
 
   // An epoch's result: its mean loss, the evaluation (rank 0), metrics, the ranks' barrier and,
@@ -510,6 +623,8 @@ private:
   std::unique_ptr<metrics_writer> metrics_;
   train_report report_;
   std::map<uint64_t, start_point> snapshots_;
+  // Where the step after the last completed one starts.
+  start_point position_;
 };
 
 template <class Pipe>

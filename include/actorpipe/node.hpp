@@ -7,6 +7,7 @@
 /// TorchScript bytes the scheduler sent it (load_torchscript), so no program needs rebuilding.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -27,6 +28,10 @@ struct node_options {
   /// Largest TorchScript model a scheduler may send (bytes); larger ones are refused, naming
   /// the limit (`actorpipe node --max-model-bytes`).
   std::size_t max_model_bytes = std::size_t{256} << 20;
+  /// How long the node keeps the newest snapshot of its stages once it hosts no stage (its
+  /// driver stopped or died), for a driver that starts again with `--resume nodes`
+  /// (`actorpipe node --keep-snapshots`); 0 keeps none.
+  std::chrono::seconds keep_snapshots{600};
   /// Certificates: both listeners then speak only TLS and accept only peers whose certificate
   /// the CA signed (CAF's OpenSSL module for control, comm/tls for frames).
   tls_options tls;

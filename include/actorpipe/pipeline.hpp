@@ -12,6 +12,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -111,7 +112,10 @@ public:
   /// restores the newest. Runs between steps, in call order; the previous snapshot is kept until
   /// this one is complete. Returns the snapshot's number (1, 2, ...; 0 stands for the state the
   /// pipeline was built with or last loaded by load_state). Throws pipeline_error as a step.
-  uint64_t snapshot();
+  /// Stages on nodes: once it is complete here, each node also keeps its stages' copy (the newest
+  /// only, node_options::keep_snapshots), with `note` (train() writes where in the data it was
+  /// taken), so that a driver that died can start again from it (restore_from_nodes()).
+  uint64_t snapshot(const std::string& note = {});
 
   /// As snapshot(), without waiting for the copies: every stage copies its state between the
   /// step before and the step after (on its thread, a copy of the tensors), and the copies come
@@ -120,7 +124,17 @@ public:
   /// load_state() and newest_snapshot() wait for it first (within the step deadline). One that
   /// fails (a node lost before its state came; the steps after it then fail too) leaves the
   /// previous one the newest, with a warning in the log. Returns the snapshot's number.
-  uint64_t snapshot_in_background();
+  uint64_t snapshot_in_background(const std::string& note = {});
+
+  /// Stages on nodes, in a driver that started again after its predecessor died: the snapshot
+  /// (snapshot()) the nodes keep, one snapshot of this cut kept by the nodes of every stage: its
+  /// number and note. Throws pipeline_error (io) naming what each node keeps when they do not
+  /// hold one snapshot whole, invalid_argument for stages in process.
+  kept_snapshot kept_on_nodes();
+  /// Every stage loads kept snapshot `number` (kept_on_nodes()) from its node; it becomes this
+  /// pipeline's newest snapshot too (what recover() restores). Throws pipeline_error (io) naming
+  /// the stage and node that do not keep it.
+  void restore_from_nodes(uint64_t number);
 
   /// The number of the newest complete snapshot (0: the state the pipeline was built with or
   /// last loaded), after waiting for one still arriving: what recover() restores.
@@ -139,6 +153,18 @@ public:
   /// wrong stage count. Not queued like the steps: call it from the thread that runs them, with no
   /// step or request of another thread pending.
   recovery_report recover(std::function<partition(std::size_t)> repartition = {});
+
+  /// Stages on nodes, between steps, after recover() lost nodes: takes back those that answer
+  /// again (a node restarted). Whether they do is asked beside the steps: a call starts the
+  /// question (each node within placement.connect_timeout) and returns at once; a later call takes
+  /// the answer. Where recover() cut the model anew onto fewer nodes, every stage is placed again
+  /// over the nodes it runs on plus those back (with the cut as built when their count is as
+  /// built, else `repartition(parts)`, by parameter counts when empty), restored from a snapshot
+  /// taken now: nothing is replayed. Where spares took their stages, they stand by as spares
+  /// (placement.spares) for the next loss. Returns what it did (recovery_report::rejoined), or
+  /// nothing. Throws as recover().
+  std::optional<recovery_report>
+  rejoin_nodes(std::function<partition(std::size_t)> repartition = {});
 
   /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs
   /// (its parameters and buffers as they are now, on nodes too), for a model loaded with

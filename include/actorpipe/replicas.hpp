@@ -9,8 +9,12 @@
 
 #include <chrono>
 #include <cstddef>
+#include <exception>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <actorpipe/pipeline.hpp>
@@ -98,9 +102,9 @@ public:
   /// process, where the loss of a node cannot take it (every replica holds the same parameters
   /// and optimizer state after a step; with buffer_sync::none, replica 0's buffers stand for
   /// all). Returns the snapshot's number (0: the state the replicas were built with).
-  uint64_t snapshot();
+  uint64_t snapshot(const std::string& note = {});
   /// As pipeline::snapshot_in_background(): the copies come while the next steps run.
-  uint64_t snapshot_in_background();
+  uint64_t snapshot_in_background(const std::string& note = {});
   /// The number of the newest complete snapshot, after waiting for one still arriving.
   uint64_t newest_snapshot();
 
@@ -111,10 +115,19 @@ public:
   /// world stays as it was; a replica that lost a node no spare replaces leaves, and the world
   /// shrinks to the replicas left, renumbered in their order (a batch is then split among
   /// fewer). The replicas meet again at the store of the (new) rank 0, their stages form new
-  /// groups on their nodes, and every stage is restored from the newest snapshot. Later steps
-  /// equal those of the new world resumed from that snapshot; the caller replays its data from
-  /// the snapshot's step. Throws pipeline_error (node_lost) when no replica is left whole,
-  /// invalid_argument for replicas in process. Call it from the thread that runs the steps.
+  /// groups on their nodes, and every stage is restored from one state:
+  /// - **a surviving replica's**, when a replica kept every node and either completed the failed
+  ///   step (its all-reduce had every replica's gradients; another failed after it: the state is
+  ///   that step's, recovery_report::failed_step its result) or failed only because another
+  ///   replica did (replica_failure: the state is the step before's, unchanged). Its stages'
+  ///   state is fetched before they stop and becomes the newest snapshot
+  ///   (recovery_report::from_replica names the replica). Nothing is replayed: the caller goes on
+  ///   after the failed step, or takes it again. Not with BMUF or sharded optimizer state, where
+  ///   no replica holds the whole state;
+  /// - otherwise the newest snapshot; the caller replays its data from the snapshot's step.
+  /// Later steps equal those of the new world resumed from that state. Throws pipeline_error
+  /// (node_lost) when no replica is left whole, invalid_argument for replicas in process. Call
+  /// it from the thread that runs the steps.
   recovery_report recover();
 
   std::size_t replicas() const;
@@ -123,6 +136,17 @@ public:
 private:
   std::vector<std::unique_ptr<pipeline>> replicas_;
   std::chrono::milliseconds deadline_{0};
+  // How each replica's last training step ended (null: it completed; then its result), for
+  // recover().
+  std::vector<std::exception_ptr> last_outcomes_;
+  std::vector<std::optional<step_result>> last_results_;
+
+  // recover()'s second half: the replicas `whole` (old ranks) go on, on `layouts`, meet again
+  // and restore `state` (snapshot `number`; `taken` snapshots numbered so far).
+  void rejoin(const std::vector<std::size_t>& whole,
+              const std::vector<std::vector<std::string>>& layouts,
+              const std::shared_ptr<const std::map<std::string, torch::Tensor>>& state,
+              uint64_t number, uint64_t taken);
 };
 
 } // namespace actorpipe

@@ -110,6 +110,13 @@ struct step_result {
   std::vector<stage_stats> stages;
 };
 
+/// A snapshot the nodes kept (pipeline::restore_from_nodes()): its number and the note it was
+/// taken with.
+struct kept_snapshot {
+  uint64_t number = 0;
+  std::string note;
+};
+
 /// What pipeline::recover() (or replicated_pipeline::recover()) did after a step failed on nodes.
 struct recovery_report {
   /// The nodes ("host:port") that did not answer, in placement order.
@@ -130,6 +137,17 @@ struct recovery_report {
   /// renumbered 0, 1, ... in their old order). Without replicas: none left, 1.
   std::vector<std::size_t> replicas_left;
   std::size_t replicas = 1;
+  /// Replicas: the replica (its rank before the loss) whose stages' live state every stage took,
+  /// the state of the last completed step, made snapshot `snapshot`; nothing is replayed. -1:
+  /// restored from the newest snapshot taken before the loss.
+  int64_t from_replica = -1;
+  /// from_replica >= 0, where the failed step had completed on that replica (its all-reduce had
+  /// every replica's gradients; another replica failed after it): its result. The state taken is
+  /// then that step's, and the step is not taken again.
+  std::optional<step_result> failed_step;
+  /// pipeline::rejoin_nodes(): the nodes lost before that answered again, now holding stages
+  /// again or standing by as spares (`spares_used` lists those); `lost` is then empty.
+  std::vector<std::string> rejoined;
 };
 
 } // namespace actorpipe

@@ -293,7 +293,8 @@ struct train_options {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   std::size_t keep = 3;
-  /// A checkpoint (or a folder of them) to continue from.
+  /// A checkpoint (or a folder of them) to continue from; "nodes": the newest snapshot the nodes
+  /// keep (stages on nodes with recover_lost_nodes, whose driver died: pipeline::kept_on_nodes).
   std::string resume;
   /// The run's settings (TOML, `actorpipe train --print-config`): recorded in every checkpoint;
   /// a resume whose settings differ from the checkpoint's warns, naming what differs.
@@ -363,6 +364,9 @@ struct train_report {
   /// uninterrupted run would.
   std::vector<recovery_report> recoveries;
   std::vector<uint64_t> replayed_steps;
+  /// Nodes lost earlier that answered again and were taken back (pipeline::rejoin_nodes), at the
+  /// step boundary after which they were.
+  std::vector<recovery_report> rejoins;
 };
 
 /// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or
@@ -380,8 +384,10 @@ train_report train(pipeline& pipe, const batch_source& data, const train_options
 /// and checkpoints use replica 0 (all hold the same parameters). With stages on nodes and
 /// recover_lost_nodes, a lost node is recovered with replicated_pipeline::recover(): a spare
 /// takes its stages, or its replica leaves and the others go on (options.repartition does not
-/// apply: the replicas keep their cut). Throws invalid_argument for another rank or replica
-/// count in options, or a repartition; otherwise as the other train().
+/// apply: the replicas keep their cut); the state comes from a replica that kept its nodes, so
+/// the failed step is the next and none is replayed, or else from the newest snapshot. Throws
+/// invalid_argument for another rank or replica count in options, or a repartition; otherwise as
+/// the other train().
 train_report train(replicated_pipeline& pipe, const batch_source& data,
                    const train_options& options);
 

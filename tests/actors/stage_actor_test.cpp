@@ -171,7 +171,7 @@ TEST_CASE("a stage actor refuses through CAF's error channel: the kind and the s
 
   // A fetch answers the state itself, and a load of it is done.
   std::shared_ptr<const tensor_map> state;
-  f.self->request(f.stage, std::chrono::seconds(10), fetch_atom::value)
+  f.self->request(f.stage, std::chrono::seconds(10), fetch_atom::value, uint64_t{0})
     .receive([&](std::shared_ptr<const tensor_map>& s) { state = s; },
              [&](caf::error& e) { FAIL(f.system.render(e)); });
   REQUIRE(state);

@@ -17,6 +17,6 @@ void use_protocols(caf::event_based_actor* self, const actors::stage_actor& stag
     .then([](double) {});
   self->request(stage, caf::infinite, actors::save_atom::value, std::string{"f"})
     .then([](bool) {}, [](caf::error&) {});
-  self->request(stage, caf::infinite, actors::fetch_atom::value)
+  self->request(stage, caf::infinite, actors::fetch_atom::value, uint64_t{0})
     .then([](std::shared_ptr<const actors::tensor_map>&) {});
 }

@@ -284,6 +284,47 @@ TEST_CASE("a node stopped past the deadline, without a spare: the run goes on ov
   std::filesystem::remove(json);
 }
 
+TEST_CASE("a driver killed mid-run starts again with --resume nodes from the snapshot its nodes "
+          "keep, and the run's losses are the uninterrupted run's") {
+  node_process a("", "resume-a");
+  node_process b("", "resume-b");
+  const auto flags = " --stages 2 --nodes " + a.address() + "," + b.address();
+  {
+    background killed("train" + recovering_mlp + flags, temp_file("resume-killed.log"));
+    REQUIRE_MESSAGE(killed.wait_for("step 12/", 60s), killed.output());
+    CHECK(killed.stop(SIGKILL) == 128 + SIGKILL);
+  }
+  auto json = temp_file("resume-nodes.json");
+  auto resumed = run("train" + recovering_mlp + flags + " --resume nodes --json " + json.string());
+  CAPTURE(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  // Snapshots every 5 steps: the newest whole one when the driver died is of step 10 at least.
+  auto at = resumed.output.find("resumed from the nodes' snapshot ");
+  REQUIRE(at != std::string::npos);
+  auto step = std::stoi(resumed.output.substr(resumed.output.find(" at step ", at) + 9));
+  CHECK(step >= 10);
+  CHECK(step % 5 == 0);
+  auto local_json = temp_file("resume-nodes-local.json");
+  auto local = run("train --data synthetic --model mlp --batch 256 --microbatches 8 --threads 1 "
+                   "--lr 0.1 --seed 3 --steps 40 --stages 2 --json " +
+                   local_json.string());
+  REQUIRE(local.exit_code == 0);
+  auto expected = losses(local_json);
+  auto got = losses(json);
+  REQUIRE(got.size() + static_cast<std::size_t>(step) == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == doctest::Approx(expected[i + static_cast<std::size_t>(step)]).epsilon(1e-5));
+  }
+  // Without --nodes there is nothing to resume from.
+  auto refused = run("train" + synthetic_mlp + " --steps 2 --resume nodes");
+  CHECK(refused.exit_code != 0);
+  CHECK(refused.output.find("--resume nodes takes the snapshot that nodes keep") !=
+        std::string::npos);
+  std::filesystem::remove(json);
+  std::filesystem::remove(local_json);
+}
+
 TEST_CASE("replicas of pipelines on four node processes train with the in-process replicas' "
           "losses: from one scheduler, interleaved, and from two schedulers of one world") {
   node_process a("", "dp-a"), b("", "dp-b"), c("", "dp-c"), d("", "dp-d");

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <random>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -831,10 +832,13 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
 }
 
 TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or its replica leaves "
-          "and the world shrinks, and the replayed steps equal plain libtorch") {
-  // 0: replica 1's second node goes and a spare takes it; 1: the same without a spare; 2: both
+          "and the world shrinks, the state comes from a replica that kept its nodes (nothing "
+          "replayed) or else the snapshot, and the steps equal plain libtorch") {
+  // 0: replica 1's second node goes and a spare takes it; 1: the same without a spare (in both,
+  // replica 0 kept its nodes: its live state is taken, and the failed step is the next); 2: both
   // of replica 0's nodes and replica 1's second go, and the one spare goes to replica 1, which it
-  // makes whole (not to replica 0, which it would not).
+  // makes whole (not to replica 0, which it would not): no replica kept its nodes, so the
+  // snapshot is restored and the steps since it are replayed.
   for (int scenario : {0, 1, 2}) {
     CAPTURE(scenario);
     std::vector<std::unique_ptr<node>> n;
@@ -863,9 +867,9 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
     };
     CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
     CHECK(replicas.snapshot() == 1);
-    CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6)); // lost with the node: replayed
-    // Replica 1's second stage goes: its step fails at once, replica 0's when its stages'
-    // all-reduce with replica 1's passes the deadline.
+    CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6)); // replayed in scenario 2
+    // Replica 1's second stage goes: its step fails at once, replica 0's at the announcement of
+    // replica 1's failure (its stages' all-reduce ends).
     auto lost = scenario == 2 ? std::vector<std::string>{address[0], address[1], address[3]}
                               : std::vector<std::string>{address[3]};
     n[3].reset();
@@ -884,7 +888,10 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
     }
     auto r = replicas.recover();
     CHECK(r.lost == lost);
-    CHECK(r.snapshot == 1);
+    const bool live = scenario != 2;
+    CHECK(r.from_replica == (live ? 0 : -1));
+    CHECK(r.snapshot == (live ? 2U : 1U)); // the live state is made the newest snapshot
+    CHECK(replicas.newest_snapshot() == r.snapshot);
     CHECK(r.bounds == partition_uniform(6, 2).bounds);
     if (scenario == 0) {
       CHECK(r.spares_used == std::vector<std::string>{spare.address()});
@@ -905,8 +912,9 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
       CHECK(r.nodes == std::vector<std::string>{address[2], spare.address()});
     }
     CHECK(replicas.replicas() == r.replicas);
-    // Replayed from the snapshot taken after step 0; each step still the whole batch's.
-    for (int step = 1; step < 5; ++step) {
+    // From the failed step (live) or replayed from the snapshot taken after step 0; each step
+    // still the whole batch's.
+    for (int step = live ? 2 : 1; step < 5; ++step) {
       CAPTURE(step);
       CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
     }
@@ -1066,6 +1074,32 @@ private:
   int64_t when_;
 };
 
+// train() with lost-node recovery: batches of 10, SGD at 0.1, no progress bar.
+train_options recovering_options(int64_t steps, uint64_t snapshot_every) {
+  train_options to;
+  to.batch = 10;
+  to.max_steps = steps;
+  to.lr = 0.1;
+  to.cosine = false;
+  to.progress = false;
+  to.recover_lost_nodes = true;
+  to.snapshot_every = snapshot_every;
+  return to;
+}
+
+// The report's first `steps` steps are numbered 1, 2, ... with plain libtorch's losses on
+// batch(0), batch(1), ... (plain trains them).
+void check_steps_equal_plain(const train_report& report, plain_model& plain, int steps) {
+  REQUIRE(report.steps.size() >= static_cast<std::size_t>(steps));
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step);
+    CAPTURE(step);
+    CHECK(report.steps[static_cast<std::size_t>(step)].first == static_cast<uint64_t>(step + 1));
+    CHECK(report.steps[static_cast<std::size_t>(step)].second ==
+          doctest::Approx(plain.step(x, y)).epsilon(1e-6));
+  }
+}
+
 } // namespace
 
 TEST_CASE("train() recovers from a node lost mid-run and replays from its newest snapshot") {
@@ -1076,25 +1110,12 @@ TEST_CASE("train() recovers from a node lost mid-run and replays from its newest
   o.placement.spares = {spare.address()};
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
-  train_options to;
-  to.batch = 10;
-  to.max_steps = 8;
-  to.lr = 0.1;
-  to.cosine = false;
-  to.progress = false;
-  to.recover_lost_nodes = true;
-  to.snapshot_every = 3;
+  auto to = recovering_options(8, 3);
   // At step 8's batch: snapshots hold the start (1), steps 3 (2) and 6 (3); step 7 is replayed.
   losing_source data(n2, 7);
   auto report = train(remote, data, to);
   REQUIRE(report.steps.size() == 8);
-  for (int step = 0; step < 8; ++step) {
-    auto [x, y] = batch(step);
-    CAPTURE(step);
-    CHECK(report.steps[static_cast<std::size_t>(step)].first == static_cast<uint64_t>(step + 1));
-    CHECK(report.steps[static_cast<std::size_t>(step)].second ==
-          doctest::Approx(plain.step(x, y)).epsilon(1e-6));
-  }
+  check_steps_equal_plain(report, plain, 8);
   REQUIRE(report.recoveries.size() == 1);
   CHECK(report.recoveries[0].snapshot == 3);
   CHECK(report.recoveries[0].spares_used == std::vector<std::string>{spare.address()});
@@ -1108,6 +1129,162 @@ TEST_CASE("train() recovers from a node lost mid-run and replays from its newest
   losing_source again(m2, 2);
   to.recover_lost_nodes = false;
   CHECK_THROWS_AS(train(failing, again, to), pipeline_error);
+}
+
+TEST_CASE("a lost node that answers again is taken back between steps: the model is cut back onto "
+          "it from the state then, nothing replayed, and the losses are plain libtorch's") {
+  node n1(node_config()), n2(node_config());
+  // Below the ephemeral ports, which a connection could take while the node is away.
+  std::unique_ptr<node> n3;
+  std::mt19937 draw(std::random_device{}());
+  for (int attempt = 0; attempt < 50 && !n3; ++attempt) {
+    auto config = node_config();
+    config.port = static_cast<uint16_t>(20000 + draw() % 12000);
+    try {
+      n3 = std::make_unique<node>(config);
+    } catch (const pipeline_error&) {
+      // taken: another
+    }
+  }
+  REQUIRE(n3);
+  const auto third = n3->address();
+  const auto port = n3->port();
+  engine sys;
+  auto o = remote_options({n1.address(), n2.address(), third});
+  o.placement.connect_timeout = 2000ms;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 3), o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 6);
+  auto train = [&](int step) {
+    auto [x, y] = batch(step);
+    return remote.train_step(x, y).loss;
+  };
+  CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+  remote.snapshot();
+  CHECK_FALSE(remote.rejoin_nodes()); // nothing lost: nothing asked
+  n3.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(1), pipeline_error);
+  auto lost = remote.recover();
+  CHECK(lost.nodes == std::vector<std::string>{n1.address(), n2.address()});
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  // Asked beside the steps: nobody answers at its address yet.
+  for (int k = 0; k < 20; ++k) {
+    CHECK_FALSE(remote.rejoin_nodes());
+    std::this_thread::sleep_for(20ms);
+  }
+  CHECK(train(2) == doctest::Approx(expected[2]).epsilon(1e-6));
+  auto again = node_config();
+  again.port = port;
+  node back(again);
+  std::optional<recovery_report> r;
+  for (int k = 0; k < 250 && !r; ++k) {
+    r = remote.rejoin_nodes();
+    if (!r) {
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  REQUIRE(r);
+  CHECK(r->rejoined == std::vector<std::string>{third});
+  CHECK(r->lost.empty());
+  CHECK(r->nodes == std::vector<std::string>{n1.address(), n2.address(), third});
+  CHECK(r->bounds == partition_uniform(6, 3).bounds);
+  CHECK(remote.cut().bounds == partition_uniform(6, 3).bounds);
+  CHECK(back.stages() == 1);
+  CHECK(remote.newest_snapshot() == r->snapshot);
+  // From the state after step 2: nothing replayed.
+  for (int step = 3; step < 6; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+  CHECK_FALSE(remote.rejoin_nodes()); // none lost any more
+}
+
+TEST_CASE("a driver that died starts again from the snapshot its nodes keep (resume nodes), with "
+          "the losses of the uninterrupted run") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  std::vector<double> expected;
+  for (int step = 0; step < 8; ++step) {
+    auto [x, y] = batch(step);
+    expected.push_back(plain.step(x, y));
+  }
+  std::unique_ptr<node> nobody;
+  losing_source data(nobody, -1);
+  auto to = recovering_options(5, 2);
+  {
+    // Snapshots: the start (1), after steps 2 (2) and 4 (3); then the driver goes (its stages
+    // with it) as a killed one would, and the nodes keep snapshot 3.
+    pipeline first(sys, tiny_remote(), partition_uniform(6, 2),
+                   remote_options({n1.address(), n2.address()}));
+    CHECK(train(first, data, to).steps.size() == 5);
+  }
+  for (int wait = 0; wait < 100 && (n1.stages() != 0 || n2.stages() != 0); ++wait) {
+    std::this_thread::sleep_for(50ms); // the nodes drop the stages of a driver that went
+  }
+  CHECK(n1.stages() == 0);
+  {
+    pipeline second(sys, tiny_remote(), partition_uniform(6, 2),
+                    remote_options({n1.address(), n2.address()}));
+    auto kept = second.kept_on_nodes();
+    CHECK(kept.number == 3);
+    CHECK(kept.note.find("\"step\":4") != std::string::npos);
+    to.resume = "nodes";
+    to.max_steps = 8;
+    auto report = train(second, data, to);
+    REQUIRE(report.steps.size() == 4);
+    for (std::size_t k = 0; k < 4; ++k) {
+      CAPTURE(k);
+      CHECK(report.steps[k].first == k + 5);
+      CHECK(report.steps[k].second == doctest::Approx(expected[k + 4]).epsilon(1e-6));
+    }
+    check_close(second.named_parameters(), named(plain.layers, false));
+  }
+  // Another cut is not the kept snapshot's: refused, naming what each node keeps.
+  pipeline other(sys, tiny_remote(), partition_at(6, {4}),
+                 remote_options({n1.address(), n2.address()}));
+  CHECK_THROWS_WITH_AS(other.kept_on_nodes(),
+                       doctest::Contains("do not keep one snapshot of every stage of cut [0,4,6]"),
+                       pipeline_error);
+  pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
+  CHECK_THROWS_WITH_AS(local.kept_on_nodes(), doctest::Contains("in this process"),
+                       invalid_argument);
+}
+
+TEST_CASE("train() over replicas on nodes takes a lost node's state from the replica that kept "
+          "its nodes: no step replayed, every loss that of plain libtorch") {
+  std::vector<std::unique_ptr<node>> n;
+  std::vector<std::string> address;
+  for (int k = 0; k < 4; ++k) {
+    n.push_back(std::make_unique<node>(node_config()));
+    address.push_back(n.back()->address());
+  }
+  node spare(node_config());
+  engine sys;
+  auto o = remote_options(address);
+  o.data_parallel.master_port = static_cast<uint16_t>(free_port());
+  o.data_parallel.timeout = 5000ms;
+  o.placement.connect_timeout = 2000ms;
+  o.placement.spares = {spare.address()};
+  replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto to = recovering_options(8, 3);
+  // Replica 1's second node goes at step 8's batch: snapshots 1 (start), 2 (step 3), 3 (step 6);
+  // replica 0's state after step 7 becomes snapshot 4 and step 8 is taken again.
+  losing_source data(n[3], 7);
+  auto report = train(replicas, data, to);
+  REQUIRE(report.steps.size() == 8);
+  check_steps_equal_plain(report, plain, 8);
+  REQUIRE(report.recoveries.size() == 1);
+  CHECK(report.recoveries[0].from_replica == 0);
+  CHECK(report.recoveries[0].snapshot == 4);
+  CHECK(report.recoveries[0].spares_used == std::vector<std::string>{spare.address()});
+  CHECK(report.replayed_steps.empty());
+  for (std::size_t k = 0; k < replicas.replicas(); ++k) {
+    check_close(replicas.replica(k).named_parameters(), named(plain.layers, false));
+  }
 }
 
 namespace {

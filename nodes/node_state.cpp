@@ -1,0 +1,186 @@
+#include "nodes/node_state.hpp"
+
+#include <actorpipe/memory.hpp>
+
+#include "actors/pipeline_errc.hpp"
+#include "comm/wire.hpp"
+#include "logging/log.hpp"
+#include "stages/checkpoint.hpp"
+
+namespace actorpipe::nodes {
+
+bool allowed(node_actor* self, const char* what) {
+  auto sender = self->current_sender();
+  if (sender &&
+      (sender->node() == self->node() || self->state.authorized.count(sender->node()) == 1)) {
+    return true;
+  }
+  ++self->state.route->rejected;
+  log::get()->error("node {}: refused '{}' from {}: the sender has not answered the challenge",
+                    self->state.label, what,
+                    sender ? caf::to_string(sender->node()) : std::string("an anonymous sender"));
+  return false;
+}
+
+std::string refused(node_actor* self) {
+  return detail::concat("node ", self->state.label,
+                        " refused the request: authenticate first (wrong or missing secret)");
+}
+
+hosted* find_stage(node_actor* self, uint32_t index) {
+  auto it = self->state.stages.find(index);
+  return it == self->state.stages.end() ? nullptr : &it->second;
+}
+
+std::string missing_stage(node_actor* self, uint32_t index) {
+  return detail::concat("node ", self->state.label, " hosts no stage ", index);
+}
+
+caf::error no_stage(node_actor* self, uint32_t index) {
+  return actors::make_pipeline_error(error_kind::other, missing_stage(self, index));
+}
+
+namespace {
+
+// Stage `index`'s state as a state frame to the scheduler; for snapshot `keep_as` (> 0), packed
+// into the buffer kept if the driver says the snapshot arrived whole.
+std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "save")) {
+    return missing_stage(self, index);
+  }
+  auto& s = self->state;
+  if (s.sending.valid()) {
+    s.sending.wait(); // the previous state first, in order; its buffer is then free again
+  }
+  // Buffers packed into again at every snapshot: faulting in fresh pages for them cost as much
+  // as the copy. Released with the node's last stage (but the kept snapshots).
+  auto bytes = s.snapshots.buffer(index, keep_as);
+  try {
+    // The state as it is now, between two steps (the stage's next plan comes after this
+    // message), packed: one copy, all the next step waits for. Sending it runs beside the node,
+    // so that the next steps need not wait (a snapshot in the background); the scheduler's side
+    // completes its request when the frame has come.
+    stages::stage::tensor_map all;
+    for (auto& chunk : h->chunks) {
+      all.merge(chunk->checkpoint_state(/*copy=*/false));
+    }
+    stages::pack_tensors_into(all, *bytes);
+  } catch (const std::exception& e) {
+    return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
+  }
+  s.sending = std::async(
+    std::launch::async, [bytes, hub = s.hub, label = s.label, to = h->peers.scheduler, index, id] {
+      try {
+        auto blob =
+          torch::from_blob(bytes->data(), {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
+        hub->send(to.host, to.port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob),
+                  blob);
+      } catch (const std::exception& e) {
+        // The scheduler's request for it then ends at its deadline, naming this stage.
+        log::get()->error("node {}: stage {} could not send its state: {}", label, index, e.what());
+      }
+    });
+  return {};
+}
+
+void finish_load(node_actor* self, uint32_t index, uint64_t id) {
+  // A load completes once both its request and its state frame are here.
+  auto* h = find_stage(self, index);
+  if (h == nullptr || h->loads.count(id) == 0 || h->states.count(id) == 0) {
+    return;
+  }
+  auto rp = h->loads.at(id);
+  caf::error outcome;
+  {
+    auto blob = h->states.at(id);
+    h->loads.erase(id);
+    h->states.erase(id);
+    try {
+      auto all = stages::unpack_tensors(blob, "checkpoint state");
+      for (auto& chunk : h->chunks) {
+        chunk->load_state(all);
+      }
+    } catch (const std::exception& e) {
+      outcome = actors::make_pipeline_error(
+        error_kind::io,
+        detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
+    }
+  }
+  // The state frame came once (a restore, a resume): its buffer is not kept for reuse.
+  self->state.hub->release_cached_buffers();
+  memory::release_free_heap();
+  if (outcome) {
+    rp.deliver(std::move(outcome));
+  } else {
+    rp.deliver(true);
+  }
+}
+
+// Loads stage `index` from the node's kept snapshot `number` (a driver that started again).
+caf::result<bool> restore_kept(node_actor* self, uint32_t index, uint64_t number) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "restore")) {
+    return no_stage(self, index);
+  }
+  try {
+    auto all = self->state.snapshots.take(index, number, self->state.label);
+    for (auto& chunk : h->chunks) {
+      chunk->load_state(all);
+    }
+  } catch (const std::exception& e) {
+    return actors::make_pipeline_error(
+      error_kind::io,
+      detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
+  }
+  memory::release_free_heap();
+  return true;
+}
+
+} // namespace
+
+caf::message_handler state_handlers(node_actor* self) {
+  return {
+    [=](rsave_atom, uint32_t index, uint64_t id, uint64_t keep_as) -> caf::result<bool> {
+      return actors::done_or_refused(error_kind::io, send_state(self, index, id, keep_as));
+    },
+    [=](keep_atom, uint32_t index, uint64_t number, std::string& note) {
+      return allowed(self, "keep") && self->state.keep_for.count() > 0 &&
+             self->state.snapshots.keep(index, number, std::move(note));
+    },
+    [=](kept_atom) -> std::string {
+      return allowed(self, "kept") ? self->state.snapshots.inventory() : std::string("[]");
+    },
+    [=](rrestore_atom, uint32_t index, uint64_t number) -> caf::result<bool> {
+      return restore_kept(self, index, number);
+    },
+    [=](expire_atom, uint64_t generation) {
+      auto& s = self->state;
+      if (generation == s.generation && s.stages.empty()) {
+        log::get()->info("node {}: no driver came back for {} s: its kept snapshots go", s.label,
+                         s.keep_for.count());
+        s.snapshots.clear();
+        memory::release_free_heap();
+      }
+    },
+    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
+      auto* h = find_stage(self, index);
+      if (h == nullptr || !allowed(self, "load")) {
+        return no_stage(self, index);
+      }
+      auto rp = self->make_response_promise<bool>();
+      h->loads.emplace(id, rp);
+      self->send(self, state_atom::value, index, id);
+      return rp;
+    },
+    [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
+      if (auto* h = find_stage(self, index)) {
+        h->states[id] = std::move(blob);
+        self->send(self, state_atom::value, index, id);
+      }
+    },
+    [=](state_atom, uint32_t index, uint64_t id) { finish_load(self, index, id); },
+  };
+}
+
+} // namespace actorpipe::nodes
