@@ -291,6 +291,8 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.recover_lost_nodes = a.on_node_loss == "continue";
   to.snapshot_every = a.snapshot_every;
   to.max_recoveries = a.max_recoveries;
+  to.slow_factor = a.slow_factor;
+  to.recut_slow_nodes = a.on_slow_node == "recut";
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
   // parameter counts then), profiled again for time.
   to.repartition = [&setup, plan = a.plan](std::size_t parts) {
@@ -446,6 +448,18 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                                {"from_replica", r.from_replica}});
   }
   j["replayed_steps"] = report.replayed_steps;
+  j["slow_stages"] = nlohmann::json::array();
+  for (const auto& s : report.slow_stages) {
+    j["slow_stages"].push_back({{"step", s.step},
+                                {"stage", s.stage},
+                                {"node", s.node},
+                                {"usual_ms", s.usual_ms},
+                                {"recent_ms", s.recent_ms}});
+  }
+  j["recuts"] = nlohmann::json::array();
+  for (const auto& c : report.recuts) {
+    j["recuts"].push_back(c.bounds);
+  }
   j["rejoins"] = nlohmann::json::array();
   for (const auto& r : report.rejoins) {
     j["rejoins"].push_back({{"rejoined", r.rejoined},

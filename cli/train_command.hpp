@@ -105,6 +105,8 @@ struct train_args {
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
   /// the newest snapshot, taken every snapshot_every steps, at most max_recoveries times).
   std::string on_node_loss = "fail";
+  double slow_factor = 2.0;
+  std::string on_slow_node = "name";
   std::vector<std::string> spare_nodes;
   int64_t snapshot_every = 100;
   std::size_t max_recoveries = 3;

@@ -110,6 +110,13 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "newest");
   opt("--max-recoveries", a.max_recoveries,
       "--on-node-loss continue: recoveries a run may make before a lost node ends it");
+  opt("--slow-factor", a.slow_factor,
+      "Name a stage whose forward and backward take this many times as long as over its first "
+      "steps (medians of its last 5 and of steps 2-6); 0: do not watch");
+  opt("--on-slow-node", a.on_slow_node,
+      "When a stage is found slow: name it (log line, --json), or recut: with --nodes, cut the "
+      "model anew by the measured speeds (fewer layers on the slow node), from the state then")
+    ->check(CLI::IsMember({"name", "recut"}));
   opt("--dp-timeout", a.dp_timeout_ms,
       "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
   opt("--dp-backend", a.dp_backend,
@@ -245,6 +252,13 @@ void check_node_flags_apply(const train_args& a) {
   ACTORPIPE_CHECK(a.resume != "nodes" || !a.nodes.empty(),
                   "--resume nodes takes the snapshot that nodes keep of the stages they host: "
                   "give the run's --nodes");
+  ACTORPIPE_CHECK(a.slow_factor == 0 || a.slow_factor > 1, "--slow-factor (", a.slow_factor,
+                  ") must be 0 (not watched) or above 1");
+  if (a.on_slow_node == "recut") {
+    ACTORPIPE_CHECK(!a.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 && a.slow_factor > 0,
+                    "--on-slow-node recut places the stages of one pipeline on its --nodes again: "
+                    "it needs --nodes, no --replicas and a --slow-factor");
+  }
   ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
   ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
 }

@@ -513,6 +513,11 @@ const partition& pipeline::cut() const {
   return impl_->cut;
 }
 
+const std::vector<std::string>& pipeline::nodes() const {
+  static const std::vector<std::string> none;
+  return impl_->remote ? impl_->options.placement.nodes : none;
+}
+
 std::vector<int64_t> pipeline::stage_parameter_counts() const {
   std::vector<int64_t> counts(stages(), 0);
   for (std::size_t k = 0; k < impl_->stages.size(); ++k) {

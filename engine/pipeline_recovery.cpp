@@ -441,25 +441,13 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
         placement.spares.push_back(n);
       }
     }
-    // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
-    // keep the newest snapshot train() noted.
-    self.settle_snapshot();
-    auto future = self.submit_fetch(false);
-    self.snapshot =
-      std::make_shared<const stages::tensor_map>(std::move(*self.wait(future, "rejoin_nodes")));
-    self.snapshot_number = ++self.snapshots_taken;
     auto parts = nodes.size() * self.options.chunks;
     auto cut = nodes.size() == given ? self.given_cut
                : repartition         ? repartition(parts)
                                      : partition_by_params(self.layers, parts);
     ACTORPIPE_CHECK(cut.stages() == parts, "rejoin_nodes: the repartition gave ", cut.stages(),
                     " stages for ", nodes.size(), " nodes (", self.options.chunks, " chunks each)");
-    self.stop_actors();
-    self.cut = cut;
-    placement.nodes = nodes;
-    self.place_on_nodes();
-    self.restore(self.snapshot, self.snapshot_number, "rejoin_nodes");
-    memory::release_free_heap();
+    self.place_again_from_now(nodes, cut, "rejoin_nodes");
   }
   report.nodes = placement.nodes;
   report.bounds = self.cut.bounds;
@@ -471,6 +459,36 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
                    fmt::join(placement.nodes, ", "), self.cut.to_string(),
                    list_or_none(placement.spares));
   return report;
+}
+
+void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, partition new_cut,
+                                          const char* what) {
+  // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
+  // keep the newest snapshot train() noted.
+  settle_snapshot();
+  auto future = submit_fetch(false);
+  snapshot = std::make_shared<const stages::tensor_map>(std::move(*wait(future, what)));
+  snapshot_number = ++snapshots_taken;
+  stop_actors();
+  cut = std::move(new_cut);
+  options.placement.nodes = std::move(new_nodes);
+  place_on_nodes();
+  restore(snapshot, snapshot_number, what);
+  memory::release_free_heap();
+}
+
+uint64_t pipeline::repartition(const partition& cut) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(self.remote && !self.replicas,
+                  "repartition: places the stages of one pipeline on nodes again; this one's are ",
+                  self.remote ? "replicas (they keep one cut)" : "in this process");
+  ACTORPIPE_CHECK(cut.stages() == self.cut.stages() && cut.bounds.back() == self.cut.bounds.back(),
+                  "repartition: ", cut.to_string(), " is not a cut of the ", self.cut.bounds.back(),
+                  " layers into ", self.cut.stages(), " stages");
+  self.place_again_from_now(self.options.placement.nodes, cut, "repartition");
+  log::get()->info("pipeline: cut anew into {} on {}", self.cut.to_string(),
+                   fmt::join(self.options.placement.nodes, ", "));
+  return self.snapshot_number;
 }
 
 // replicated_pipeline::recover() lives here: it re-places each replica's stages through its

@@ -64,9 +64,12 @@ partition partition_uniform(std::size_t layers, std::size_t stages) {
   return p;
 }
 
-partition partition_by_cost(const std::vector<double>& costs, std::size_t stages) {
+partition partition_by_cost(const std::vector<double>& costs, std::size_t stages,
+                            const std::vector<double>& slowdown) {
   auto n = costs.size();
   check_stage_count(n, stages);
+  ACTORPIPE_CHECK(slowdown.empty() || slowdown.size() == stages,
+                  "partition_by_cost: ", slowdown.size(), " slowdowns for ", stages, " stages");
   std::vector<double> prefix(n + 1, 0);
   for (std::size_t i = 0; i < n; ++i) {
     prefix[i + 1] = prefix[i] + costs[i];
@@ -79,7 +82,8 @@ partition partition_by_cost(const std::vector<double>& costs, std::size_t stages
   for (std::size_t k = 1; k <= stages; ++k) {
     for (std::size_t i = k; i <= n; ++i) {
       for (std::size_t j = k - 1; j < i; ++j) {
-        auto cost = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        auto stage = (prefix[i] - prefix[j]) * (slowdown.empty() ? 1.0 : slowdown[k - 1]);
+        auto cost = std::max(best[k - 1][j], stage);
         if (cost < best[k][i]) {
           best[k][i] = cost;
           from[k][i] = j;

@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include "training/progress.hpp"
+#include "training/stragglers.hpp"
 
 namespace actorpipe {
 namespace {
@@ -513,6 +514,7 @@ private:
                 << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
                 << std::flush;
     }
+    auto slow = watch_.observe(step_, r.stages);
     if (o_.keep_results) {
       report_.results.push_back(std::move(r));
     }
@@ -533,7 +535,60 @@ private:
     position_ = next_position({step_ - 1, e.epoch, b});
     take_snapshot(position_);
     take_back_nodes();
+    name_stragglers(std::move(slow));
     return stop && !last;
+  }
+
+  // Stages found much slower than they used to be are named; with recut_slow_nodes their nodes
+  // get fewer layers, from the state after this step (nothing replayed).
+  void name_stragglers(std::vector<slow_stage> found) {
+    if (found.empty()) {
+      return;
+    }
+    const auto& nodes = lead_of(pipe_).nodes();
+    for (auto& f : found) {
+      f.node = f.stage < nodes.size() ? nodes[f.stage] : std::string{};
+      if (lead_) {
+        std::cerr << "actorpipe: stage " << f.stage
+                  << (f.node.empty() ? std::string{} : " on node " + f.node) << " runs "
+                  << std::setprecision(3) << f.recent_ms / f.usual_ms
+                  << "x slower than over its first steps (" << f.recent_ms
+                  << " ms of forward and backward per step against " << f.usual_ms
+                  << ") after step " << f.step << "\n"
+                  << std::flush;
+      }
+      report_.slow_stages.push_back(f);
+    }
+    if (o_.recut_slow_nodes) {
+      recut_slow(pipe_);
+    }
+  }
+
+  void recut_slow(replicated_pipeline&) {} // refused before the run (replicas keep one cut)
+  void recut_slow(pipeline& pipe) {
+    const auto usual = watch_.usual_ms();
+    const auto recent = watch_.recent_ms();
+    if (pipe.nodes().empty() || pipe.cut().stages() != usual.size()) {
+      return; // in process, or stages of several chunks: named only
+    }
+    std::vector<double> slowdown;
+    for (std::size_t k = 0; k < usual.size(); ++k) {
+      slowdown.push_back(usual[k] > 0 && recent[k] > 0 ? recent[k] / usual[k] : 1.0);
+    }
+    auto cut = training::cut_for_speeds(pipe.cut(), usual, slowdown,
+                                        std::vector<double>(pipe.cut().bounds.back(), 0.0));
+    if (cut.bounds == pipe.cut().bounds) {
+      return;
+    }
+    snapshots_[pipe.repartition(cut)] = position_;
+    report_.recuts.push_back(cut);
+    if (lead_) {
+      std::cerr << "actorpipe: after step " << step_
+                << ", cut anew by the measured speeds: " << cut.to_string() << " on "
+                << join(pipe.nodes()) << "\n"
+                << std::flush;
+    }
+    watch_.reset(); // the new layout's own usual times
   }
 
   // The position after the step at `p` (p.step steps done before it): after an epoch's last
@@ -625,6 +680,7 @@ private:
   std::map<uint64_t, start_point> snapshots_;
   // Where the step after the last completed one starts.
   start_point position_;
+  training::straggler_watch watch_{o_.slow_factor};
 };
 
 template <class Pipe>

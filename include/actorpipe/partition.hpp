@@ -34,8 +34,11 @@ partition partition_at(std::size_t layers, const std::vector<std::size_t>& cuts)
 partition partition_uniform(std::size_t layers, std::size_t stages);
 
 /// `stages` non-empty contiguous stages minimising the largest per-stage sum of `costs` (one
-/// per layer; exact, by dynamic programming). Throws as partition_uniform.
-partition partition_by_cost(const std::vector<double>& costs, std::size_t stages);
+/// per layer; exact, by dynamic programming), each stage k's sum times `slowdown[k]` where given
+/// (a slower device: one per stage). Throws as partition_uniform, and invalid_argument for a
+/// slowdown of another length.
+partition partition_by_cost(const std::vector<double>& costs, std::size_t stages,
+                            const std::vector<double>& slowdown = {});
 
 /// `stages` non-empty stages minimising the largest per-stage parameter count.
 partition partition_by_params(const layer_list& layers, std::size_t stages);

@@ -166,6 +166,12 @@ public:
   std::optional<recovery_report>
   rejoin_nodes(std::function<partition(std::size_t)> repartition = {});
 
+  /// Stages on nodes, between steps: places the stages again on the same nodes, cut by `cut`
+  /// (as many stages as now), restored from the state now (a snapshot taken here: nothing is
+  /// replayed). Returns that snapshot's number. Throws invalid_argument for stages in process or
+  /// another stage count, pipeline_error as recover().
+  uint64_t repartition(const partition& cut);
+
   /// Writes the trained model as one TorchScript file that Python's `torch.jit.load` runs
   /// (its parameters and buffers as they are now, on nodes too), for a model loaded with
   /// load_torchscript (<actorpipe/torchscript.hpp>); invalid_argument for any other model.
@@ -195,6 +201,8 @@ public:
   /// Stage actors (the partition's parts divided by chunks).
   std::size_t stages() const;
   const partition& cut() const;
+  /// Stages on nodes: the node ("host:port") of each stage actor now; empty in process.
+  const std::vector<std::string>& nodes() const;
   /// Parameter elements per stage actor.
   std::vector<int64_t> stage_parameter_counts() const;
 

@@ -312,6 +312,15 @@ struct train_options {
   bool log_steps = false;
   /// Keep every step's step_result in the report (timings, per-stage actions: traces).
   bool keep_results = false;
+  /// Stragglers: a stage whose forward and backward take at least this many times as long as
+  /// over its first steps (medians of its last 5 steps and of steps 2-6) is named: a log line
+  /// and train_report::slow_stages. 0: not watched.
+  double slow_factor = 2.0;
+  /// Stages on nodes, one pipeline, one chunk per stage: a slow stage's node gets fewer layers:
+  /// the model is cut anew by the measured times (each node's slowdown against its stage's usual
+  /// time) and placed again from the state after the step (pipeline::repartition): nothing is
+  /// replayed (`--on-slow-node recut`).
+  bool recut_slow_nodes = false;
   /// Submit each step behind the running one (train_step_async), so that a pipeline with
   /// pipeline_options::overlap_steps overlaps them; a step after which a checkpoint, a snapshot,
   /// the stop or the epoch's end comes runs alone. One pipeline only (not replicated_pipeline).
@@ -349,6 +358,17 @@ struct epoch_result {
   double samples_per_second = 0;
 };
 
+/// A stage found slow (train_options::slow_factor): after step `step`, the median of its last 5
+/// steps' forward and backward (`recent_ms`) against the median of its first ones (`usual_ms`),
+/// on node `node` (empty in process).
+struct slow_stage {
+  uint64_t step = 0;
+  std::size_t stage = 0;
+  std::string node;
+  double usual_ms = 0;
+  double recent_ms = 0;
+};
+
 struct train_report {
   /// One per epoch finished (a stream: one for the whole run, without evaluation).
   std::vector<epoch_result> epochs;
@@ -367,6 +387,10 @@ struct train_report {
   /// Nodes lost earlier that answered again and were taken back (pipeline::rejoin_nodes), at the
   /// step boundary after which they were.
   std::vector<recovery_report> rejoins;
+  /// Stages found slow, in order (each once until it is fast again), and the cuts that moved
+  /// layers off them (train_options::recut_slow_nodes).
+  std::vector<slow_stage> slow_stages;
+  std::vector<partition> recuts;
 };
 
 /// Trains `pipe` on the batches of `data`: epochs of a data set (evaluated after each) or

@@ -1201,6 +1201,39 @@ TEST_CASE("a lost node that answers again is taken back between steps: the model
   CHECK_FALSE(remote.rejoin_nodes()); // none lost any more
 }
 
+TEST_CASE("repartition places the stages on their nodes again with another cut, from the state "
+          "then, and the losses stay plain libtorch's; refused in process and for another stage "
+          "count") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2),
+                  remote_options({n1.address(), n2.address()}));
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 5);
+  auto train = [&](int step) {
+    auto [x, y] = batch(step);
+    return remote.train_step(x, y).loss;
+  };
+  CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  auto number = remote.repartition(partition_at(6, {4}));
+  CHECK(number == remote.newest_snapshot());
+  CHECK(remote.cut().bounds == partition_at(6, {4}).bounds);
+  CHECK(remote.nodes() == std::vector<std::string>{n1.address(), n2.address()});
+  for (int step = 2; step < 5; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+  CHECK_THROWS_WITH_AS(remote.repartition(partition_uniform(6, 3)),
+                       doctest::Contains("is not a cut of the 6 layers into 2 stages"),
+                       invalid_argument);
+  pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
+  CHECK(local.nodes().empty());
+  CHECK_THROWS_WITH_AS(local.repartition(partition_at(6, {4})),
+                       doctest::Contains("in this process"), invalid_argument);
+}
+
 TEST_CASE("a driver that died starts again from the snapshot its nodes keep (resume nodes), with "
           "the losses of the uninterrupted run") {
   node n1(node_config()), n2(node_config());

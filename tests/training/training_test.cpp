@@ -13,6 +13,7 @@
 
 #include "../engine/oracle.hpp"
 #include "training/planning.hpp"
+#include "training/stragglers.hpp"
 
 using namespace actorpipe;
 namespace fs = std::filesystem;
@@ -515,4 +516,84 @@ TEST_CASE("the default optimizer is one rule for train and plan: Adam for the gp
   a.data = "synthetic";
   a.model = "gpt";
   CHECK(training::default_optimizer_for(a).state_tensors() == 2.0);
+}
+
+namespace {
+
+// Steps of two stages' figures: stage k's forward and backward take ms[k] in all.
+std::vector<actorpipe::stage_stats> two_stages(double first, double second) {
+  std::vector<actorpipe::stage_stats> s(2);
+  s[0].stage = 0;
+  s[0].forward_ms = first / 2;
+  s[0].backward_ms = first / 2;
+  s[1].stage = 1;
+  s[1].forward_ms = second / 2;
+  s[1].backward_ms = second / 2;
+  return s;
+}
+
+} // namespace
+
+TEST_CASE("a stage twice as slow as over its first steps is named once, within the steps its "
+          "median needs, and again after it was fast again") {
+  actorpipe::training::straggler_watch watch(2.0);
+  uint64_t step = 0;
+  auto observe = [&](double first, double second) {
+    return watch.observe(++step, two_stages(first, second));
+  };
+  CHECK(observe(500, 500).empty()); // the first step warms up: not a usual time
+  for (int k = 0; k < 5; ++k) {
+    CHECK(observe(10, 10).empty()); // usual: 10 ms each
+  }
+  CHECK(watch.usual_ms() == std::vector<double>{10, 10});
+  for (int k = 0; k < 5; ++k) {
+    CHECK(observe(10, 11).empty()); // a little slower: not named
+  }
+  // Stage 1 becomes 2.5x slower: named at the third such step (the median of the last 5 turns).
+  CHECK(observe(10, 25).empty());
+  CHECK(observe(10, 25).empty());
+  auto found = observe(10, 25);
+  REQUIRE(found.size() == 1);
+  CHECK(found[0].stage == 1);
+  CHECK(found[0].step == 14);
+  CHECK(found[0].usual_ms == doctest::Approx(10));
+  CHECK(found[0].recent_ms == doctest::Approx(25));
+  for (int k = 0; k < 5; ++k) {
+    CHECK(observe(10, 25).empty()); // once
+  }
+  for (int k = 0; k < 5; ++k) {
+    CHECK(observe(10, 10).empty()); // fast again
+  }
+  bool again = false;
+  for (int k = 0; k < 5; ++k) {
+    again = again || !observe(10, 30).empty();
+  }
+  CHECK(again);
+  actorpipe::training::straggler_watch off(0);
+  for (int k = 0; k < 20; ++k) {
+    CHECK(off.observe(static_cast<uint64_t>(k), two_stages(10, k < 10 ? 10 : 100)).empty());
+  }
+}
+
+TEST_CASE("a cut for measured speeds gives a slow node fewer layers, so that the slowest stage "
+          "is as fast as it can be") {
+  using actorpipe::partition;
+  using actorpipe::training::cut_for_speeds;
+  // 6 layers of 10 ms in two stages; stage 1's node twice as slow: 4 + 2 layers (40 ms each).
+  auto cut = cut_for_speeds(partition{{0, 3, 6}}, {30, 30}, {1, 2}, std::vector<double>(6, 0.0));
+  CHECK(cut.bounds == std::vector<std::size_t>{0, 4, 6});
+  // Nothing slower: the cut stays.
+  CHECK(
+    cut_for_speeds(partition{{0, 3, 6}}, {30, 30}, {1, 1}, std::vector<double>(6, 0.0)).bounds ==
+    std::vector<std::size_t>{0, 3, 6});
+  // Weights share a stage's time: layer 1 is 80% of stage 0's 50 ms (40 ms); stage 0's node 3x
+  // slow: layers 0-1 cost 150 there, so layer 1 moves to stage 1 (3 x 10 = 30 against 60).
+  cut = cut_for_speeds(partition{{0, 2, 4}}, {50, 20}, {3, 1}, {1, 4, 1, 1});
+  CHECK(cut.bounds == std::vector<std::size_t>{0, 1, 4});
+  // Three stages: every stage keeps a layer, whatever the speeds.
+  cut =
+    cut_for_speeds(partition{{0, 1, 2, 3}}, {10, 10, 10}, {100, 1, 1}, std::vector<double>(3, 0.0));
+  CHECK(cut.bounds == std::vector<std::size_t>{0, 1, 2, 3});
+  CHECK_THROWS_AS(cut_for_speeds(partition{{0, 3, 6}}, {30}, {1, 2}, std::vector<double>(6, 0.0)),
+                  actorpipe::invalid_argument);
 }
