@@ -1202,7 +1202,7 @@ TEST_CASE("a lost node that answers again is taken back between steps: the model
 }
 
 TEST_CASE("repartition places the stages on their nodes again with another cut, from the state "
-          "then, and the losses stay plain libtorch's; refused in process and for another stage "
+          "then, and the losses stay plain libtorch's, refused in process and for another stage "
           "count") {
   node n1(node_config()), n2(node_config());
   engine sys;
