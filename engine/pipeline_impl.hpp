@@ -211,6 +211,11 @@ struct pipeline::impl {
   // (pipeline::snapshot; 0: not a snapshot), which nodes keep a copy of.
   std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
   submit_fetch(bool background, uint64_t keep_as = 0);
+  // Every stage's state now, fetched and waited for (`what` names the caller in errors).
+  std::shared_ptr<const stages::tensor_map> fetch_now(const char* what) {
+    auto future = submit_fetch(false);
+    return std::make_shared<const stages::tensor_map>(std::move(*wait(future, what)));
+  }
   // Waits for a snapshot still arriving and, when all of it came, makes it the newest.
   void settle_snapshot();
   // The same for a snapshot that has arrived, without waiting (before each step: so the nodes
@@ -269,8 +274,7 @@ struct pipeline::impl {
     if (gradients) {
       throw pipeline_error("named_gradients: the gradients of stages on nodes stay on the nodes");
     }
-    auto future = submit_fetch(/*background=*/false);
-    auto all = wait(future, "named_parameters");
+    auto all = fetch_now("named_parameters");
     std::vector<std::pair<std::string, torch::Tensor>> result;
     for (const auto& st : stages) {
       for (auto& [name, initial] : st->named_tensors(false)) {

@@ -197,9 +197,7 @@ live_choice live_source(caf::actor_system& sys, const std::vector<std::vector<st
 template <class Impl>
 std::shared_ptr<const stages::tensor_map> fetch_live(Impl& r, int64_t source) {
   try {
-    auto future = r.submit_fetch(false);
-    auto state = r.wait(future, "recover");
-    return std::make_shared<const stages::tensor_map>(std::move(*state));
+    return r.fetch_now("recover");
   } catch (const std::exception& e) {
     log::get()->warn("recover: the state of replica {} did not come ({}); restoring the newest "
                      "snapshot instead",
@@ -316,9 +314,7 @@ void pipeline::restore_from_nodes(uint64_t number) {
   nodes::restore_kept(self.sys->internals().system, self.stage_nodes(),
                       self.options.placement.nodes, number, self.options.step_timeout);
   // What a later recover() restores: the state now (the nodes keep theirs still).
-  auto future = self.submit_fetch(false);
-  self.snapshot =
-    std::make_shared<const stages::tensor_map>(std::move(*self.wait(future, "restore_from_nodes")));
+  self.snapshot = self.fetch_now("restore_from_nodes");
   self.snapshot_number = number;
   self.snapshots_taken = std::max(self.snapshots_taken, number);
 }
@@ -466,8 +462,7 @@ void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, pa
   // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
   // keep the newest snapshot train() noted.
   settle_snapshot();
-  auto future = submit_fetch(false);
-  snapshot = std::make_shared<const stages::tensor_map>(std::move(*wait(future, what)));
+  snapshot = fetch_now(what);
   snapshot_number = ++snapshots_taken;
   stop_actors();
   cut = std::move(new_cut);
