@@ -297,8 +297,13 @@ void advance(stage_actor_type self) {
     s.report.stats.peak_stash =
       static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
     s.report.stats.peak_stash_bytes = 0;
+    s.report.stats.peak_working_bytes = s.device->is_cuda() ? -1 : 0;
     for (const auto& chunk : s.chunks) {
       s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
+      if (!s.device->is_cuda()) {
+        s.report.stats.peak_working_bytes =
+          std::max(s.report.stats.peak_working_bytes, chunk->peak_working_bytes());
+      }
     }
     // A GPU's peak is the process's: this stage's when it is alone there.
     if (s.device->is_cuda() && stages::cuda::stages_on(s.device->device()) == 1) {

@@ -4,17 +4,20 @@
     python3 bench/memory_model.py build/cli/actorpipe [--resnet50] [--gpu] [--json OUT]
 
 For each case, `actorpipe plan` predicts every stage's peak (parameters, gradients, optimizer
-state, stashed activations) and `actorpipe train --json` measures the same layout: gradients
-and optimizer state held (stage_stats::gradient_bytes, optimizer_bytes; parameters count as
-much as their gradients) and the most the stage stashed (peak_stash_bytes, recomputed
-activations included while they live), the largest over the steps after the first. Cases: the
+state, stashed activations, and the working set of one action) and `actorpipe train --json`
+measures the same layout: gradients and optimizer state held (stage_stats::gradient_bytes,
+optimizer_bytes; parameters count as much as their gradients), the most the stage stashed
+(peak_stash_bytes, recomputed activations included while they live) and the most one action
+needed beyond that (peak_working_bytes, on the CPU), the largest over the steps after the
+first. "kept" compares all but the working set; "peak" all of it. Cases: the
 gpt on fortunes, a TorchScript CNN scripted here by PyTorch, each with and without
 `--recompute always`, and with --resnet50 the bench's ResNet-50 (minutes on 2 cores).
 
 With --gpu (the CUDA build, a GPU): plan profiles the layers on cuda:0 (--profile-device) and
 each stage is measured on cuda:0 with the other stage on the CPU (`--devices cuda:0,cpu`, then
 `cpu,cuda:0`), so that the caching allocator's peak on the GPU (stage_stats::device_peak_bytes)
-is that stage's alone; the table adds it beside the prediction.
+is that stage's alone: that is the measured peak there (it also holds what the model leaves
+out: the loss's temporaries, the allocator's rounding).
 """
 import json
 import os
@@ -25,7 +28,7 @@ import tempfile
 
 STAGE = re.compile(
     r"stage (\d+): busy .*; memory ([0-9.]+) MB \(parameters ([0-9.]+), gradients ([0-9.]+), "
-    r"optimizer ([0-9.]+), activations ([0-9.]+)\)")
+    r"optimizer ([0-9.]+), activations ([0-9.]+), working ([0-9.]+), workspace ([0-9.]+)\)")
 
 
 def script_cnn(directory):
@@ -56,8 +59,8 @@ def run(actorpipe, args):
 
 
 def train_stats(actorpipe, model, layout, steps, directory, devices):
-    """Per stage: [gradients, optimizer, peak stash, device peak] in MB, the most over the steps
-    after the first."""
+    """Per stage: [gradients, optimizer, peak stash, device peak, working] in MB, the most over
+    the steps after the first."""
     report_path = os.path.join(directory, "report.json")
     trace_path = os.path.join(directory, "trace.json")  # makes train keep every step's stats
     run(actorpipe, f"train {model} {layout} --steps {steps} --no-progress --json {report_path} "
@@ -68,8 +71,9 @@ def train_stats(actorpipe, model, layout, steps, directory, devices):
     for step in report["steps"][1:]:
         for s in step.get("stages", []):
             mb = [s["gradient_bytes"] / 1e6, s["optimizer_bytes"] / 1e6,
-                  s["peak_stash_bytes"] / 1e6, s.get("device_peak_bytes", -1) / 1e6]
-            old = measured.get(s["stage"], [0, 0, 0, -1])
+                  s["peak_stash_bytes"] / 1e6, s.get("device_peak_bytes", -1) / 1e6,
+                  s.get("peak_working_bytes", -1) / 1e6]
+            old = measured.get(s["stage"], [0, 0, 0, -1, -1])
             measured[s["stage"]] = [max(a, b) for a, b in zip(old, mb)]
     return measured
 
@@ -79,7 +83,7 @@ def measure(actorpipe, name, model, layout, steps, directory, gpu):
     device = " --profile-device cuda:0" if gpu else ""
     plan = run(actorpipe, f"plan {model} {layout} --profile-repeats 2{device}")
     for m in STAGE.finditer(plan):
-        predicted[int(m.group(1))] = [float(m.group(i)) for i in range(2, 7)]
+        predicted[int(m.group(1))] = [float(m.group(i)) for i in range(2, 9)]
     if gpu:  # each stage alone on the GPU, the other on the CPU
         measured = {}
         for stage in sorted(predicted):
@@ -90,12 +94,16 @@ def measure(actorpipe, name, model, layout, steps, directory, gpu):
         measured = train_stats(actorpipe, model, layout, steps, directory, None)
     rows = []
     for stage, p in sorted(predicted.items()):
-        g, o, a, peak = measured[stage]
-        total = 2 * g + o + a
-        rows.append({"case": name, "stage": stage, "predicted": p, "measured": [g, o, a],
-                     "predicted_total": p[0], "measured_total": total,
-                     "error": (p[0] - total) / total if total > 0 else 0.0,
-                     "device_peak": peak})
+        g, o, a, device_peak, working = measured[stage]
+        kept = 2 * g + o + a
+        # The CPU has no workspaces (the prediction's are 0 there).
+        peak = device_peak if gpu else kept + working
+        rows.append({"case": name, "stage": stage, "predicted": p, "measured": [g, o, a, working],
+                     "predicted_kept": p[0] - p[5] - p[6], "measured_kept": kept,
+                     "error": (p[0] - p[5] - p[6] - kept) / kept if kept > 0 else 0.0,
+                     "predicted_peak": p[0], "measured_peak": peak,
+                     "peak_error": (p[0] - peak) / peak if peak > 0 else 0.0,
+                     "device_peak": device_peak})
     return rows
 
 
@@ -134,19 +142,23 @@ def main():
             if out:  # what was measured so far, should a later case not finish
                 with open(out, "w") as f:
                     json.dump(rows, f, indent=1)
-    print("| case | stage | predicted: parameters, gradients, optimizer, activations (MB) | "
-          "measured: gradients, optimizer, peak stash (MB) | total, predicted / measured |"
-          + (" device peak (MB), over predicted |" if gpu else ""))
-    print("|---|---|---|---|---|" + ("---|" if gpu else ""))
+    where = "the GPU's peak (device_peak_bytes)" if gpu else "kept + working"
+    print("| case | stage | predicted: parameters, gradients, optimizer, activations, working, "
+          "workspace (MB) "
+          "| measured: gradients, optimizer, peak stash, working (MB) | kept, predicted / measured "
+          f"| peak, predicted / measured ({where}) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         p, m = r["predicted"], r["measured"]
-        peak = (f" {r['device_peak']:.1f} ({100 * (r['device_peak'] / p[0] - 1):+.1f}%) |"
-                if gpu else "")
-        print(f"| {r['case']} | {r['stage']} | {p[1]:.1f}, {p[2]:.1f}, {p[3]:.1f}, {p[4]:.1f} | "
-              f"{m[0]:.2f}, {m[1]:.2f}, {m[2]:.2f} | {r['predicted_total']:.1f} / "
-              f"{r['measured_total']:.1f} ({100 * r['error']:+.1f}%) |{peak}")
+        working = f"{m[3]:.2f}" if m[3] >= 0 else "-"
+        print(f"| {r['case']} | {r['stage']} | {p[1]:.1f}, {p[2]:.1f}, {p[3]:.1f}, {p[4]:.1f}, "
+              f"{p[5]:.1f}, {p[6]:.1f} | {m[0]:.2f}, {m[1]:.2f}, {m[2]:.2f}, {working} | "
+              f"{r['predicted_kept']:.1f} / {r['measured_kept']:.1f} ({100 * r['error']:+.1f}%) | "
+              f"{r['predicted_peak']:.1f} / {r['measured_peak']:.1f} "
+              f"({100 * r['peak_error']:+.1f}%) |")
     worst = max(abs(r["error"]) for r in rows)
-    print(f"\nlargest difference: {100 * worst:.1f}%")
+    worst_peak = max(abs(r["peak_error"]) for r in rows)
+    print(f"\nlargest difference: kept {100 * worst:.1f}%, peak {100 * worst_peak:.1f}%")
     if out:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)

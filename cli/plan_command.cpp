@@ -141,11 +141,13 @@ void print_stages(const schedule& plan, const training::plan_choice& choice, con
     auto m = stage_memory(choice.profile, choice.cut, plan, s, sim.peak_stash[s], scale,
                           optimizer_state, choice.recompute, choice.microbatches);
     std::printf("  stage %zu: busy %.1f ms, bubble %.1f%%, peak stash %.2f micro-batches; memory "
-                "%.1f MB (parameters %.1f, gradients %.1f, optimizer %.1f, activations %.1f)\n",
+                "%.1f MB (parameters %.1f, gradients %.1f, optimizer %.1f, activations %.1f, "
+                "working %.1f, workspace %.1f)\n",
                 s, sim.busy[s], 100 * sim.bubble[s], sim.peak_stash[s],
                 static_cast<double>(m.total()) / 1e6, static_cast<double>(m.parameters) / 1e6,
                 static_cast<double>(m.gradients) / 1e6, static_cast<double>(m.optimizer) / 1e6,
-                static_cast<double>(m.activations) / 1e6);
+                static_cast<double>(m.activations) / 1e6, static_cast<double>(m.working) / 1e6,
+                static_cast<double>(m.workspace) / 1e6);
   }
 }
 

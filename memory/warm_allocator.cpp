@@ -26,7 +26,7 @@ constexpr std::size_t granule = 64 * 1024;  // cached sizes are rounded up to th
 
 thread_local bool warm_thread = false;
 // The allocation_tally counting this thread's allocations, if any.
-thread_local std::shared_ptr<std::atomic<int64_t>> tally = nullptr;
+thread_local std::shared_ptr<tally_count> tally = nullptr;
 
 std::size_t default_limit() {
   auto pages = ::sysconf(_SC_PHYS_PAGES);
@@ -55,7 +55,7 @@ public:
       std::lock_guard<std::mutex> lock(mutex_);
       tallied_.emplace(p, tallied{n, tally, deleter == &release ? nullptr : deleter});
     }
-    *tally += static_cast<int64_t>(n);
+    tally->add(static_cast<int64_t>(n));
     return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -100,7 +100,7 @@ public:
     if (!tallied_.empty()) {
       auto t = tallied_.find(p);
       if (t != tallied_.end()) {
-        *t->second.counter -= static_cast<int64_t>(t->second.bytes);
+        t->second.counter->remove(static_cast<int64_t>(t->second.bytes));
         auto deleter = t->second.deleter;
         tallied_.erase(t);
         if (deleter != nullptr) {
@@ -166,7 +166,7 @@ private:
 
   struct tallied {
     std::size_t bytes;
-    std::shared_ptr<std::atomic<int64_t>> counter;
+    std::shared_ptr<tally_count> counter;
     // libtorch's deleter for a buffer of the fallback; null for a warm one.
     c10::DeleterFnPtr deleter;
   };
@@ -214,8 +214,20 @@ warm_memory_scope::~warm_memory_scope() {
   warm_thread = previous_;
 }
 
-allocation_tally::allocation_tally()
-  : live_(std::make_shared<std::atomic<int64_t>>(0)), previous_(tally) {
+void tally_count::add(int64_t bytes) {
+  auto now = live_ += bytes;
+  auto peak = peak_.load();
+  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+  }
+}
+
+allocation_tally::allocation_tally() : live_(std::make_shared<tally_count>()), previous_(tally) {
+  instance();
+  tally = live_;
+}
+
+allocation_tally::allocation_tally(std::shared_ptr<tally_count> count)
+  : live_(std::move(count)), previous_(tally) {
   instance();
   tally = live_;
 }
@@ -224,7 +236,7 @@ allocation_tally::~allocation_tally() {
   tally = previous_;
 }
 
-std::shared_ptr<std::atomic<int64_t>> allocation_tally::current() {
+std::shared_ptr<tally_count> allocation_tally::current() {
   return tally;
 }
 

@@ -163,6 +163,40 @@ double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, s
   return std::max(0.0, bytes);
 }
 
+double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end,
+                     recompute_mode recompute) {
+  ACTORPIPE_CHECK(begin <= end && end <= layers.size(), "working_bytes: layers [", begin, ", ", end,
+                  ") of ", layers.size());
+  const auto whole = kept_bytes(layers, begin, end);
+  double most = 0;
+  for (auto i = begin; i < end; ++i) {
+    const auto& l = layers[i];
+    // The micro-batch holds what its layers up to this one keep: in the forward, as this layer
+    // runs; in the backward, once the layers after it were backed up and freed theirs (and
+    // without this layer's output where the next layer freed it in the forward).
+    auto upto = kept_bytes(layers, begin, i + 1);
+    auto forward = static_cast<double>(std::max<int64_t>(0, l.forward_working_bytes));
+    most = std::max(most, upto - whole + forward);
+    if (l.backward_working_bytes >= 0) {
+      auto freed = i + 1 < end ? static_cast<double>(layers[i + 1].freed_input_bytes) : 0.0;
+      // While a layer's backward runs, the gradient of its output is alive too, and the
+      // stage's output gradient (its roots' gradients live until the backward ends).
+      auto received = i + 1 < end ? static_cast<double>(layers[end - 1].output_bytes) : 0.0;
+      auto backward = static_cast<double>(l.backward_working_bytes + l.output_bytes) + received;
+      most = std::max(most, upto - freed - whole + backward);
+    }
+    if (recompute != recompute_mode::never && end == layers.size() &&
+        l.no_grad_forward_bytes >= 0) {
+      // The first forward of a recomputing last stage: no micro-batch is rebuilt then, the
+      // stash holds inputs alone.
+      auto input = i > begin ? input_of(layers, i) : 0.0;
+      most = std::max(most, input + static_cast<double>(l.no_grad_forward_bytes) -
+                              (whole - input_of(layers, begin)));
+    }
+  }
+  return most;
+}
+
 double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
                      const schedule& plan, std::size_t stage, double peak_stash,
                      double samples_scale, recompute_mode recompute, std::size_t microbatches) {
@@ -202,10 +236,23 @@ memory_estimate stage_memory(const std::vector<layer_profile>& layers, const par
       parameters += layers[i].parameters;
     }
   }
+  double working = 0;
+  for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
+    auto part = plan.virtual_stage(stage, c);
+    working = std::max(working, working_bytes(layers, cut.begin(part), cut.end(part), recompute));
+  }
   auto activations =
     stashed_bytes(layers, cut, plan, stage, peak_stash, samples_scale, recompute, microbatches);
-  return estimate_memory(parameters, optimizer_state,
-                         static_cast<int64_t>(std::llround(activations)));
+  auto m =
+    estimate_memory(parameters, optimizer_state, static_cast<int64_t>(std::llround(activations)));
+  m.working = static_cast<int64_t>(std::llround(working * samples_scale));
+  for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
+    auto part = plan.virtual_stage(stage, c);
+    for (auto i = cut.begin(part); i < cut.end(part); ++i) {
+      m.workspace = std::max(m.workspace, layers[i].workspace_bytes);
+    }
+  }
+  return m;
 }
 
 void charge_recomputation(std::vector<action_costs>& costs, recompute_mode recompute,

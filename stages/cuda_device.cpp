@@ -44,7 +44,7 @@ c10::DeviceIndex index_of(c10::Device device) {
 // allocator.
 struct tallied_allocations {
   std::mutex mutex;
-  std::unordered_map<std::size_t, std::pair<std::shared_ptr<std::atomic<int64_t>>, int64_t>> live;
+  std::unordered_map<std::size_t, std::pair<std::shared_ptr<memory::tally_count>, int64_t>> live;
 };
 
 tallied_allocations& tallied() {
@@ -57,7 +57,7 @@ void on_allocator_trace(const c10::CachingDeviceAllocator::TraceEntry& e) {
   if (e.action_ == action::ALLOC) {
     if (auto count = memory::allocation_tally::current()) {
       auto bytes = static_cast<int64_t>(e.size_);
-      *count += bytes;
+      count->add(bytes);
       auto& all = tallied();
       std::lock_guard<std::mutex> lock{all.mutex};
       all.live[e.addr_] = {std::move(count), bytes};
@@ -66,7 +66,7 @@ void on_allocator_trace(const c10::CachingDeviceAllocator::TraceEntry& e) {
     auto& all = tallied();
     std::lock_guard<std::mutex> lock{all.mutex};
     if (auto it = all.live.find(e.addr_); it != all.live.end()) {
-      *it->second.first -= it->second.second;
+      it->second.first->remove(it->second.second);
       all.live.erase(it);
     }
   }
@@ -273,13 +273,28 @@ void watch_allocations(c10::Device device) {
   });
 }
 
-int64_t peak_allocated_bytes(c10::Device device) {
-  if (!device.is_cuda()) {
-    return 0;
-  }
+namespace {
+// The caching allocator's count of bytes allocated on a CUDA `device`, over its pools.
+c10::CachingAllocator::Stat allocated_stat(c10::Device device) {
   return aggregate(
-           c10::cuda::CUDACachingAllocator::getDeviceStats(index_of(device)).allocated_bytes)
-    .peak;
+    c10::cuda::CUDACachingAllocator::getDeviceStats(index_of(device)).allocated_bytes);
+}
+} // namespace
+
+int64_t peak_allocated_bytes(c10::Device device) {
+  return device.is_cuda() ? allocated_stat(device).peak : 0;
+}
+
+int64_t allocated_bytes(c10::Device device) {
+  return device.is_cuda() ? allocated_stat(device).current : 0;
+}
+
+void release_blas_workspaces(c10::Device device) {
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device);
+    c10::cuda::device_synchronize();
+    at::cuda::clearCublasWorkspaces();
+  }
 }
 
 void reset_peak_allocated(c10::Device device) {

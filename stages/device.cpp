@@ -73,6 +73,13 @@ memory_tally::memory_tally(c10::Device device) {
   }
 }
 
+memory_tally::memory_tally(c10::Device device, std::shared_ptr<memory::tally_count> count)
+  : tally_(std::move(count)) {
+  if (device.is_cuda()) {
+    cuda::watch_allocations(device);
+  }
+}
+
 #ifndef ACTORPIPE_WITH_CUDA
 // The CPU line: check_device refuses CUDA devices before any of these could be reached.
 namespace cuda {
@@ -95,6 +102,11 @@ void watch_allocations(c10::Device) {}
 int64_t peak_allocated_bytes(c10::Device) {
   return 0;
 }
+int64_t allocated_bytes(c10::Device) {
+  return 0;
+}
+void release_blas_workspaces(c10::Device) {}
+
 void reset_peak_allocated(c10::Device) {}
 int stages_on(c10::Device) {
   return 0;

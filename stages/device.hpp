@@ -97,8 +97,13 @@ void check_device(c10::Device device, const std::string& who);
 class memory_tally {
 public:
   explicit memory_tally(c10::Device device);
+  /// Counting on another tally's `count` (allocation_tally's).
+  memory_tally(c10::Device device, std::shared_ptr<memory::tally_count> count);
 
   int64_t live_bytes() const { return tally_.live_bytes(); }
+  int64_t peak_bytes() const { return tally_.peak_bytes(); }
+  void reset_peak() { tally_.reset_peak(); }
+  const std::shared_ptr<memory::tally_count>& count() const { return tally_.count(); }
 
 private:
   memory::allocation_tally tally_;
@@ -131,6 +136,13 @@ void watch_allocations(c10::Device device);
 /// The most bytes the caching allocator held allocated on a CUDA `device` at once (block sizes)
 /// since the last reset_peak_allocated; 0 for the CPU.
 int64_t peak_allocated_bytes(c10::Device device);
+/// The bytes the caching allocator holds allocated on a CUDA `device` now; 0 for the CPU.
+int64_t allocated_bytes(c10::Device device);
+/// Gives back the workspaces cuBLAS keeps allocated for every thread and stream that multiplied
+/// matrices (at::cuda::clearCublasWorkspaces: the next multiplication allocates its own again).
+/// Only while nothing computes on the device: the profile, before stages start. Nothing on the
+/// CPU line.
+void release_blas_workspaces(c10::Device device);
 void reset_peak_allocated(c10::Device device);
 /// Stage contexts of this process alive on `device` (0 for the CPU).
 int stages_on(c10::Device device);

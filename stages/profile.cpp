@@ -38,8 +38,11 @@ struct layer_run {
   std::vector<torch::Tensor> roots;
   std::vector<torch::Tensor> gradients; // drawn once, reused every round
   std::vector<double> forward, backward, input_backward, weight_backward;
-  // What each timed forward kept (layer_profile::retained_bytes).
-  std::vector<double> retained;
+  // What each timed forward kept (layer_profile::retained_bytes), and what it and the fused
+  // backward needed besides (forward_working_bytes, backward_working_bytes).
+  std::vector<double> retained, forward_work, backward_work;
+  // The count of what the latest forward kept, which its backward counts on.
+  std::shared_ptr<memory::tally_count> kept;
 };
 
 void forward_layer(const layer& l, const bundle& x, bool first, layer_run& run) {
@@ -127,12 +130,62 @@ void forward_all(const layer_list& layers, const bundle& sample, std::vector<lay
     auto t0 = clock::now();
     forward_layer(layers[i], x, i == 0, runs[i]);
     auto t1 = done_on(device);
+    runs[i].kept = tally.count();
     if (timed) {
       runs[i].forward.push_back(ms_between(t0, t1));
       runs[i].retained.push_back(static_cast<double>(tally.live_bytes()));
+      runs[i].forward_work.push_back(static_cast<double>(tally.peak_bytes() - tally.live_bytes()));
     }
     x = runs[i].output;
   }
+}
+
+// What a layer's backward needs above what was alive when it began (backward_working_bytes).
+// On the CPU, where libtorch runs the graph on the calling thread, its allocations (the input
+// gradient, temporaries) count with what the layer's forward kept, as a stage counts them, so
+// that what it frees of that is subtracted: the peak of that count above its start. On a GPU,
+// whose graphs run on autograd's device thread, the caching allocator's peak above what it held
+// at the start (the device is the profile's alone).
+class backward_working_set {
+public:
+  backward_working_set(c10::Device device, const std::shared_ptr<memory::tally_count>& kept)
+    : device_(device), tally_(device, kept ? kept : std::make_shared<memory::tally_count>()) {
+    if (device_.is_cuda()) {
+      stages::cuda::wait_for_current_stream(device_);
+      start_ = stages::cuda::allocated_bytes(device_);
+      stages::cuda::reset_peak_allocated(device_);
+    } else {
+      tally_.reset_peak();
+      start_ = tally_.live_bytes();
+    }
+  }
+  int64_t bytes() const {
+    return (device_.is_cuda() ? stages::cuda::peak_allocated_bytes(device_) : tally_.peak_bytes()) -
+           start_;
+  }
+
+private:
+  c10::Device device_;
+  stages::memory_tally tally_;
+  int64_t start_ = 0;
+};
+
+// What a layer's forward and backward leave allocated on a GPU once their tensors are gone, run
+// after cuBLAS's workspaces were given back: the workspaces it makes, one for the thread of the
+// forward and one for autograd's (layer_profile::workspace_bytes). 0 for a layer that
+// multiplies no matrices.
+int64_t workspaces_made(const layer& l, const bundle& x, bool first, c10::Device device) {
+  stages::cuda::release_blas_workspaces(device);
+  auto before = stages::cuda::allocated_bytes(device);
+  {
+    layer_run run;
+    forward_layer(l, x, first, run);
+    if (!run.roots.empty()) {
+      torch::autograd::backward(run.roots, run.gradients);
+    }
+    stages::cuda::wait_for_current_stream(device);
+  }
+  return std::max<int64_t>(0, stages::cuda::allocated_bytes(device) - before);
 }
 
 // One untimed forward of the layers chained, as a stage runs them, holding only the latest
@@ -151,10 +204,27 @@ std::vector<int64_t> chained_frees(const layer_list& layers, const bundle& sampl
   return freed;
 }
 
+// One forward of the layers chained without autograd, as a recomputing stage runs its first
+// forward: per layer, the most it had allocated at once (its output included).
+std::vector<int64_t> no_grad_peaks(const layer_list& layers, const bundle& sample,
+                                   c10::Device device) {
+  std::vector<int64_t> peaks(layers.size(), 0);
+  torch::NoGradGuard no_grad;
+  bundle x = sample;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    stages::memory_tally tally{device};
+    auto y = layers[i].forward(x);
+    peaks[i] = tally.peak_bytes();
+    x = std::move(y);
+  }
+  return peaks;
+}
+
 // The medians of every layer's rounds, its sizes, and what it keeps and frees.
 std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vector<layer_run>& runs,
                                        const bundle& input, c10::Device device) {
   auto freed = chained_frees(layers, input, device);
+  auto no_grad = no_grad_peaks(layers, input, device);
   std::vector<layer_profile> result;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const auto& r = runs[i];
@@ -168,7 +238,10 @@ std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vect
     p.output_bytes = r.output.nbytes();
     p.input_bytes = i == 0 ? input.nbytes() : runs[i - 1].output.nbytes();
     p.retained_bytes = static_cast<int64_t>(median_and_spread(r.retained).first);
+    p.forward_working_bytes = static_cast<int64_t>(median_and_spread(r.forward_work).first);
+    p.backward_working_bytes = static_cast<int64_t>(median_and_spread(r.backward_work).first);
     p.freed_input_bytes = freed[i];
+    p.no_grad_forward_bytes = no_grad[i];
     result.push_back(std::move(p));
   }
   return result;
@@ -204,6 +277,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     // Fused backward, last layer first, each from its own output gradient.
     for (std::size_t k = layers.size(); k-- > 0;) {
       auto& r = runs[k];
+      backward_working_set working{device, r.kept};
       auto t0 = clock::now();
       if (!r.roots.empty()) {
         torch::autograd::backward(r.roots, r.gradients);
@@ -211,6 +285,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       auto t1 = done_on(device);
       if (timed) {
         r.backward.push_back(ms_between(t0, t1));
+        r.backward_work.push_back(static_cast<double>(working.bytes()));
       }
     }
     if (!options.split_backward) {
@@ -243,6 +318,13 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     }
   }
   auto result = profiles_of(layers, runs, input, device);
+  if (device.is_cuda()) {
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      result[i].workspace_bytes =
+        workspaces_made(layers[i], i == 0 ? input : runs[i - 1].output, i == 0, device);
+    }
+    stages::cuda::release_blas_workspaces(device);
+  }
   runs.clear();
   torch::NoGradGuard no_grad;
   std::size_t i = 0;

@@ -162,6 +162,7 @@ void stage::begin_step(bool train) {
   stash_bytes_ = 0;
   peak_stash_ = 0;
   peak_stash_bytes_ = 0;
+  peak_held_bytes_ = 0;
   for (auto& l : layers_) {
     if (auto m = l.module()) {
       m->train(train);
@@ -268,19 +269,24 @@ bundle detach_keeping_flags(const bundle& y) {
 
 } // namespace
 
+int64_t stage::input_bytes(const stash_entry& entry) {
+  int64_t bytes = 0;
+  for (const auto& t : entry.input.tensors()) {
+    if (t.defined()) {
+      bytes += static_cast<int64_t>(t.numel() * t.element_size());
+    }
+  }
+  if (entry.generator_state.defined()) {
+    bytes += static_cast<int64_t>(entry.generator_state.numel());
+  }
+  return bytes;
+}
+
 void stage::stash(int32_t microbatch, stash_entry entry, int64_t retained) {
   // What the entry keeps: its input (which the previous stage, or the batch, allocated) and
   // what this forward allocated that is still alive: the graph's saved activations and the
   // output (nothing of the forward's, recomputed).
-  entry.bytes = retained;
-  for (const auto& t : entry.input.tensors()) {
-    if (t.defined()) {
-      entry.bytes += static_cast<int64_t>(t.numel() * t.element_size());
-    }
-  }
-  if (entry.generator_state.defined()) {
-    entry.bytes += static_cast<int64_t>(entry.generator_state.numel());
-  }
+  entry.bytes = retained + input_bytes(entry);
   stash_bytes_ += entry.bytes;
   stash_[microbatch] = std::move(entry);
   peak_stash_ = std::max(peak_stash_, stash_.size());
@@ -313,6 +319,8 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   if (!recompute) {
     entry.output = std::move(y);
   }
+  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes());
+  entry.count = tally.count();
   stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return sent;
 }
@@ -370,6 +378,8 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
   } else {
     entry.output = bundle(value * scale);
   }
+  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes());
+  entry.count = tally.count();
   stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return value.detach();
 }
@@ -423,6 +433,8 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
   entry.generator_state = torch::Tensor();
   // The rebuilt activations count in the stash while they live: a recomputing stage's peak
   // is its stashed inputs plus the one micro-batch being backed up.
+  note_held(stash_bytes_ + tally.peak_bytes()); // the entry's input is in the stash
+  entry.count = tally.count();
   entry.bytes += tally.live_bytes();
   stash_bytes_ += tally.live_bytes();
   peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
@@ -526,6 +538,12 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
   auto entry = std::move(it->second);
   unstash(it);
   torch::AutoGradMode grad_mode{true};
+  // Counted with what the forward kept (freed as the graph is backed up): the micro-batch's
+  // whole at its peak, beside the rest of the stash.
+  auto gradients_before = held_gradient_bytes();
+  auto count = entry.count ? entry.count : std::make_shared<memory::tally_count>();
+  count->reset_peak();
+  memory_tally tally{config_.device, count};
   if (!entry.roots.empty()) {
     torch::autograd::backward(entry.roots, entry.root_gradients);
   }
@@ -533,7 +551,10 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
   for (const auto& x : gradient_inputs(entry)) {
     grads.push_back(x.grad());
   }
-  return input_gradients(entry, std::move(grads));
+  auto sent = input_gradients(entry, std::move(grads));
+  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes() -
+            (held_gradient_bytes() - gradients_before));
+  return sent;
 }
 
 bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) {

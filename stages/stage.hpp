@@ -20,6 +20,7 @@
 
 #include <actorpipe/bundle.hpp>
 #include <actorpipe/layers.hpp>
+#include <actorpipe/memory.hpp>
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
 
@@ -198,6 +199,13 @@ public:
   /// activations, outputs); for a recomputed micro-batch, its input only until its backward
   /// rebuilds the rest.
   int64_t peak_stash_bytes() const;
+  /// How far the most its micro-batches held at once since begin_step rose above
+  /// peak_stash_bytes, as the planner predicts it (working_bytes): at each action, the stash
+  /// and what the action's allocations held at their peak (a forward's, and a backward's with
+  /// what its forward kept, less what it freed of that and less the parameters' gradients it
+  /// made). On the CPU: a GPU's backward runs on autograd's device thread, which the tally does
+  /// not reach.
+  int64_t peak_working_bytes() const;
 
   int64_t parameter_count() const;
 
@@ -267,11 +275,19 @@ private:
     double scale = 1.0;
     /// What it holds (peak_stash_bytes).
     int64_t bytes = 0;
+    /// The count of what its forward (or its recomputation) allocated, which its backward
+    /// counts on too (peak_working_bytes).
+    std::shared_ptr<memory::tally_count> count;
   };
 
   // Keeps `entry` until backward; `retained`: what its forward allocated that is still alive.
   void stash(int32_t microbatch, stash_entry entry, int64_t retained);
   void unstash(std::map<int32_t, stash_entry>::iterator it);
+  // gradient_bytes() with the lock held; the bytes of an entry's input (and generator state),
+  // which the previous stage or the batch allocated; and the most held at once raised to `bytes`.
+  int64_t held_gradient_bytes() const;
+  static int64_t input_bytes(const stash_entry& entry);
+  void note_held(int64_t bytes) { peak_held_bytes_ = std::max(peak_held_bytes_, bytes); }
 
   // Rebuilds a recomputed entry's output (and graph); nothing for the others.
   void recompute(int32_t microbatch, stash_entry& entry);
@@ -324,6 +340,8 @@ private:
   std::size_t peak_stash_ = 0;
   int64_t stash_bytes_ = 0;
   int64_t peak_stash_bytes_ = 0;
+  // The most the stage's micro-batches held at once: the stash and the running action's bytes.
+  int64_t peak_held_bytes_ = 0;
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;

@@ -96,6 +96,10 @@ int64_t stage::optimizer_bytes() const {
 
 int64_t stage::gradient_bytes() const {
   std::lock_guard<std::mutex> guard{mutex_};
+  return held_gradient_bytes();
+}
+
+int64_t stage::held_gradient_bytes() const {
   int64_t bytes = 0;
   for (const auto& p : parameters()) {
     bytes += p.grad().defined() ? static_cast<int64_t>(p.grad().nbytes()) : 0;
@@ -209,6 +213,11 @@ std::size_t stage::stash_size() const {
 std::size_t stage::peak_stash() const {
   std::lock_guard<std::mutex> guard{mutex_};
   return peak_stash_;
+}
+
+int64_t stage::peak_working_bytes() const {
+  std::lock_guard<std::mutex> guard{mutex_};
+  return std::max<int64_t>(0, peak_held_bytes_ - peak_stash_bytes_);
 }
 
 int64_t stage::peak_stash_bytes() const {

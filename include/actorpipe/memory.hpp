@@ -36,6 +36,23 @@ private:
   bool previous_;
 };
 
+/// One tally's count: the bytes alive now, and the most alive at once since it began (or since
+/// reset_peak). Counted by any thread that allocates or frees.
+class tally_count {
+public:
+  /// `bytes` allocated (raises the peak) or freed.
+  void add(int64_t bytes);
+  void remove(int64_t bytes) { live_ -= bytes; }
+  int64_t live() const { return live_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  /// The peak from now on: what is alive now, and more when more comes.
+  void reset_peak() { peak_.store(live_.load()); }
+
+private:
+  std::atomic<int64_t> live_{0};
+  std::atomic<int64_t> peak_{0};
+};
+
 /// Counts the CPU tensor memory the calling thread allocates during the tally's lifetime (and,
 /// once a stage on a GPU watches it, the CUDA caching allocator's), until it is freed (by any
 /// thread): a stage measures what a micro-batch's forward leaves behind for its backward
@@ -45,21 +62,30 @@ private:
 class allocation_tally {
 public:
   allocation_tally();
+  /// Counts on `count`, another tally's (kept beyond that tally): a stage's backward counts on
+  /// what its forward kept, so that what it frees of that is subtracted and the peak is the
+  /// micro-batch's whole.
+  explicit allocation_tally(std::shared_ptr<tally_count> count);
   ~allocation_tally();
   allocation_tally(const allocation_tally&) = delete;
   allocation_tally& operator=(const allocation_tally&) = delete;
 
   /// Bytes allocated on this thread under the tally and not freed yet.
-  int64_t live_bytes() const { return live_->load(); }
+  int64_t live_bytes() const { return live_->live(); }
+  /// The most of those alive at once, since the tally began or reset_peak: with live_bytes at
+  /// the end, what a computation needed on top of what it left (its temporaries).
+  int64_t peak_bytes() const { return live_->peak(); }
+  void reset_peak() { live_->reset_peak(); }
+  const std::shared_ptr<tally_count>& count() const { return live_; }
 
   /// The calling thread's innermost tally's count (null: none), for an allocator other than the
   /// CPU's to count on: a stage on a GPU counts the CUDA caching allocator's allocations here
   /// (stages::memory_tally), subtracting each when it is freed.
-  static std::shared_ptr<std::atomic<int64_t>> current();
+  static std::shared_ptr<tally_count> current();
 
 private:
-  std::shared_ptr<std::atomic<int64_t>> live_;
-  std::shared_ptr<std::atomic<int64_t>> previous_;
+  std::shared_ptr<tally_count> live_;
+  std::shared_ptr<tally_count> previous_;
 };
 
 /// Bytes of free buffers kept at most; a buffer freed beyond it evicts buffers of other sizes

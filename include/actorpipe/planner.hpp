@@ -124,15 +124,19 @@ std::string recompute_suffix(recompute_mode recompute);
 
 /// What a stage holds at its peak, predicted: its parameters, their gradients and the
 /// optimizer's state (fp32: 4 bytes an element; optimizer_state tensors per parameter, divided
-/// among `shard_ways` replicas under data_parallel_options::shard) and the activations its
-/// schedule stashes at once (stage_memory). The forward and backward working set of one layer,
-/// and the allocator's slack, are not counted.
+/// among `shard_ways` replicas under data_parallel_options::shard), the activations its
+/// schedule stashes at once, the working set of the action running then, and on a GPU the
+/// libraries' workspaces (stage_memory). The allocator's slack is not counted.
 struct memory_estimate {
   int64_t parameters = 0;
   int64_t gradients = 0;
   int64_t optimizer = 0;
   int64_t activations = 0;
-  int64_t total() const { return parameters + gradients + optimizer + activations; }
+  int64_t working = 0;
+  int64_t workspace = 0;
+  int64_t total() const {
+    return parameters + gradients + optimizer + activations + working + workspace;
+  }
 };
 
 memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_state,
@@ -154,8 +158,24 @@ double stashed_bytes(const std::vector<layer_profile>& layers, const partition& 
                      double samples_scale, recompute_mode recompute = recompute_mode::never,
                      std::size_t microbatches = 1);
 
+/// How far the peak of a stage holding layers [begin, end) rises above its full stash (at the
+/// profile's samples): while one micro-batch's layer runs, the micro-batch holds what its layers
+/// up to that one keep (kept_bytes of them; in the backward without its output where the next
+/// layer freed it) and the layer needs its forward_working_bytes or backward_working_bytes
+/// (with its output's gradient, alive while its backward runs, and the stage's, which lives
+/// until the stage's backward ends); the
+/// largest of these less the micro-batch's kept_bytes, at least 0. What the profile did not
+/// measure (-1: hand-made costs) counts 0. The model's last stage, recomputing, runs its first
+/// forward without autograd while its stash holds inputs alone: a layer's
+/// no_grad_forward_bytes then, with its input where that is a layer's of the stage; other
+/// stages build the graph and drop it, which the stash's rebuilt micro-batch covers.
+double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end,
+                     recompute_mode recompute = recompute_mode::never);
+
 /// What stage `stage` of `plan` holds at its peak: its parameters (from `layers`' counts), their
-/// gradients, the optimizer's state and stashed_bytes.
+/// gradients, the optimizer's state, stashed_bytes, the largest working_bytes of its parts
+/// (times `samples_scale`; one action runs at a time) and the workspaces of a device like the
+/// profiled one (the first layer's workspace_bytes).
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
                              const schedule& plan, std::size_t stage, double peak_stash,
                              double samples_scale, double optimizer_state,

@@ -42,6 +42,24 @@ struct layer_profile {
   /// by a ReLU, which saves its own result): a stage holding both layers does not keep them.
   /// Measured by one chained forward, as retained_bytes.
   int64_t freed_input_bytes = 0;
+  /// What the layer needs for a moment beyond what it keeps (-1: not measured): a training
+  /// forward's temporaries (the most it had allocated at once, less what it kept), and a fused
+  /// backward's from its output gradient (its input gradient and temporaries: on the CPU the
+  /// most its own allocations held at once, on a GPU the caching allocator's peak above its
+  /// start). A stage at its peak holds its stash and one layer's working set
+  /// (planner.hpp's working_bytes).
+  int64_t forward_working_bytes = -1;
+  int64_t backward_working_bytes = -1;
+  /// The most a forward without autograd had allocated at once, its output included (-1: not
+  /// measured): a recomputing stage's first forward keeps nothing, but holds what the layer
+  /// would have saved for a moment.
+  int64_t no_grad_forward_bytes = -1;
+  /// On a GPU: what the layer's forward and backward leave allocated on the device that is no
+  /// tensor of theirs, the workspaces cuBLAS keeps for each thread and stream that multiplied
+  /// matrices (a stage's own thread and autograd's backward thread), measured once more after
+  /// cuBLAS gave its workspaces back; a stage with such a layer holds them too. 0 for a layer
+  /// that multiplies no matrices, and on the CPU.
+  int64_t workspace_bytes = 0;
   int64_t parameters = 0;
   /// Spread of the timed rounds: (upper quartile - lower quartile) / median of forward and of
   /// backward; 0.05 means the middle half of the rounds lay within 5% of the median.
@@ -67,6 +85,8 @@ struct profile_options {
 /// thread with its intra-op threads, as a stage runs them: float inputs between layers take a
 /// gradient, the model's input does not (the first stage computes no input gradient). Timed as
 /// `options` says. Parameters' gradients are cleared afterwards; batch-norm statistics restored.
+/// On a GPU it gives back cuBLAS's workspaces (stages::cuda::release_blas_workspaces): profile
+/// while no stage computes on that device.
 std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
                                           const profile_options& options);
 

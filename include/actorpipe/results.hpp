@@ -47,6 +47,12 @@ struct stage_stats {
   /// recomputed micro-batch keeps its input only until its backward rebuilds the rest): the
   /// bytes its forwards allocated and did not free, on the CPU and on a GPU alike.
   int64_t peak_stash_bytes = 0;
+  /// A stage on the CPU: the most one action needed during the step beyond what it kept (the
+  /// largest over its chunks): a forward's temporaries, a backward's input gradients and
+  /// temporaries (its own allocations at their peak, less the parameters' gradients it made),
+  /// as the planner predicts it (memory_estimate::working, docs/memory.md). -1 on a GPU, where
+  /// device_peak_bytes counts it.
+  int64_t peak_working_bytes = 0;
   /// A stage on a GPU it has to itself (within its process): the most bytes the CUDA caching
   /// allocator held allocated on it at once from the step's start to the stage's report
   /// (parameters, gradients, optimizer state, stash, the working set of every action, the
@@ -82,6 +88,7 @@ void visit_scalars(Stats& s, F&& f) {
   f("overlapped", s.overlapped);
   f("peak_stash", s.peak_stash);
   f("peak_stash_bytes", s.peak_stash_bytes);
+  f("peak_working_bytes", s.peak_working_bytes);
   f("device_peak_bytes", s.device_peak_bytes);
   f("recomputed", s.recomputed);
   f("sync_start_ms", s.sync_start_ms);

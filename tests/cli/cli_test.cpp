@@ -399,7 +399,7 @@ TEST_CASE("--stages auto ranks layouts by simulated step, trains the fastest to 
   CHECK(std::regex_search(
     plan.output,
     std::regex(
-      R"(stage 0: busy .*; memory [0-9.]+ MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations [0-9.]+\))")));
+      R"(stage 0: busy .*; memory [0-9.]+ MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations [0-9.]+, working [0-9.]+, workspace [0-9.]+\))")));
   auto small = run("plan --data synthetic --model mlp --batch 16 --stages auto --max-memory 10KB "
                    "--profile-repeats 1");
   CAPTURE(small.output);

@@ -18,14 +18,15 @@ namespace {
 struct predicted {
   double total = 0;
   double activations = 0;
+  double working = 0;
 };
 
 std::vector<predicted> stages_of(const std::string& output) {
   static const std::regex line(
-    R"(stage [0-9]+: busy .*; memory ([0-9.]+) MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations ([0-9.]+)\))");
+    R"(stage [0-9]+: busy .*; memory ([0-9.]+) MB \(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, activations ([0-9.]+), working ([0-9.]+), workspace [0-9.]+\))");
   std::vector<predicted> stages;
   for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
-    stages.push_back({std::stod((*it)[1]), std::stod((*it)[2])});
+    stages.push_back({std::stod((*it)[1]), std::stod((*it)[2]), std::stod((*it)[3])});
   }
   return stages;
 }
@@ -55,6 +56,23 @@ TEST_CASE("plan counts --recompute in each stage's memory, under --max-memory th
   auto r = stages_of(recomputed.output);
   REQUIRE(k.size() == 2);
   REQUIRE(r.size() == 2);
+  {
+    // One action's working set as predicted, and as the stages measure it (bench/memory_model.py
+    // compares every case).
+    auto json = temp_file("memory_cli_working.json");
+    auto trained = run("train" + common + " --steps 2 --no-progress --json " + json.string());
+    REQUIRE(trained.exit_code == 0);
+    std::ifstream in(json);
+    auto report = nlohmann::json::parse(in);
+    for (const auto& stage : report["steps"][1]["stages"]) {
+      auto s = stage["stage"].get<std::size_t>();
+      auto measured = static_cast<double>(stage["peak_working_bytes"].get<int64_t>()) / 1e6;
+      CAPTURE(s);
+      CHECK(k.at(s).working > 0);
+      CHECK(measured == doctest::Approx(k.at(s).working).epsilon(0.15));
+    }
+    std::filesystem::remove(json);
+  }
   // Stage 0 stashes two micro-batches under 1F1B; recomputed, one is rebuilt at a time.
   CHECK(r[0].activations < k[0].activations);
   REQUIRE(fullest(r) < fullest(k));

@@ -351,7 +351,8 @@ TEST_CASE("gpu: a batch already on the GPU trains as one on the host, and every 
 }
 
 TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak from the caching "
-          "allocator, as the planner predicts, and stages sharing a GPU measure their own stash") {
+          "allocator, as the planner predicts (working set and workspaces too), and stages "
+          "sharing a GPU measure their own stash") {
   require_gpu();
   engine sys;
   model_options mo;
@@ -367,6 +368,9 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
   const std::size_t m = 4;
   auto cut = partition_uniform(model().size(), 2);
   auto measured = [&](std::vector<c10::Device> devices) {
+    // The workspaces earlier pipelines' streams left with cuBLAS are on the device too: given
+    // back, the device's peak is this pipeline's alone.
+    stages::cuda::release_blas_workspaces(gpu);
     auto layers = model();
     auto o = options_for({schedule_kind::one_f_one_b, 1}, devices);
     o.microbatches = m;
@@ -395,9 +399,20 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
     // The same tensors are kept on the CPU (the allocation tally) as on the GPU.
     CHECK(static_cast<double>(on_gpu.peak_stash_bytes) ==
           doctest::Approx(static_cast<double>(cpu_run.at(s).peak_stash_bytes)).epsilon(0.05));
-    // The device's peak holds at least the parameters, their gradients and the stash.
+    // The device's peak holds at least the parameters, their gradients and the stash, and is
+    // what the planner predicts in all (with one action's working set and cuBLAS's workspaces,
+    // the optimizer's state as measured) within 5%.
     CHECK(on_gpu.device_peak_bytes >=
           predicted.parameters + predicted.gradients + on_gpu.peak_stash_bytes);
+    CHECK(predicted.working > 0);
+    CHECK(predicted.workspace > 0);
+    auto total = predicted.total() - predicted.optimizer + on_gpu.optimizer_bytes;
+    CAPTURE(predicted.working);
+    CAPTURE(predicted.workspace);
+    CHECK(static_cast<double>(on_gpu.device_peak_bytes) ==
+          doctest::Approx(static_cast<double>(total)).epsilon(0.05));
+    CHECK(on_gpu.peak_working_bytes == -1); // the device's peak counts it there
+    CHECK(cpu_run.at(s).peak_working_bytes > 0);
     CHECK(cpu_run.at(s).device_peak_bytes == -1);
     // Sharing the GPU, each stage counts what its own thread allocated; the device's peak is
     // no stage's alone.

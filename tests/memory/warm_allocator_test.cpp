@@ -176,3 +176,29 @@ TEST_CASE("an allocation tally counts what its thread allocates until freed, by 
     kept = torch::Tensor();
   }
 }
+
+TEST_CASE("an allocation tally keeps its peak, and a later tally can count on an earlier one's "
+          "count, so that what it frees of that is subtracted") {
+  memory::warm_memory_scope warm;
+  std::shared_ptr<memory::tally_count> count;
+  torch::Tensor kept;
+  {
+    memory::allocation_tally forward;
+    kept = torch::ones({1 << 16});             // 256 KB kept
+    { auto scratch = torch::ones({1 << 17}); } // 512 KB for a moment
+    CHECK(forward.live_bytes() == (1 << 18));
+    CHECK(forward.peak_bytes() == (1 << 18) + (1 << 19));
+    count = forward.count();
+  }
+  count->reset_peak();
+  CHECK(count->peak() == (1 << 18));
+  {
+    memory::allocation_tally backward(count); // counts with what the forward kept
+    auto gradient = torch::ones({1 << 15});   // 128 KB
+    kept = torch::Tensor();                   // the forward's, freed
+    auto more = torch::ones({1 << 15});
+    CHECK(backward.live_bytes() == (1 << 18));
+    CHECK(backward.peak_bytes() == (1 << 18) + (1 << 17));
+  }
+  CHECK(count->live() == 0);
+}

@@ -221,6 +221,54 @@ TEST_CASE("the memory model: parameters, gradients, the optimizer's state (shard
   CHECK(capped.front().stages == 2);
 }
 
+TEST_CASE("the memory model counts how far a stage's peak rises above its stash while one "
+          "micro-batch's layer runs, and a GPU's workspaces where a layer multiplies matrices") {
+  auto profile = linear_costs(1, 1, 1, 2).layers; // each keeps its 100 bytes of output
+  CHECK(working_bytes(profile, 0, 4) == 0);       // not measured: nothing counted
+  profile[1].forward_working_bytes = 250;         // a forward's temporaries
+  profile[2].backward_working_bytes = 120;        // a backward's, with its input gradient
+  profile[3].backward_working_bytes = 10;
+  // The micro-batch holds what its layers up to the running one keep (the stage's input, 100,
+  // and 100 a layer), a backward also its output's gradient (100) and, but in the stage's last
+  // layer, the gradient the stage received (100); less what it keeps whole. Layers 0-3 keep
+  // 400: fc1's forward reaches 200 + 250, fc2's backward 300 + 220 + 100.
+  CHECK(working_bytes(profile, 0, 4) == doctest::Approx(300 + 220 + 100 - 400));
+  CHECK(working_bytes(profile, 0, 2) == doctest::Approx(200 + 250 - 200));
+  CHECK(working_bytes(profile, 2, 4) == doctest::Approx(200 + 220 + 100 - 300));
+  CHECK(working_bytes(profile, 3, 4) == doctest::Approx(10 + 100));
+  CHECK(working_bytes(profile, 2, 2) == 0);
+  CHECK_THROWS_AS(working_bytes(profile, 3, 5), invalid_argument);
+  // fc3 frees fc2's output in the forward (a ReLU after a batch norm): the stage keeps 200, and
+  // fc2's backward runs beside fc2's input alone (100) with its 320.
+  profile[3].freed_input_bytes = 100;
+  CHECK(working_bytes(profile, 2, 4) == doctest::Approx(100 + 320 - 200));
+  profile[3].freed_input_bytes = 0;
+  // Recomputing, the last stage's first forward runs without autograd beside a stash of inputs
+  // alone: fc3's peak then (300) with its input (100), against the 300 - 100 a rebuilt
+  // micro-batch adds to its input.
+  profile[3].no_grad_forward_bytes = 300;
+  CHECK(working_bytes(profile, 3, 4, recompute_mode::always) == doctest::Approx(300 - 100));
+  profile[3].no_grad_forward_bytes = 400;
+  CHECK(working_bytes(profile, 2, 4, recompute_mode::always) == doctest::Approx(100 + 400 - 200));
+  CHECK(working_bytes(profile, 2, 4, recompute_mode::never) == doctest::Approx(220));
+  profile[1].no_grad_forward_bytes = 900; // not the last stage: its forward builds the graph
+  CHECK(working_bytes(profile, 0, 2, recompute_mode::always) == doctest::Approx(250));
+  profile[3].no_grad_forward_bytes = -1;
+  profile[1].no_grad_forward_bytes = -1;
+  profile[2].workspace_bytes = 4096; // cuBLAS's workspaces, made by fc2 on a GPU
+  auto cut = partition_uniform(4, 2);
+  auto plan = make_schedule(schedule_kind::gpipe, 2, 8);
+  // Micro-batches of two samples: the working set scales with them; the workspace does not.
+  auto memory = stage_memory(profile, cut, plan, 1, 8, 2, 0);
+  CHECK(memory.working == 2 * 220);
+  CHECK(memory.workspace == 4096);
+  CHECK(memory.activations == 8 * 2 * 300);
+  CHECK(memory.total() == 144 * 8 + 8 * 2 * 300 + 2 * 220 + 4096);
+  auto first = stage_memory(profile, cut, plan, 0, 8, 2, 0);
+  CHECK(first.working == 2 * 250);
+  CHECK(first.workspace == 0); // its layers multiply no matrices on the GPU
+}
+
 TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch rebuilt, each "
           "recomputed backward charged its forward, and chosen when only it fits") {
   // Four layers of 100 bytes of output per sample, two stages of two layers, GPipe over 8
@@ -242,6 +290,7 @@ TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch re
         doctest::Approx(200));
   auto memory = stage_memory(profile, cut, plan, 1, 8, 1, 1, recompute_mode::always, 8);
   CHECK(memory.parameters == 144 * 4);
+  CHECK(memory.working == 0); // not measured
   CHECK(memory.total() == 144 * 12 + 1000);
 
   std::vector<action_costs> costs{{1, 2, 3, 5, 0}, {2, 1, 1, -1, 0}};

@@ -89,6 +89,40 @@ TEST_CASE("a profile counts what each layer's forward keeps for its backward, as
   CHECK(profile[2].freed_input_bytes == 0);
 }
 
+TEST_CASE("a profile measures what a layer needs for a moment beyond what it keeps: its "
+          "forward's temporaries and its backward's input gradient") {
+  memory::warm_memory_scope warm;
+  torch::manual_seed(0);
+  layer_list layers;
+  layers.emplace_back("fc1", linear(64, 128));
+  // A scratch tensor of four activations, freed before the forward ends: its sum's graph keeps
+  // no tensor of it.
+  layers.emplace_back("scratch", [](const torch::Tensor& x) {
+    auto scratch = torch::cat({x, x, x, x});
+    return torch::tanh(x) + scratch.sum() * 0;
+  });
+  layers.emplace_back("fc2", linear(128, 32));
+  profile_options options;
+  options.warmup = 1;
+  options.repeats = 3;
+  auto profile = profile_layers(layers, torch::randn({16, 64}), options);
+  REQUIRE(profile.size() == 3);
+  const int64_t activation = 16 * 128 * 4;
+  CHECK(profile[1].forward_working_bytes >= 4 * activation);
+  // tanh's result (saved) and the sum's: the scratch is not kept.
+  CHECK(profile[1].retained_bytes == 2 * activation);
+  CHECK(profile[0].forward_working_bytes < activation);
+  // Without autograd the scratch is still made, beside the output.
+  CHECK(profile[1].no_grad_forward_bytes >= 5 * activation);
+  // fc2's backward makes its input's gradient (an activation of 128 columns).
+  CHECK(profile[2].backward_working_bytes >= activation);
+  for (const auto& p : profile) {
+    CAPTURE(p.name);
+    CHECK(p.backward_working_bytes >= 0);
+    CHECK(p.workspace_bytes == 0); // the CPU keeps none
+  }
+}
+
 TEST_CASE("a profile of unequal layers gives the same time-balanced cut every time") {
   // Two large layers, then two small ones (an eighth of the work each): the balanced cut is
   // after the first large layer, with a margin far beyond timing noise.
