@@ -12,8 +12,9 @@ in --minutes (calibrated first):
 2. the same command with a fault every --fault-every seconds, drawn (seeded) from: a node killed
    (-9) and started again on its port 2 s later (it is taken back at a step boundary), a node
    stopped (SIGSTOP) for 10 s and continued, the training process killed (-9) and started again
-   with `--resume nodes`. A link cut needs network namespaces, which this machine does not give
-   (tools/netns_hosts.sh says where they are): not drawn here.
+   with `--resume nodes`. Its nodes share loopback, where no one link can be cut: a cut link
+   (network namespaces, tools/netns_hosts.sh; the nodes_across_network_namespaces test cuts
+   one) is not drawn.
 
 Checks, each printed: every step line's loss (replayed steps' too) equals the fault-free run's
 at that step, to the 9 digits printed; no step missing; throughput (fault-free seconds over
