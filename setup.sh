@@ -125,9 +125,12 @@ if [[ $torch_line == pip ]]; then
       # The CPU tests of the 2.x line: the pipeline's numerics and errors against plain libtorch
       # 2.11 and the wheel's own torch as the oracle, the main job's losses against the 1.13
       # line's, and the GPU tests (skipped without a GPU). Not here: the binaries this line does
-      # not build, and replicas on the CPU, which need Gloo (not in the wheel; docs/gpu.md).
+      # not build, replicas on the CPU, which need Gloo (not in the wheel; docs/gpu.md), and the
+      # chaos soak (the same fault paths as the default line's, which runs it; here each process
+      # it starts loads libtorch_cuda first).
       cd build-cuda && exec ctest -j2 --output-on-failure --timeout 600 \
-        -E '_NOT_BUILT|nodes_across|example_from_pytorch|install_builds|replicas of' "$@" ;;
+        -E '_NOT_BUILT|nodes_across|example_from_pytorch|install_builds|replicas of|chaos_soak' \
+        "$@" ;;
     *) echo "setup: --torch pip goes with build or test" >&2; exit 2 ;;
   esac
   exit 0
