@@ -173,7 +173,8 @@ def run_steps(program, steps, work, faults=None, fault_every=30, seed=1):
                 driver_now = rss_kb(driver.proc.pid) or driver_now
                 if memory and memory.get("driver") is None:
                     memory["driver"] = driver_now
-            if faults is None or time.time() < next_fault:
+            # No fault in the last tenth of the steps: it would outlast the run.
+            if faults is None or time.time() < next_fault or driver.last_step() > 0.9 * steps:
                 continue
             if not memory:  # first fault: the baseline of every process alive
                 memory = {"driver": driver_now}
@@ -234,11 +235,13 @@ def main():
     a.add_argument("--faults", default="node-kill,node-stop,driver-kill",
                    help="the faults to draw from (comma-separated)")
     a.add_argument("--json")
+    a.add_argument("--logs", help="keep every process's log in this folder")
     args = a.parse_args()
     program = os.path.abspath(args.program)
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as temporary:
+        work = args.logs or temporary
         for sub in "cfx":
-            os.makedirs(os.path.join(work, sub))
+            os.makedirs(os.path.join(work, sub), exist_ok=True)
         calibration = run_steps(program, 200, os.path.join(work, "c"))
         per_step = calibration["seconds"] / 200
         steps = max(50, int(args.minutes * 60 / per_step))
