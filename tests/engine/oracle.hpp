@@ -204,6 +204,11 @@ inline void check_close(const std::vector<std::pair<std::string, torch::Tensor>>
     REQUIRE(a[i].first == b[i].first);
     REQUIRE(a[i].second.defined() == b[i].second.defined());
     if (a[i].second.defined()) {
+      // How far apart, where they are not close: the largest difference and where.
+      auto difference = (a[i].second - b[i].second).abs().flatten();
+      auto worst = difference.numel() > 0 ? difference.argmax().item<int64_t>() : 0;
+      CAPTURE(difference.numel() > 0 ? difference[worst].item<double>() : 0.0);
+      CAPTURE(difference.numel() > 0 ? b[i].second.flatten()[worst].item<double>() : 0.0);
       CHECK(torch::allclose(a[i].second, b[i].second, rtol, atol));
     }
   }
