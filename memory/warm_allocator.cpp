@@ -221,10 +221,7 @@ void tally_count::add(int64_t bytes) {
   }
 }
 
-allocation_tally::allocation_tally() : live_(std::make_shared<tally_count>()), previous_(tally) {
-  instance();
-  tally = live_;
-}
+allocation_tally::allocation_tally() : allocation_tally(std::make_shared<tally_count>()) {}
 
 allocation_tally::allocation_tally(std::shared_ptr<tally_count> count)
   : live_(std::move(count)), previous_(tally) {

@@ -67,11 +67,8 @@ std::shared_ptr<device_context> make_device_context(c10::Device device) {
   return cuda::make_context(device.has_index() ? device : c10::Device(c10::kCUDA, 0));
 }
 
-memory_tally::memory_tally(c10::Device device) {
-  if (device.is_cuda()) {
-    cuda::watch_allocations(device);
-  }
-}
+memory_tally::memory_tally(c10::Device device)
+  : memory_tally(device, std::make_shared<memory::tally_count>()) {}
 
 memory_tally::memory_tally(c10::Device device, std::shared_ptr<memory::tally_count> count)
   : tally_(std::move(count)) {
