@@ -23,9 +23,10 @@ namespace actorpipe::actors {
 /// The category of actorpipe's errors in CAF.
 constexpr caf::atom_value pipeline_errors = caf::atom("actorpipe");
 
-/// `kind` and the sentence as a CAF error.
+/// `kind` and the sentence as a CAF error. Its code is the kind plus one: CAF takes code 0 for
+/// "no error", which error_kind::other would otherwise be.
 inline caf::error make_pipeline_error(error_kind kind, std::string sentence) {
-  return caf::error(static_cast<uint8_t>(kind), pipeline_errors,
+  return caf::error(static_cast<uint8_t>(static_cast<uint8_t>(kind) + 1), pipeline_errors,
                     caf::make_message(std::move(sentence)));
 }
 
@@ -43,8 +44,8 @@ inline bool is_pipeline_error(const caf::error& e) {
 
 /// The kind a pipeline error carries (error_kind::other for a code this build does not know).
 inline error_kind kind_of_pipeline_error(const caf::error& e) {
-  return e.code() <= static_cast<uint8_t>(error_kind::out_of_memory)
-           ? static_cast<error_kind>(e.code())
+  return e.code() >= 1 && e.code() <= static_cast<uint8_t>(error_kind::out_of_memory) + 1
+           ? static_cast<error_kind>(e.code() - 1)
            : error_kind::other;
 }
 
@@ -56,7 +57,7 @@ inline void add_pipeline_errors(caf::actor_system_config& cfg) {
                            if (context.size() == 1 && context.match_element<std::string>(0)) {
                              return context.get_as<std::string>(0);
                            }
-                           return detail::concat("actorpipe error ", static_cast<int>(code));
+                           return detail::concat("actorpipe error ", static_cast<int>(code) - 1);
                          });
 }
 

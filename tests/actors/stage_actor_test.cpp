@@ -188,3 +188,18 @@ TEST_CASE("a stage actor refuses through CAF's error channel: the kind and the s
   CHECK_MESSAGE(f.system.render(refusal).find("stage 1: the checkpoint has no tensor 'fc2.") == 0,
                 f.system.render(refusal));
 }
+
+TEST_CASE(
+  "a refusal of every kind is an error, error_kind::other too (CAF takes code 0 for none)") {
+  caf::actor_system_config config;
+  caf::actor_system system{with_pipeline_errors(config)};
+  for (auto kind :
+       {error_kind::other, error_kind::timeout, error_kind::io, error_kind::out_of_memory}) {
+    CAPTURE(to_string(kind));
+    auto e = make_pipeline_error(kind, "what failed, and where");
+    CHECK(static_cast<bool>(e));
+    CHECK(is_pipeline_error(e));
+    CHECK(kind_of_pipeline_error(e) == kind);
+    CHECK(system.render(e) == "what failed, and where");
+  }
+}
