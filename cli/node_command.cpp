@@ -38,6 +38,18 @@ CLI::App* add_node_command(CLI::App& app, node_args& a) {
                  "a driver that starts again with `train --resume nodes` (0: keep none)")
     ->capture_default_str()
     ->check(CLI::NonNegativeNumber);
+  auto* join =
+    cmd->add_option("--join", a.join,
+                    "HOST:PORT of a running `actorpipe train --accept-joins`: announce this node "
+                    "there (proving the secret); the run takes it at its next step, as a spare or "
+                    "to cut the model back onto after a loss. --listen must be the address the "
+                    "driver reaches this node by");
+  cmd
+    ->add_option("--join-timeout", a.join_timeout,
+                 "Seconds to keep trying to reach the --join driver")
+    ->capture_default_str()
+    ->check(CLI::PositiveNumber)
+    ->needs(join);
   add_tls_flags(cmd, a.tls);
   return cmd;
 }
@@ -74,6 +86,8 @@ int run_node(const node_args& a) {
   options.tls = a.tls;
   options.max_model_bytes = a.max_model_bytes;
   options.keep_snapshots = std::chrono::seconds(a.keep_snapshots);
+  options.join = a.join;
+  options.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.join_timeout * 1000));
   // Block the signals first so that every thread the node starts inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
@@ -82,12 +96,34 @@ int run_node(const node_args& a) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // Megabytes of state and models pass through the heap of a process that runs for ever.
   memory::map_large_allocations();
+  if (!options.join.empty()) {
+    nodes::parse_host_port(options.join, "--join");
+  }
   node n(options);
   std::cout << "actorpipe node: listening on " << n.address() << " (data port " << n.data_port()
             << (options.secret.empty() ? ", no secret" : ", secret required")
             << (options.tls.enabled() ? ", TLS" : "") << ")" << std::endl;
   int received = 0;
-  sigwait(&signals, &received);
+  if (options.join.empty()) {
+    sigwait(&signals, &received);
+  } else {
+    // Until a signal, watching the announcement: a node the driver refused (or never heard)
+    // ends with an error rather than wait unused.
+    std::cout << "actorpipe node: joining the driver at " << options.join << std::endl;
+    bool reported = false;
+    timespec tick{0, 200'000'000};
+    while ((received = sigtimedwait(&signals, nullptr, &tick)) < 0) {
+      auto state = n.joining();
+      if (state == node::join_state::failed) {
+        std::cerr << "actorpipe node: " << n.join_error() << std::endl;
+        return 1;
+      }
+      if (state == node::join_state::joined && !reported) {
+        std::cout << "actorpipe node: joined the driver at " << options.join << std::endl;
+        reported = true;
+      }
+    }
+  }
   std::cout << "actorpipe node: " << (received == SIGINT ? "SIGINT" : "SIGTERM") << ", stopping"
             << std::endl;
   return 0;

@@ -20,6 +20,9 @@ struct node_args {
   tls_options tls;
   std::size_t max_model_bytes = std::size_t{256} << 20;
   int64_t keep_snapshots = 600;
+  /// HOST:PORT of a driver's `train --accept-joins`; empty: none.
+  std::string join;
+  double join_timeout = 60;
 };
 
 CLI::App* add_node_command(CLI::App& app, node_args& args);

@@ -130,12 +130,18 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   ACTORPIPE_CHECK(a.heartbeat_timeout_ms >= 0, "--heartbeat-timeout must be >= 0 (0: none)");
   po.placement.heartbeat_timeout = std::chrono::milliseconds(a.heartbeat_timeout_ms);
   po.placement.spares = a.spare_nodes;
+  po.placement.accept_joins = a.accept_joins;
   if (a.replicas > 1) {
     auto replicas = po.data_parallel.replicas;
     return {nullptr,
             std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas)};
   }
-  return {std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po)), nullptr};
+  auto one = std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
+  if (!a.accept_joins.empty()) {
+    std::cerr << "actorpipe: nodes may join at " << one->join_address()
+              << " (actorpipe node --join " << one->join_address() << ")\n";
+  }
+  return {std::move(one), nullptr};
 }
 
 optimizer_spec sgd_spec(double lr, double momentum) {
@@ -463,6 +469,7 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
   j["rejoins"] = nlohmann::json::array();
   for (const auto& r : report.rejoins) {
     j["rejoins"].push_back({{"rejoined", r.rejoined},
+                            {"joined", r.joined},
                             {"spares", r.spares_used},
                             {"nodes", r.nodes},
                             {"bounds", r.bounds},

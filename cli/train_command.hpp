@@ -108,6 +108,8 @@ struct train_args {
   double slow_factor = 2.0;
   std::string on_slow_node = "name";
   std::vector<std::string> spare_nodes;
+  /// HOST:PORT where new nodes join (`actorpipe node --join`); empty: none.
+  std::string accept_joins;
   int64_t snapshot_every = 100;
   std::size_t max_recoveries = 3;
   /// Whether a flag was given on the command line (set by add_train_command; unset: none was).

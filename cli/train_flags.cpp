@@ -104,6 +104,10 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
                  "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
                  "comma-separated), taken in order for lost nodes")
     ->delimiter(',');
+  opt("--accept-joins", a.accept_joins,
+      "--on-node-loss continue: listen on HOST:PORT for new nodes (`actorpipe node --join "
+      "HOST:PORT`, the same secret): one that joins is taken at the next step, cutting the model "
+      "back onto it after a loss, else standing by as a spare");
   opt("--snapshot-every", a.snapshot_every,
       "--on-node-loss continue: copy every stage's parameters, buffers and optimizer state into "
       "this process's memory every N steps (and at the start); a recovery replays from the "
@@ -233,11 +237,12 @@ void check_node_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
   if (a.nodes.empty()) {
     for (const char* flag : {"--on-node-loss", "--spare-nodes", "--snapshot-every",
-                             "--max-recoveries", "--heartbeat-timeout"}) {
+                             "--max-recoveries", "--heartbeat-timeout", "--accept-joins"}) {
       refuse(flag, "applies to stages on nodes (--nodes)");
     }
   } else if (a.on_node_loss != "continue") {
-    for (const char* flag : {"--spare-nodes", "--snapshot-every", "--max-recoveries"}) {
+    for (const char* flag :
+         {"--spare-nodes", "--snapshot-every", "--max-recoveries", "--accept-joins"}) {
       refuse(flag, "applies to --on-node-loss continue");
     }
   }
@@ -246,6 +251,8 @@ void check_node_flags_apply(const train_args& a) {
                               "step at a time");
   }
   if (a.replicas > 1) {
+    refuse("--accept-joins", "takes nodes into one pipeline; replicas (--replicas) keep the nodes "
+                             "a recovery left them");
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }

@@ -286,8 +286,17 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   self.sys = &sys;
   self.given_nodes = self.options.placement.nodes;
   self.given_cut = self.cut;
+  const auto& at = self.options.placement.accept_joins;
+  ACTORPIPE_CHECK(at.empty() || self.options.data_parallel.replicas <= 1,
+                  "pipeline: accept_joins (", at,
+                  ") takes nodes into one pipeline; replicas keep the nodes recover() left them");
   self.meet_replicas();
   self.place_on_nodes();
+  if (!at.empty()) {
+    self.joins = std::make_unique<nodes::join_listener>(sys.internals().system, at,
+                                                        self.options.placement.secret,
+                                                        self.options.placement.tls.enabled());
+  }
 }
 
 void pipeline::impl::meet_replicas() {
@@ -516,6 +525,15 @@ const partition& pipeline::cut() const {
 const std::vector<std::string>& pipeline::nodes() const {
   static const std::vector<std::string> none;
   return impl_->remote ? impl_->options.placement.nodes : none;
+}
+
+const std::vector<std::string>& pipeline::spares() const {
+  static const std::vector<std::string> none;
+  return impl_->remote ? impl_->options.placement.spares : none;
+}
+
+std::string pipeline::join_address() const {
+  return impl_->joins ? impl_->joins->address() : std::string{};
 }
 
 std::vector<int64_t> pipeline::stage_parameter_counts() const {

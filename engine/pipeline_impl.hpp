@@ -29,6 +29,7 @@
 #include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
 #include "logging/log.hpp"
+#include "nodes/join.hpp"
 #include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
@@ -112,6 +113,10 @@ struct pipeline::impl {
   partition given_cut;
   std::vector<std::string> lost_nodes;
   std::future<std::vector<bool>> lost_answering;
+  std::chrono::steady_clock::time_point lost_asked_at{};
+  // placement.accept_joins: nodes that announce themselves; taken as lost ones that came back.
+  std::unique_ptr<nodes::join_listener> joins;
+  std::vector<std::string> joined_nodes;
 
   impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
@@ -234,6 +239,8 @@ struct pipeline::impl {
   std::vector<caf::actor> stage_nodes() const;
   // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are
   // placed again on `nodes` cut by `new_cut`, restored from it (`what` names the caller).
+  // The nodes that joined since (joins), added to lost_nodes: rejoin_nodes() takes them.
+  void take_joined();
   void place_again_from_now(std::vector<std::string> nodes, partition new_cut, const char* what);
 
   // Checks and queues a training step on micro-batches.

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <future>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -276,6 +277,58 @@ uint64_t pipeline::snapshot_in_background(const std::string& note) {
   return self.pending_number;
 }
 
+namespace {
+
+// The newest snapshot kept whole by `kept` (what each of `addresses` keeps): one part for each of
+// its stage actors (its cut's stages over `chunks`), each on a node of its own.
+std::optional<kept_snapshot> newest_whole(const std::vector<std::vector<nodes::kept_stage>>& kept,
+                                          const std::vector<std::string>& addresses,
+                                          std::size_t chunks) {
+  // By (number, tag): which node keeps which stage actor's part.
+  std::map<std::pair<uint64_t, std::string>, std::map<uint32_t, std::size_t>> parts;
+  for (std::size_t n = 0; n < kept.size(); ++n) {
+    for (const auto& e : kept[n]) {
+      parts[{e.number, e.note}].emplace(e.stage, n);
+    }
+  }
+  for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
+    auto tag = nlohmann::json::parse(it->first.second, nullptr, false);
+    if (!tag.is_object() || !tag.contains("bounds") || !tag["bounds"].is_array()) {
+      continue;
+    }
+    kept_snapshot whole{it->first.first,
+                        tag.value("note", std::string{}),
+                        {},
+                        tag["bounds"].get<std::vector<std::size_t>>()};
+    auto actors = whole.bounds.size() < 2 ? 0 : (whole.bounds.size() - 1) / chunks;
+    for (uint32_t k = 0; k < actors && it->second.count(k) != 0; ++k) {
+      whole.nodes.push_back(addresses[it->second.at(k)]);
+    }
+    if (actors > 0 && whole.nodes.size() == actors) {
+      return whole;
+    }
+  }
+  return std::nullopt;
+}
+
+std::string describe_kept(const std::vector<std::vector<nodes::kept_stage>>& kept,
+                          const std::vector<std::string>& addresses) {
+  std::string held;
+  for (std::size_t n = 0; n < kept.size(); ++n) {
+    std::string parts;
+    for (const auto& e : kept[n]) {
+      auto tag = nlohmann::json::parse(e.note, nullptr, false);
+      parts += detail::concat(
+        parts.empty() ? "" : ", ", "stage ", e.stage, "'s snapshot ", e.number, " of cut ",
+        tag.is_object() && tag.contains("bounds") ? tag["bounds"].dump() : std::string("?"));
+    }
+    held += detail::concat(n == 0 ? "" : "; ", addresses[n], ": ", parts.empty() ? "none" : parts);
+  }
+  return held;
+}
+
+} // namespace
+
 kept_snapshot pipeline::kept_on_nodes() {
   auto& self = *impl_;
   ACTORPIPE_CHECK(self.remote, "kept_on_nodes: the stages of this pipeline are in this process; "
@@ -283,40 +336,43 @@ kept_snapshot pipeline::kept_on_nodes() {
   const auto& addresses = self.options.placement.nodes;
   auto kept = nodes::kept_by(self.sys->internals().system, self.stage_nodes(),
                              self.options.placement.connect_timeout);
-  // One snapshot, of this cut, on every stage's node.
-  auto bounds = nlohmann::json(self.cut.bounds).dump();
-  std::string held;
-  bool whole = !kept.empty();
-  for (std::size_t i = 0; i < kept.size(); ++i) {
-    auto tag = nlohmann::json::parse(kept[i].note, nullptr, false);
-    auto cut = tag.is_object() && tag.contains("bounds") ? tag["bounds"].dump() : std::string{};
-    whole = whole && kept[i].number != 0 && cut == bounds &&
-            kept[i].number == kept.front().number && kept[i].note == kept.front().note;
-    held += detail::concat(i == 0 ? "" : "; ", "stage ", i, " on ", addresses[i], ": ",
-                           kept[i].number == 0
-                             ? std::string("none")
-                             : detail::concat("snapshot ", kept[i].number, " of cut ", cut));
-  }
+  auto whole = newest_whole(kept, addresses, self.options.chunks);
   if (!whole) {
-    throw pipeline_error(detail::concat("the nodes do not keep one snapshot of every stage of cut ",
-                                        bounds, " (", held, ")"),
+    throw pipeline_error(detail::concat("the nodes do not keep one snapshot of every stage whole (",
+                                        describe_kept(kept, addresses), ")"),
                          error_details{error_kind::io});
   }
-  auto tag = nlohmann::json::parse(kept.front().note);
-  return {kept.front().number, tag.value("note", std::string{})};
+  return *whole;
 }
 
-void pipeline::restore_from_nodes(uint64_t number) {
+void pipeline::restore_from_nodes(const kept_snapshot& kept) {
   auto& self = *impl_;
   ACTORPIPE_CHECK(self.remote, "restore_from_nodes: the stages of this pipeline are in this "
                                "process; nodes keep snapshots of the stages they host");
   self.settle_snapshot();
-  nodes::restore_kept(self.sys->internals().system, self.stage_nodes(),
-                      self.options.placement.nodes, number, self.options.step_timeout);
+  auto& placement = self.options.placement;
+  if (!kept.nodes.empty() && (kept.nodes != placement.nodes || kept.bounds != self.cut.bounds)) {
+    // Placed as when the snapshot was taken: each part loads on the node that keeps it.
+    self.stop_actors();
+    self.cut = partition{kept.bounds};
+    placement.nodes = kept.nodes;
+    self.place_on_nodes();
+    for (const auto& n : self.given_nodes) {
+      if (std::find(kept.nodes.begin(), kept.nodes.end(), n) == kept.nodes.end() &&
+          std::find(self.lost_nodes.begin(), self.lost_nodes.end(), n) == self.lost_nodes.end()) {
+        self.lost_nodes.push_back(n); // asked again between steps (rejoin_nodes)
+      }
+    }
+    log::get()->info("pipeline: placed as when snapshot {} was taken: {} stages on {}, cut {}",
+                     kept.number, placement.nodes.size(), fmt::join(placement.nodes, ", "),
+                     self.cut.to_string());
+  }
+  nodes::restore_kept(self.sys->internals().system, self.stage_nodes(), placement.nodes,
+                      kept.number, self.options.step_timeout);
   // What a later recover() restores: the state now (the nodes keep theirs still).
   self.snapshot = self.fetch_now("restore_from_nodes");
-  self.snapshot_number = number;
-  self.snapshots_taken = std::max(self.snapshots_taken, number);
+  self.snapshot_number = kept.number;
+  self.snapshots_taken = std::max(self.snapshots_taken, kept.number);
 }
 
 uint64_t pipeline::newest_snapshot() {
@@ -385,15 +441,22 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
 std::optional<recovery_report>
 pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   auto& self = *impl_;
+  self.take_joined();
   if (!self.remote || self.replicas || self.lost_nodes.empty()) {
     return std::nullopt;
   }
   auto& actor_system = self.sys->internals().system;
   if (!self.lost_answering.valid()) {
-    // Asked beside the steps: a host that is gone costs the question its connect timeout.
+    // Asked beside the steps, at most once a second (each question reaches out anew): a host
+    // that is gone costs the question its connect timeout.
+    auto now = std::chrono::steady_clock::now();
+    if (now - self.lost_asked_at < std::chrono::seconds(1)) {
+      return std::nullopt;
+    }
+    self.lost_asked_at = now;
     self.lost_answering = std::async(std::launch::async, [&actor_system, lost = self.lost_nodes,
                                                           placement = self.options.placement] {
-      return nodes::answering(actor_system, lost, {}, placement);
+      return nodes::answering(actor_system, lost, {}, placement, /*quiet=*/true);
     });
     return std::nullopt;
   }
@@ -404,22 +467,31 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   auto started = std::chrono::steady_clock::now();
   auto& placement = self.options.placement;
   recovery_report report;
-  std::vector<std::string> still_lost;
+  std::vector<std::string> still_lost, back;
   for (std::size_t i = 0; i < self.lost_nodes.size(); ++i) {
     const auto& n = self.lost_nodes[i];
     if (std::find(placement.nodes.begin(), placement.nodes.end(), n) != placement.nodes.end()) {
       continue; // a spare of the run took stages since
     }
-    (i < alive.size() && alive[i] ? report.rejoined : still_lost).push_back(n);
+    if (i >= alive.size() || !alive[i]) {
+      still_lost.push_back(n);
+      continue;
+    }
+    back.push_back(n);
+    auto j = std::find(self.joined_nodes.begin(), self.joined_nodes.end(), n);
+    (j == self.joined_nodes.end() ? report.rejoined : report.joined).push_back(n);
+    if (j != self.joined_nodes.end()) {
+      self.joined_nodes.erase(j);
+    }
   }
   self.lost_nodes = still_lost;
-  if (report.rejoined.empty()) {
+  if (back.empty()) {
     return std::nullopt;
   }
   const auto given = self.given_nodes.size();
   if (placement.nodes.size() >= given) {
     // A spare holds its stages: it stands by for the next loss.
-    for (const auto& n : report.rejoined) {
+    for (const auto& n : back) {
       if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
           placement.spares.end()) {
         placement.spares.push_back(n);
@@ -429,7 +501,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   } else {
     // Cut anew onto fewer nodes: the stages go over the nodes as built again, from the state now.
     auto nodes = placement.nodes;
-    for (const auto& n : report.rejoined) {
+    for (const auto& n : back) {
       if (nodes.size() < given) {
         nodes.push_back(n);
       } else if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
@@ -451,10 +523,26 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   report.seconds =
     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   log::get()->info("pipeline: {} back in {:.2f} s: now {} stages on {}, cut {}, spares {}",
-                   fmt::join(report.rejoined, ", "), report.seconds, placement.nodes.size(),
+                   fmt::join(back, ", "), report.seconds, placement.nodes.size(),
                    fmt::join(placement.nodes, ", "), self.cut.to_string(),
                    list_or_none(placement.spares));
   return report;
+}
+
+void pipeline::impl::take_joined() {
+  if (!joins) {
+    return;
+  }
+  const auto& placement = options.placement;
+  auto known = [&](const std::vector<std::string>& xs, const std::string& n) {
+    return std::find(xs.begin(), xs.end(), n) != xs.end();
+  };
+  for (auto& n : joins->take()) {
+    if (!known(placement.nodes, n) && !known(placement.spares, n) && !known(lost_nodes, n)) {
+      lost_nodes.push_back(n); // asked whether it answers, then taken as a lost one back
+      joined_nodes.push_back(n);
+    }
+  }
 }
 
 void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, partition new_cut,

@@ -89,11 +89,15 @@ void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
   }
 }
 
-std::vector<kept_snapshot> kept_by(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
-                                   std::chrono::milliseconds timeout) {
-  std::vector<kept_snapshot> result(nodes.size());
+std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
+                                             const std::vector<caf::actor>& nodes,
+                                             std::chrono::milliseconds timeout) {
+  std::vector<std::vector<kept_stage>> result(nodes.size());
   caf::scoped_actor self{sys};
   for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (!nodes[i]) {
+      continue;
+    }
     self->request(nodes[i], timeout, kept_atom::value)
       .receive(
         [&](const std::string& text) {
@@ -102,8 +106,10 @@ std::vector<kept_snapshot> kept_by(caf::actor_system& sys, const std::vector<caf
             return;
           }
           for (const auto& e : all) {
-            if (e.is_object() && e.value("stage", -1) == static_cast<int64_t>(i)) {
-              result[i] = {e.value("number", uint64_t{0}), e.value("note", std::string{})};
+            if (e.is_object() && e.value("stage", int64_t{-1}) >= 0 &&
+                e.value("number", uint64_t{0}) > 0) {
+              result[i].push_back({e.value("stage", uint32_t{0}), e.value("number", uint64_t{0}),
+                                   e.value("note", std::string{})});
             }
           }
         },

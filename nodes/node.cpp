@@ -13,8 +13,6 @@
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
 #include <nlohmann/json.hpp>
-#include <openssl/crypto.h>
-#include <openssl/rand.h>
 
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/losses.hpp>
@@ -287,9 +285,7 @@ void install_handlers(node_actor* self) {
 }
 
 std::string make_challenge(node_actor* self) {
-  std::string challenge(32, '\0');
-  RAND_bytes(reinterpret_cast<unsigned char*>(challenge.data()), 32);
-  challenge = to_hex(challenge);
+  auto challenge = new_challenge();
   if (auto sender = self->current_sender()) {
     self->state.challenges[sender->node()] = challenge;
   }
@@ -303,10 +299,7 @@ std::string authenticate(node_actor* self, const std::string& answer) {
     return "anonymous senders cannot authenticate";
   }
   auto it = st.challenges.find(sender->node());
-  auto expected = it == st.challenges.end() ? std::string{}
-                                            : to_hex(comm::handshake_answer(st.secret, it->second));
-  if (it == st.challenges.end() || answer.size() != expected.size() ||
-      CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) != 0) {
+  if (it == st.challenges.end() || !answers_challenge(st.secret, it->second, answer)) {
     ++st.route->rejected;
     log::get()->error("node {}: refused a scheduler from {}: wrong secret", st.label,
                       caf::to_string(sender->node()));

@@ -2,9 +2,11 @@
 // to the stages it hosts, and its host actor, published for the driver (nodes/node.cpp).
 #include <actorpipe/node.hpp>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
@@ -14,6 +16,7 @@
 #include "actors/messages.hpp"
 #include "actors/pipeline_errc.hpp"
 #include "logging/log.hpp"
+#include "nodes/join.hpp"
 #include "nodes/node_host.hpp"
 #include "nodes/protocol.hpp"
 
@@ -27,6 +30,12 @@ struct node::impl {
   caf::actor host;
   std::string host_name;
   uint16_t port = 0;
+  // node_options::join: announcing this node to a driver, beside its work.
+  std::thread joiner;
+  std::atomic<bool> stop_joining{false};
+  std::atomic<node::join_state> joining{node::join_state::none};
+  mutable std::mutex join_mutex;
+  std::string join_error;
 };
 
 namespace {
@@ -139,10 +148,44 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
                    options.tls.enabled()    ? "TLS"
                    : options.secret.empty() ? "loopback, no secret"
                                             : "shared secret");
+  if (!options.join.empty()) {
+    start_joining(options);
+  }
+}
+
+void node::start_joining(const node_options& options) {
+  auto& self = *impl_;
+  self.joining = join_state::trying;
+  self.joiner = std::thread([&self, options, address = address()] {
+    try {
+      nodes::announce_join(*self.system, options.join, address, options.secret,
+                           options.tls.enabled(), options.join_timeout, self.stop_joining);
+      log::get()->info("node {}: joined the driver at {}", address, options.join);
+      self.joining = join_state::joined;
+    } catch (const std::exception& e) {
+      log::get()->error("node {}: {}", address, e.what());
+      std::lock_guard<std::mutex> lock(self.join_mutex);
+      self.join_error = e.what();
+      self.joining = join_state::failed;
+    }
+  });
+}
+
+node::join_state node::joining() const {
+  return impl_->joining.load();
+}
+
+std::string node::join_error() const {
+  std::lock_guard<std::mutex> lock(impl_->join_mutex);
+  return impl_->join_error;
 }
 
 node::~node() {
   auto& self = *impl_;
+  self.stop_joining = true;
+  if (self.joiner.joinable()) {
+    self.joiner.join();
+  }
   self.system->middleman().unpublish(self.host, self.port);
   caf::anon_send_exit(self.host, caf::exit_reason::user_shutdown);
   // The actor system waits for every actor to be destroyed: drop our handles first.

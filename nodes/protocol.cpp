@@ -1,11 +1,15 @@
 #include "nodes/protocol.hpp"
 
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 
 #include <caf/actor_system_config.hpp>
 #include <nlohmann/json.hpp>
 
 #include <actorpipe/schedule.hpp>
+
+#include "comm/tensor_hub.hpp"
 
 namespace actorpipe::nodes {
 
@@ -162,6 +166,19 @@ std::string to_hex(const std::string& bytes) {
     out += digits[c & 15];
   }
   return out;
+}
+
+std::string new_challenge() {
+  std::string challenge(32, '\0');
+  RAND_bytes(reinterpret_cast<unsigned char*>(challenge.data()), 32);
+  return to_hex(challenge);
+}
+
+bool answers_challenge(const std::string& secret, const std::string& challenge,
+                       const std::string& answer) {
+  auto expected = to_hex(comm::handshake_answer(secret, challenge));
+  return answer.size() == expected.size() &&
+         CRYPTO_memcmp(answer.data(), expected.data(), expected.size()) == 0;
 }
 
 std::string model_digest(const std::string& bytes) {

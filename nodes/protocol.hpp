@@ -78,6 +78,8 @@ using rrestore_atom = caf::atom_constant<caf::atom("rrestore")>;
 using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
 using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
 using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
+/// A node announcing itself to a driver's join listener (nodes/join.hpp).
+using join_atom = caf::atom_constant<caf::atom("join")>;
 /// Local only (hub reader threads -> actors): frames that are not activations or gradients.
 using target_atom = caf::atom_constant<caf::atom("target")>;
 using output_atom = caf::atom_constant<caf::atom("output")>;
@@ -134,6 +136,12 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const std::string& what);
 
 std::string to_hex(const std::string& bytes);
+
+/// A fresh random challenge (32 bytes, hex), for a peer to answer with the shared secret.
+std::string new_challenge();
+/// Whether `answer` is the answer to `challenge` with `secret` (compared in constant time).
+bool answers_challenge(const std::string& secret, const std::string& challenge,
+                       const std::string& answer);
 
 /// SHA-256 of `bytes`, hex: how a TorchScript model is named between scheduler and node.
 std::string model_digest(const std::string& bytes);

@@ -450,31 +450,6 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
   };
 }
 
-// remote_actor blocks (a SYN to a silent host waits minutes, a plain peer of a TLS node waits
-// for ever): run it with a deadline.
-caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port, bool tls,
-                 std::chrono::milliseconds timeout) {
-  auto result = std::make_shared<std::promise<caf::expected<caf::actor>>>();
-  auto future = result->get_future();
-  std::thread([&sys, host, port, tls, result] {
-    result->set_value(tls ? caf::openssl::remote_actor(sys, host, port)
-                          : sys.middleman().remote_actor(host, port));
-  }).detach();
-  if (future.wait_for(timeout) != std::future_status::ready) {
-    throw pipeline_error(detail::concat("node ", host, ":", port, " did not answer within ",
-                                        timeout.count(), " ms (is `actorpipe node --listen ", host,
-                                        ":", port, "` running", tls ? " with TLS" : "", "?)"));
-  }
-  auto handle = future.get();
-  if (!handle) {
-    throw pipeline_error(detail::concat(
-      "cannot reach node ", host, ":", port, ": ", sys.render(handle.error()),
-      tls ? " (is it running with TLS, and did our CA sign its certificate and its CA ours?)"
-          : detail::concat(" (is `actorpipe node --listen ", host, ":", port, "` running?)")));
-  }
-  return *handle;
-}
-
 // One request answered by one string, or an error naming the node.
 template <class... Ts>
 std::string ask(caf::scoped_actor& self, const caf::actor& node, const std::string& label,
@@ -601,6 +576,29 @@ endpoint build_stage(caf::scoped_actor& self, const caf::actor& node, const std:
 
 } // namespace
 
+caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port, bool tls,
+                 std::chrono::milliseconds timeout) {
+  auto result = std::make_shared<std::promise<caf::expected<caf::actor>>>();
+  auto future = result->get_future();
+  std::thread([&sys, host, port, tls, result] {
+    result->set_value(tls ? caf::openssl::remote_actor(sys, host, port)
+                          : sys.middleman().remote_actor(host, port));
+  }).detach();
+  if (future.wait_for(timeout) != std::future_status::ready) {
+    throw pipeline_error(detail::concat("node ", host, ":", port, " did not answer within ",
+                                        timeout.count(), " ms (is `actorpipe node --listen ", host,
+                                        ":", port, "` running", tls ? " with TLS" : "", "?)"));
+  }
+  auto handle = future.get();
+  if (!handle) {
+    throw pipeline_error(detail::concat(
+      "cannot reach node ", host, ":", port, ": ", sys.render(handle.error()),
+      tls ? " (is it running with TLS, and did our CA sign its certificate and its CA ours?)"
+          : detail::concat(" (is `actorpipe node --listen ", host, ":", port, "` running?)")));
+  }
+  return *handle;
+}
+
 remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              const partition& cut, const pipeline_options& options,
                              std::size_t threads, const stage_listener_actor& scheduler,
@@ -700,7 +698,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
 
 std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
                             const std::map<std::string, caf::actor>& known,
-                            const node_placement& placement) {
+                            const node_placement& placement, bool quiet) {
   auto timeout = placement.connect_timeout;
   // A node still connected is asked for a heartbeat, which it answers within heartbeat_timeout
   // unless frozen; a node to reach again gets connect_timeout for the hello.
@@ -709,8 +707,8 @@ std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::strin
   for (const auto& address : addresses) {
     auto it = known.find(address);
     auto handle = it == known.end() ? caf::actor{} : it->second;
-    replies.push_back(
-      std::async(std::launch::async, [&sys, address, handle, &placement, timeout, heartbeat] {
+    replies.push_back(std::async(
+      std::launch::async, [&sys, address, handle, &placement, timeout, heartbeat, quiet] {
         try {
           auto [host, port] = parse_host_port(address, "node");
           auto node = handle ? handle : reach(sys, host, port, placement.tls.enabled(), timeout);
@@ -738,7 +736,8 @@ std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::strin
           }
           return true;
         } catch (const std::exception& e) {
-          log::get()->warn("pipeline: node {} does not answer: {}", address, e.what());
+          log::get()->log(quiet ? spdlog::level::debug : spdlog::level::warn,
+                          "pipeline: node {} does not answer: {}", address, e.what());
           return false;
         }
       }));

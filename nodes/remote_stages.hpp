@@ -54,23 +54,40 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                              std::size_t threads, const actors::stage_listener_actor& scheduler,
                              const std::string& group_prefix = {});
 
+/// The actor published at host:port (a node's, or a driver's join listener), reached within
+/// `timeout`: remote_actor blocks (a SYN to a silent host waits minutes, a plain peer of a TLS
+/// node for ever), so it runs on a thread of its own. Throws pipeline_error naming host:port.
+caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port, bool tls,
+                 std::chrono::milliseconds timeout);
+
 /// For each of `addresses`, whether its node answers: a node in `known` is asked over its
 /// connection for a heartbeat within placement.heartbeat_timeout (a hello within
 /// connect_timeout when heartbeats are off), any other is reached and greeted within
 /// connect_timeout. All are asked at once, so the whole costs one deadline at most.
+/// `quiet`: a node that does not answer is logged at debug level, not as a warning (asked again
+/// and again, as pipeline::rejoin_nodes() asks the lost ones).
 std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::string>& addresses,
                             const std::map<std::string, caf::actor>& known,
-                            const node_placement& placement);
+                            const node_placement& placement, bool quiet = false);
 
 /// Kept snapshots (nodes/kept_snapshots.cpp), `nodes[i]` the node of stage i:
 /// snapshot `number` came whole to the driver: each node keeps its stage's copy, with `note`
 /// (sent, not waited for).
 void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes, uint64_t number,
                    const std::string& note);
-/// What each node keeps of its stage: {number, note}, number 0 when nothing (or the node did not
-/// answer within `timeout`).
-std::vector<kept_snapshot> kept_by(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
-                                   std::chrono::milliseconds timeout);
+/// One snapshot of one stage actor that a node keeps.
+struct kept_stage {
+  uint32_t stage = 0;
+  uint64_t number = 0;
+  std::string note;
+};
+/// What each node keeps, of whichever stages it held: a node keeps the newest snapshot of every
+/// stage index it hosted, so after a recovery or a rejoin placed stages anew it can keep another
+/// stage's than it hosts now. Empty for a node that keeps nothing or did not answer within
+/// `timeout` (all are asked at once).
+std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
+                                             const std::vector<caf::actor>& nodes,
+                                             std::chrono::milliseconds timeout);
 /// Every stage loads kept snapshot `number` on its node, each within `timeout`; throws
 /// pipeline_error (io) naming the stage and its node (`addresses[i]`) otherwise.
 void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,

@@ -23,6 +23,16 @@
 namespace actorpipe {
 namespace {
 
+// "a, b, c" or "none": what a recovery lists.
+template <class T>
+std::string join(const std::vector<T>& xs) {
+  std::string text;
+  for (const auto& x : xs) {
+    text += (text.empty() ? "" : ", ") + detail::concat(x);
+  }
+  return text.empty() ? std::string("none") : text;
+}
+
 // Appends one row per epoch: CSV (with a header when the file is new) or JSON lines.
 class metrics_writer {
 public:
@@ -183,9 +193,11 @@ start_point resume_from_nodes(pipeline& pipe, const batch_source& data, const tr
                   "--resume nodes: the nodes keep snapshot ", kept.number, " of another run (",
                   kept.note, "); this run has model '", o.model, "', batch ", o.batch, ", seed ",
                   o.seed, ", data ", data.name());
-  pipe.restore_from_nodes(kept.number);
+  pipe.restore_from_nodes(kept);
   std::cerr << "resumed from the nodes' snapshot " << kept.number << " at step " << at.step
-            << " (epoch " << at.epoch + 1 << ", batch " << at.batch << ")\n";
+            << " (epoch " << at.epoch + 1 << ", batch " << at.batch << "), " << kept.nodes.size()
+            << " stages on " << join(kept.nodes) << ", cut " << partition{kept.bounds}.to_string()
+            << "\n";
   return at;
 }
 start_point resume_from_nodes(replicated_pipeline&, const batch_source&, const train_options&) {
@@ -216,16 +228,6 @@ start_point resume(Pipe& pipe, const batch_source& data, const train_options& o,
     warn_of_other_settings(dir, m.settings, o.settings);
   }
   return {m.step, m.epoch, m.batch_in_epoch};
-}
-
-// "a, b, c" or "none": what a recovery lists.
-template <class T>
-std::string join(const std::vector<T>& xs) {
-  std::string text;
-  for (const auto& x : xs) {
-    text += (text.empty() ? "" : ", ") + detail::concat(x);
-  }
-  return text.empty() ? std::string("none") : text;
 }
 
 // Where the data is when a recovery goes on: `done` steps were complete when the next failed, at
@@ -611,10 +613,12 @@ private:
     }
     snapshots_[r->snapshot] = position_;
     if (lead_) {
-      std::cerr << "actorpipe: after step " << step_ << ", " << join(r->rejoined)
-                << " answered again: now " << r->nodes.size() << " stages on " << join(r->nodes)
-                << ", cut " << partition{r->bounds}.to_string() << " (" << std::setprecision(3)
-                << r->seconds << " s)"
+      auto who = (r->rejoined.empty() ? std::string{} : join(r->rejoined) + " answered again") +
+                 (r->rejoined.empty() || r->joined.empty() ? "" : ", ") +
+                 (r->joined.empty() ? std::string{} : join(r->joined) + " joined");
+      std::cerr << "actorpipe: after step " << step_ << ", " << who << ": now " << r->nodes.size()
+                << " stages on " << join(r->nodes) << ", cut " << partition{r->bounds}.to_string()
+                << " (" << std::setprecision(3) << r->seconds << " s)"
                 << (r->spares_used.empty() ? std::string{}
                                            : "; standing by as spares: " + join(r->spares_used))
                 << "\n"

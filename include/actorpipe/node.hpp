@@ -35,6 +35,13 @@ struct node_options {
   /// Certificates: both listeners then speak only TLS and accept only peers whose certificate
   /// the CA signed (CAF's OpenSSL module for control, comm/tls for frames).
   tls_options tls;
+  /// "host:port" of a running driver's join listener (`actorpipe train --accept-joins`): the
+  /// node announces its address there, proving the secret, and the driver takes it between
+  /// steps, as a spare or to cut the model back onto after a loss (`actorpipe node --join`).
+  /// The node's address (host, port) must be the one the driver reaches it by. Empty: none.
+  std::string join;
+  /// How long the node tries to reach that listener (about once a second).
+  std::chrono::milliseconds join_timeout{60000};
 };
 
 class node {
@@ -56,10 +63,17 @@ public:
   std::size_t stages() const;
   /// Frames and control messages refused so far (malformed, unknown, or unauthenticated).
   uint64_t rejected() const;
+  /// With node_options::join: whether the driver took this node, is still being asked, or did
+  /// not (join_error() says why: the driver refused the secret, nobody answered in time).
+  enum class join_state { none, trying, joined, failed };
+  join_state joining() const;
+  std::string join_error() const;
 
   struct impl;
 
 private:
+  void start_joining(const node_options& options);
+
   std::unique_ptr<impl> impl_;
 };
 

@@ -350,6 +350,11 @@ struct node_placement {
   /// Nodes standing by ("host:port"): pipeline::recover() moves a lost node's stages to the
   /// first of them that answers before it shrinks the pipeline onto the survivors.
   std::vector<std::string> spares;
+  /// "host:port" (port 0: any free one) where this process listens for nodes that join the run
+  /// (node_options::join, `actorpipe node --join`): one that proves the secret is taken at the
+  /// next pipeline::rejoin_nodes(), as a spare, or to cut the model back onto after a loss.
+  /// Empty: none. One pipeline, not replicas (they keep the world recover() left them).
+  std::string accept_joins;
 };
 
 /// Activation recomputation (torchgpipe's checkpoint modes): which micro-batches keep only

@@ -126,15 +126,19 @@ public:
   /// previous one the newest, with a warning in the log. Returns the snapshot's number.
   uint64_t snapshot_in_background(const std::string& note = {});
 
-  /// Stages on nodes, in a driver that started again after its predecessor died: the snapshot
-  /// (snapshot()) the nodes keep, one snapshot of this cut kept by the nodes of every stage: its
-  /// number and note. Throws pipeline_error (io) naming what each node keeps when they do not
-  /// hold one snapshot whole, invalid_argument for stages in process.
+  /// Stages on nodes, in a driver that started again after its predecessor died: the newest
+  /// snapshot (snapshot()) that the nodes keep whole, one part of it for every stage actor on a
+  /// node of its own: its number, note, nodes and cut (those of the placement when it was taken,
+  /// which a recovery or a rejoin may have changed since). Throws pipeline_error (io) naming what
+  /// each node keeps when no snapshot is kept whole, invalid_argument for stages in process.
   kept_snapshot kept_on_nodes();
-  /// Every stage loads kept snapshot `number` (kept_on_nodes()) from its node; it becomes this
-  /// pipeline's newest snapshot too (what recover() restores). Throws pipeline_error (io) naming
-  /// the stage and node that do not keep it.
-  void restore_from_nodes(uint64_t number);
+  /// Every stage loads its part of kept snapshot `kept` (kept_on_nodes()) from the node keeping
+  /// it; it becomes this pipeline's newest snapshot too (what recover() restores). Where the
+  /// snapshot's nodes or cut are not the pipeline's, the stages are first placed as they were
+  /// when it was taken; a node of the pipeline left without a stage then counts as lost, and
+  /// rejoin_nodes() cuts the model back onto it. Throws pipeline_error (io) naming the stage and
+  /// node that do not keep it.
+  void restore_from_nodes(const kept_snapshot& kept);
 
   /// The number of the newest complete snapshot (0: the state the pipeline was built with or
   /// last loaded), after waiting for one still arriving: what recover() restores.
@@ -203,6 +207,11 @@ public:
   const partition& cut() const;
   /// Stages on nodes: the node ("host:port") of each stage actor now; empty in process.
   const std::vector<std::string>& nodes() const;
+  /// Stages on nodes: the spares standing by now (given, or nodes that came back or joined).
+  const std::vector<std::string>& spares() const;
+  /// With placement.accept_joins: "host:port" where nodes join (the port taken, when 0 was
+  /// asked); empty otherwise.
+  std::string join_address() const;
   /// Parameter elements per stage actor.
   std::vector<int64_t> stage_parameter_counts() const;
 

@@ -117,11 +117,15 @@ struct step_result {
   std::vector<stage_stats> stages;
 };
 
-/// A snapshot the nodes kept (pipeline::restore_from_nodes()): its number and the note it was
-/// taken with.
+/// A snapshot the nodes kept (pipeline::kept_on_nodes(), pipeline::restore_from_nodes()): its
+/// number, the note it was taken with, and where: the node keeping stage actor i's part at i, and
+/// the cut it was taken on. After a recovery or a rejoin these can differ from the nodes' order
+/// and the cut the pipeline was built with.
 struct kept_snapshot {
   uint64_t number = 0;
   std::string note;
+  std::vector<std::string> nodes;
+  std::vector<std::size_t> bounds;
 };
 
 /// What pipeline::recover() (or replicated_pipeline::recover()) did after a step failed on nodes.
@@ -155,6 +159,8 @@ struct recovery_report {
   /// pipeline::rejoin_nodes(): the nodes lost before that answered again, now holding stages
   /// again or standing by as spares (`spares_used` lists those); `lost` is then empty.
   std::vector<std::string> rejoined;
+  /// pipeline::rejoin_nodes(): new nodes that joined (node_options::join), taken as those are.
+  std::vector<std::string> joined;
 };
 
 } // namespace actorpipe

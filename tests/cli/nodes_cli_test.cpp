@@ -210,11 +210,12 @@ const std::string recovering_mlp =
   " --data synthetic --model mlp --batch 256 --microbatches 8 --threads 1 --lr 0.1 --seed 3 "
   "--steps 40 --snapshot-every 5 --on-node-loss continue";
 
-void check_losses_equal_in_process(const std::filesystem::path& json, int stages) {
+void check_losses_equal_in_process(const std::filesystem::path& json, int stages, int steps = 40) {
   auto local_json = temp_file("recover-local-" + std::to_string(stages) + ".json");
   auto local = run("train --data synthetic --model mlp --batch 256 --microbatches 8 --threads 1 "
-                   "--lr 0.1 --seed 3 --steps 40 --stages " +
-                   std::to_string(stages) + " --json " + local_json.string());
+                   "--lr 0.1 --seed 3 --steps " +
+                   std::to_string(steps) + " --stages " + std::to_string(stages) + " --json " +
+                   local_json.string());
   REQUIRE(local.exit_code == 0);
   auto expected = losses(local_json);
   auto got = losses(json);
@@ -230,8 +231,10 @@ void check_losses_equal_in_process(const std::filesystem::path& json, int stages
 // returns the run's output once it exited with 0.
 template <class Lose>
 std::string run_losing_a_node(const std::string& flags, const std::filesystem::path& json,
-                              Lose lose) {
-  background train("train" + recovering_mlp + flags + " --json " + json.string(),
+                              Lose lose, int steps = 40) {
+  auto recovering = recovering_mlp;
+  recovering.replace(recovering.find("--steps 40"), 10, "--steps " + std::to_string(steps));
+  background train("train" + recovering + flags + " --json " + json.string(),
                    temp_file(json.stem().string() + ".log"));
   REQUIRE_MESSAGE(train.wait_for("step 12/", 60s), train.output());
   lose();
@@ -460,6 +463,13 @@ TEST_CASE("the flags of lost-node recovery are refused where they do not apply")
   const std::vector<std::pair<std::string, std::string>> refusals{
     {" --steps 1 --on-node-loss continue", "--on-node-loss applies to stages on nodes (--nodes)"},
     {two_nodes + " --spare-nodes 127.0.0.1:3", "--spare-nodes applies to --on-node-loss continue"},
+    {two_nodes + " --accept-joins 127.0.0.1:0",
+     "--accept-joins applies to --on-node-loss continue"},
+    {" --steps 1 --accept-joins 127.0.0.1:0",
+     "--accept-joins applies to stages on nodes (--nodes)"},
+    {" --steps 1 --replicas 2 --nodes 127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4 "
+     "--on-node-loss continue --accept-joins 127.0.0.1:0",
+     "--accept-joins takes nodes into one pipeline"},
     {two_nodes + " --on-node-loss continue --snapshot-every 0",
      "--snapshot-every (0) must be >= 1"},
   };
@@ -472,4 +482,55 @@ TEST_CASE("the flags of lost-node recovery are refused where they do not apply")
   auto policy = run("train" + synthetic_mlp + " --steps 1 --on-node-loss retry");
   CHECK(policy.exit_code != 0);
   CHECK(policy.output.find("--on-node-loss") != std::string::npos);
+  auto alone = run("node --listen 127.0.0.1:0 --join-timeout 5");
+  CHECK(alone.exit_code != 0);
+  CHECK(alone.output.find("--join-timeout requires --join") != std::string::npos);
+  auto malformed = run("node --listen 127.0.0.1:0 --join nowhere");
+  CHECK(malformed.exit_code != 0);
+  CHECK(malformed.output.find("--join") != std::string::npos);
+}
+
+TEST_CASE("a node started with --join after a node was lost is taken into the run: the model cut "
+          "back onto three, the losses the uninterrupted run's, and a wrong secret ends the node") {
+  node_process a("", "join-a");
+  node_process b("", "join-b");
+  node_process c("", "join-c");
+  const auto joins = free_port();
+  const auto at = "127.0.0.1:" + std::to_string(joins);
+  std::unique_ptr<node_process> d;
+  auto json = temp_file("join.json");
+  auto output = run_losing_a_node(
+    " --stages 3 --connect-timeout 2000 --accept-joins " + at + " --nodes " + a.address() + "," +
+      b.address() + "," + c.address(),
+    json,
+    [&] {
+      CHECK(c.process->stop(SIGKILL) == 128 + SIGKILL);
+      d = std::make_unique<node_process>("--join " + at, "join-d");
+    },
+    400);
+  CAPTURE(output);
+  REQUIRE(d);
+  CHECK(d->process->wait_for("joined the driver at " + at, 5s));
+  CHECK(output.find("nodes may join at " + at) != std::string::npos);
+  // Taken as a spare for the lost node, or (found lost first) the model cut back onto it.
+  CHECK(output.find("now 3 stages on " + a.address() + ", " + b.address() + ", " + d->address()) !=
+        std::string::npos);
+  check_losses_equal_in_process(json, 3, 400);
+  std::filesystem::remove(json);
+  // Another secret: the driver refuses it and the node ends with the reason.
+  auto secret = secret_file("join-secret", "one");
+  auto other = secret_file("join-other", "two");
+  node_process e("--secret-file " + secret.string(), "join-e");
+  auto running = recovering_mlp; // until stopped
+  running.replace(running.find("--steps 40"), 10, "--steps 100000");
+  background train("train" + running + " --stages 1 --secret-file " + secret.string() +
+                     " --nodes " + e.address() + " --accept-joins " + at,
+                   temp_file("join-refused.log"));
+  REQUIRE_MESSAGE(train.wait_for("nodes may join at", 60s), train.output());
+  auto refused = run("node --listen 127.0.0.1:0 --secret-file " + other.string() + " --join " + at);
+  CAPTURE(refused.output);
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.output.find("joining the driver at " + at + ": ") != std::string::npos);
+  CHECK(refused.output.find("refused the secret") != std::string::npos);
+  train.stop(SIGTERM);
 }

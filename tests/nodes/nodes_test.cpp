@@ -1131,22 +1131,40 @@ TEST_CASE("train() recovers from a node lost mid-run and replays from its newest
   CHECK_THROWS_AS(train(failing, again, to), pipeline_error);
 }
 
-TEST_CASE("a lost node that answers again is taken back between steps: the model is cut back onto "
-          "it from the state then, nothing replayed, and the losses are plain libtorch's") {
-  node n1(node_config()), n2(node_config());
-  // Below the ephemeral ports, which a connection could take while the node is away.
-  std::unique_ptr<node> n3;
+// Asks rejoin_nodes() for up to 10 s until it takes a node.
+std::optional<recovery_report> rejoin_within_seconds(pipeline& p) {
+  std::optional<recovery_report> r;
+  for (int k = 0; k < 500 && !r; ++k) {
+    r = p.rejoin_nodes();
+    if (!r) {
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  return r;
+}
+
+// A node on a port below the ephemeral ones, which a connection could take while the node is
+// away: a test stops it and starts another on the same port.
+std::unique_ptr<node> node_to_restart() {
+  std::unique_ptr<node> n;
   std::mt19937 draw(std::random_device{}());
-  for (int attempt = 0; attempt < 50 && !n3; ++attempt) {
+  for (int attempt = 0; attempt < 50 && !n; ++attempt) {
     auto config = node_config();
     config.port = static_cast<uint16_t>(20000 + draw() % 12000);
     try {
-      n3 = std::make_unique<node>(config);
+      n = std::make_unique<node>(config);
     } catch (const pipeline_error&) {
       // taken: another
     }
   }
-  REQUIRE(n3);
+  REQUIRE(n);
+  return n;
+}
+
+TEST_CASE("a lost node that answers again is taken back between steps: the model is cut back onto "
+          "it from the state then, nothing replayed, and the losses are plain libtorch's") {
+  node n1(node_config()), n2(node_config());
+  auto n3 = node_to_restart();
   const auto third = n3->address();
   const auto port = n3->port();
   engine sys;
@@ -1177,13 +1195,7 @@ TEST_CASE("a lost node that answers again is taken back between steps: the model
   auto again = node_config();
   again.port = port;
   node back(again);
-  std::optional<recovery_report> r;
-  for (int k = 0; k < 250 && !r; ++k) {
-    r = remote.rejoin_nodes();
-    if (!r) {
-      std::this_thread::sleep_for(20ms);
-    }
-  }
+  auto r = rejoin_within_seconds(remote);
   REQUIRE(r);
   CHECK(r->rejoined == std::vector<std::string>{third});
   CHECK(r->lost.empty());
@@ -1199,6 +1211,90 @@ TEST_CASE("a lost node that answers again is taken back between steps: the model
   }
   check_close(remote.named_parameters(), named(plain.layers, false));
   CHECK_FALSE(remote.rejoin_nodes()); // none lost any more
+}
+
+// Waits (up to 10 s) until `n` stopped trying to join.
+node::join_state joined_or_not(const node& n) {
+  for (int k = 0; k < 500 && n.joining() == node::join_state::trying; ++k) {
+    std::this_thread::sleep_for(20ms);
+  }
+  return n.joining();
+}
+
+TEST_CASE(
+  "a new node that joins (node_options::join) is taken between steps: the model cut back "
+  "onto it after a loss, else it stands by, and a wrong secret or an absent driver refused") {
+  const std::string secret = "join-secret";
+  node n1(node_config(secret));
+  auto n2 = std::make_unique<node>(node_config(secret));
+  engine sys;
+  auto o = remote_options({n1.address(), n2->address()}, secret);
+  o.placement.connect_timeout = 2000ms;
+  o.placement.accept_joins = "127.0.0.1:0";
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+  const auto at = remote.join_address();
+  REQUIRE(at.rfind("127.0.0.1:", 0) == 0);
+  CHECK(at != "127.0.0.1:0");
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 6);
+  auto train = [&](int step) {
+    auto [x, y] = batch(step);
+    return remote.train_step(x, y).loss;
+  };
+  CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+  remote.snapshot();
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(1), pipeline_error);
+  CHECK(remote.recover().nodes == std::vector<std::string>{n1.address()});
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  // A new node (another address than the lost one's) joins: cut back onto two.
+  auto joining = node_config(secret);
+  joining.join = at;
+  node n3(joining);
+  auto r = rejoin_within_seconds(remote);
+  REQUIRE(r);
+  CHECK(n3.joining() == node::join_state::joined);
+  CHECK(r->joined == std::vector<std::string>{n3.address()});
+  CHECK(r->rejoined.empty());
+  CHECK(r->nodes == std::vector<std::string>{n1.address(), n3.address()});
+  CHECK(remote.cut().bounds == partition_uniform(6, 2).bounds);
+  CHECK(n3.stages() == 1);
+  for (int step = 2; step < 4; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  // The pipeline whole again: the next one to join stands by.
+  node n4(joining);
+  r = rejoin_within_seconds(remote);
+  REQUIRE(r);
+  CHECK(r->joined == std::vector<std::string>{n4.address()});
+  CHECK(r->nodes == std::vector<std::string>{n1.address(), n3.address()});
+  CHECK(r->spares_used == std::vector<std::string>{n4.address()});
+  CHECK(remote.spares() == std::vector<std::string>{n4.address()});
+  CHECK(n4.stages() == 0);
+  for (int step = 4; step < 6; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+  // Another secret: refused at once, and nothing taken.
+  auto wrong = node_config("another");
+  wrong.join = at;
+  node n5(wrong);
+  CHECK(joined_or_not(n5) == node::join_state::failed);
+  CHECK(n5.join_error().find("joining the driver at " + at + ": ") != std::string::npos);
+  CHECK(n5.join_error().find("refused the secret") != std::string::npos);
+  CHECK_FALSE(remote.rejoin_nodes().has_value());
+  // Nobody listening: it gives up at its deadline.
+  bound_socket closed;
+  auto nobody = node_config();
+  nobody.join = "127.0.0.1:" + std::to_string(closed.port);
+  nobody.join_timeout = 1500ms;
+  node n6(nobody);
+  CHECK(joined_or_not(n6) == node::join_state::failed);
+  CHECK(n6.join_error().find("nobody took the announcement within 1.5 s") != std::string::npos);
+  CHECK(node(node_config()).joining() == node::join_state::none);
 }
 
 TEST_CASE("repartition places the stages on their nodes again with another cut, from the state "
@@ -1275,15 +1371,103 @@ TEST_CASE("a driver that died starts again from the snapshot its nodes keep (res
     }
     check_close(second.named_parameters(), named(plain.layers, false));
   }
-  // Another cut is not the kept snapshot's: refused, naming what each node keeps.
-  pipeline other(sys, tiny_remote(), partition_at(6, {4}),
-                 remote_options({n1.address(), n2.address()}));
+  // Nodes that keep nothing: refused, naming what each node keeps.
+  node fresh(node_config());
+  pipeline other(sys, tiny_remote(), partition_uniform(6, 2),
+                 remote_options({n1.address(), fresh.address()}));
   CHECK_THROWS_WITH_AS(other.kept_on_nodes(),
-                       doctest::Contains("do not keep one snapshot of every stage of cut [0,4,6]"),
+                       doctest::Contains(("do not keep one snapshot of every stage whole (" +
+                                          n1.address() + ": stage 0's snapshot ")
+                                           .c_str()),
                        pipeline_error);
+  CHECK_THROWS_WITH_AS(other.kept_on_nodes(),
+                       doctest::Contains((fresh.address() + ": none)").c_str()), pipeline_error);
   pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
   CHECK_THROWS_WITH_AS(local.kept_on_nodes(), doctest::Contains("in this process"),
                        invalid_argument);
+}
+
+// Waits (up to 5 s) for nodes to drop the stages of a driver that went.
+void wait_for_no_stages(const std::vector<const node*>& nodes) {
+  auto hosting = [&] {
+    return std::any_of(nodes.begin(), nodes.end(), [](const node* n) { return n->stages() != 0; });
+  };
+  for (int wait = 0; wait < 100 && hosting(); ++wait) {
+    std::this_thread::sleep_for(50ms);
+  }
+  CHECK_FALSE(hosting());
+}
+
+TEST_CASE("a driver that died after a recovery, and again after a rejoin, resumes from its nodes "
+          "placed as they kept the snapshot, with the losses of plain libtorch") {
+  node n1(node_config()), n3(node_config());
+  auto n2 = node_to_restart();
+  const auto second = n2->address();
+  const auto port = n2->port();
+  const std::vector<std::string> given{n1.address(), second, n3.address()};
+  engine sys;
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 6);
+  auto o = remote_options(given);
+  o.placement.connect_timeout = 2000ms;
+  auto train = [&](pipeline& p, int step) {
+    auto [x, y] = batch(step);
+    return p.train_step(x, y).loss;
+  };
+  uint64_t number = 0;
+  {
+    // The middle node lost: the model cut onto the other two, a snapshot there; the driver goes.
+    pipeline first(sys, tiny_remote(), partition_uniform(6, 3), o);
+    CHECK(train(first, 0) == doctest::Approx(expected[0]).epsilon(1e-6));
+    first.snapshot(); // what recover() restores
+    n2.reset();
+    std::this_thread::sleep_for(200ms);
+    CHECK_THROWS_AS(train(first, 1), pipeline_error);
+    first.recover();
+    CHECK(train(first, 1) == doctest::Approx(expected[1]).epsilon(1e-6));
+    number = first.snapshot("two steps");
+  }
+  auto again = node_config();
+  again.port = port;
+  node back(again);
+  wait_for_no_stages({&n1, &n3});
+  const auto two = partition_by_params(tiny_mlp(1), 2).bounds;
+  {
+    // Started again with the given nodes: the nodes keep the two-stage cut on the first and the
+    // third; the returned node is taken back between steps, cut back onto the given three.
+    pipeline resumed(sys, tiny_remote(), partition_uniform(6, 3), o);
+    auto kept = resumed.kept_on_nodes();
+    CHECK(kept.number == number);
+    CHECK(kept.note == "two steps");
+    CHECK(kept.nodes == std::vector<std::string>{n1.address(), n3.address()});
+    CHECK(kept.bounds == two);
+    resumed.restore_from_nodes(kept);
+    CHECK(resumed.nodes() == kept.nodes);
+    CHECK(resumed.cut().bounds == two);
+    CHECK(train(resumed, 2) == doctest::Approx(expected[2]).epsilon(1e-6));
+    auto r = rejoin_within_seconds(resumed);
+    REQUIRE(r);
+    CHECK(r->rejoined == std::vector<std::string>{second});
+    CHECK(r->nodes == std::vector<std::string>{n1.address(), n3.address(), second});
+    CHECK(train(resumed, 3) == doctest::Approx(expected[3]).epsilon(1e-6));
+    number = resumed.snapshot("four steps");
+  }
+  wait_for_no_stages({&n1, &back, &n3});
+  // Again with the given order: each stage goes to the node keeping its part, the returned one
+  // last, as the rejoin placed them.
+  pipeline third(sys, tiny_remote(), partition_uniform(6, 3), o);
+  auto kept = third.kept_on_nodes();
+  CHECK(kept.number == number);
+  CHECK(kept.nodes == std::vector<std::string>{n1.address(), n3.address(), second});
+  CHECK(kept.bounds == partition_uniform(6, 3).bounds);
+  third.restore_from_nodes(kept);
+  CHECK(third.nodes() == kept.nodes);
+  for (int step = 4; step < 6; ++step) {
+    CAPTURE(step);
+    CHECK(train(third, step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(third.named_parameters(), named(plain.layers, false));
+  CHECK_FALSE(third.rejoin_nodes()); // none lost
 }
 
 TEST_CASE("train() over replicas on nodes takes a lost node's state from the replica that kept "
