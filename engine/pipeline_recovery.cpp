@@ -293,8 +293,10 @@ std::optional<kept_snapshot> newest_whole(const std::vector<std::vector<nodes::k
   }
   for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
     auto tag = nlohmann::json::parse(it->first.second, nullptr, false);
-    if (!tag.is_object() || !tag.contains("bounds") || !tag["bounds"].is_array()) {
-      continue;
+    if (!tag.is_object() || !tag.contains("bounds") || !tag["bounds"].is_array() ||
+        !std::all_of(tag["bounds"].begin(), tag["bounds"].end(),
+                     [](const auto& b) { return b.is_number_unsigned(); })) {
+      continue; // not a tag this driver writes (install_snapshot)
     }
     kept_snapshot whole{it->first.first,
                         tag.value("note", std::string{}),
