@@ -56,21 +56,29 @@ struct node_census {
 };
 
 // Asks every node of `nodes` (repeats asked once) and the spares, each within the placement's
-// connect timeout, all at once.
+// connect timeout, all at once; the nodes of `found_lost` are lost without a question.
 node_census take_census(caf::actor_system& sys, const std::vector<std::string>& nodes,
                         const std::map<std::string, caf::actor>& known,
-                        const node_placement& placement) {
-  std::vector<std::string> distinct;
+                        const node_placement& placement,
+                        const std::vector<std::string>& found_lost = {}) {
+  auto among = [](const std::vector<std::string>& xs, const std::string& x) {
+    return std::find(xs.begin(), xs.end(), x) != xs.end();
+  };
+  std::vector<std::string> distinct, asked;
   for (const auto& n : nodes) {
-    if (std::find(distinct.begin(), distinct.end(), n) == distinct.end()) {
+    if (!among(distinct, n)) {
       distinct.push_back(n);
+      if (!among(found_lost, n)) {
+        asked.push_back(n);
+      }
     }
   }
-  auto alive = nodes::answering(sys, distinct, known, placement);
+  auto alive = nodes::answering(sys, asked, known, placement);
   node_census census;
-  for (std::size_t i = 0; i < distinct.size(); ++i) {
-    if (!alive[i]) {
-      census.lost.push_back(distinct[i]);
+  for (const auto& n : distinct) {
+    auto i = std::find(asked.begin(), asked.end(), n) - asked.begin();
+    if (static_cast<std::size_t>(i) == asked.size() || !alive[i]) {
+      census.lost.push_back(n);
     }
   }
   if (census.lost.empty()) {
@@ -383,7 +391,8 @@ uint64_t pipeline::newest_snapshot() {
   return self.snapshot_number;
 }
 
-recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition) {
+recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition,
+                                  const std::vector<std::string>& found_lost) {
   auto& self = *impl_;
   ACTORPIPE_CHECK(self.remote, "recover: the stages of this pipeline are in this process; "
                                "recover() places stages on nodes again");
@@ -397,7 +406,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
   self.stop_actors();
   auto& placement = self.options.placement;
-  auto census = take_census(actor_system, placement.nodes, self.nodes, placement);
+  auto census = take_census(actor_system, placement.nodes, self.nodes, placement, found_lost);
   recovery_report report;
   report.lost = census.lost;
   report.spares_used = census.spares_used;

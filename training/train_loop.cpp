@@ -124,10 +124,14 @@ std::future<step_result> submit(replicated_pipeline& pipe, const torch::Tensor& 
   }
   return done.get_future();
 }
-recovery_report recover(pipeline& pipe, const train_options& o) {
-  return pipe.recover(o.repartition);
+recovery_report recover(pipeline& pipe, const train_options& o, const pipeline_error& failure) {
+  // The node the step found lost is not asked again (a frozen one would cost another timeout).
+  auto found = failure.kind() == error_kind::node_lost && !failure.node().empty()
+                 ? std::vector<std::string>{failure.node()}
+                 : std::vector<std::string>{};
+  return pipe.recover(o.repartition, found);
 }
-recovery_report recover(replicated_pipeline& pipe, const train_options&) {
+recovery_report recover(replicated_pipeline& pipe, const train_options&, const pipeline_error&) {
   return pipe.recover();
 }
 std::optional<recovery_report> rejoin(pipeline& pipe, const train_options& o) {
@@ -257,7 +261,7 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
             << (failure.node().empty() ? std::string{} : ", node " + failure.node())
             << "): " << failure.what() << "\n"
             << std::flush;
-  auto r = recover(pipe, o);
+  auto r = recover(pipe, o, failure);
   if (r.from_replica >= 0) {
     snapshots[r.snapshot] = r.failed_step ? where.after : where.now;
     if (r.failed_step) {

@@ -155,8 +155,12 @@ public:
   /// caller replays its data from the snapshot's step. Throws pipeline_error (node_lost) when no
   /// node is left, invalid_argument for stages in process (nothing to move) or a repartition of the
   /// wrong stage count. Not queued like the steps: call it from the thread that runs them, with no
-  /// step or request of another thread pending.
-  recovery_report recover(std::function<partition(std::size_t)> repartition = {});
+  /// step or request of another thread pending. `found_lost`: nodes the failed step already
+  /// found lost (pipeline_error::node() of a node_lost failure: its connection closed, or its
+  /// heartbeat went unanswered), counted lost without being asked again (a frozen node would
+  /// cost the question another heartbeat timeout); rejoin_nodes() takes them back if they answer.
+  recovery_report recover(std::function<partition(std::size_t)> repartition = {},
+                          const std::vector<std::string>& found_lost = {});
 
   /// Stages on nodes, between steps, after recover() lost nodes: takes back those that answer
   /// again (a node restarted). Whether they do is asked beside the steps: a call starts the

@@ -1297,6 +1297,37 @@ TEST_CASE(
   CHECK(node(node_config()).joining() == node::join_state::none);
 }
 
+TEST_CASE("recover() counts a node the failed step found lost without asking it again, and "
+          "rejoin_nodes() takes it back once it answers") {
+  node n1(node_config()), n2(node_config());
+  engine sys;
+  auto o = remote_options({n1.address(), n2.address()});
+  o.placement.connect_timeout = 2000ms;
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 4);
+  auto train = [&](int step) {
+    auto [x, y] = batch(step);
+    return remote.train_step(x, y).loss;
+  };
+  CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+  remote.snapshot();
+  // n2 answers, but a step found it lost (a heartbeat it left unanswered): not asked again.
+  auto r = remote.recover({}, {n2.address()});
+  CHECK(r.lost == std::vector<std::string>{n2.address()});
+  CHECK(r.nodes == std::vector<std::string>{n1.address()});
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  auto back = rejoin_within_seconds(remote);
+  REQUIRE(back);
+  CHECK(back->rejoined == std::vector<std::string>{n2.address()});
+  CHECK(back->nodes == std::vector<std::string>{n1.address(), n2.address()});
+  for (int step = 2; step < 4; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  check_close(remote.named_parameters(), named(plain.layers, false));
+}
+
 TEST_CASE("repartition places the stages on their nodes again with another cut, from the state "
           "then, and the losses stay plain libtorch's, refused in process and for another stage "
           "count") {
