@@ -237,10 +237,10 @@ struct pipeline::impl {
                         uint64_t number, const std::string& note);
   // Stages on nodes: the node of each stage actor, in stage order.
   std::vector<caf::actor> stage_nodes() const;
-  // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are
-  // placed again on `nodes` cut by `new_cut`, restored from it (`what` names the caller).
   // The nodes that joined since (joins), added to lost_nodes: rejoin_nodes() takes them.
   void take_joined();
+  // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are
+  // placed again on `nodes` cut by `new_cut`, restored from it (`what` names the caller).
   void place_again_from_now(std::vector<std::string> nodes, partition new_cut, const char* what);
 
   // Checks and queues a training step on micro-batches.

@@ -28,6 +28,10 @@ std::string list_or_none(const std::vector<T>& items) {
   return items.empty() ? std::string("none") : fmt::format("{}", fmt::join(items, ", "));
 }
 
+bool among(const std::vector<std::string>& xs, const std::string& x) {
+  return std::find(xs.begin(), xs.end(), x) != xs.end();
+}
+
 // After a step failed on nodes: which nodes answer, and a spare for each that does not.
 struct node_census {
   // The nodes that did not answer, in placement order.
@@ -38,9 +42,7 @@ struct node_census {
   // The spares that answered, in order (replicas hand them out their own way).
   std::vector<std::string> spares;
 
-  bool is_lost(const std::string& node) const {
-    return std::find(lost.begin(), lost.end(), node) != lost.end();
-  }
+  bool is_lost(const std::string& node) const { return among(lost, node); }
   // `nodes` with each lost node replaced by its spare, or left out when none took it.
   std::vector<std::string> placed(const std::vector<std::string>& nodes) const {
     std::vector<std::string> result;
@@ -61,9 +63,6 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
                         const std::map<std::string, caf::actor>& known,
                         const node_placement& placement,
                         const std::vector<std::string>& found_lost = {}) {
-  auto among = [](const std::vector<std::string>& xs, const std::string& x) {
-    return std::find(xs.begin(), xs.end(), x) != xs.end();
-  };
   std::vector<std::string> distinct, asked;
   for (const auto& n : nodes) {
     if (!among(distinct, n)) {
@@ -86,8 +85,7 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
   }
   std::vector<std::string> candidates;
   for (const auto& spare : placement.spares) {
-    if (std::find(distinct.begin(), distinct.end(), spare) == distinct.end() &&
-        std::find(candidates.begin(), candidates.end(), spare) == candidates.end()) {
+    if (!among(distinct, spare) && !among(candidates, spare)) {
       candidates.push_back(spare);
     }
   }
@@ -368,8 +366,7 @@ void pipeline::restore_from_nodes(const kept_snapshot& kept) {
     placement.nodes = kept.nodes;
     self.place_on_nodes();
     for (const auto& n : self.given_nodes) {
-      if (std::find(kept.nodes.begin(), kept.nodes.end(), n) == kept.nodes.end() &&
-          std::find(self.lost_nodes.begin(), self.lost_nodes.end(), n) == self.lost_nodes.end()) {
+      if (!among(kept.nodes, n) && !among(self.lost_nodes, n)) {
         self.lost_nodes.push_back(n); // asked again between steps (rejoin_nodes)
       }
     }
@@ -411,7 +408,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   report.lost = census.lost;
   report.spares_used = census.spares_used;
   for (const auto& n : census.lost) {
-    if (std::find(self.lost_nodes.begin(), self.lost_nodes.end(), n) == self.lost_nodes.end()) {
+    if (!among(self.lost_nodes, n)) {
       self.lost_nodes.push_back(n);
     }
   }
@@ -481,7 +478,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   std::vector<std::string> still_lost, back;
   for (std::size_t i = 0; i < self.lost_nodes.size(); ++i) {
     const auto& n = self.lost_nodes[i];
-    if (std::find(placement.nodes.begin(), placement.nodes.end(), n) != placement.nodes.end()) {
+    if (among(placement.nodes, n)) {
       continue; // a spare of the run took stages since
     }
     if (i >= alive.size() || !alive[i]) {
@@ -503,8 +500,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   if (placement.nodes.size() >= given) {
     // A spare holds its stages: it stands by for the next loss.
     for (const auto& n : back) {
-      if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
-          placement.spares.end()) {
+      if (!among(placement.spares, n)) {
         placement.spares.push_back(n);
       }
       report.spares_used.push_back(n);
@@ -515,8 +511,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
     for (const auto& n : back) {
       if (nodes.size() < given) {
         nodes.push_back(n);
-      } else if (std::find(placement.spares.begin(), placement.spares.end(), n) ==
-                 placement.spares.end()) {
+      } else if (!among(placement.spares, n)) {
         placement.spares.push_back(n);
       }
     }
@@ -545,11 +540,8 @@ void pipeline::impl::take_joined() {
     return;
   }
   const auto& placement = options.placement;
-  auto known = [&](const std::vector<std::string>& xs, const std::string& n) {
-    return std::find(xs.begin(), xs.end(), n) != xs.end();
-  };
   for (auto& n : joins->take()) {
-    if (!known(placement.nodes, n) && !known(placement.spares, n) && !known(lost_nodes, n)) {
+    if (!among(placement.nodes, n) && !among(placement.spares, n) && !among(lost_nodes, n)) {
       lost_nodes.push_back(n); // asked whether it answers, then taken as a lost one back
       joined_nodes.push_back(n);
     }

@@ -22,7 +22,6 @@ namespace actorpipe::nodes {
 struct join_listener::queue {
   std::mutex mutex;
   std::vector<std::string> joined;
-  std::atomic<uint64_t> refused{0};
 };
 
 namespace {
@@ -58,14 +57,12 @@ caf::result<bool> take_answer(join_actor_ptr self, const std::string& address,
   auto sender = self->current_sender();
   auto it = sender ? st.challenges.find(sender->node()) : st.challenges.end();
   if (it == st.challenges.end() || !answers_challenge(st.secret, it->second, answer)) {
-    ++st.queue->refused;
     log::get()->error("pipeline: refused a node asking to join: wrong secret");
     return actors::make_pipeline_error(error_kind::other,
                                        "the driver refused the secret (check --secret-file)");
   }
   st.challenges.erase(it);
   if (auto problem = address_problem(address); !problem.empty()) {
-    ++st.queue->refused;
     log::get()->error("pipeline: refused a node asking to join: {}", problem);
     return actors::make_pipeline_error(error_kind::other,
                                        "the driver refused the announcement: " + problem);
@@ -137,10 +134,6 @@ std::string join_listener::address() const {
 std::vector<std::string> join_listener::take() {
   std::lock_guard<std::mutex> lock(queue_->mutex);
   return std::exchange(queue_->joined, {});
-}
-
-uint64_t join_listener::refused() const {
-  return queue_->refused.load();
 }
 
 void announce_join(caf::actor_system& sys, const std::string& driver, const std::string& address,

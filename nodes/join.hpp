@@ -33,8 +33,6 @@ public:
   std::string address() const;
   /// The addresses of the nodes that proved the secret since the last call, in order.
   std::vector<std::string> take();
-  /// Announcements refused so far (a wrong secret, a malformed address).
-  uint64_t refused() const;
 
   struct queue;
 

@@ -74,6 +74,13 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step) {
   return {torch::randn({10, 1, 4, 4}), torch::randn({10, 3})};
 }
 
+// The loss of a training step of `p` on batch(step).
+template <class Pipe>
+double loss_at(Pipe& p, int step) {
+  auto [x, y] = batch(step);
+  return p.train_step(x, y).loss;
+}
+
 // Plain libtorch's loss at each of the first `steps` batches (batch(step)), trained in order.
 std::vector<double> plain_losses(plain_model& plain, int steps) {
   std::vector<double> losses;
@@ -861,10 +868,7 @@ TEST_CASE("replicas on nodes recover a lost node: a spare takes its stages, or i
     replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
     plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
     auto expected = plain_losses(plain, 5);
-    auto train = [&](int step) {
-      auto [x, y] = batch(step);
-      return replicas.train_step(x, y).loss;
-    };
+    auto train = [&](int step) { return loss_at(replicas, step); };
     CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
     CHECK(replicas.snapshot() == 1);
     CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6)); // replayed in scenario 2
@@ -939,10 +943,7 @@ TEST_CASE("a snapshot taken in the background holds the state between its steps,
   pipeline remote(sys, tiny_remote(), cut, o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   auto expected = plain_losses(plain, 5);
-  auto train = [&](int step) {
-    auto [x, y] = batch(step);
-    return remote.train_step(x, y).loss;
-  };
+  auto train = [&](int step) { return loss_at(remote, step); };
   train(0);
   CHECK(remote.snapshot_in_background() == 1);
   // The steps after it change every parameter and momentum while the copies travel.
@@ -1173,10 +1174,7 @@ TEST_CASE("a lost node that answers again is taken back between steps: the model
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 3), o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   auto expected = plain_losses(plain, 6);
-  auto train = [&](int step) {
-    auto [x, y] = batch(step);
-    return remote.train_step(x, y).loss;
-  };
+  auto train = [&](int step) { return loss_at(remote, step); };
   CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
   remote.snapshot();
   CHECK_FALSE(remote.rejoin_nodes()); // nothing lost: nothing asked
@@ -1237,10 +1235,7 @@ TEST_CASE(
   CHECK(at != "127.0.0.1:0");
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   auto expected = plain_losses(plain, 6);
-  auto train = [&](int step) {
-    auto [x, y] = batch(step);
-    return remote.train_step(x, y).loss;
-  };
+  auto train = [&](int step) { return loss_at(remote, step); };
   CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
   remote.snapshot();
   n2.reset();
@@ -1306,10 +1301,7 @@ TEST_CASE("recover() counts a node the failed step found lost without asking it 
   pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   auto expected = plain_losses(plain, 4);
-  auto train = [&](int step) {
-    auto [x, y] = batch(step);
-    return remote.train_step(x, y).loss;
-  };
+  auto train = [&](int step) { return loss_at(remote, step); };
   CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
   remote.snapshot();
   // n2 answers, but a step found it lost (a heartbeat it left unanswered): not asked again.
@@ -1337,10 +1329,7 @@ TEST_CASE("repartition places the stages on their nodes again with another cut, 
                   remote_options({n1.address(), n2.address()}));
   plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
   auto expected = plain_losses(plain, 5);
-  auto train = [&](int step) {
-    auto [x, y] = batch(step);
-    return remote.train_step(x, y).loss;
-  };
+  auto train = [&](int step) { return loss_at(remote, step); };
   CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
   CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
   auto number = remote.repartition(partition_at(6, {4}));
@@ -1441,21 +1430,17 @@ TEST_CASE("a driver that died after a recovery, and again after a rejoin, resume
   auto expected = plain_losses(plain, 6);
   auto o = remote_options(given);
   o.placement.connect_timeout = 2000ms;
-  auto train = [&](pipeline& p, int step) {
-    auto [x, y] = batch(step);
-    return p.train_step(x, y).loss;
-  };
   uint64_t number = 0;
   {
     // The middle node lost: the model cut onto the other two, a snapshot there; the driver goes.
     pipeline first(sys, tiny_remote(), partition_uniform(6, 3), o);
-    CHECK(train(first, 0) == doctest::Approx(expected[0]).epsilon(1e-6));
+    CHECK(loss_at(first, 0) == doctest::Approx(expected[0]).epsilon(1e-6));
     first.snapshot(); // what recover() restores
     n2.reset();
     std::this_thread::sleep_for(200ms);
-    CHECK_THROWS_AS(train(first, 1), pipeline_error);
+    CHECK_THROWS_AS(loss_at(first, 1), pipeline_error);
     first.recover();
-    CHECK(train(first, 1) == doctest::Approx(expected[1]).epsilon(1e-6));
+    CHECK(loss_at(first, 1) == doctest::Approx(expected[1]).epsilon(1e-6));
     number = first.snapshot("two steps");
   }
   auto again = node_config();
@@ -1475,12 +1460,12 @@ TEST_CASE("a driver that died after a recovery, and again after a rejoin, resume
     resumed.restore_from_nodes(kept);
     CHECK(resumed.nodes() == kept.nodes);
     CHECK(resumed.cut().bounds == two);
-    CHECK(train(resumed, 2) == doctest::Approx(expected[2]).epsilon(1e-6));
+    CHECK(loss_at(resumed, 2) == doctest::Approx(expected[2]).epsilon(1e-6));
     auto r = rejoin_within_seconds(resumed);
     REQUIRE(r);
     CHECK(r->rejoined == std::vector<std::string>{second});
     CHECK(r->nodes == std::vector<std::string>{n1.address(), n3.address(), second});
-    CHECK(train(resumed, 3) == doctest::Approx(expected[3]).epsilon(1e-6));
+    CHECK(loss_at(resumed, 3) == doctest::Approx(expected[3]).epsilon(1e-6));
     number = resumed.snapshot("four steps");
   }
   wait_for_no_stages({&n1, &back, &n3});
@@ -1495,7 +1480,7 @@ TEST_CASE("a driver that died after a recovery, and again after a rejoin, resume
   CHECK(third.nodes() == kept.nodes);
   for (int step = 4; step < 6; ++step) {
     CAPTURE(step);
-    CHECK(train(third, step) == doctest::Approx(expected[step]).epsilon(1e-6));
+    CHECK(loss_at(third, step) == doctest::Approx(expected[step]).epsilon(1e-6));
   }
   check_close(third.named_parameters(), named(plain.layers, false));
   CHECK_FALSE(third.rejoin_nodes()); // none lost
