@@ -108,7 +108,7 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
                            const plan_choice& choice, pipeline_options po, const std::string& loss,
                            optimizer_spec optimizer) {
   auto hooks = hooks_of(a);
-  if (a.nodes.empty()) {
+  if (a.placement.nodes.empty()) {
     po.hooks = make_hooks(hooks);
     return {std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po)), nullptr};
   }
@@ -120,24 +120,21 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   model.torchscript = setup.torchscript;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
-  po.placement.nodes = a.nodes;
+  po.placement = a.placement;
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
-  po.placement.tls = a.tls;
   ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
   po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
   ACTORPIPE_CHECK(a.heartbeat_timeout_ms >= 0, "--heartbeat-timeout must be >= 0 (0: none)");
   po.placement.heartbeat_timeout = std::chrono::milliseconds(a.heartbeat_timeout_ms);
-  po.placement.spares = a.spare_nodes;
-  po.placement.accept_joins = a.accept_joins;
   if (a.replicas > 1) {
     auto replicas = po.data_parallel.replicas;
     return {nullptr,
             std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas)};
   }
   auto one = std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
-  if (!a.accept_joins.empty()) {
+  if (!a.placement.accept_joins.empty()) {
     std::cerr << "actorpipe: nodes may join at " << one->join_address()
               << " (actorpipe node --join " << one->join_address() << ")\n";
   }
@@ -211,7 +208,7 @@ optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
   ACTORPIPE_CHECK(!a.nesterov || optimizer.momentum > 0,
                   "--nesterov needs momentum: give --momentum (e.g. 0.9)");
   optimizer.nesterov = a.nesterov;
-  ACTORPIPE_CHECK(a.min_lr >= 0 && a.min_lr <= k.lr, "--min-lr (", a.min_lr,
+  ACTORPIPE_CHECK(a.train.min_lr >= 0 && a.train.min_lr <= k.lr, "--min-lr (", a.train.min_lr,
                   ") must be between 0 and the peak learning rate (", k.lr, ")");
   return optimizer;
 }
@@ -268,21 +265,15 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
                                 int64_t steps) {
   const bool text = k.text, stream = k.stream;
   const double lr = k.lr;
-  train_options to;
+  // What the flags filled; the rest follows from the data, the model and the other flags.
+  auto to = a.train;
   // Text's default reaches 2.3 bits per character in about 11 minutes on 2 cores.
   const int64_t epochs = a.epochs != 0 ? a.epochs : (text ? 4 : 1);
   to.epochs = epochs;
   to.batch = setup.batch;
   to.seed = a.model.seed;
   to.lr = lr;
-  to.warmup_steps = a.warmup;
-  to.min_lr = a.min_lr;
-  to.checkpoint_dir = a.checkpoint_dir;
-  to.checkpoint_every = a.checkpoint_every;
-  to.keep = a.keep;
-  to.resume = a.resume;
   to.settings = a.settings;
-  to.metrics = a.metrics;
   to.max_steps = steps;
   to.model = setup.name;
   to.dataset = data.name();
@@ -295,9 +286,6 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
   to.overlap_steps = a.overlap_steps;
   to.recover_lost_nodes = a.on_node_loss == "continue";
-  to.snapshot_every = a.snapshot_every;
-  to.max_recoveries = a.max_recoveries;
-  to.slow_factor = a.slow_factor;
   to.recut_slow_nodes = a.on_slow_node == "recut";
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
   // parameter counts then), profiled again for time.
@@ -343,7 +331,7 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
               << " held out, vocabulary " << mo.vocabulary << "), sequences of " << mo.context
               << ", " << epochs << " epochs"
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", Adam lr "
-              << lr << " (cosine, " << a.warmup << " warm-up steps)";
+              << lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   } else if (images) {
     const auto& f = setup.images;
     std::cout << "images from " << f.root << " (" << f.train.size() << " train, "
@@ -352,11 +340,11 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
               << (f.skipped.empty() ? "" : detail::concat(", ", f.skipped.size(), " skipped"))
               << "; " << a.workers << " loader workers), " << epochs << " epochs"
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-              << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
+              << a.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   } else {
     std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-              << a.lr << " (cosine, " << a.warmup << " warm-up steps)";
+              << a.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   }
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
@@ -493,7 +481,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   if (lead) {
     print_header(a, setup, choice, k, *data, to, optimizer, corpus, dp);
   }
-  if (!a.nodes.empty()) {
+  if (!a.placement.nodes.empty()) {
     // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
     memory::map_large_allocations();
   }
@@ -587,11 +575,11 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
   ACTORPIPE_CHECK(
-    a.nodes.empty() || a.nodes.size() == a.replicas * choice.stages(), "--nodes lists ",
-    a.nodes.size(), " nodes for ", choice.stages(), " stages",
+    a.placement.nodes.empty() || a.placement.nodes.size() == a.replicas * choice.stages(),
+    "--nodes lists ", a.placement.nodes.size(), " nodes for ", choice.stages(), " stages",
     a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
                    : std::string{});
-  ACTORPIPE_CHECK(a.nodes.empty() || a.on_node_loss != "continue" || dp.replicas == 1,
+  ACTORPIPE_CHECK(a.placement.nodes.empty() || a.on_node_loss != "continue" || dp.replicas == 1,
                   "--on-node-loss continue: replicas in processes of their own (--world-size) do "
                   "not recover a lost node; run them in one process with --replicas, which "
                   "recovers them together");
@@ -601,8 +589,9 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   if (dp.sync_batch_norm) {
     ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
                     "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(a.nodes.empty(), "--batch-norm sync: replicas of stages on nodes (--nodes) do "
-                                     "not synchronise their batch norms yet");
+    ACTORPIPE_CHECK(a.placement.nodes.empty(),
+                    "--batch-norm sync: replicas of stages on nodes (--nodes) do "
+                    "not synchronise their batch norms yet");
     ACTORPIPE_CHECK(setup.torchscript.empty(),
                     "--batch-norm sync applies to the built-in ResNets' batch norm (a TorchScript "
                     "model's BatchNorm normalises each replica's micro-batch by itself)");
@@ -650,7 +639,7 @@ int run_train(const train_args& given) {
   auto setup = build_model(a.model);
   if (a.plan.layout_auto()) {
     const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
-    ACTORPIPE_CHECK(a.nodes.empty(), what,
+    ACTORPIPE_CHECK(a.placement.nodes.empty(), what,
                     " plans stages on this machine's cores: with --nodes (one stage per node) "
                     "give --stages");
     ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
@@ -687,7 +676,7 @@ int run_train(const train_args& given) {
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));
   }
-  if (!a.nodes.empty()) {
+  if (!a.placement.nodes.empty()) {
     // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
     // stages at a store served here (--master-addr/-port) and recovers them together.
     po.data_parallel.replicas = a.replicas;

@@ -9,6 +9,7 @@
 
 #include <actorpipe/options.hpp>
 #include <actorpipe/tls.hpp>
+#include <actorpipe/training.hpp>
 
 #include "cli/flags.hpp"
 
@@ -20,6 +21,10 @@ namespace actorpipe::cli {
 
 /// Flags of `actorpipe train`. Empty or zero values take the data set's default.
 struct train_args {
+  /// What train() takes: the flags that name its fields fill them here (--warmup, --min-lr,
+  /// checkpoints, --resume, --metrics, snapshots, recoveries, --slow-factor); run_train() adds
+  /// what follows from the data, the model and the other flags.
+  train_options train;
   /// --print-config: print `settings` and exit.
   bool print_config = false;
   /// Every flag's value as TOML (program::settings), recorded in checkpoints.
@@ -44,8 +49,6 @@ struct train_args {
   double weight_decay = 0;
   /// SGD: Nesterov momentum.
   bool nesterov = false;
-  /// The learning rate the cosine schedule ends at (torch's eta_min).
-  double min_lr = 0;
   /// Fashion-MNIST: random crops (padding 2) and horizontal flips of the training images.
   bool augment = false;
   /// images:DIR: background threads decoding batches ahead of the pipeline.
@@ -56,16 +59,10 @@ struct train_args {
   bool overlap_steps = false;
   /// Write the trained TorchScript model here.
   std::string export_path;
-  int64_t warmup = 100;
   int64_t wait_timeout_ms = 60000;
   int64_t train_samples = 0;
   int64_t test_samples = 0;
   int64_t max_steps = 0;
-  std::string checkpoint_dir;
-  int64_t checkpoint_every = 0;
-  std::size_t keep = 3;
-  std::string resume;
-  std::string metrics;
   bool no_progress = false;
   std::string json;
   std::string trace;
@@ -96,22 +93,18 @@ struct train_args {
   /// --shard-optimizer (ZeRO-1), --shard-gradients (ZeRO-2): data_parallel_options::shard.
   bool shard_optimizer = false;
   bool shard_gradients = false;
-  /// Stages on `actorpipe node` processes: one HOST:PORT per stage.
-  std::vector<std::string> nodes;
+  /// Stages on `actorpipe node` processes: --nodes (one HOST:PORT per stage), --spare-nodes,
+  /// --accept-joins and TLS fill it here; the secret (from --secret-file) and the timeouts are
+  /// added when the pipeline is made.
+  node_placement placement;
   std::string secret_file;
-  tls_options tls;
   int64_t connect_timeout_ms = 10000;
   int64_t heartbeat_timeout_ms = 1500;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
-  /// the newest snapshot, taken every snapshot_every steps, at most max_recoveries times).
+  /// the newest snapshot, taken every train.snapshot_every steps, at most train.max_recoveries
+  /// times).
   std::string on_node_loss = "fail";
-  double slow_factor = 2.0;
   std::string on_slow_node = "name";
-  std::vector<std::string> spare_nodes;
-  /// HOST:PORT where new nodes join (`actorpipe node --join`); empty: none.
-  std::string accept_joins;
-  int64_t snapshot_every = 100;
-  std::size_t max_recoveries = 3;
   /// Whether a flag was given on the command line (set by add_train_command; unset: none was).
   std::function<bool(const std::string&)> given;
 };

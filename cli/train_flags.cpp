@@ -56,13 +56,14 @@ void add_run_flags(CLI::App* cmd, train_args& a) {
   opt("--train-samples", a.train_samples, "Fashion-MNIST: use only the first N training samples");
   opt("--test-samples", a.test_samples, "Fashion-MNIST: use only the first N test samples");
   opt("--max-steps", a.max_steps, "The same as --steps (its older name)");
-  opt("--checkpoint-dir", a.checkpoint_dir, "Write checkpoints into this folder");
-  opt("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: only at the end)");
-  opt("--keep", a.keep, "Checkpoints to keep");
-  opt("--resume", a.resume,
+  opt("--checkpoint-dir", a.train.checkpoint_dir, "Write checkpoints into this folder");
+  opt("--checkpoint-every", a.train.checkpoint_every,
+      "Checkpoint every N steps (0: only at the end)");
+  opt("--keep", a.train.keep, "Checkpoints to keep");
+  opt("--resume", a.train.resume,
       "Continue from a checkpoint (or the newest in a folder; the stage count may differ), or "
       "'nodes': from the newest snapshot the --nodes keep (a driver that died, started again)");
-  opt("--metrics", a.metrics,
+  opt("--metrics", a.train.metrics,
       "Per-epoch metrics file (.csv, else JSON lines); synthetic data: one row for the run");
   cmd->add_flag("--no-progress", a.no_progress,
                 "No progress bar (synthetic data: no line per step)");
@@ -82,12 +83,12 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
   opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
   cmd
-    ->add_option("--nodes", a.nodes,
+    ->add_option("--nodes", a.placement.nodes,
                  "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
                  "per stage); activations go node to node")
     ->delimiter(',');
   opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
-  add_tls_flags(cmd, a.tls);
+  add_tls_flags(cmd, a.placement.tls);
   opt("--connect-timeout", a.connect_timeout_ms,
       "Milliseconds to reach each node and for each control request");
   opt("--heartbeat-timeout", a.heartbeat_timeout_ms,
@@ -100,21 +101,21 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "newest snapshot and replay the data from there (docs/distributed.md)")
     ->check(CLI::IsMember({"fail", "continue"}));
   cmd
-    ->add_option("--spare-nodes", a.spare_nodes,
+    ->add_option("--spare-nodes", a.placement.spares,
                  "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
                  "comma-separated), taken in order for lost nodes")
     ->delimiter(',');
-  opt("--accept-joins", a.accept_joins,
+  opt("--accept-joins", a.placement.accept_joins,
       "--on-node-loss continue: listen on HOST:PORT for new nodes (`actorpipe node --join "
       "HOST:PORT`, the same secret): one that joins is taken at the next step, cutting the model "
       "back onto it after a loss, else standing by as a spare");
-  opt("--snapshot-every", a.snapshot_every,
+  opt("--snapshot-every", a.train.snapshot_every,
       "--on-node-loss continue: copy every stage's parameters, buffers and optimizer state into "
       "this process's memory every N steps (and at the start); a recovery replays from the "
       "newest");
-  opt("--max-recoveries", a.max_recoveries,
+  opt("--max-recoveries", a.train.max_recoveries,
       "--on-node-loss continue: recoveries a run may make before a lost node ends it");
-  opt("--slow-factor", a.slow_factor,
+  opt("--slow-factor", a.train.slow_factor,
       "Name a stage whose forward and backward take this many times as long as over its first "
       "steps (medians of its last 5 and of steps 2-6); 0: do not watch");
   opt("--on-slow-node", a.on_slow_node,
@@ -194,7 +195,7 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
   cmd->add_flag("--nesterov", a.nesterov,
                 "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
-  opt("--min-lr", a.min_lr,
+  opt("--min-lr", a.train.min_lr,
       "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
       "e.g. a hundredth of --lr)");
   cmd->add_flag("--overlap-steps", a.overlap_steps,
@@ -207,7 +208,8 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--export", a.export_path,
       "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
       "Python's torch.jit.load runs");
-  opt("--warmup", a.warmup, "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
+  opt("--warmup", a.train.warmup_steps,
+      "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
@@ -235,7 +237,7 @@ void refuse_if_given(const train_args& a, const char* flag, const char* why) {
 // The flags of stages on nodes, of their recovery and of overlapping steps, where they apply.
 void check_node_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
-  if (a.nodes.empty()) {
+  if (a.placement.nodes.empty()) {
     for (const char* flag : {"--on-node-loss", "--spare-nodes", "--snapshot-every",
                              "--max-recoveries", "--heartbeat-timeout", "--accept-joins"}) {
       refuse(flag, "applies to stages on nodes (--nodes)");
@@ -246,7 +248,7 @@ void check_node_flags_apply(const train_args& a) {
       refuse(flag, "applies to --on-node-loss continue");
     }
   }
-  if (!a.nodes.empty()) {
+  if (!a.placement.nodes.empty()) {
     refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
                               "step at a time");
   }
@@ -256,18 +258,21 @@ void check_node_flags_apply(const train_args& a) {
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }
-  ACTORPIPE_CHECK(a.resume != "nodes" || !a.nodes.empty(),
+  ACTORPIPE_CHECK(a.train.resume != "nodes" || !a.placement.nodes.empty(),
                   "--resume nodes takes the snapshot that nodes keep of the stages they host: "
                   "give the run's --nodes");
-  ACTORPIPE_CHECK(a.slow_factor == 0 || a.slow_factor > 1, "--slow-factor (", a.slow_factor,
-                  ") must be 0 (not watched) or above 1");
+  ACTORPIPE_CHECK(a.train.slow_factor == 0 || a.train.slow_factor > 1, "--slow-factor (",
+                  a.train.slow_factor, ") must be 0 (not watched) or above 1");
   if (a.on_slow_node == "recut") {
-    ACTORPIPE_CHECK(!a.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 && a.slow_factor > 0,
+    ACTORPIPE_CHECK(!a.placement.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 &&
+                      a.train.slow_factor > 0,
                     "--on-slow-node recut places the stages of one pipeline on its --nodes again: "
                     "it needs --nodes, no --replicas and a --slow-factor");
   }
-  ACTORPIPE_CHECK(a.snapshot_every >= 1, "--snapshot-every (", a.snapshot_every, ") must be >= 1");
-  ACTORPIPE_CHECK(a.max_recoveries >= 1, "--max-recoveries (", a.max_recoveries, ") must be >= 1");
+  ACTORPIPE_CHECK(a.train.snapshot_every >= 1, "--snapshot-every (", a.train.snapshot_every,
+                  ") must be >= 1");
+  ACTORPIPE_CHECK(a.train.max_recoveries >= 1, "--max-recoveries (", a.train.max_recoveries,
+                  ") must be >= 1");
 }
 
 } // namespace
