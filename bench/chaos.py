@@ -2,7 +2,8 @@
 """A chaos soak (issue 41, part 6; docs/distributed.md's fault table, BENCHMARKS.md).
 
     python3 bench/chaos.py ACTORPIPE [--minutes 30] [--fault-every 30] [--seed 1] [--json OUT]
-                           [--faults node-kill,node-stop,driver-kill] [--throughput 0.97]
+                           [--faults node-kill,node-stop,driver-kill[,host-crash]]
+                           [--throughput 0.97]
 
 Trains the small mlp over three `actorpipe node` processes on loopback (3 stages,
 --on-node-loss continue, snapshots every 10 steps) twice, for the steps a fault-free run takes
@@ -12,7 +13,9 @@ in --minutes (calibrated first):
 2. the same command with a fault every --fault-every seconds, drawn (seeded) from: a node killed
    (-9) and started again on its port 2 s later (it is taken back at a step boundary), a node
    stopped (SIGSTOP) for 10 s and continued, the training process killed (-9) and started again
-   with `--resume nodes`. Its nodes share loopback, where no one link can be cut: a cut link
+   with `--resume nodes`; with --faults host-crash (not drawn by default), the training process
+   and a node killed at once, both started again (the node's stages come from its neighbour's
+   copy). Its nodes share loopback, where no one link can be cut: a cut link
    (network namespaces, tools/netns_hosts.sh; the nodes_across_network_namespaces test cuts
    one) is not drawn.
 
@@ -76,6 +79,7 @@ class Cluster:
 
     def start(self, port):
         log = open(os.path.join(self.work, f"node{port}.log"), "a")
+        offset = log.tell()  # a node started again: its own line, not the one before
         self.procs[port] = subprocess.Popen(
             [self.program, "node", "--listen", f"127.0.0.1:{port}"], stdout=log,
             stderr=subprocess.STDOUT)
@@ -83,6 +87,7 @@ class Cluster:
         deadline = time.time() + 20
         while time.time() < deadline:
             with open(log.name, errors="replace") as f:
+                f.seek(offset)
                 if "listening on" in f.read():
                     return
             time.sleep(0.05)
@@ -193,6 +198,16 @@ def run_steps(program, steps, work, faults=None, fault_every=30, seed=1):
                 cluster.procs[port].send_signal(signal.SIGSTOP)
                 time.sleep(10)
                 cluster.procs[port].send_signal(signal.SIGCONT)
+            elif kind == "host-crash":  # the training process and a node at once
+                driver.proc.kill()
+                cluster.procs[port].kill()
+                driver.proc.wait()
+                cluster.procs[port].wait()
+                killed.add(port)
+                time.sleep(2)
+                cluster.start(port)
+                driver.start(resume=True)
+                memory["driver"] = driver_now = None
             else:  # driver-kill
                 port = None
                 driver.proc.kill()
@@ -275,7 +290,7 @@ def check(free, chaos, steps, throughput):
         f"exit {free['exit']}, {len(reference)} of {steps} steps")
     add("chaos run", chaos["exit"] == 0, f"exit {chaos['exit']}, {len(chaos['events'])} faults: "
         + ", ".join(f"{k} x{sum(e['fault'] == k for e in chaos['events'])}"
-                    for k in ("node-kill", "node-stop", "driver-kill")))
+                    for k in ("node-kill", "node-stop", "driver-kill", "host-crash")))
     differ = [(s, l, reference.get(s)) for s, l in chaos["lines"] if reference.get(s) != l]
     seen = {s for s, _ in chaos["lines"]}
     add("every step's loss equals the fault-free run's", not differ and len(seen) == steps,

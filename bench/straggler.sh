@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # A straggler: two `actorpipe node` processes on loopback, each pinned to a core of its own, and
-# the second stopped half of the time after step 30 (SIGSTOP and SIGCONT every 50 ms: its stage
-# runs about half as fast). Compares the median step time over steps 70-150 of
-#   fault-free:  the node never stopped
-#   named:       stopped half of the time, --on-slow-node name (the stage is named, nothing moves)
+# the second slowed after step 30: SLOW=stop (the default) stops it half of the time (SIGSTOP and
+# SIGCONT every 50 ms: its transfers stop too), SLOW=hog starts another process on its core (a
+# busy loop pinned there: the kernel gives each half the core). Compares the median step time
+# over steps 70-150 of
+#   fault-free:  the node never slowed
+#   named:       slowed, --on-slow-node name (the stage is named, nothing moves)
 #   recut:       the same, --on-slow-node recut (layers move off the slow node)
-#   planned:     stopped half of the time from the start, with the cut recut chose (--partition)
-# (steps 70-150 below) and prints when the stage was named. Needs 2 cores and taskset.
-#   bench/straggler.sh [extra train flags...]
+#   planned:     slowed from the start, with the cut recut chose (--partition cut:B) and, with
+#                SLOW=hog, the cuts one layer either side of it: the best of them is the layout
+#                planned for that speed, and recut / best the throughput recut recovers
+# and prints when the stage was named. Needs 2 cores and taskset.
+# The fault-free cut is PARTITION's (uniform by default; time balances the stages as profiled).
+#   [SLOW=stop|hog] [PARTITION=uniform|time|params] bench/straggler.sh [extra train flags...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 program=${ACTORPIPE:-build/cli/actorpipe}
@@ -30,6 +35,19 @@ half_stopped() {
   done
 }
 
+slow=${SLOW:-stop}
+partition=${PARTITION:-uniform}
+[[ $slow == stop || $slow == hog ]] || { echo "SLOW is stop or hog, not $slow"; exit 2; }
+
+# Slows node PID from now until killed: stopped half of the time, or a busy loop on core 1.
+slow_down() {
+  if [[ $slow == stop ]]; then
+    half_stopped "$1"
+  else
+    exec taskset -c 1 bash -c 'while :; do :; done'
+  fi
+}
+
 # run LABEL HOG(none|30|0) [train flags...]: prints the median step over steps 70-150.
 run() {
   [[ -d $work ]] || { echo "work dir $work gone"; exit 1; }
@@ -45,7 +63,7 @@ run() {
   b=$(pgrep -f -- "^$program node --listen 127.0.0.1:$((base + 1))") # the node, not a shell
   local busy=""
   if [[ $hog == 0 ]]; then
-    half_stopped $b &
+    slow_down $b &
     busy=$!
   fi
   "$program" train "${flags[@]}" --nodes "127.0.0.1:$base,127.0.0.1:$((base + 1))" \
@@ -53,7 +71,7 @@ run() {
   local train=$!
   if [[ $hog == 30 ]]; then
     wait_for "$work/$label.log" 'step 30/' 120
-    half_stopped $b &
+    slow_down $b &
     busy=$!
   fi
   wait $train
@@ -72,10 +90,14 @@ PY
   grep -h 'cut anew' "$work/$label.log" | head -1
 }
 
-run fault-free none --partition uniform
-run named 30 --partition uniform --on-slow-node name --slow-factor 1.5
-run recut 30 --partition uniform --on-slow-node recut --slow-factor 1.5
+run fault-free none --partition "$partition"
+run named 30 --partition "$partition" --on-slow-node name --slow-factor 1.5
+run recut 30 --partition "$partition" --on-slow-node recut --slow-factor 1.5
 cut=$(python3 -c "import json,sys; r=json.load(open('$work/recut.json'))['recuts']; print(','.join(map(str, r[-1][1:-1])) if r else '')")
 if [[ -n $cut ]]; then
   run planned 0 --partition "cut:$cut" --slow-factor 0
+  if [[ $slow == hog && $cut != *,* ]]; then # two stages: the cuts either side too
+    run planned-below 0 --partition "cut:$((cut - 1))" --slow-factor 0
+    run planned-above 0 --partition "cut:$((cut + 1))" --slow-factor 0
+  fi
 fi

@@ -373,6 +373,7 @@ void pipeline::impl::place_on_nodes() {
     stage_actors = std::move(placed.proxies);
     remote_hub = std::move(placed.hub);
     nodes = std::move(placed.nodes);
+    stage_data = std::move(placed.data);
   } catch (...) {
     caf::anon_send_exit(scheduler, caf::exit_reason::user_shutdown);
     scheduler = nullptr;

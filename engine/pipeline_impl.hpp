@@ -96,6 +96,8 @@ struct pipeline::impl {
   std::optional<remote_model> remote;
   engine* sys = nullptr;
   std::map<std::string, caf::actor> nodes;
+  // Where each stage actor takes frames: a node's kept snapshot goes to its neighbour's.
+  std::vector<nodes::endpoint> stage_data;
   // Training and forward steps submitted: the scheduler's step counter, which a recovered
   // pipeline continues.
   std::atomic<uint64_t> steps{0};

@@ -248,8 +248,10 @@ void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torc
   snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
   snapshot_number = number;
   if (remote) {
-    // Complete here: every node keeps its stages' copy, tagged with the cut it was taken on.
-    nodes::keep_snapshot(sys->internals().system, stage_nodes(), number,
+    // Complete here: every node keeps its stages' copy, tagged with the cut it was taken on,
+    // and, but for replicas (the other replicas' same stages are as good), its neighbour's.
+    nodes::keep_snapshot(sys->internals().system, stage_nodes(),
+                         replicas ? std::vector<nodes::endpoint>{} : stage_data, number,
                          nlohmann::json{{"bounds", cut.bounds}, {"note", note}}.dump());
   }
   // The frames and the snapshot this one replaced were megabytes of heap.
@@ -286,15 +288,20 @@ uint64_t pipeline::snapshot_in_background(const std::string& note) {
 namespace {
 
 // The newest snapshot kept whole by `kept` (what each of `addresses` keeps): one part for each of
-// its stage actors (its cut's stages over `chunks`), each on a node of its own.
+// its stage actors (its cut's stages over `chunks`), each on the node that keeps it: the node of
+// its own stage, else the neighbour holding its copy (which then holds two stage actors).
 std::optional<kept_snapshot> newest_whole(const std::vector<std::vector<nodes::kept_stage>>& kept,
                                           const std::vector<std::string>& addresses,
                                           std::size_t chunks) {
-  // By (number, tag): which node keeps which stage actor's part.
+  // By (number, tag): which node keeps which stage actor's part, its own first.
   std::map<std::pair<uint64_t, std::string>, std::map<uint32_t, std::size_t>> parts;
-  for (std::size_t n = 0; n < kept.size(); ++n) {
-    for (const auto& e : kept[n]) {
-      parts[{e.number, e.note}].emplace(e.stage, n);
+  for (bool copies : {false, true}) {
+    for (std::size_t n = 0; n < kept.size(); ++n) {
+      for (const auto& e : kept[n]) {
+        if (e.copy == copies) {
+          parts[{e.number, e.note}].emplace(e.stage, n);
+        }
+      }
     }
   }
   for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
@@ -328,11 +335,33 @@ std::string describe_kept(const std::vector<std::vector<nodes::kept_stage>>& kep
       auto tag = nlohmann::json::parse(e.note, nullptr, false);
       parts += detail::concat(
         parts.empty() ? "" : ", ", "stage ", e.stage, "'s snapshot ", e.number, " of cut ",
-        tag.is_object() && tag.contains("bounds") ? tag["bounds"].dump() : std::string("?"));
+        tag.is_object() && tag.contains("bounds") ? tag["bounds"].dump() : std::string("?"),
+        e.copy ? " (a neighbour's copy)" : "");
     }
     held += detail::concat(n == 0 ? "" : "; ", addresses[n], ": ", parts.empty() ? "none" : parts);
   }
   return held;
+}
+
+// `placed` with each stage actor that shares a node more often than the given nodes do (a part
+// restored from a neighbour's copy) moved to a given node left without one, in order.
+std::vector<std::string> spread_over(std::vector<std::string> placed,
+                                     const std::vector<std::string>& given) {
+  std::vector<std::string> unused;
+  std::map<std::string, std::size_t> allowed, seen;
+  for (const auto& n : given) {
+    ++allowed[n];
+    if (!among(placed, n) && !among(unused, n)) {
+      unused.push_back(n);
+    }
+  }
+  std::size_t next = 0;
+  for (auto& n : placed) {
+    if (++seen[n] > std::max<std::size_t>(1, allowed[n]) && next < unused.size()) {
+      n = unused[next++];
+    }
+  }
+  return placed;
 }
 
 } // namespace
@@ -365,21 +394,31 @@ void pipeline::restore_from_nodes(const kept_snapshot& kept) {
     self.cut = partition{kept.bounds};
     placement.nodes = kept.nodes;
     self.place_on_nodes();
-    for (const auto& n : self.given_nodes) {
-      if (!among(kept.nodes, n) && !among(self.lost_nodes, n)) {
-        self.lost_nodes.push_back(n); // asked again between steps (rejoin_nodes)
-      }
-    }
     log::get()->info("pipeline: placed as when snapshot {} was taken: {} stages on {}, cut {}",
                      kept.number, placement.nodes.size(), fmt::join(placement.nodes, ", "),
                      self.cut.to_string());
   }
   nodes::restore_kept(self.sys->internals().system, self.stage_nodes(), placement.nodes,
                       kept.number, self.options.step_timeout);
-  // What a later recover() restores: the state now (the nodes keep theirs still).
-  self.snapshot = self.fetch_now("restore_from_nodes");
-  self.snapshot_number = kept.number;
   self.snapshots_taken = std::max(self.snapshots_taken, kept.number);
+  auto spread = spread_over(placement.nodes, self.given_nodes);
+  if (spread != placement.nodes) {
+    // A part came from a neighbour's copy (its own node keeps nothing: it restarted, or another
+    // took its address): the stage actors sharing a node go to the given nodes without one.
+    self.place_again_from_now(std::move(spread), self.cut, "restore_from_nodes");
+    log::get()->info("pipeline: spread over the given nodes: {} stages on {}, cut {}",
+                     placement.nodes.size(), fmt::join(placement.nodes, ", "),
+                     self.cut.to_string());
+  } else {
+    // What a later recover() restores: the state now (the nodes keep theirs still).
+    self.snapshot = self.fetch_now("restore_from_nodes");
+    self.snapshot_number = kept.number;
+  }
+  for (const auto& n : self.given_nodes) {
+    if (!among(placement.nodes, n) && !among(self.lost_nodes, n)) {
+      self.lost_nodes.push_back(n); // asked again between steps (rejoin_nodes)
+    }
+  }
 }
 
 uint64_t pipeline::newest_snapshot() {

@@ -41,34 +41,88 @@ bool kept_snapshots::keep(uint32_t index, uint64_t number, std::string note) {
   return true;
 }
 
+std::shared_ptr<const stages::packed_bytes> kept_snapshots::kept_bytes(uint32_t index,
+                                                                       uint64_t number) const {
+  auto it = kept_.find(index);
+  return it != kept_.end() && it->second.number == number && number > 0 ? it->second.bytes
+                                                                        : nullptr;
+}
+
+kept_snapshots::copy& kept_snapshots::arriving(uint32_t index, uint64_t number) {
+  auto& a = arriving_[index];
+  if (number != a.number) {
+    // Another snapshot's (a new driver numbers from 1 again): what came of the one before goes.
+    a = copy{};
+    a.number = number;
+  }
+  return a;
+}
+
+void kept_snapshots::settle_copy(uint32_t index) {
+  auto it = arriving_.find(index);
+  if (it != arriving_.end() && it->second.noted && it->second.bytes.defined()) {
+    copies_[index] = std::move(it->second);
+    arriving_.erase(it);
+  }
+}
+
+void kept_snapshots::copy_arrived(uint32_t index, uint64_t number, torch::Tensor bytes) {
+  if (number > 0) {
+    arriving(index, number).bytes = std::move(bytes);
+    settle_copy(index);
+  }
+}
+
+void kept_snapshots::copy_held(uint32_t index, uint64_t number, std::string note) {
+  if (number > 0) {
+    auto& a = arriving(index, number);
+    a.note = std::move(note);
+    a.noted = true;
+    settle_copy(index);
+  }
+}
+
 std::string kept_snapshots::inventory() const {
   auto all = nlohmann::json::array();
   for (const auto& [index, e] : kept_) {
-    all.push_back({{"stage", index}, {"number", e.number}, {"note", e.note}});
+    all.push_back({{"stage", index}, {"number", e.number}, {"note", e.note}, {"copy", false}});
+  }
+  for (const auto& [index, c] : copies_) {
+    all.push_back({{"stage", index}, {"number", c.number}, {"note", c.note}, {"copy", true}});
   }
   return all.dump();
 }
 
 stages::tensor_map kept_snapshots::take(uint32_t index, uint64_t number,
                                         const std::string& node) const {
-  auto it = kept_.find(index);
-  if (it == kept_.end() || it->second.number != number) {
-    throw pipeline_error(
-      detail::concat("node ", node, " keeps ",
-                     it == kept_.end()
-                       ? std::string("no snapshot of stage ")
-                       : detail::concat("snapshot ", it->second.number, " of stage "),
-                     index, ", not snapshot ", number),
-      error_details{error_kind::io});
+  auto what = detail::concat("the kept snapshot of stage ", index);
+  if (auto bytes = kept_bytes(index, number)) {
+    // Unpacked from a copy: the tensors are views of 64-byte aligned bytes, which a vector's
+    // are not.
+    auto aligned = torch::empty({static_cast<int64_t>(bytes->size())}, torch::kUInt8);
+    std::memcpy(aligned.data_ptr(), bytes->data(), bytes->size());
+    return stages::unpack_tensors(aligned, what);
   }
-  // Unpacked from a copy: the tensors are views of 64-byte aligned bytes, which a vector's are not.
-  const auto& bytes = *it->second.bytes;
-  auto aligned = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-  std::memcpy(aligned.data_ptr(), bytes.data(), bytes.size());
-  return stages::unpack_tensors(aligned, detail::concat("the kept snapshot of stage ", index));
+  auto c = copies_.find(index);
+  if (c != copies_.end() && c->second.number == number) {
+    return stages::unpack_tensors(c->second.bytes.clone(), what);
+  }
+  auto it = kept_.find(index);
+  throw pipeline_error(
+    detail::concat("node ", node, " keeps ",
+                   it == kept_.end() ? std::string("no snapshot of stage ")
+                                     : detail::concat("snapshot ", it->second.number, " of stage "),
+                   index,
+                   c == copies_.end()
+                     ? std::string{}
+                     : detail::concat(" (a copy of snapshot ", c->second.number, ")"),
+                   ", not snapshot ", number),
+    error_details{error_kind::io});
 }
 
 void kept_snapshots::release_pending() {
+  // A neighbour's copy still arriving stays: its driver may just have gone, after the snapshot
+  // came whole (it is what a driver started again resumes from).
   pending_.clear();
   scratch_.reset();
 }
@@ -76,15 +130,33 @@ void kept_snapshots::release_pending() {
 void kept_snapshots::clear() {
   release_pending();
   kept_.clear();
+  arriving_.clear();
+  copies_.clear();
 }
 
-void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes, uint64_t number,
-                   const std::string& note) {
+void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
+                   const std::vector<endpoint>& data, uint64_t number, const std::string& note) {
   // From an actor of this process, which the nodes authenticated (an anonymous message is not).
   caf::scoped_actor self{sys};
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (nodes[i]) {
-      self->send(nodes[i], keep_atom::value, static_cast<uint32_t>(i), number, note);
+  const auto n = nodes.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!nodes[i]) {
+      continue;
+    }
+    auto index = static_cast<uint32_t>(i);
+    self->send(nodes[i], keep_atom::value, index, number, note);
+    if (data.size() != n) {
+      continue;
+    }
+    for (std::size_t k = 1; k < n; ++k) {
+      auto j = (i + k) % n;
+      if (nodes[j] && nodes[j] != nodes[i]) {
+        // The holder first: the copy is kept once its note and its bytes are both there. After
+        // the keep on the same connection: the node sends what it now keeps.
+        self->send(nodes[j], hold_atom::value, index, number, note);
+        self->send(nodes[i], copy_atom::value, index, number, data[j].host, data[j].port);
+        break;
+      }
     }
   }
 }
@@ -109,7 +181,7 @@ std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
             if (e.is_object() && e.value("stage", int64_t{-1}) >= 0 &&
                 e.value("number", uint64_t{0}) > 0) {
               result[i].push_back({e.value("stage", uint32_t{0}), e.value("number", uint64_t{0}),
-                                   e.value("note", std::string{})});
+                                   e.value("note", std::string{}), e.value("copy", false)});
             }
           }
         },

@@ -84,6 +84,39 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t k
   return {};
 }
 
+// Sends the node's kept snapshot `number` of stage `index` to the node whose data port is
+// host:port, which holds it for this node (hold_atom); false when another or none is kept.
+bool send_copy(node_actor* self, uint32_t index, uint64_t number, const std::string& host,
+               uint16_t port) {
+  auto& s = self->state;
+  auto bytes = s.snapshots.kept_bytes(index, number);
+  if (!bytes) {
+    log::get()->warn("node {}: asked to send a copy of stage {}'s snapshot {}, which it does not "
+                     "keep",
+                     s.label, index, number);
+    return false;
+  }
+  if (s.sending.valid()) {
+    s.sending.wait(); // one frame at a time; the buffer a later snapshot packs into is then free
+  }
+  s.sending = std::async(
+    std::launch::async, [bytes, hub = s.hub, label = s.label, host, port, index, number] {
+      try {
+        auto blob = torch::from_blob(const_cast<char*>(bytes->data()),
+                                     {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
+        hub->send(host, port,
+                  comm::describe(comm::frame_kind::state, index, number | copy_bit, 0, 0, blob),
+                  blob);
+      } catch (const std::exception& e) {
+        // The neighbour keeps its older copy; a driver that starts again without this node
+        // resumes from the snapshot before.
+        log::get()->warn("node {}: the copy of stage {}'s snapshot {} did not reach {}:{}: {}",
+                         label, index, number, host, port, e.what());
+      }
+    });
+  return true;
+}
+
 void finish_load(node_actor* self, uint32_t index, uint64_t id) {
   // A load completes once both its request and its state frame are here.
   auto* h = find_stage(self, index);
@@ -148,6 +181,14 @@ caf::message_handler state_handlers(node_actor* self) {
       return allowed(self, "keep") && self->state.keep_for.count() > 0 &&
              self->state.snapshots.keep(index, number, std::move(note));
     },
+    [=](copy_atom, uint32_t index, uint64_t number, std::string& host, uint16_t port) {
+      return allowed(self, "copy") && send_copy(self, index, number, host, port);
+    },
+    [=](hold_atom, uint32_t index, uint64_t number, std::string& note) {
+      if (allowed(self, "hold") && self->state.keep_for.count() > 0) {
+        self->state.snapshots.copy_held(index, number, std::move(note));
+      }
+    },
     [=](kept_atom) -> std::string {
       return allowed(self, "kept") ? self->state.snapshots.inventory() : std::string("[]");
     },
@@ -174,7 +215,12 @@ caf::message_handler state_handlers(node_actor* self) {
       return rp;
     },
     [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
-      if (auto* h = find_stage(self, index)) {
+      if ((id & copy_bit) != 0) {
+        // A neighbour's kept snapshot (copy_atom), kept once the driver's note is here too.
+        if (self->state.keep_for.count() > 0) {
+          self->state.snapshots.copy_arrived(index, id & ~copy_bit, std::move(blob));
+        }
+      } else if (auto* h = find_stage(self, index)) {
         h->states[id] = std::move(blob);
         self->send(self, state_atom::value, index, id);
       }

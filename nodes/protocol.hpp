@@ -26,7 +26,15 @@
 ///   whole to the driver: the node keeps it, with the driver's note, in place of the one before
 ///   (false: the pending state is another's, or the node keeps none). Kept after the stage went,
 ///   for node_options::keep_snapshots.
-/// - (kept_atom) -> std::string: the kept snapshots, [{"stage", "number", "note"}, ...]
+/// - (copy_atom, uint32 stage, uint64 number, std::string host, uint16 port) -> bool: the node
+///   sends its kept snapshot `number` of stage `stage` to the node whose data port is host:port
+///   (a state frame whose id is number | copy_bit), beside its stages' work (false: it keeps
+///   another or none)
+/// - (hold_atom, uint32 stage, uint64 number, std::string note): a copy of another node's stage
+///   `stage`, snapshot `number`, is on its way here (copy_atom): the node keeps it beside its own
+///   once it came, in place of the copy before, with `note`
+/// - (kept_atom) -> std::string: the kept snapshots, [{"stage", "number", "note", "copy"}, ...]
+///   (copy: a neighbour's stage, held for it)
 /// - (rrestore_atom, uint32 stage, uint64 number) -> true: the stage (built anew, by a driver
 ///   that started again) loads kept snapshot `number` of its index
 /// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
@@ -46,6 +54,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <string>
 
 #include <caf/atom.hpp>
@@ -74,6 +83,8 @@ using rload_atom = caf::atom_constant<caf::atom("rload")>;
 using release_atom = caf::atom_constant<caf::atom("release")>;
 using keep_atom = caf::atom_constant<caf::atom("keep")>;
 using kept_atom = caf::atom_constant<caf::atom("kept")>;
+using copy_atom = caf::atom_constant<caf::atom("copy")>;
+using hold_atom = caf::atom_constant<caf::atom("hold")>;
 using rrestore_atom = caf::atom_constant<caf::atom("rrestore")>;
 using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
 using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
@@ -103,6 +114,10 @@ struct stage_spec {
   data_parallel_options data_parallel;
   std::string group_prefix;
 };
+
+/// The bit of a state frame's id that marks a neighbour's kept snapshot (copy_atom): the rest of
+/// the id is the snapshot's number.
+constexpr uint64_t copy_bit = uint64_t{1} << 63;
 
 /// Where a stage receives frames, and the node that hosts it ("host:port" of its control).
 struct endpoint {

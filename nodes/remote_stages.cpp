@@ -657,6 +657,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
       peers.stages.push_back(std::move(data));
     }
     peers.scheduler = {result.hub->host(), result.hub->port(), "scheduler"};
+    result.data = peers.stages;
     auto table = to_json(peers);
     for (std::size_t i = 0; i < count; ++i) {
       // Pooled, not detached: nodes hold handles of the proxies, and CAF 0.17 may then keep a

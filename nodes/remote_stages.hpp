@@ -26,6 +26,7 @@
 #include <actorpipe/results.hpp>
 
 #include "actors/messages.hpp"
+#include "nodes/protocol.hpp"
 
 namespace actorpipe::comm {
 class tensor_hub;
@@ -41,6 +42,8 @@ struct remote_stages {
   std::shared_ptr<comm::tensor_hub> hub;
   /// The nodes reached, by "host:port" (authenticated).
   std::map<std::string, caf::actor> nodes;
+  /// Where each stage actor takes frames, in order.
+  std::vector<endpoint> data;
 };
 
 /// Connects to every node of options.placement (authenticating with its secret), has each
@@ -71,15 +74,18 @@ std::vector<bool> answering(caf::actor_system& sys, const std::vector<std::strin
                             const node_placement& placement, bool quiet = false);
 
 /// Kept snapshots (nodes/kept_snapshots.cpp), `nodes[i]` the node of stage i:
-/// snapshot `number` came whole to the driver: each node keeps its stage's copy, with `note`
-/// (sent, not waited for).
-void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes, uint64_t number,
-                   const std::string& note);
-/// One snapshot of one stage actor that a node keeps.
+/// snapshot `number` came whole to the driver: each node keeps its stage's copy, with `note`.
+/// Where `data` is given (each stage's data endpoint), each node also sends its copy to its
+/// neighbour, the next node in stage order (round) that is another, which holds it beside its
+/// own: a node lost with the driver loses nothing. Sent, not waited for.
+void keep_snapshot(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
+                   const std::vector<endpoint>& data, uint64_t number, const std::string& note);
+/// One snapshot of one stage actor that a node keeps: its own stage's, or a neighbour's (copy).
 struct kept_stage {
   uint32_t stage = 0;
   uint64_t number = 0;
   std::string note;
+  bool copy = false;
 };
 /// What each node keeps, of whichever stages it held: a node keeps the newest snapshot of every
 /// stage index it hosted, so after a recovery or a rejoin placed stages anew it can keep another

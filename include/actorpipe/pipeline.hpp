@@ -127,17 +127,20 @@ public:
   uint64_t snapshot_in_background(const std::string& note = {});
 
   /// Stages on nodes, in a driver that started again after its predecessor died: the newest
-  /// snapshot (snapshot()) that the nodes keep whole, one part of it for every stage actor on a
-  /// node of its own: its number, note, nodes and cut (those of the placement when it was taken,
-  /// which a recovery or a rejoin may have changed since). Throws pipeline_error (io) naming what
-  /// each node keeps when no snapshot is kept whole, invalid_argument for stages in process.
+  /// snapshot (snapshot()) that the nodes keep whole, one part of it for every stage actor: its
+  /// number, note, cut (the placement's when it was taken, which a recovery or a rejoin may have
+  /// changed since) and the node keeping each part: the node of that stage, else its neighbour
+  /// (each node also holds a copy of the next node's stages, one pipeline without replicas), so a
+  /// node lost with the driver loses nothing. Throws pipeline_error (io) naming what each node
+  /// keeps when no snapshot is kept whole, invalid_argument for stages in process.
   kept_snapshot kept_on_nodes();
   /// Every stage loads its part of kept snapshot `kept` (kept_on_nodes()) from the node keeping
   /// it; it becomes this pipeline's newest snapshot too (what recover() restores). Where the
   /// snapshot's nodes or cut are not the pipeline's, the stages are first placed as they were
-  /// when it was taken; a node of the pipeline left without a stage then counts as lost, and
-  /// rejoin_nodes() cuts the model back onto it. Throws pipeline_error (io) naming the stage and
-  /// node that do not keep it.
+  /// when it was taken; where a copy put two stage actors on one node, they are then spread over
+  /// the pipeline's nodes left without one, from the state loaded (nothing replayed). A node of
+  /// the pipeline left without a stage counts as lost, and rejoin_nodes() cuts the model back
+  /// onto it. Throws pipeline_error (io) naming the stage and node that do not keep it.
   void restore_from_nodes(const kept_snapshot& kept);
 
   /// The number of the newest complete snapshot (0: the state the pipeline was built with or

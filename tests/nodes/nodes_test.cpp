@@ -1,6 +1,7 @@
 // Stages on nodes (in this process, each node its own actor system and listeners, talking over
 // loopback TCP exactly as separate processes do).
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -16,6 +17,7 @@
 #include "comm/tensor_hub.hpp"
 #include "comm/test_certificates.hpp"
 #include "comm/wire.hpp"
+#include "nodes/kept_snapshots.hpp"
 #include "nodes/protocol.hpp"
 #include <actorpipe/models.hpp>
 #include <actorpipe/node.hpp>
@@ -1350,6 +1352,33 @@ TEST_CASE("repartition places the stages on their nodes again with another cut, 
                        doctest::Contains("in this process"), invalid_argument);
 }
 
+// Waits (up to 5 s) for nodes to drop the stages of a driver that went.
+void wait_for_no_stages(const std::vector<const node*>& nodes) {
+  auto hosting = [&] {
+    return std::any_of(nodes.begin(), nodes.end(), [](const node* n) { return n->stages() != 0; });
+  };
+  for (int wait = 0; wait < 100 && hosting(); ++wait) {
+    std::this_thread::sleep_for(50ms);
+  }
+  CHECK_FALSE(hosting());
+}
+
+// Trains `resumed` on from its nodes' snapshot of step 4 (--resume nodes) to step 8: steps 5-8
+// with plain libtorch's losses (`expected`), and its parameters.
+void check_resumed_to_step_8(pipeline& resumed, losing_source& data, train_options to,
+                             const std::vector<double>& expected, plain_model& plain) {
+  to.resume = "nodes";
+  to.max_steps = 8;
+  auto report = train(resumed, data, to);
+  REQUIRE(report.steps.size() == 4);
+  for (std::size_t k = 0; k < 4; ++k) {
+    CAPTURE(k);
+    CHECK(report.steps[k].first == k + 5);
+    CHECK(report.steps[k].second == doctest::Approx(expected[k + 4]).epsilon(1e-6));
+  }
+  check_close(resumed.named_parameters(), named(plain.layers, false));
+}
+
 TEST_CASE("a driver that died starts again from the snapshot its nodes keep (resume nodes), with "
           "the losses of the uninterrupted run") {
   node n1(node_config()), n2(node_config());
@@ -1374,48 +1403,107 @@ TEST_CASE("a driver that died starts again from the snapshot its nodes keep (res
     std::this_thread::sleep_for(50ms); // the nodes drop the stages of a driver that went
   }
   CHECK(n1.stages() == 0);
+  uint64_t newest = 0;
   {
     pipeline second(sys, tiny_remote(), partition_uniform(6, 2),
                     remote_options({n1.address(), n2.address()}));
     auto kept = second.kept_on_nodes();
     CHECK(kept.number == 3);
     CHECK(kept.note.find("\"step\":4") != std::string::npos);
-    to.resume = "nodes";
-    to.max_steps = 8;
-    auto report = train(second, data, to);
-    REQUIRE(report.steps.size() == 4);
-    for (std::size_t k = 0; k < 4; ++k) {
-      CAPTURE(k);
-      CHECK(report.steps[k].first == k + 5);
-      CHECK(report.steps[k].second == doctest::Approx(expected[k + 4]).epsilon(1e-6));
-    }
-    check_close(second.named_parameters(), named(plain.layers, false));
+    check_resumed_to_step_8(second, data, to, expected, plain);
+    newest = second.newest_snapshot();
+  }
+  // The first node keeps its own stage and a copy of its neighbour's: whole on it alone.
+  wait_for_no_stages({&n1, &n2});
+  node fresh(node_config()), other_fresh(node_config());
+  {
+    pipeline one(sys, tiny_remote(), partition_uniform(6, 2),
+                 remote_options({n1.address(), fresh.address()}));
+    auto kept = one.kept_on_nodes();
+    CHECK(kept.number == newest);
+    CHECK(kept.nodes == std::vector<std::string>{n1.address(), n1.address()});
   }
   // Nodes that keep nothing: refused, naming what each node keeps.
-  node fresh(node_config());
   pipeline other(sys, tiny_remote(), partition_uniform(6, 2),
-                 remote_options({n1.address(), fresh.address()}));
-  CHECK_THROWS_WITH_AS(other.kept_on_nodes(),
-                       doctest::Contains(("do not keep one snapshot of every stage whole (" +
-                                          n1.address() + ": stage 0's snapshot ")
-                                           .c_str()),
-                       pipeline_error);
-  CHECK_THROWS_WITH_AS(other.kept_on_nodes(),
-                       doctest::Contains((fresh.address() + ": none)").c_str()), pipeline_error);
+                 remote_options({fresh.address(), other_fresh.address()}));
+  CHECK_THROWS_WITH_AS(
+    other.kept_on_nodes(),
+    doctest::Contains(("do not keep one snapshot of every stage whole (" + fresh.address() +
+                       ": none; " + other_fresh.address() + ": none)")
+                        .c_str()),
+    pipeline_error);
   pipeline local(sys, tiny_mlp(1), partition_uniform(6, 2), local_options());
   CHECK_THROWS_WITH_AS(local.kept_on_nodes(), doctest::Contains("in this process"),
                        invalid_argument);
 }
 
-// Waits (up to 5 s) for nodes to drop the stages of a driver that went.
-void wait_for_no_stages(const std::vector<const node*>& nodes) {
-  auto hosting = [&] {
-    return std::any_of(nodes.begin(), nodes.end(), [](const node* n) { return n->stages() != 0; });
+TEST_CASE("a node keeps a neighbour's copy once its bytes and the driver's note are both there, "
+          "the newest only") {
+  auto bytes_of = [](float value) {
+    auto packed = stages::pack_tensors({{"w", torch::full({3}, value)}});
+    auto t = torch::empty({static_cast<int64_t>(packed.size())}, torch::kUInt8);
+    std::memcpy(t.data_ptr(), packed.data(), packed.size());
+    return t;
   };
-  for (int wait = 0; wait < 100 && hosting(); ++wait) {
-    std::this_thread::sleep_for(50ms);
+  auto value_of = [](const stages::tensor_map& m) { return m.at("w")[0].item<float>(); };
+  nodes::kept_snapshots kept;
+  kept.copy_arrived(1, 4, bytes_of(4));
+  CHECK(kept.inventory() == "[]"); // the driver has not said it is whole yet
+  CHECK(kept.empty());
+  kept.copy_held(1, 4, "tag 4");
+  CHECK(kept.inventory() == R"([{"copy":true,"note":"tag 4","number":4,"stage":1}])");
+  CHECK(value_of(kept.take(1, 4, "n")) == 4);
+  // The next one, its note first: the copy before stays until its bytes come.
+  kept.copy_held(1, 6, "tag 6");
+  CHECK(value_of(kept.take(1, 4, "n")) == 4);
+  kept.copy_arrived(1, 6, bytes_of(6));
+  CHECK(value_of(kept.take(1, 6, "n")) == 6);
+  CHECK_THROWS_WITH_AS(kept.take(1, 4, "127.0.0.1:1"),
+                       "node 127.0.0.1:1 keeps no snapshot of stage 1 (a copy of snapshot 6), not "
+                       "snapshot 4",
+                       pipeline_error);
+  // Bytes and a note of different snapshots (a new driver numbers anew) are not a copy.
+  kept.copy_arrived(1, 2, bytes_of(2));
+  kept.copy_held(1, 3, "tag 3");
+  CHECK(value_of(kept.take(1, 6, "n")) == 6);
+  CHECK_THROWS_AS(kept.take(1, 3, "n"), pipeline_error);
+  kept.clear();
+  CHECK(kept.empty());
+}
+
+TEST_CASE("a node lost with its driver loses nothing: its neighbour keeps a copy of its stage's "
+          "snapshot, and the driver started again resumes from it, then spreads over the nodes") {
+  node n1(node_config()), n3(node_config());
+  auto n2 = node_to_restart();
+  const auto second_address = n2->address();
+  const auto port = n2->port();
+  engine sys;
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 8);
+  std::unique_ptr<node> nobody;
+  losing_source data(nobody, -1);
+  auto to = recovering_options(5, 2);
+  const std::vector<std::string> given{n1.address(), second_address, n3.address()};
+  {
+    // Snapshot 3 after step 4: each node keeps its stage's, and its neighbour (the next node,
+    // round) a copy.
+    pipeline first(sys, tiny_remote(), partition_uniform(6, 3), remote_options(given));
+    CHECK(train(first, data, to).steps.size() == 5);
   }
-  CHECK_FALSE(hosting());
+  wait_for_no_stages({&n1, n2.get(), &n3});
+  // The second node's host went down with the driver; the same command starts it again, empty.
+  n2.reset();
+  auto config = node_config();
+  config.port = port;
+  n2 = std::make_unique<node>(config);
+  pipeline second(sys, tiny_remote(), partition_uniform(6, 3), remote_options(given));
+  auto kept = second.kept_on_nodes();
+  CHECK(kept.number == 3);
+  // Stage 1's part is the third node's copy: it takes stages 1 and 2 to load them.
+  CHECK(kept.nodes == std::vector<std::string>{n1.address(), n3.address(), n3.address()});
+  check_resumed_to_step_8(second, data, to, expected, plain);
+  // Spread over the given nodes again: the restarted one took the stage the copy served.
+  CHECK(second.nodes() == std::vector<std::string>{n1.address(), n3.address(), second_address});
 }
 
 TEST_CASE("a driver that died after a recovery, and again after a rejoin, resumes from its nodes "
