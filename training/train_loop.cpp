@@ -137,8 +137,8 @@ recovery_report recover(replicated_pipeline& pipe, const train_options&, const p
 std::optional<recovery_report> rejoin(pipeline& pipe, const train_options& o) {
   return pipe.rejoin_nodes(o.repartition);
 }
-std::optional<recovery_report> rejoin(replicated_pipeline&, const train_options&) {
-  return std::nullopt; // replicas keep the world recover() left them (docs/distributed.md)
+std::optional<recovery_report> rejoin(replicated_pipeline& pipe, const train_options&) {
+  return pipe.rejoin_nodes(); // a replica that left comes back, or its nodes stand by
 }
 // The failures a recovery answers: a node lost or silent; with replicas also a replica whose
 // partner stage went (its gradients' all-reduce failed).
@@ -620,9 +620,11 @@ private:
       auto who = (r->rejoined.empty() ? std::string{} : join(r->rejoined) + " answered again") +
                  (r->rejoined.empty() || r->joined.empty() ? "" : ", ") +
                  (r->joined.empty() ? std::string{} : join(r->joined) + " joined");
-      std::cerr << "actorpipe: after step " << step_ << ", " << who << ": now " << r->nodes.size()
-                << " stages on " << join(r->nodes) << ", cut " << partition{r->bounds}.to_string()
-                << " (" << std::setprecision(3) << r->seconds << " s)"
+      std::cerr << "actorpipe: after step " << step_ << ", " << who << ": now "
+                << (r->replicas > 1 ? std::to_string(r->replicas) + " replicas, " : std::string{})
+                << r->nodes.size() << " stages on " << join(r->nodes) << ", cut "
+                << partition{r->bounds}.to_string() << " (" << std::setprecision(3) << r->seconds
+                << " s)"
                 << (r->spares_used.empty() ? std::string{}
                                            : "; standing by as spares: " + join(r->spares_used))
                 << "\n"

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -130,6 +131,16 @@ public:
   /// it from the thread that runs the steps.
   recovery_report recover();
 
+  /// Between steps, replicas on nodes: the nodes lost in earlier recoveries are asked beside
+  /// the steps (at most once a second) whether they answer again. A replica that left (a node of
+  /// it lost, no spare) comes back when every node it had answers and none of them holds
+  /// another's stages: the replicas meet again with it, every stage from the state now (replica
+  /// 0's, after a completed step every replica's: nothing is replayed), and each step's batch is
+  /// split over one more again. A node that answers and is not needed so stands by as a spare
+  /// for the next loss. Returns what it did (recovery_report::rejoined, replicas, nodes), or
+  /// nothing where no node came back (yet). Call it from the thread that runs the steps.
+  std::optional<recovery_report> rejoin_nodes();
+
   std::size_t replicas() const;
   pipeline& replica(std::size_t rank);
 
@@ -140,9 +151,21 @@ private:
   // recover().
   std::vector<std::exception_ptr> last_outcomes_;
   std::vector<std::optional<step_result>> last_results_;
+  // Replicas that left in a recovery, stopped, each with the nodes it had: they may come back
+  // (rejoin_nodes). The nodes lost, and the question whether they answer again.
+  std::vector<std::pair<std::unique_ptr<pipeline>, std::vector<std::string>>> left_;
+  std::vector<std::string> lost_;
+  std::future<std::vector<bool>> lost_answering_;
+  std::chrono::steady_clock::time_point lost_asked_at_{};
 
   // recover()'s second half: the replicas `whole` (old ranks) go on, on `layouts`, meet again
   // and restore `state` (snapshot `number`; `taken` snapshots numbered so far).
+  // What the world is now, into `report`: every replica's nodes, the cut, snapshot `number`,
+  // the replica count and the seconds since `started`.
+  void describe_world(recovery_report& report, uint64_t number,
+                      std::chrono::steady_clock::time_point started) const;
+  // rejoin_nodes()' second half: the nodes of `report.rejoined` answer again.
+  recovery_report take_back(recovery_report report, std::chrono::steady_clock::time_point started);
   void rejoin(const std::vector<std::size_t>& whole,
               const std::vector<std::vector<std::string>>& layouts,
               const std::shared_ptr<const std::map<std::string, torch::Tensor>>& state,

@@ -1164,6 +1164,86 @@ std::unique_ptr<node> node_to_restart() {
   return n;
 }
 
+// Asks `replicas` between steps, for up to `seconds`, to take back the nodes it lost.
+std::optional<recovery_report> replicas_rejoin_within(replicated_pipeline& replicas, int seconds) {
+  for (int k = 0; k < seconds * 20; ++k) {
+    if (auto r = replicas.rejoin_nodes()) {
+      return r;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  return std::nullopt;
+}
+
+TEST_CASE(
+  "a lost node of a replica that answers again brings its replica back (the replicas meet "
+  "again from the state then, nothing replayed) or stands by as a spare, and the steps equal "
+  "plain libtorch") {
+  // 0: no spare, replica 1 left; its node restarted brings it back. 1: a spare took the node's
+  // stages; the node restarted stands by for the next loss.
+  for (int scenario : {0, 1}) {
+    CAPTURE(scenario);
+    std::vector<std::unique_ptr<node>> n;
+    for (int k = 0; k < 3; ++k) {
+      n.push_back(std::make_unique<node>(node_config()));
+    }
+    n.push_back(node_to_restart());
+    node spare(node_config());
+    std::vector<std::string> address;
+    for (const auto& k : n) {
+      address.push_back(k->address());
+    }
+    const auto port = n[3]->port();
+    engine sys;
+    auto o = remote_options(address);
+    o.data_parallel.master_port = static_cast<uint16_t>(free_port());
+    o.data_parallel.timeout = 5000ms;
+    o.placement.connect_timeout = 2000ms;
+    if (scenario == 1) {
+      o.placement.spares = {spare.address()};
+    }
+    replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
+    plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+    auto expected = plain_losses(plain, 6);
+    auto train = [&](int step) { return loss_at(replicas, step); };
+    CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+    CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+    n[3].reset();
+    std::this_thread::sleep_for(200ms);
+    CHECK_THROWS_AS(train(2), pipeline_error);
+    auto r = replicas.recover();
+    CHECK(r.replicas == (scenario == 0 ? 1U : 2U));
+    CHECK_FALSE(replicas.rejoin_nodes()); // asked beside the steps; gone still
+    CHECK(train(2) == doctest::Approx(expected[2]).epsilon(1e-6));
+    auto config = node_config();
+    config.port = port;
+    n[3] = std::make_unique<node>(config);
+    auto back = replicas_rejoin_within(replicas, 10);
+    REQUIRE(back);
+    CHECK(back->rejoined == std::vector<std::string>{address[3]});
+    CHECK(back->replicas == 2);
+    CHECK(replicas.replicas() == 2);
+    if (scenario == 0) {
+      CHECK(back->nodes == address);
+      CHECK(back->spares_used.empty());
+      CHECK(n[3]->stages() == 1);
+    } else {
+      CHECK(back->nodes ==
+            std::vector<std::string>{address[0], address[1], address[2], spare.address()});
+      CHECK(back->spares_used == std::vector<std::string>{address[3]});
+      CHECK(n[3]->stages() == 0);
+    }
+    CHECK(n[2]->stages() == 1);
+    for (int step = 3; step < 6; ++step) {
+      CAPTURE(step);
+      CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+    }
+    for (std::size_t k = 0; k < replicas.replicas(); ++k) {
+      check_close(replicas.replica(k).named_parameters(), named(plain.layers, false));
+    }
+  }
+}
+
 TEST_CASE("a lost node that answers again is taken back between steps: the model is cut back onto "
           "it from the state then, nothing replayed, and the losses are plain libtorch's") {
   node n1(node_config()), n2(node_config());

@@ -1,0 +1,386 @@
+// replicated_pipeline::recover() and rejoin_nodes(): each replica's stages placed again through
+// its pipeline::impl, as pipeline::recover() places one pipeline's (docs/distributed.md).
+#include <actorpipe/replicas.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <map>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include <actorpipe/memory.hpp>
+
+#include "engine/census.hpp"
+#include "engine/futures.hpp"
+#include "engine/pipeline_impl.hpp"
+#include "logging/log.hpp"
+#include "nodes/remote_stages.hpp"
+
+namespace actorpipe {
+namespace {
+
+using recovery::among;
+using recovery::list_or_none;
+using recovery::node_census;
+using recovery::take_census;
+
+// Which replicas go on after a loss, and on which nodes (each replica's nodes given in rank
+// order); the replicas that leave go into report.replicas_left, the spares taken into
+// report.spares_used.
+std::pair<std::vector<std::size_t>, std::vector<std::vector<std::string>>>
+whole_replicas(const std::vector<std::vector<std::string>>& replica_nodes,
+               const node_census& census, recovery_report& report) {
+  // A replica goes on when spares replace every node it lost, the replicas served in rank order
+  // (a replica is given spares only when there are enough for all its lost nodes); the others
+  // leave.
+  std::vector<std::size_t> whole;
+  std::vector<std::vector<std::string>> layouts;
+  std::size_t next_spare = 0;
+  for (std::size_t r = 0; r < replica_nodes.size(); ++r) {
+    const auto& nodes = replica_nodes[r];
+    std::map<std::string, std::string> replacement;
+    for (const auto& n : nodes) {
+      if (census.is_lost(n) && replacement.count(n) == 0) {
+        auto index = next_spare + replacement.size();
+        replacement.emplace(n, index < census.spares.size() ? census.spares[index] : std::string{});
+      }
+    }
+    bool enough = std::all_of(replacement.begin(), replacement.end(),
+                              [](const auto& kv) { return !kv.second.empty(); });
+    if (!enough) {
+      report.replicas_left.push_back(r);
+      continue;
+    }
+    std::vector<std::string> placed;
+    for (const auto& n : nodes) {
+      auto it = replacement.find(n);
+      placed.push_back(it == replacement.end() ? n : it->second);
+    }
+    for (std::size_t k = 0; k < replacement.size(); ++k) {
+      report.spares_used.push_back(census.spares[next_spare++]);
+    }
+    whole.push_back(r);
+    layouts.push_back(std::move(placed));
+  }
+  return {whole, layouts};
+}
+
+// Whether a step failed only because another replica's did (its stages' all-reduce ended):
+// such a step changed nothing, on stages that all still hold the last completed step's state.
+bool failed_for_another(const std::exception_ptr& outcome) {
+  if (!outcome) {
+    return false;
+  }
+  try {
+    std::rethrow_exception(outcome);
+  } catch (const pipeline_error& e) {
+    return e.kind() == error_kind::replica_failure;
+  } catch (...) {
+    return false;
+  }
+}
+
+// The replica whose stages' live state the others can take after a loss: the lowest rank whose
+// last step completed (its all-reduce had every replica's gradients: its state is that step's,
+// `done`), else the lowest whose step failed for another's (the step before's), if all its nodes
+// answer; only rank 0 where each replica keeps its own buffers. None (-1) with BMUF or sharded
+// optimizer state, where no replica holds the whole state of the last step.
+struct live_choice {
+  int64_t replica = -1;
+  bool done = false;
+};
+live_choice live_source(caf::actor_system& sys, const std::vector<std::vector<std::string>>& nodes,
+                        const std::map<std::string, caf::actor>& known,
+                        const std::vector<std::exception_ptr>& outcomes,
+                        const pipeline_options& options) {
+  const auto& dp = options.data_parallel;
+  if (dp.bmuf.block_steps > 0 || dp.shard != shard_mode::none) {
+    return {};
+  }
+  auto candidates = std::min(nodes.size(), dp.buffers == buffer_sync::none
+                                             ? std::min<std::size_t>(1, outcomes.size())
+                                             : outcomes.size());
+  live_choice choice;
+  for (std::size_t r = 0; r < candidates && choice.replica < 0; ++r) {
+    if (!outcomes[r]) {
+      choice = {static_cast<int64_t>(r), true};
+    }
+  }
+  for (std::size_t r = 0; r < candidates && choice.replica < 0; ++r) {
+    if (failed_for_another(outcomes[r])) {
+      choice = {static_cast<int64_t>(r), false};
+    }
+  }
+  if (choice.replica >= 0) {
+    auto alive = nodes::answering(sys, nodes[static_cast<std::size_t>(choice.replica)], known,
+                                  options.placement);
+    if (!std::all_of(alive.begin(), alive.end(), [](bool a) { return a; })) {
+      return {};
+    }
+  }
+  return choice;
+}
+
+// The state of replica `source`'s stages now (pipeline::impl `r`), or null when it does not
+// come (then the snapshot serves, with a warning).
+template <class Impl>
+std::shared_ptr<const stages::tensor_map> fetch_live(Impl& r, int64_t source) {
+  try {
+    return r.fetch_now("recover");
+  } catch (const std::exception& e) {
+    log::get()->warn("recover: the state of replica {} did not come ({}); restoring the newest "
+                     "snapshot instead",
+                     source, e.what());
+    return nullptr;
+  }
+}
+
+} // namespace
+
+// replicated_pipeline::recover() lives here: it re-places each replica's stages through its
+// pipeline::impl, as pipeline::recover() does one pipeline's.
+recovery_report replicated_pipeline::recover() {
+  auto& first = *replicas_.front()->impl_;
+  ACTORPIPE_CHECK(first.remote, "recover: these replicas' stages are in this process; recover() "
+                                "places stages on nodes again");
+  auto started = std::chrono::steady_clock::now();
+  // Replica 0 keeps the snapshots (a snapshot still on its way arrives, or fails, first).
+  first.settle_snapshot();
+  auto state = first.snapshot;
+  auto number = first.snapshot_number;
+  auto taken = first.snapshots_taken;
+  const auto placement = first.options.placement;
+  std::vector<std::string> all;
+  std::map<std::string, caf::actor> known;
+  std::vector<std::vector<std::string>> replica_nodes;
+  for (auto& p : replicas_) {
+    auto& r = *p->impl_;
+    all.insert(all.end(), r.options.placement.nodes.begin(), r.options.placement.nodes.end());
+    known.insert(r.nodes.begin(), r.nodes.end());
+    replica_nodes.push_back(r.options.placement.nodes);
+  }
+  auto& actor_system = first.sys->internals().system;
+  recovery_report report;
+  // A replica that kept its nodes holds the last completed step's state: taken before its
+  // stages stop, it spares the steps since the newest snapshot.
+  auto source = live_source(actor_system, replica_nodes, known, last_outcomes_, first.options);
+  if (source.replica >= 0) {
+    auto r = static_cast<std::size_t>(source.replica);
+    if (auto live = fetch_live(*replicas_[r]->impl_, source.replica)) {
+      state = std::move(live);
+      number = ++taken;
+      report.from_replica = source.replica;
+      if (source.done && r < last_results_.size()) {
+        report.failed_step = last_results_[r];
+      }
+    }
+  }
+  for (auto& p : replicas_) {
+    // The failed step's proxies go first: a node drops the stages of a proxy that went (the
+    // census's questions come after that on each node's connection).
+    p->impl_->stop_actors();
+  }
+  auto census = take_census(actor_system, all, known, placement);
+  report.lost = census.lost;
+  for (const auto& n : census.lost) {
+    if (!among(lost_, n)) {
+      lost_.push_back(n); // asked again between steps (rejoin_nodes)
+    }
+  }
+  auto [whole, layouts] = whole_replicas(replica_nodes, census, report);
+  if (whole.empty()) {
+    throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
+                                        list_or_none(census.lost), "; ", census.spares.size(),
+                                        " spares answered)"),
+                         error_details{error_kind::node_lost});
+  }
+  rejoin(whole, layouts, state, number, taken);
+  describe_world(report, number, started);
+  auto restored =
+    report.from_replica >= 0
+      ? fmt::format("the live state of replica {} (snapshot {})", report.from_replica, number)
+      : fmt::format("snapshot {}", number);
+  log::get()->info("replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, "
+                   "now {} replicas on {}, restored {}",
+                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
+                   list_or_none(report.replicas_left), report.replicas,
+                   fmt::join(report.nodes, ", "), restored);
+  return report;
+}
+
+void replicated_pipeline::rejoin(
+  const std::vector<std::size_t>& whole, const std::vector<std::vector<std::string>>& layouts,
+  const std::shared_ptr<const std::map<std::string, torch::Tensor>>& state, uint64_t number,
+  uint64_t taken) {
+  const auto dp = replicas_.front()->impl_->options.data_parallel;
+  const auto placement = replicas_.front()->impl_->options.placement;
+  // Every driver's rendezvous goes before any meets again (rank 0's serves the store that the
+  // next rank 0 serves anew), all at once: each waits at its end for the others'.
+  std::vector<std::future<void>> leaving;
+  for (auto& p : replicas_) {
+    leaving.push_back(
+      std::async(std::launch::async, [&group = p->impl_->replicas] { group.reset(); }));
+  }
+  for (auto& f : leaving) {
+    f.get(); // each bounded by data_parallel.timeout; the destructor throws nothing
+  }
+  std::vector<std::unique_ptr<pipeline>> kept;
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    if (std::find(whole.begin(), whole.end(), r) != whole.end()) {
+      continue;
+    }
+    // Stopped, with the nodes it had: it comes back when they all answer (rejoin_nodes).
+    auto nodes = replicas_[r]->impl_->options.placement.nodes;
+    left_.emplace_back(std::move(replicas_[r]), std::move(nodes));
+  }
+  for (auto r : whole) {
+    kept.push_back(std::move(replicas_[r]));
+  }
+  replicas_ = std::move(kept);
+  last_outcomes_.clear();
+  last_results_.clear();
+  const auto world = replicas_.size();
+  for (std::size_t k = 0; k < world; ++k) {
+    auto& r = *replicas_[k]->impl_;
+    r.options.data_parallel.rank = k;
+    r.options.data_parallel.replicas = world;
+    r.options.placement.nodes = layouts[k];
+  }
+  auto& lead = *replicas_.front()->impl_;
+  lead.snapshot = state;
+  lead.snapshot_number = number;
+  lead.snapshots_taken = std::max(lead.snapshots_taken, taken);
+  // Each replica on a thread of its own: each waits for the others at the rendezvous and at its
+  // stages' first collective.
+  std::vector<std::future<bool>> placing;
+  for (auto& p : replicas_) {
+    placing.push_back(std::async(std::launch::async, [&r = *p->impl_, &state, number] {
+      r.meet_replicas();
+      r.place_on_nodes();
+      r.restore(state, number, "recover");
+      return true;
+    }));
+  }
+  detail::get_all(
+    placing, 2 * dp.timeout + 2 * placement.connect_timeout + std::chrono::seconds(30), "recover");
+  memory::release_free_heap();
+}
+
+std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
+  auto& first = *replicas_.front()->impl_;
+  if (!first.remote || lost_.empty()) {
+    return std::nullopt;
+  }
+  if (!lost_answering_.valid()) {
+    // Asked beside the steps, at most once a second (a host that is gone costs the question its
+    // connect timeout).
+    auto now = std::chrono::steady_clock::now();
+    if (now - lost_asked_at_ < std::chrono::seconds(1)) {
+      return std::nullopt;
+    }
+    lost_asked_at_ = now;
+    lost_answering_ =
+      std::async(std::launch::async, [&sys = first.sys->internals().system, lost = lost_,
+                                      placement = first.options.placement] {
+        return nodes::answering(sys, lost, {}, placement, /*quiet=*/true);
+      });
+    return std::nullopt;
+  }
+  if (lost_answering_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    return std::nullopt;
+  }
+  auto alive = lost_answering_.get();
+  auto started = std::chrono::steady_clock::now();
+  recovery_report report;
+  std::vector<std::string> still_lost;
+  for (std::size_t i = 0; i < lost_.size(); ++i) {
+    (i < alive.size() && alive[i] ? report.rejoined : still_lost).push_back(lost_[i]);
+  }
+  if (report.rejoined.empty()) {
+    return std::nullopt;
+  }
+  lost_ = std::move(still_lost);
+  return take_back(std::move(report), started);
+}
+
+recovery_report replicated_pipeline::take_back(recovery_report report,
+                                               std::chrono::steady_clock::time_point started) {
+  // The nodes the replicas hold; a spare standing by may go back to the replica it came from.
+  std::vector<std::string> in_use;
+  for (auto& p : replicas_) {
+    const auto& nodes = p->impl_->options.placement.nodes;
+    in_use.insert(in_use.end(), nodes.begin(), nodes.end());
+  }
+  std::vector<std::size_t> coming;
+  for (std::size_t k = 0; k < left_.size(); ++k) {
+    const auto& nodes = left_[k].second;
+    if (std::none_of(nodes.begin(), nodes.end(),
+                     [&](const std::string& n) { return among(lost_, n) || among(in_use, n); })) {
+      coming.push_back(k);
+      in_use.insert(in_use.end(), nodes.begin(), nodes.end());
+    }
+  }
+  auto spares = replicas_.front()->impl_->options.placement.spares;
+  spares.erase(std::remove_if(spares.begin(), spares.end(),
+                              [&](const std::string& n) { return among(in_use, n); }),
+               spares.end());
+  for (const auto& n : report.rejoined) {
+    if (!among(in_use, n) && !among(spares, n)) {
+      spares.push_back(n);
+      report.spares_used.push_back(n); // standing by
+    }
+  }
+  for (auto& p : replicas_) {
+    p->impl_->options.placement.spares = spares;
+  }
+  for (auto k : coming) {
+    left_[k].first->impl_->options.placement.spares = spares;
+  }
+  auto& first = *replicas_.front()->impl_;
+  auto number = first.snapshot_number;
+  if (!coming.empty()) {
+    // The state now, replica 0's: every replica holds it after a completed step.
+    first.settle_snapshot();
+    auto state = first.fetch_now("rejoin_nodes");
+    auto taken = first.snapshots_taken + 1;
+    number = taken;
+    std::vector<std::vector<std::string>> layouts;
+    for (auto& p : replicas_) {
+      layouts.push_back(p->impl_->options.placement.nodes);
+      p->impl_->stop_actors(); // they meet again with the replicas that come back
+    }
+    for (auto k : coming) {
+      layouts.push_back(left_[k].second);
+      replicas_.push_back(std::move(left_[k].first));
+    }
+    for (auto k = coming.rbegin(); k != coming.rend(); ++k) {
+      left_.erase(left_.begin() + static_cast<std::ptrdiff_t>(*k));
+    }
+    std::vector<std::size_t> whole(replicas_.size());
+    std::iota(whole.begin(), whole.end(), std::size_t{0});
+    rejoin(whole, layouts, state, number, taken);
+  }
+  describe_world(report, number, started);
+  log::get()->info("replicas: {} back in {:.2f} s: now {} replicas on {}, spares {}",
+                   fmt::join(report.rejoined, ", "), report.seconds, report.replicas,
+                   fmt::join(report.nodes, ", "),
+                   list_or_none(replicas_.front()->impl_->options.placement.spares));
+  return report;
+}
+
+void replicated_pipeline::describe_world(recovery_report& report, uint64_t number,
+                                         std::chrono::steady_clock::time_point started) const {
+  for (const auto& p : replicas_) {
+    const auto& nodes = p->impl_->options.placement.nodes;
+    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
+  }
+  report.bounds = replicas_.front()->impl_->cut.bounds;
+  report.snapshot = number;
+  report.replicas = replicas_.size();
+  report.seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+}
+
+} // namespace actorpipe
