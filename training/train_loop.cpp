@@ -240,6 +240,8 @@ struct failed_at {
   uint64_t done = 0;
   start_point now;
   start_point after;
+  // The run's steps in all, for the step line of a failed step that completed on a replica.
+  int64_t total = 0;
 };
 
 // A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
@@ -267,6 +269,12 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
     if (r.failed_step) {
       report.steps.emplace_back(done + 1, r.failed_step->loss);
       report.step_ms.push_back(r.failed_step->wall_ms);
+      if (o.log_steps) { // its line, as every completed step's
+        std::cout << "step " << done + 1 << "/" << where.total << "  loss " << std::setprecision(9)
+                  << r.failed_step->loss << "  time " << std::setprecision(4)
+                  << r.failed_step->wall_ms / 1000.0 << " s\n"
+                  << std::flush;
+      }
       if (o.keep_results) {
         report.results.push_back(*r.failed_step);
       }
@@ -364,8 +372,9 @@ public:
           throw;
         }
         // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
-        start = recover_from(pipe_, e, o_, {step_, position_, next_position(position_)}, snapshots_,
-                             report_);
+        start =
+          recover_from(pipe_, e, o_, {step_, position_, next_position(position_), total_steps_},
+                       snapshots_, report_);
         position_ = start;
       }
       step_ = start.step;

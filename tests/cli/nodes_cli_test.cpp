@@ -422,8 +422,13 @@ TEST_CASE("replicas on node processes lose a node mid-run: a spare takes its sta
     CHECK(recoveries[0].at("replicas") == (with_spare ? 2 : 1));
     CHECK(recoveries[0].at("replicas_left") ==
           (with_spare ? nlohmann::json::array() : nlohmann::json::array({1})));
-    // Each step is the whole batch's, with two replicas or one.
+    // Each step is the whole batch's, with two replicas or one, and each has its line (the
+    // failed one too where replica 0 completed it: its state is then restored live).
     check_losses_equal_in_process(json, 2);
+    for (int step = 1; step <= 40; ++step) {
+      CAPTURE(step);
+      CHECK(output.find("\nstep " + std::to_string(step) + "/40 ") != std::string::npos);
+    }
     std::filesystem::remove(json);
   }
 }
