@@ -6,8 +6,6 @@
 
 namespace actorpipe::recovery {
 
-// Asks every node of `nodes` (repeats asked once) and the spares, each within the placement's
-// connect timeout, all at once; the nodes of `found_lost` are lost without a question.
 node_census take_census(caf::actor_system& sys, const std::vector<std::string>& nodes,
                         const std::map<std::string, caf::actor>& known,
                         const node_placement& placement,
@@ -49,6 +47,27 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
     census.spares_used.push_back(census.spares[i]);
   }
   return census;
+}
+
+std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
+                                                const std::vector<std::string>& lost,
+                                                const node_placement& placement,
+                                                std::future<std::vector<bool>>& answering,
+                                                std::chrono::steady_clock::time_point& asked_at) {
+  if (!answering.valid()) {
+    auto now = std::chrono::steady_clock::now();
+    if (now - asked_at >= std::chrono::seconds(1)) {
+      asked_at = now;
+      answering = std::async(std::launch::async, [&sys, lost, placement] {
+        return nodes::answering(sys, lost, {}, placement, /*quiet=*/true);
+      });
+    }
+    return std::nullopt;
+  }
+  if (answering.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    return std::nullopt;
+  }
+  return answering.get();
 }
 
 } // namespace actorpipe::recovery

@@ -3,7 +3,11 @@
 // Private to engine/.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <future>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,5 +60,15 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
                         const std::map<std::string, caf::actor>& known,
                         const node_placement& placement,
                         const std::vector<std::string>& found_lost = {});
+
+// Whether the nodes of `lost` answer again, asked beside the steps (rejoin_nodes): a call starts
+// the question on a thread of its own, at most once a second since `asked_at` (each question
+// reaches out anew, and a host that is gone costs it its connect timeout); a later call takes the
+// answers, in the order of `lost` as it was asked. Nothing while there is none (yet).
+std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
+                                                const std::vector<std::string>& lost,
+                                                const node_placement& placement,
+                                                std::future<std::vector<bool>>& answering,
+                                                std::chrono::steady_clock::time_point& asked_at);
 
 } // namespace actorpipe::recovery

@@ -306,25 +306,13 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   if (!self.remote || self.replicas || self.lost_nodes.empty()) {
     return std::nullopt;
   }
-  auto& actor_system = self.sys->internals().system;
-  if (!self.lost_answering.valid()) {
-    // Asked beside the steps, at most once a second (each question reaches out anew): a host
-    // that is gone costs the question its connect timeout.
-    auto now = std::chrono::steady_clock::now();
-    if (now - self.lost_asked_at < std::chrono::seconds(1)) {
-      return std::nullopt;
-    }
-    self.lost_asked_at = now;
-    self.lost_answering = std::async(std::launch::async, [&actor_system, lost = self.lost_nodes,
-                                                          placement = self.options.placement] {
-      return nodes::answering(actor_system, lost, {}, placement, /*quiet=*/true);
-    });
+  auto answers =
+    recovery::poll_answering(self.sys->internals().system, self.lost_nodes, self.options.placement,
+                             self.lost_answering, self.lost_asked_at);
+  if (!answers) {
     return std::nullopt;
   }
-  if (self.lost_answering.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    return std::nullopt;
-  }
-  auto alive = self.lost_answering.get();
+  const auto& alive = *answers;
   auto started = std::chrono::steady_clock::now();
   auto& placement = self.options.placement;
   recovery_report report;

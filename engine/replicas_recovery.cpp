@@ -273,25 +273,12 @@ std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
   if (!first.remote || lost_.empty()) {
     return std::nullopt;
   }
-  if (!lost_answering_.valid()) {
-    // Asked beside the steps, at most once a second (a host that is gone costs the question its
-    // connect timeout).
-    auto now = std::chrono::steady_clock::now();
-    if (now - lost_asked_at_ < std::chrono::seconds(1)) {
-      return std::nullopt;
-    }
-    lost_asked_at_ = now;
-    lost_answering_ =
-      std::async(std::launch::async, [&sys = first.sys->internals().system, lost = lost_,
-                                      placement = first.options.placement] {
-        return nodes::answering(sys, lost, {}, placement, /*quiet=*/true);
-      });
+  auto answers = recovery::poll_answering(first.sys->internals().system, lost_,
+                                          first.options.placement, lost_answering_, lost_asked_at_);
+  if (!answers) {
     return std::nullopt;
   }
-  if (lost_answering_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    return std::nullopt;
-  }
-  auto alive = lost_answering_.get();
+  const auto& alive = *answers;
   auto started = std::chrono::steady_clock::now();
   recovery_report report;
   std::vector<std::string> still_lost;
@@ -332,12 +319,6 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
       report.spares_used.push_back(n); // standing by
     }
   }
-  for (auto& p : replicas_) {
-    p->impl_->options.placement.spares = spares;
-  }
-  for (auto k : coming) {
-    left_[k].first->impl_->options.placement.spares = spares;
-  }
   auto& first = *replicas_.front()->impl_;
   auto number = first.snapshot_number;
   if (!coming.empty()) {
@@ -361,6 +342,9 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
     std::vector<std::size_t> whole(replicas_.size());
     std::iota(whole.begin(), whole.end(), std::size_t{0});
     rejoin(whole, layouts, state, number, taken);
+  }
+  for (auto& p : replicas_) {
+    p->impl_->options.placement.spares = spares; // the next recovery's census asks them
   }
   describe_world(report, number, started);
   log::get()->info("replicas: {} back in {:.2f} s: now {} replicas on {}, spares {}",

@@ -42,6 +42,24 @@ caf::error no_stage(node_actor* self, uint32_t index) {
 
 namespace {
 
+// Sends `bytes` as the state frame `id` of stage `index` to the data port host:port, beside the
+// node's work (the caller waited for the frame before); a failure is logged at `level` as
+// `failed`.
+void send_beside(node_state& s, std::shared_ptr<const stages::packed_bytes> bytes,
+                 const std::string& host, uint16_t port, uint32_t index, uint64_t id,
+                 spdlog::level::level_enum level, std::string failed) {
+  s.sending = std::async(std::launch::async, [bytes, hub = s.hub, label = s.label, host, port,
+                                              index, id, level, failed = std::move(failed)] {
+    try {
+      auto blob = torch::from_blob(const_cast<char*>(bytes->data()),
+                                   {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
+      hub->send(host, port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
+    } catch (const std::exception& e) {
+      log::get()->log(level, "node {}: {}: {}", label, failed, e.what());
+    }
+  });
+}
+
 // Stage `index`'s state as a state frame to the scheduler; for snapshot `keep_as` (> 0), packed
 // into the buffer kept if the driver says the snapshot arrived whole.
 std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as) {
@@ -69,18 +87,9 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t k
   } catch (const std::exception& e) {
     return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
   }
-  s.sending = std::async(
-    std::launch::async, [bytes, hub = s.hub, label = s.label, to = h->peers.scheduler, index, id] {
-      try {
-        auto blob =
-          torch::from_blob(bytes->data(), {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
-        hub->send(to.host, to.port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob),
-                  blob);
-      } catch (const std::exception& e) {
-        // The scheduler's request for it then ends at its deadline, naming this stage.
-        log::get()->error("node {}: stage {} could not send its state: {}", label, index, e.what());
-      }
-    });
+  // The scheduler's request for it ends at its deadline, naming this stage, if it does not come.
+  send_beside(s, bytes, h->peers.scheduler.host, h->peers.scheduler.port, index, id,
+              spdlog::level::err, detail::concat("stage ", index, " could not send its state"));
   return {};
 }
 
@@ -99,21 +108,11 @@ bool send_copy(node_actor* self, uint32_t index, uint64_t number, const std::str
   if (s.sending.valid()) {
     s.sending.wait(); // one frame at a time; the buffer a later snapshot packs into is then free
   }
-  s.sending = std::async(
-    std::launch::async, [bytes, hub = s.hub, label = s.label, host, port, index, number] {
-      try {
-        auto blob = torch::from_blob(const_cast<char*>(bytes->data()),
-                                     {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
-        hub->send(host, port,
-                  comm::describe(comm::frame_kind::state, index, number | copy_bit, 0, 0, blob),
-                  blob);
-      } catch (const std::exception& e) {
-        // The neighbour keeps its older copy; a driver that starts again without this node
-        // resumes from the snapshot before.
-        log::get()->warn("node {}: the copy of stage {}'s snapshot {} did not reach {}:{}: {}",
-                         label, index, number, host, port, e.what());
-      }
-    });
+  // If it does not come, the neighbour keeps its older copy; a driver that starts again without
+  // this node resumes from the snapshot before.
+  send_beside(s, bytes, host, port, index, number | copy_bit, spdlog::level::warn,
+              detail::concat("the copy of stage ", index, "'s snapshot ", number, " did not reach ",
+                             host, ":", port));
   return true;
 }
 

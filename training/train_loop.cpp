@@ -234,6 +234,13 @@ start_point resume(Pipe& pipe, const batch_source& data, const train_options& o,
   return {m.step, m.epoch, m.batch_in_epoch};
 }
 
+// A run of few, slow steps (train_options::log_steps): a line per step on stdout.
+void print_step_line(uint64_t step, int64_t total, const step_result& r) {
+  std::cout << "step " << step << "/" << total << "  loss " << std::setprecision(9) << r.loss
+            << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
+            << std::flush;
+}
+
 // Where the data is when a recovery goes on: `done` steps were complete when the next failed, at
 // position `now` (`after`: the position after it).
 struct failed_at {
@@ -270,10 +277,7 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
       report.steps.emplace_back(done + 1, r.failed_step->loss);
       report.step_ms.push_back(r.failed_step->wall_ms);
       if (o.log_steps) { // its line, as every completed step's
-        std::cout << "step " << done + 1 << "/" << where.total << "  loss " << std::setprecision(9)
-                  << r.failed_step->loss << "  time " << std::setprecision(4)
-                  << r.failed_step->wall_ms / 1000.0 << " s\n"
-                  << std::flush;
+        print_step_line(done + 1, where.total, *r.failed_step);
       }
       if (o.keep_results) {
         report.results.push_back(*r.failed_step);
@@ -525,9 +529,7 @@ private:
     e.loss_sum += r.loss;
     ++e.loss_count;
     if (o_.log_steps && lead_) {
-      std::cout << "step " << step_ << "/" << total_steps_ << "  loss " << std::setprecision(9)
-                << r.loss << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
-                << std::flush;
+      print_step_line(step_, total_steps_, r);
     }
     auto slow = watch_.observe(step_, r.stages);
     if (o_.keep_results) {
