@@ -11,7 +11,8 @@ optimizer_bytes; parameters count as much as their gradients), the most the stag
 needed beyond that (peak_working_bytes, on the CPU), the largest over the steps after the
 first. "kept" compares all but the working set; "peak" all of it. Cases: the
 gpt on fortunes, a TorchScript CNN scripted here by PyTorch, each with and without
-`--recompute always`, and with --resnet50 the bench's ResNet-50 (minutes on 2 cores).
+`--recompute always`, the gpt under ZB-H1 and DualPipeV (split backwards; two chunks per stage
+in a V), and with --resnet50 the bench's ResNet-50 (minutes on 2 cores).
 
 With --gpu (the CUDA build, a GPU): plan profiles the layers on cuda:0 (--profile-device) and
 each stage is measured on cuda:0 with the other stage on the CPU (`--devices cuda:0,cpu`, then
@@ -123,6 +124,11 @@ def main():
         cases = [
             (gpt_name, gpt, layout, 3),
             (gpt_name + ", recompute always", gpt, layout + " --recompute always", 3),
+            # Split backwards (what B keeps for W), and two chunks per stage in a V (on a GPU
+            # each on a stream of its own, with its own workspaces).
+            (gpt_name + ", ZB-H1", gpt, layout.replace("--schedule 1f1b", "--schedule zb-h1"), 3),
+            (gpt_name + ", DualPipeV", gpt,
+             layout.replace("--schedule 1f1b", "--schedule dualpipe-v"), 3),
             ("TorchScript CNN, 64 images 3x64x64, SGD", cnn, layout + " --partition params", 3),
             ("TorchScript CNN, recompute always", cnn,
              layout + " --partition params --recompute always", 3),

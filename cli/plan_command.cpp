@@ -138,8 +138,8 @@ void print_stages(const schedule& plan, const training::plan_choice& choice, con
               sim.makespan, 100 * sim.mean_bubble(), optimizer_state,
               recompute_suffix(choice.recompute).c_str());
   for (std::size_t s = 0; s < plan.programs.size(); ++s) {
-    auto m = stage_memory(choice.profile, choice.cut, plan, s, sim.peak_stash[s], scale,
-                          optimizer_state, choice.recompute, choice.microbatches);
+    auto m = stage_memory(choice.profile, choice.cut, plan, s, scale, optimizer_state,
+                          choice.recompute, choice.microbatches);
     std::printf("  stage %zu: busy %.1f ms, bubble %.1f%%, peak stash %.2f micro-batches; memory "
                 "%.1f MB (parameters %.1f, gradients %.1f, optimizer %.1f, activations %.1f, "
                 "working %.1f, workspace %.1f)\n",

@@ -198,36 +198,56 @@ double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin
 }
 
 double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
-                     const schedule& plan, std::size_t stage, double peak_stash,
-                     double samples_scale, recompute_mode recompute, std::size_t microbatches) {
+                     const schedule& plan, std::size_t stage, double samples_scale,
+                     recompute_mode recompute, std::size_t microbatches) {
   auto v = chunks_of(plan);
-  double whole = 0;   // what the stage's chunks keep per micro-batch, summed
-  double largest = 0; // the most one chunk keeps
-  double inputs = 0;  // the chunks' inputs, summed
+  // Per chunk: what an entry keeps whole, its input alone, and what a split B keeps for W.
+  std::vector<double> whole(v), input(v), for_w(v);
   for (std::size_t c = 0; c < v; ++c) {
     auto part = plan.virtual_stage(stage, c);
-    auto kept = kept_bytes(layers, cut.begin(part), cut.end(part)) * samples_scale;
-    whole += kept;
-    largest = std::max(largest, kept);
-    inputs += input_of(layers, cut.begin(part)) * samples_scale;
+    whole[c] = kept_bytes(layers, cut.begin(part), cut.end(part)) * samples_scale;
+    input[c] = input_of(layers, cut.begin(part)) * samples_scale;
+    // The model's first part has no input gradient: its B computes nothing, its W all.
+    for (auto i = cut.begin(part); part > 0 && i < cut.end(part); ++i) {
+      for_w[c] +=
+        static_cast<double>(std::max<int64_t>(0, layers[i].weight_kept_bytes)) * samples_scale;
+    }
   }
-  auto chunks = static_cast<double>(v);
   if (recompute == recompute_mode::except_last && microbatches < 2) {
     recompute = recompute_mode::never; // the only micro-batch is the last
   }
-  if (recompute == recompute_mode::never || peak_stash <= 0) {
-    return peak_stash * whole / chunks;
+  auto recomputed = [&](int32_t microbatch) {
+    return recompute == recompute_mode::always ||
+           (recompute == recompute_mode::except_last &&
+            static_cast<std::size_t>(microbatch) + 1 < microbatches);
+  };
+  // The program in order: a forward stashes its entry (its input alone where recomputed), a
+  // backward rebuilds it and frees it, or, split, adds what W reads and leaves it to W.
+  const auto& program = plan.programs.at(stage);
+  auto split = split_backwards(program);
+  double live = 0;
+  double peak = 0;
+  for (std::size_t i = 0; i < program.size(); ++i) {
+    const auto& a = program[i];
+    auto c = static_cast<std::size_t>(a.chunk);
+    if (a.kind == action_kind::forward) {
+      live += recomputed(a.microbatch) ? input[c] : whole[c];
+    } else if (a.kind == action_kind::backward) {
+      live += (recomputed(a.microbatch) ? whole[c] - input[c] : 0.0) + (split[i] ? for_w[c] : 0);
+    } else {
+      live -= whole[c] + for_w[c];
+    }
+    peak = std::max(peak, live);
+    if (a.kind == action_kind::backward && !split[i]) {
+      live -= whole[c];
+    }
   }
-  // Entries held at the peak; `rebuilt` of them whole (one being recomputed, and under
-  // except_last the last micro-batch's), the rest as their input.
-  auto entries = peak_stash * chunks;
-  auto rebuilt = std::min(entries, recompute == recompute_mode::always ? 1.0 : 2.0);
-  return (entries - rebuilt) * inputs / chunks + rebuilt * largest;
+  return peak;
 }
 
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
-                             const schedule& plan, std::size_t stage, double peak_stash,
-                             double samples_scale, double optimizer_state, recompute_mode recompute,
+                             const schedule& plan, std::size_t stage, double samples_scale,
+                             double optimizer_state, recompute_mode recompute,
                              std::size_t microbatches) {
   int64_t parameters = 0;
   for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
@@ -242,15 +262,19 @@ memory_estimate stage_memory(const std::vector<layer_profile>& layers, const par
     working = std::max(working, working_bytes(layers, cut.begin(part), cut.end(part), recompute));
   }
   auto activations =
-    stashed_bytes(layers, cut, plan, stage, peak_stash, samples_scale, recompute, microbatches);
+    stashed_bytes(layers, cut, plan, stage, samples_scale, recompute, microbatches);
   auto m =
     estimate_memory(parameters, optimizer_state, static_cast<int64_t>(std::llround(activations)));
   m.working = static_cast<int64_t>(std::llround(working * samples_scale));
+  // Each chunk runs on a CUDA stream of its own (pipeline_options::chunk_streams), and cuBLAS
+  // keeps a workspace for each stream that multiplied matrices: a stage holds its chunks'.
   for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
     auto part = plan.virtual_stage(stage, c);
+    int64_t chunk = 0;
     for (auto i = cut.begin(part); i < cut.end(part); ++i) {
-      m.workspace = std::max(m.workspace, layers[i].workspace_bytes);
+      chunk = std::max(chunk, layers[i].workspace_bytes);
     }
+    m.workspace += chunk;
   }
   return m;
 }
@@ -347,8 +371,8 @@ void simulate_layout(layout& l, const measured_costs& measured, double total_par
   // After the last backward: every stage steps its optimizer, replicas first all-reduce each
   // stage's gradients (stages in parallel).
   for (std::size_t a = 0; a < l.stages; ++a) {
-    auto m = stage_memory(measured.layers, l.cut, plan, a, sim.peak_stash[a], samples_scale,
-                          space.optimizer_state, l.recompute, l.microbatches);
+    auto m = stage_memory(measured.layers, l.cut, plan, a, samples_scale, space.optimizer_state,
+                          l.recompute, l.microbatches);
     l.stash = std::max(l.stash, sim.peak_stash[a]);
     l.stash_bytes = std::max(l.stash_bytes, m.activations);
     l.memory_bytes = std::max(l.memory_bytes, m.total());

@@ -41,6 +41,8 @@ struct layer_run {
   // What each timed forward kept (layer_profile::retained_bytes), and what it and the fused
   // backward needed besides (forward_working_bytes, backward_working_bytes).
   std::vector<double> retained, forward_work, backward_work;
+  // What B kept for W in each timed split backward (layer_profile::weight_kept_bytes).
+  std::vector<double> weight_kept;
   // The count of what the latest forward kept, which its backward counts on.
   std::shared_ptr<memory::tally_count> kept;
 };
@@ -242,6 +244,9 @@ std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vect
     p.backward_working_bytes = static_cast<int64_t>(median_and_spread(r.backward_work).first);
     p.freed_input_bytes = freed[i];
     p.no_grad_forward_bytes = no_grad[i];
+    if (!r.weight_kept.empty()) {
+      p.weight_kept_bytes = static_cast<int64_t>(median_and_spread(r.weight_kept).first);
+    }
     result.push_back(std::move(p));
   }
   return result;
@@ -297,6 +302,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       auto params = trainable(layers[k]);
       double input_ms = 0; // nothing to time: a layer without input gradients or weights
       double weight_ms = 0;
+      int64_t kept = 0;
       // As a stage runs B and W (stage::backward_input, backward_weight): W is the weight pass
       // on what B kept where it applies, else a second walk of the graph.
       std::shared_ptr<stages::weight_pass> pass;
@@ -305,6 +311,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
         pass = stages::weight_pass::prepare(r.roots, r.inputs_with_grad, params);
         stages::input_backward(r.roots, r.inputs_with_grad, r.gradients, pass.get());
         input_ms = ms_between(t0, done_on(device));
+        kept = pass ? pass->kept_bytes() : 0;
       }
       if (!r.roots.empty() && !params.empty()) {
         auto t0 = clock::now();
@@ -314,6 +321,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
       if (timed) {
         r.input_backward.push_back(input_ms);
         r.weight_backward.push_back(weight_ms);
+        r.weight_kept.push_back(static_cast<double>(kept));
       }
     }
   }

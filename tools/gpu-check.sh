@@ -4,17 +4,20 @@
 #
 #   tools/gpu-check.sh gather        on a connected Debian 12 machine: downloads the Debian packages
 #                                    the build needs (apt-get download) and a cmake wheel into
-#                                    .gpu-debs/ (ignored by git; about 45 MB)
+#                                    .gpu-debs/ (ignored by git; about 48 MB, iproute2's 3 MB in
+#                                    .gpu-debs/net)
 #   tools/gpu-check.sh run OUT       on the GPU machine, from the tree's root with .gpu-debs/ beside
 #                                    it: unpacks the packages into .gpu-root/, builds against that
 #                                    machine's own torch with every core (build-gpu/), runs the GPU
-#                                    tests and the GPU bench, and writes logs and results.json to OUT
+#                                    tests, the GPU bench, the memory model and the slow-link
+#                                    schedules on its cores, and writes logs and results.json to OUT
 #
 # `run` needs python3 with a CUDA build of torch, g++, and cmake (or the gathered wheel). It
 # reports every stage in OUT/results.json, also the ones that failed, and exits non-zero when one
 # did. Every stage has a deadline, and the whole check ends within GPU_CHECK_SECONDS (500 by
 # default), so that it returns its logs inside a 10-minute call on 16 cores. GPU_CHECK_SKIP names
-# stages to leave out (e.g. "gpu_bench cpu_tests" for a second call on the same day).
+# stages to leave out (e.g. "gpu_bench cpu_tests" for a second call on the same day);
+# GPU_CHECK_TARGETS the targets to build (e.g. "actorpipe_cli" for the slow link alone).
 set -uo pipefail
 script=$(realpath "$0")
 cd "$(dirname "$script")/.."
@@ -28,11 +31,20 @@ packages=(
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   zlib1g-dev libssl-dev libssl3 # libssl3: what libssl-dev's links point to
 )
+# iproute2 and what it links, for bench/slow_link.sh where the machine has no ip or tc: unpacked
+# apart (.gpu-root/net), its libraries behind the machine's own, for ip and tc alone.
+net_packages=(
+  iproute2 libbpf1 libbsd0 libcap2 libdb5.3 libelf1 libmnl0 libselinux1 libtirpc3 libtirpc-common
+  libxtables12 libmd0 libpcre2-8-0 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0
+  libcom-err2 libkeyutils1
+)
 
 gather() {
   set -e
   mkdir -p "$debs_dir"
   (cd "$debs_dir" && apt-get download "${packages[@]}")
+  mkdir -p "$debs_dir/net"
+  (cd "$debs_dir/net" && apt-get download "${net_packages[@]}")
   # cmake for a machine without it: a manylinux wheel (pure binary, any Python 3).
   python3 -m pip download --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --python-version 3.12 -d "$debs_dir" 'cmake<4' >/dev/null
@@ -73,18 +85,37 @@ stage() {
   log "$name: ${status[$name]} after ${seconds[$name]} s"
 }
 
+# extract DEB DIR: a package's files into DIR, with dpkg-deb or, without it, ar and tar.
+extract() {
+  if command -v dpkg-deb >/dev/null; then
+    dpkg-deb -x "$1" "$2"
+  else
+    local data
+    data=$(ar t "$1" | grep '^data.tar')
+    ar p "$1" "$data" | tar -x -C "$2" --auto-compress -f - 2>/dev/null ||
+      ar p "$1" "$data" | tar -xJ -C "$2"
+  fi
+}
+
 unpack() {
   rm -rf "$root" && mkdir -p "$root"
   for deb in "$debs_dir"/*.deb; do
-    if command -v dpkg-deb >/dev/null; then
-      dpkg-deb -x "$deb" "$root"
-    else
-      local data
-      data=$(ar t "$deb" | grep '^data.tar')
-      ar p "$deb" "$data" | tar -x -C "$root" --auto-compress -f - 2>/dev/null ||
-        ar p "$deb" "$data" | tar -xJ -C "$root"
-    fi
+    extract "$deb" "$root"
   done
+  # ip and tc where the machine has none: wrappers that find the gathered libraries after the
+  # machine's (what `ip netns exec` starts inherits that path too, the machine's libraries first).
+  if ! command -v tc >/dev/null && compgen -G "$debs_dir/net/*.deb" >/dev/null; then
+    mkdir -p "$root/net/wrappers"
+    for deb in "$debs_dir"/net/*.deb; do
+      extract "$deb" "$root/net"
+    done
+    local libs="$root/net/lib/x86_64-linux-gnu:$root/net/usr/lib/x86_64-linux-gnu" tool
+    for tool in bin/ip sbin/tc; do
+      printf '#!/bin/sh\nLD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}%s" exec %s "$@"\n' \
+        "$libs" "$root/net/$tool" >"$root/net/wrappers/${tool#*/}"
+      chmod +x "$root/net/wrappers/${tool#*/}"
+    done
+  fi
   if ! command -v cmake >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target "$root/cmake-wheel" \
       "$debs_dir"/cmake-*.whl
@@ -120,8 +151,8 @@ configure_and_build() {
     -DCMAKE_EXE_LINKER_FLAGS="-L$lib -Wl,-rpath,$lib" -DACTORPIPE_PYTHON="$(command -v python3)" \
     -DCMAKE_MODULE_LINKER_FLAGS="-L$lib -Wl,-rpath,$lib" -DACTORPIPE_BUILD_PYTHON="$python" \
     ${zlib:+-DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib"} &&
-    cmake --build build-gpu -j"$(nproc)" --target actorpipe_cli gpu_test pipeline_test \
-      actorpipe_gpu_bench "${targets[@]}"
+    cmake --build build-gpu -j"$(nproc)" --target ${GPU_CHECK_TARGETS:-actorpipe_cli gpu_test \
+      pipeline_test actorpipe_gpu_bench "${targets[@]}"}
 }
 
 gpu_tests() {
@@ -177,6 +208,20 @@ gpu_bench() {
   build-gpu/bench/actorpipe_gpu_bench --json "$out/gpu_bench.json"
 }
 
+# Schedules over two nodes on a slow link, on this machine's cores (the stages on the CPU, one
+# thread each, so that no transfer takes a core from a stage): the rate set so that a transfer
+# takes a third of a stage's compute per micro-batch (issue 42's DualPipeV goal). Needs root,
+# network namespaces and tc in the kernel.
+slow_link() {
+  [[ -d $root/net/wrappers ]] && export PATH="$root/net/wrappers:$PATH"
+  ip netns add gpucheck-probe && ip netns del gpucheck-probe || { echo "no network namespaces"; return 1; }
+  local m
+  for m in ${SLOW_LINK_MICROBATCHES:-8 16}; do
+    ACTORPIPE=build-gpu/cli/actorpipe RUNS=${SLOW_LINK_RUNS:-2} MICROBATCHES=$m \
+      bench/slow_link.sh share:0.33 "${SLOW_LINK_SCHEDULES:-1f1b,zb-h1,dualpipe-v}" 20 || return 1
+  done
+}
+
 # The memory model on the GPU: plan profiles on cuda:0, each stage trains alone there
 # (bench/memory_model.py --gpu); the table into the log, the rows into memory.json.
 memory_model() {
@@ -210,6 +255,7 @@ run() {
     stage gpu_bench 150 gpu_bench
     stage cli 60 cli_run
     stage memory 200 memory_model
+    stage slow_link 180 slow_link
     [[ ${GPU_CHECK_CPU_TESTS:-1} == 1 ]] && stage cpu_tests 120 cpu_tests
     grep -q 'Exception: SegFault' "$out"/logs/*tests.log && stage backtrace 150 backtrace
   fi
@@ -233,7 +279,8 @@ for name, s in result["stages"].items():
     summary = [l for l in lines if "tests passed" in l or "tests failed" in l]
     if summary:
         s["summary"] = summary[-1].strip()
-    if s["status"] != "ok" or name in ("gpu_tests", "gpu_bench", "cli", "memory", "backtrace"):
+    if s["status"] != "ok" or name in ("gpu_tests", "gpu_bench", "cli", "memory", "slow_link",
+                                       "backtrace"):
         s["tail"] = lines[-60:]
 json.dump(result, open(os.path.join(out, "results.json"), "w"), indent=2)
 print(json.dumps({k: v for k, v in result.items() if k != "bench"}, indent=1)[:6000])

@@ -148,14 +148,15 @@ memory_estimate estimate_memory(int64_t parameter_elements, double optimizer_sta
 /// and its input (the previous layer's output, or the first layer's input_bytes).
 double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end);
 
-/// Activation bytes stage `stage` of `plan` holds at its peak: `peak_stash` micro-batches (the
-/// simulator's; a chunk's entry counts 1/v) of what its parts of `cut` keep (kept_bytes, times
-/// `samples_scale`). Under recomputation an entry keeps its part's input alone and one at a time
-/// is rebuilt whole during its backward; except_last also keeps each step's last micro-batch
-/// whole (counted as held beside a rebuilt one: an upper bound).
+/// Activation bytes stage `stage` of `plan` holds at its peak, following its program: a
+/// forward stashes what its chunk's part of `cut` keeps (kept_bytes, times `samples_scale`),
+/// a whole backward frees it, a split B adds what W will read (the part's weight_kept_bytes;
+/// none for the model's first part, whose B computes nothing) and its W frees both. Under
+/// recomputation an entry keeps its part's input alone until its backward rebuilds it whole
+/// (except_last: all but each step's last micro-batch).
 double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
-                     const schedule& plan, std::size_t stage, double peak_stash,
-                     double samples_scale, recompute_mode recompute = recompute_mode::never,
+                     const schedule& plan, std::size_t stage, double samples_scale,
+                     recompute_mode recompute = recompute_mode::never,
                      std::size_t microbatches = 1);
 
 /// How far the peak of a stage holding layers [begin, end) rises above its full stash (at the
@@ -175,10 +176,11 @@ double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin
 /// What stage `stage` of `plan` holds at its peak: its parameters (from `layers`' counts), their
 /// gradients, the optimizer's state, stashed_bytes, the largest working_bytes of its parts
 /// (times `samples_scale`; one action runs at a time) and the workspaces of a device like the
-/// profiled one (the first layer's workspace_bytes).
+/// profiled one: the largest workspace_bytes of each chunk's layers, summed over the stage's
+/// chunks (each chunk on a stream of its own, pipeline_options::chunk_streams).
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
-                             const schedule& plan, std::size_t stage, double peak_stash,
-                             double samples_scale, double optimizer_state,
+                             const schedule& plan, std::size_t stage, double samples_scale,
+                             double optimizer_state,
                              recompute_mode recompute = recompute_mode::never,
                              std::size_t microbatches = 1);
 

@@ -54,6 +54,11 @@ struct layer_profile {
   /// measured): a recomputing stage's first forward keeps nothing, but holds what the layer
   /// would have saved for a moment.
   int64_t no_grad_forward_bytes = -1;
+  /// What a split backward's B keeps for its W (zero-bubble schedules, DualPipeV): the
+  /// gradients the weight pass holds for the layer's weight nodes (stages/weight_pass.hpp),
+  /// which a micro-batch between its B and its W holds beside its stash. Measured by the
+  /// profile's split backward (profile_options::split_backward); -1 where not measured.
+  int64_t weight_kept_bytes = -1;
   /// On a GPU: what the layer's forward and backward leave allocated on the device that is no
   /// tensor of theirs, the workspaces cuBLAS keeps for each thread and stream that multiplied
   /// matrices (a stage's own thread and autograd's backward thread), measured once more after

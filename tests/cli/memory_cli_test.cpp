@@ -110,6 +110,33 @@ TEST_CASE("plan counts --recompute in each stage's memory, under --max-memory th
                             "always)") != std::string::npos);
 }
 
+TEST_CASE("plan predicts what split-backward schedules stash, what each B keeps for its W "
+          "included, as train measures it") {
+  for (std::string schedule : {"zb-h1", "dualpipe-v"}) {
+    CAPTURE(schedule);
+    const std::string common = " --data text --stages 2 --microbatches 4 --schedule " + schedule +
+                               " --partition uniform --profile-repeats 1";
+    auto planned = run("plan" + common);
+    CAPTURE(planned.output);
+    REQUIRE(planned.exit_code == 0);
+    auto p = stages_of(planned.output);
+    REQUIRE(p.size() == 2);
+    auto json = temp_file("memory_cli_split.json");
+    auto trained = run("train" + common + " --steps 2 --no-progress --json " + json.string());
+    CAPTURE(trained.output);
+    REQUIRE(trained.exit_code == 0);
+    std::ifstream in(json);
+    auto report = nlohmann::json::parse(in);
+    for (const auto& stage : report["steps"][1]["stages"]) {
+      auto s = stage["stage"].get<std::size_t>();
+      auto measured = static_cast<double>(stage["peak_stash_bytes"].get<int64_t>()) / 1e6;
+      CAPTURE(s);
+      CHECK(measured == doctest::Approx(p.at(s).activations).epsilon(0.05));
+    }
+    std::filesystem::remove(json);
+  }
+}
+
 TEST_CASE("plan --profile-device profiles where it is told, and what does not apply is refused "
           "by name, and a stage on the CPU reports no device peak") {
   const std::string common = " --data synthetic --model mlp --batch 16 --profile-repeats 1";

@@ -350,10 +350,14 @@ TEST_CASE("gpu: a batch already on the GPU trains as one on the host, and every 
   check_close(to_cpu(device.named_parameters()), to_cpu(host.named_parameters()), 0, 0);
 }
 
-TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak from the caching "
-          "allocator, as the planner predicts (working set and workspaces too), and stages "
-          "sharing a GPU measure their own stash") {
-  require_gpu();
+namespace {
+
+// The mlp (flatten, fc1, relu1, fc2, relu2, fc3) in `parts` parts (2, or 4 for two chunks per
+// stage) over two stages under `kind`:
+// each stage alone on the GPU (the other on the CPU) measures its stash and the caching
+// allocator's peak; the planner's prediction from a profile on the GPU must match both, and a
+// CPU run must stash the same. Returns the predicted workspaces of the two stages.
+std::vector<int64_t> check_device_peak(schedule_kind kind, std::size_t parts) {
   engine sys;
   model_options mo;
   mo.in_channels = 1;
@@ -366,13 +370,13 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
   auto x = torch::randn({64, 1, 32, 32});
   auto t = torch::randn({64, 3});
   const std::size_t m = 4;
-  auto cut = partition_uniform(model().size(), 2);
+  auto cut = partition_uniform(model().size(), parts);
   auto measured = [&](std::vector<c10::Device> devices) {
     // The workspaces earlier pipelines' streams left with cuBLAS are on the device too: given
     // back, the device's peak is this pipeline's alone.
     stages::cuda::release_blas_workspaces(gpu);
     auto layers = model();
-    auto o = options_for({schedule_kind::one_f_one_b, 1}, devices);
+    auto o = options_for({kind, parts / 2}, devices);
     o.microbatches = m;
     pipeline pipe(sys, layers, cut, o);
     pipe.train_step(x, t);
@@ -388,11 +392,13 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
   po.device = gpu;
   auto layers = model();
   auto profile = profile_layers(layers, x.slice(0, 0, 64 / m), po);
-  auto plan = make_schedule(schedule_kind::one_f_one_b, 2, m, 1);
+  auto plan = make_schedule(kind, 2, m, parts / 2);
+  std::vector<int64_t> workspaces;
   for (std::size_t s = 0; s < 2; ++s) {
     CAPTURE(s);
     const auto& on_gpu = (s == 0 ? gpu_first : gpu_last).at(s);
-    auto predicted = stage_memory(profile, cut, plan, s, peak_stash(plan.programs[s]), 1.0, 0.0);
+    auto predicted = stage_memory(profile, cut, plan, s, 1.0, 0.0);
+    workspaces.push_back(predicted.workspace);
     CHECK(on_gpu.peak_stash_bytes > 0);
     CHECK(static_cast<double>(on_gpu.peak_stash_bytes) ==
           doctest::Approx(static_cast<double>(predicted.activations)).epsilon(0.05));
@@ -409,6 +415,7 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
     auto total = predicted.total() - predicted.optimizer + on_gpu.optimizer_bytes;
     CAPTURE(predicted.working);
     CAPTURE(predicted.workspace);
+    CAPTURE(on_gpu.device_peak_bytes);
     CHECK(static_cast<double>(on_gpu.device_peak_bytes) ==
           doctest::Approx(static_cast<double>(total)).epsilon(0.05));
     CHECK(on_gpu.peak_working_bytes == -1); // the device's peak counts it there
@@ -420,6 +427,25 @@ TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak 
           doctest::Approx(static_cast<double>(on_gpu.peak_stash_bytes)).epsilon(0.01));
     CHECK(shared.at(s).device_peak_bytes == -1);
   }
+  return workspaces;
+}
+
+} // namespace
+
+TEST_CASE("gpu: a stage alone on a GPU measures its stash and the device's peak from the caching "
+          "allocator, as the planner predicts (working set and workspaces too), and stages "
+          "sharing a GPU measure their own stash") {
+  require_gpu();
+  check_device_peak(schedule_kind::one_f_one_b, 2);
+}
+
+TEST_CASE("gpu: under DualPipeV each chunk's stream keeps cuBLAS workspaces of its own, and the "
+          "device's peak is as the planner predicts") {
+  require_gpu();
+  // Four parts in a V: stage 0 holds [flatten, fc1] and [fc3], two chunks that multiply
+  // matrices, each on its stream; stage 1 holds [relu1, fc2] and [relu2], one.
+  auto v = check_device_peak(schedule_kind::dualpipe_v, 4);
+  CHECK(v[0] == 2 * v[1]);
 }
 
 TEST_CASE("gpu: DualPipeV's chunks on streams of their own train a tied gpt as one stream does, "

@@ -259,14 +259,24 @@ TEST_CASE("the memory model counts how far a stage's peak rises above its stash 
   auto cut = partition_uniform(4, 2);
   auto plan = make_schedule(schedule_kind::gpipe, 2, 8);
   // Micro-batches of two samples: the working set scales with them; the workspace does not.
-  auto memory = stage_memory(profile, cut, plan, 1, 8, 2, 0);
+  auto memory = stage_memory(profile, cut, plan, 1, 2, 0);
   CHECK(memory.working == 2 * 220);
   CHECK(memory.workspace == 4096);
   CHECK(memory.activations == 8 * 2 * 300);
   CHECK(memory.total() == 144 * 8 + 8 * 2 * 300 + 2 * 220 + 4096);
-  auto first = stage_memory(profile, cut, plan, 0, 8, 2, 0);
+  auto first = stage_memory(profile, cut, plan, 0, 2, 0);
   CHECK(first.working == 2 * 250);
   CHECK(first.workspace == 0); // its layers multiply no matrices on the GPU
+  // In a V each stage holds two chunks, each on a CUDA stream with its own workspaces: stage 0
+  // holds fc0 and fc3 (chunks 0 and 3 of four), fc3's workspace only; stage 1 holds fc1 and fc2.
+  profile[3].workspace_bytes = 1024;
+  auto v = make_schedule(schedule_kind::dualpipe_v, 2, 8, 2);
+  auto quarters = partition_uniform(4, 4);
+  CHECK(stage_memory(profile, quarters, v, 0, 1, 0).workspace == 1024);
+  profile[1].workspace_bytes = 2048;
+  CHECK(stage_memory(profile, quarters, v, 1, 1, 0).workspace == 2048 + 4096);
+  // One chunk per stage keeps one stream: the largest of its layers'.
+  CHECK(stage_memory(profile, cut, plan, 1, 2, 0).workspace == 4096);
 }
 
 TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch rebuilt, each "
@@ -277,18 +287,44 @@ TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch re
   auto cut = partition_uniform(4, 2);
   auto plan = make_schedule(schedule_kind::gpipe, 2, 8);
   // The second stage keeps its input (100) and its layers' outputs (200) per micro-batch.
-  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1) == doctest::Approx(8 * 300));
-  // Recomputed: 7 inputs and one micro-batch rebuilt whole; except_last keeps its last whole.
-  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1, recompute_mode::always, 8) ==
+  CHECK(stashed_bytes(profile, cut, plan, 1, 1) == doctest::Approx(8 * 300));
+  // Recomputed: 7 inputs and one micro-batch rebuilt whole; except_last keeps its last whole,
+  // which GPipe backs up first (B7 .. B0): it is gone before the first is rebuilt.
+  CHECK(stashed_bytes(profile, cut, plan, 1, 1, recompute_mode::always, 8) ==
         doctest::Approx(7 * 100 + 300));
-  CHECK(stashed_bytes(profile, cut, plan, 1, 8, 1, recompute_mode::except_last, 8) ==
-        doctest::Approx(6 * 100 + 2 * 300));
+  CHECK(stashed_bytes(profile, cut, plan, 1, 1, recompute_mode::except_last, 8) ==
+        doctest::Approx(7 * 100 + 300));
+  // 1F1B backs the last micro-batch up last: B6 rebuilds its entry beside F7's whole one.
+  CHECK(stashed_bytes(profile, cut, make_schedule(schedule_kind::one_f_one_b, 2, 8), 0, 1,
+                      recompute_mode::except_last, 8) == doctest::Approx(2 * 200));
   // except_last of one micro-batch recomputes nothing; the first stage stashes no input.
-  CHECK(stashed_bytes(profile, cut, plan, 1, 1, 1, recompute_mode::except_last, 1) ==
-        doctest::Approx(300));
-  CHECK(stashed_bytes(profile, cut, plan, 0, 8, 1, recompute_mode::always, 8) ==
-        doctest::Approx(200));
-  auto memory = stage_memory(profile, cut, plan, 1, 8, 1, 1, recompute_mode::always, 8);
+  CHECK(stashed_bytes(profile, cut, make_schedule(schedule_kind::gpipe, 2, 1), 1, 1,
+                      recompute_mode::except_last, 1) == doctest::Approx(300));
+  CHECK(stashed_bytes(profile, cut, plan, 0, 1, recompute_mode::always, 8) == doctest::Approx(200));
+  // A split backward: between its B and its W a micro-batch also holds the gradients the weight
+  // pass kept for W. ZB-H1 over 4 micro-batches, stage 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3,
+  // at most two entries, both past their B after B1.
+  auto zb = make_schedule(schedule_kind::zb_h1, 2, 4);
+  CHECK(stashed_bytes(profile, cut, zb, 1, 1) == doctest::Approx(2 * 300));
+  profile[2].weight_kept_bytes = 50;
+  profile[3].weight_kept_bytes = 70;
+  profile[0].weight_kept_bytes = 1000; // the model's first part: its B computes nothing
+  CHECK(stashed_bytes(profile, cut, zb, 1, 1) == doctest::Approx(2 * (300 + 120)));
+  CHECK(stashed_bytes(profile, cut, zb, 0, 1) == doctest::Approx(2 * 200));
+  // A whole backward keeps nothing for W: 1F1B's stash is as before.
+  auto one = make_schedule(schedule_kind::one_f_one_b, 2, 4);
+  CHECK(stashed_bytes(profile, cut, one, 1, 1) == doctest::Approx(300));
+  // Recomputed and split: B rebuilds the entry, which W frees with what B kept; after B1 both
+  // entries are rebuilt, as without recomputation; before it, F1's input beside B0's entry.
+  CHECK(stashed_bytes(profile, cut, zb, 1, 1, recompute_mode::always, 4) ==
+        doctest::Approx(2 * (300 + 120)));
+  auto gpipe4 = make_schedule(schedule_kind::gpipe, 2, 4); // F0..F3 then B3..B0: 3 inputs, 1 whole
+  CHECK(stashed_bytes(profile, cut, gpipe4, 1, 1, recompute_mode::always, 4) ==
+        doctest::Approx(3 * 100 + 300));
+  for (auto& l : profile) {
+    l.weight_kept_bytes = -1;
+  }
+  auto memory = stage_memory(profile, cut, plan, 1, 1, 1, recompute_mode::always, 8);
   CHECK(memory.parameters == 144 * 4);
   CHECK(memory.working == 0); // not measured
   CHECK(memory.total() == 144 * 12 + 1000);

@@ -48,6 +48,13 @@ TEST_CASE("a profile times forward, fused and split backward per layer, as stage
   CHECK(profile[2].input_backward_ms > 0);
   CHECK(profile[2].weight_backward_ms > 0);
   CHECK(profile[1].weight_backward_ms == 0); // no weights
+  // What B keeps for W: fc2's output gradient (its weight node's), nothing for the ReLU or for
+  // fc1 (the model's input: no B); without a split backward, not measured.
+  CHECK(profile[2].weight_kept_bytes == 16 * 32 * 4);
+  CHECK(profile[1].weight_kept_bytes == 0);
+  CHECK(profile[0].weight_kept_bytes == 0);
+  options.split_backward = false;
+  CHECK(profile_layers(layers, torch::randn({16, 64}), options)[2].weight_kept_bytes == -1);
   // Profiling leaves no gradients and changes no parameter.
   for (const auto& l : layers) {
     if (auto m = l.module()) {
