@@ -10,6 +10,7 @@
 #include <actorpipe/schedule.hpp>
 
 #include "comm/tensor_hub.hpp"
+#include "nodes/option_fields.hpp"
 
 namespace actorpipe::nodes {
 
@@ -63,6 +64,9 @@ json encode(double v) {
   return v;
 }
 json encode(bool v) {
+  return v;
+}
+json encode(const std::string& v) {
   return v;
 }
 json encode(chunk_placement v) {
@@ -127,9 +131,35 @@ void decode(const json& j, shard_mode& v) {
   v = parse_shard_mode(j.get<std::string>());
 }
 
+// The fields `visit` lists of `v` into the JSON object `j`, and back, naming a field that is
+// missing or malformed: the one serializer and parser of every field list (stage_settings' and
+// option_fields.hpp's).
+template <class T, class Visit>
+void write_fields(json& j, const T& v, Visit visit) {
+  visit(v, [&](const char* name, const auto& value) { j[name] = encode(value); });
+}
+
+template <class T, class Visit>
+void read_fields(const json& j, T& v, Visit visit, const char* what) {
+  visit(v, [&](const char* name, auto& value) {
+    auto item = field<json>(j, name, what);
+    try {
+      decode(item, value);
+    } catch (const std::exception& e) {
+      throw invalid_argument(
+        detail::concat(what, ": field '", name, "' is malformed: ", detail::first_line(e.what())));
+    }
+  });
+}
+
+constexpr auto settings_fields = [](auto& s, auto&& f) { visit_fields(s, f); };
+constexpr auto model_fields = [](auto& o, auto&& f) { visit_model_options(o, f); };
+constexpr auto optimizer_fields = [](auto& o, auto&& f) { visit_optimizer_spec(o, f); };
+constexpr auto hook_fields = [](auto& h, auto&& f) { visit_hook_spec(h, f); };
+
 json settings_json(const stage_settings& s) {
   json j = {{"version", stage_settings::version}};
-  visit_fields(s, [&](const char* name, const auto& value) { j[name] = encode(value); });
+  write_fields(j, s, settings_fields);
   return j;
 }
 
@@ -139,15 +169,7 @@ stage_settings settings_from(const json& j, const char* what) {
                   ", this node reads version ", stage_settings::version,
                   " (driver and node are different builds of actorpipe)");
   stage_settings s;
-  visit_fields(s, [&](const char* name, auto& value) {
-    auto item = field<json>(j, name, what);
-    try {
-      decode(item, value);
-    } catch (const std::exception& e) {
-      throw invalid_argument(
-        detail::concat(what, ": field '", name, "' is malformed: ", detail::first_line(e.what())));
-    }
-  });
+  read_fields(j, s, settings_fields, what);
   ACTORPIPE_CHECK(s.chunks >= 1 && s.chunks <= 1024, what, ": chunks ", s.chunks);
   ACTORPIPE_CHECK(s.count >= 1 && s.index < s.count, what, ": stage ", s.index, " of ", s.count);
   ACTORPIPE_CHECK(s.threads >= 1 && s.threads <= 1024, what, ": threads ", s.threads);
@@ -228,50 +250,41 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const 
 
 namespace {
 
-json hook_json(const hook_spec& h) {
-  return {{"builtin", h.builtin}, {"torchscript", h.torchscript}, {"name", h.name}};
+// A remote_model: its name, seed, TorchScript bytes and loss, its options' fields beside them,
+// and its hooks and optimizer as objects of their fields.
+json model_json(const remote_model& m) {
+  json j = {{"name", m.name}, {"seed", m.seed}, {"torchscript", m.torchscript}, {"loss", m.loss}};
+  write_fields(j, m.options, model_fields);
+  json hooks = {{"after_forward", json::object()}, {"after_backward", json::object()}};
+  write_fields(hooks["after_forward"], m.hooks.after_forward, hook_fields);
+  write_fields(hooks["after_backward"], m.hooks.after_backward, hook_fields);
+  j["hooks"] = std::move(hooks);
+  json optimizer = json::object();
+  write_fields(optimizer, m.optimizer, optimizer_fields);
+  j["optimizer"] = std::move(optimizer);
+  return j;
 }
 
-hook_spec hook_from_json(const json& j, const char* what) {
-  hook_spec h;
-  h.builtin = field<std::string>(j, "builtin", what);
-  h.torchscript = field<std::string>(j, "torchscript", what);
-  h.name = field<std::string>(j, "name", what);
-  return h;
+remote_model model_from(const json& j, const char* what) {
+  remote_model m;
+  m.name = field<std::string>(j, "name", what);
+  m.seed = field<uint64_t>(j, "seed", what);
+  m.torchscript = field<std::string>(j, "torchscript", what);
+  m.loss = field<std::string>(j, "loss", what);
+  read_fields(j, m.options, model_fields, what);
+  auto hooks = field<json>(j, "hooks", what);
+  read_fields(field<json>(hooks, "after_forward", what), m.hooks.after_forward, hook_fields, what);
+  read_fields(field<json>(hooks, "after_backward", what), m.hooks.after_backward, hook_fields,
+              what);
+  read_fields(field<json>(j, "optimizer", what), m.optimizer, optimizer_fields, what);
+  return m;
 }
 
 } // namespace
 
 std::string to_json(const stage_spec& s) {
-  const auto& m = s.model;
-  json j = {{"model",
-             {{"name", m.name},
-              {"num_classes", m.options.num_classes},
-              {"in_channels", m.options.in_channels},
-              {"image_size", m.options.image_size},
-              {"deferred_batch_norm", m.options.deferred_batch_norm},
-              {"small_stem", m.options.small_stem},
-              {"block_layers", m.options.block_layers},
-              {"vocabulary", m.options.vocabulary},
-              {"layers", m.options.layers},
-              {"heads", m.options.heads},
-              {"width", m.options.width},
-              {"context", m.options.context},
-              {"dropout", m.options.dropout},
-              {"seed", m.seed},
-              {"torchscript", m.torchscript},
-              {"hooks",
-               {{"after_forward", hook_json(m.hooks.after_forward)},
-                {"after_backward", hook_json(m.hooks.after_backward)}}},
-              {"loss", m.loss},
-              {"optimizer",
-               {{"name", m.optimizer.name},
-                {"lr", m.optimizer.lr},
-                {"momentum", m.optimizer.momentum},
-                {"weight_decay", m.optimizer.weight_decay},
-                {"nesterov", m.optimizer.nesterov}}}}},
-            {"bounds", s.bounds},
-            {"settings", settings_json(s.settings)}};
+  json j = {
+    {"model", model_json(s.model)}, {"bounds", s.bounds}, {"settings", settings_json(s.settings)}};
   const auto& dp = s.data_parallel;
   if (dp.replicas > 1) {
     j["data_parallel"] = {{"rank", dp.rank},
@@ -290,32 +303,7 @@ stage_spec stage_spec_from_json(const std::string& text) {
   const char* what = "stage spec";
   auto j = parse(text, what);
   stage_spec s;
-  auto m = field<json>(j, "model", what);
-  s.model.name = field<std::string>(m, "name", what);
-  s.model.options.num_classes = field<int64_t>(m, "num_classes", what);
-  s.model.options.in_channels = field<int64_t>(m, "in_channels", what);
-  s.model.options.image_size = field<int64_t>(m, "image_size", what);
-  s.model.options.deferred_batch_norm = field<bool>(m, "deferred_batch_norm", what);
-  s.model.options.small_stem = field<bool>(m, "small_stem", what);
-  s.model.options.block_layers = field<bool>(m, "block_layers", what);
-  s.model.options.vocabulary = field<int64_t>(m, "vocabulary", what);
-  s.model.options.layers = field<int64_t>(m, "layers", what);
-  s.model.options.heads = field<int64_t>(m, "heads", what);
-  s.model.options.width = field<int64_t>(m, "width", what);
-  s.model.options.context = field<int64_t>(m, "context", what);
-  s.model.options.dropout = field<double>(m, "dropout", what);
-  s.model.seed = field<uint64_t>(m, "seed", what);
-  s.model.torchscript = field<std::string>(m, "torchscript", what);
-  auto hooks = field<json>(m, "hooks", what);
-  s.model.hooks.after_forward = hook_from_json(field<json>(hooks, "after_forward", what), what);
-  s.model.hooks.after_backward = hook_from_json(field<json>(hooks, "after_backward", what), what);
-  s.model.loss = field<std::string>(m, "loss", what);
-  auto o = field<json>(m, "optimizer", what);
-  s.model.optimizer.name = field<std::string>(o, "name", what);
-  s.model.optimizer.lr = field<double>(o, "lr", what);
-  s.model.optimizer.momentum = field<double>(o, "momentum", what);
-  s.model.optimizer.weight_decay = field<double>(o, "weight_decay", what);
-  s.model.optimizer.nesterov = field<bool>(o, "nesterov", what);
+  s.model = model_from(field<json>(j, "model", what), what);
   s.bounds = field<std::vector<std::size_t>>(j, "bounds", what);
   s.settings = settings_from(field<json>(j, "settings", what), what);
   const auto& st = s.settings;

@@ -18,6 +18,7 @@
 #include "comm/test_certificates.hpp"
 #include "comm/wire.hpp"
 #include "nodes/kept_snapshots.hpp"
+#include "nodes/option_fields.hpp"
 #include "nodes/protocol.hpp"
 #include <actorpipe/models.hpp>
 #include <actorpipe/node.hpp>
@@ -1791,6 +1792,95 @@ TEST_CASE("stage settings cross to a node whole: every field, with a version, ch
   auto malformed = j;
   malformed["device"] = "gpu:7";
   CHECK(refused(malformed).find("field 'device' is malformed") != std::string::npos);
+}
+
+namespace {
+
+// Every field `visit` lists of `v`, set away from its default (each its own value), or read as
+// text by name.
+template <class T, class Visit>
+int make_unusual(T& v, Visit visit, int n) {
+  visit(v, [&](const char*, auto& value) {
+    using V = std::decay_t<decltype(value)>;
+    ++n;
+    if constexpr (std::is_same_v<V, std::string>) {
+      value = "text " + std::to_string(n);
+    } else if constexpr (std::is_same_v<V, bool>) {
+      value = !value;
+    } else {
+      value = static_cast<V>(n * 3 + 1) + static_cast<V>(std::is_floating_point_v<V> ? 0.25 : 0);
+    }
+  });
+  return n;
+}
+
+template <class T, class Visit>
+std::map<std::string, std::string> text_of(const T& v, Visit visit) {
+  std::map<std::string, std::string> out;
+  visit(v, [&](const char* name, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::string>) {
+      out[name] = value;
+    } else {
+      out[name] = std::to_string(value);
+    }
+  });
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("a model's options, optimizer and hooks cross to a node whole: every field, checked") {
+  // A field added to one of these structs needs its line in nodes/option_fields.hpp (the
+  // serializer, the parser and this test walk those lists); then update these sizes.
+  static_assert(sizeof(model_options) == 80, "model_options changed: list the new field in "
+                                             "visit_model_options (nodes/option_fields.hpp)");
+  static_assert(sizeof(optimizer_spec) == 64, "optimizer_spec changed: list the new field in "
+                                              "visit_optimizer_spec (nodes/option_fields.hpp)");
+  static_assert(sizeof(hook_spec) == 96, "hook_spec changed: list the new field in "
+                                         "visit_hook_spec (nodes/option_fields.hpp)");
+  auto options = [](auto& o, auto&& f) { nodes::visit_model_options(o, f); };
+  auto optimizer = [](auto& o, auto&& f) { nodes::visit_optimizer_spec(o, f); };
+  auto hook = [](auto& h, auto&& f) { nodes::visit_hook_spec(h, f); };
+  nodes::stage_spec spec;
+  spec.bounds = {0, 4};
+  auto& m = spec.model;
+  m.name = "a model";
+  m.seed = 17;
+  m.loss = "cross_entropy";
+  m.torchscript = "bytes";
+  CHECK(make_unusual(m.options, options, 0) == 12);
+  CHECK(make_unusual(m.optimizer, optimizer, 0) == 5);
+  CHECK(make_unusual(m.hooks.after_forward, hook, 0) == 3);
+  CHECK(make_unusual(m.hooks.after_backward, hook, 10) == 13);
+  for (const auto& [name, value] : text_of(m.options, options)) {
+    CAPTURE(name);
+    CHECK(value != text_of(model_options{}, options).at(name));
+  }
+  auto back = nodes::stage_spec_from_json(nodes::to_json(spec)).model;
+  CHECK(back.name == m.name);
+  CHECK(back.seed == m.seed);
+  CHECK(back.loss == m.loss);
+  CHECK(back.torchscript == m.torchscript);
+  CHECK(text_of(back.options, options) == text_of(m.options, options));
+  CHECK(text_of(back.optimizer, optimizer) == text_of(m.optimizer, optimizer));
+  CHECK(text_of(back.hooks.after_forward, hook) == text_of(m.hooks.after_forward, hook));
+  CHECK(text_of(back.hooks.after_backward, hook) == text_of(m.hooks.after_backward, hook));
+  // A missing or malformed field is refused by name.
+  auto j = nlohmann::json::parse(nodes::to_json(spec));
+  auto refused = [](const nlohmann::json& text) {
+    try {
+      nodes::stage_spec_from_json(text.dump());
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto malformed = j;
+  malformed["model"]["width"] = "wide";
+  CHECK(refused(malformed).find("field 'width' is malformed") != std::string::npos);
+  auto missing = j;
+  missing["model"]["optimizer"].erase("nesterov");
+  CHECK(refused(missing).find("field 'nesterov' is missing") != std::string::npos);
 }
 
 TEST_CASE("a node builds its stage with the settings sent, cold memory and linger included") {
