@@ -296,15 +296,10 @@ void advance(stage_actor_type self) {
     s.active = false;
     s.report.stats.peak_stash =
       static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
-    s.report.stats.peak_stash_bytes = 0;
-    s.report.stats.peak_working_bytes = s.device->is_cuda() ? -1 : 0;
-    for (const auto& chunk : s.chunks) {
-      s.report.stats.peak_stash_bytes += chunk->peak_stash_bytes();
-      if (!s.device->is_cuda()) {
-        s.report.stats.peak_working_bytes =
-          std::max(s.report.stats.peak_working_bytes, chunk->peak_working_bytes());
-      }
-    }
+    // The chunks count their stash together (set_up): the stage's peak.
+    s.report.stats.peak_stash_bytes = s.chunks.front()->peak_stash_bytes();
+    s.report.stats.peak_working_bytes =
+      s.device->is_cuda() ? -1 : s.chunks.front()->peak_working_bytes();
     // A GPU's peak is the process's: this stage's when it is alone there.
     if (s.device->is_cuda() && stages::cuda::stages_on(s.device->device()) == 1) {
       s.report.stats.device_peak_bytes = stages::cuda::peak_allocated_bytes(s.device->device());
@@ -449,6 +444,9 @@ void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
             stage_listener_actor scheduler, stage_actor_options options) {
   s.device = stages::make_device_context(chunks.front()->config().device);
   s.chunks = std::move(chunks);
+  for (std::size_t c = 1; c < s.chunks.size(); ++c) {
+    s.chunks[c]->count_stash_with(*s.chunks.front()); // the stage's stash, not each chunk's
+  }
   s.scheduler = std::move(scheduler);
   s.options = std::move(options);
   if (s.bmuf()) {

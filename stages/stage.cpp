@@ -159,10 +159,8 @@ void stage::begin_step(bool train) {
   std::lock_guard<std::mutex> guard{mutex_};
   train_ = train;
   stash_.clear();
-  stash_bytes_ = 0;
+  *stash_tally_ = {};
   peak_stash_ = 0;
-  peak_stash_bytes_ = 0;
-  peak_held_bytes_ = 0;
   for (auto& l : layers_) {
     if (auto m = l.module()) {
       m->train(train);
@@ -287,14 +285,13 @@ void stage::stash(int32_t microbatch, stash_entry entry, int64_t retained) {
   // what this forward allocated that is still alive: the graph's saved activations and the
   // output (nothing of the forward's, recomputed).
   entry.bytes = retained + input_bytes(entry);
-  stash_bytes_ += entry.bytes;
+  add_stashed(entry.bytes);
   stash_[microbatch] = std::move(entry);
   peak_stash_ = std::max(peak_stash_, stash_.size());
-  peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
 }
 
 void stage::unstash(std::map<int32_t, stash_entry>::iterator it) {
-  stash_bytes_ -= it->second.bytes;
+  add_stashed(-it->second.bytes);
   stash_.erase(it);
 }
 
@@ -319,7 +316,7 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   if (!recompute) {
     entry.output = std::move(y);
   }
-  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes());
+  note_held(stash_tally_->bytes + input_bytes(entry) + tally.peak_bytes());
   entry.count = tally.count();
   stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return sent;
@@ -378,7 +375,7 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
   } else {
     entry.output = bundle(value * scale);
   }
-  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes());
+  note_held(stash_tally_->bytes + input_bytes(entry) + tally.peak_bytes());
   entry.count = tally.count();
   stash(microbatch, std::move(entry), recompute ? 0 : tally.live_bytes());
   return value.detach();
@@ -433,11 +430,10 @@ void stage::recompute(int32_t microbatch, stash_entry& entry) {
   entry.generator_state = torch::Tensor();
   // The rebuilt activations count in the stash while they live: a recomputing stage's peak
   // is its stashed inputs plus the one micro-batch being backed up.
-  note_held(stash_bytes_ + tally.peak_bytes()); // the entry's input is in the stash
+  note_held(stash_tally_->bytes + tally.peak_bytes()); // the entry's input is in the stash
   entry.count = tally.count();
   entry.bytes += tally.live_bytes();
-  stash_bytes_ += tally.live_bytes();
-  peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
+  add_stashed(tally.live_bytes());
 }
 
 void stage::pair_gradients(int32_t microbatch, stash_entry& entry,
@@ -552,7 +548,7 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
     grads.push_back(x.grad());
   }
   auto sent = input_gradients(entry, std::move(grads));
-  note_held(stash_bytes_ + input_bytes(entry) + tally.peak_bytes() -
+  note_held(stash_tally_->bytes + input_bytes(entry) + tally.peak_bytes() -
             (held_gradient_bytes() - gradients_before));
   return sent;
 }
@@ -583,8 +579,7 @@ bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) 
     // What W will read: part of the stash until then.
     auto kept = entry.weights->kept_bytes();
     entry.bytes += kept;
-    stash_bytes_ += kept;
-    peak_stash_bytes_ = std::max(peak_stash_bytes_, stash_bytes_);
+    add_stashed(kept);
   }
   return input_gradients(entry, std::move(grads));
 }
@@ -643,8 +638,10 @@ std::size_t stage::synchronise_batch_norm(const c10::intrusive_ptr<batch_norm_sy
 
 void stage::abort_step() {
   std::lock_guard<std::mutex> guard{mutex_};
+  for (const auto& [microbatch, entry] : stash_) {
+    add_stashed(-entry.bytes); // the other chunks of a shared tally keep theirs
+  }
   stash_.clear();
-  stash_bytes_ = 0;
   for (auto& p : parameters()) {
     p.mutable_grad().reset();
   }

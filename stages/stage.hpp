@@ -206,6 +206,10 @@ public:
   /// made). On the CPU: a GPU's backward runs on autograd's device thread, which the tally does
   /// not reach.
   int64_t peak_working_bytes() const;
+  /// Counts this stage's stash together with `other`'s from now on (the chunks of one stage
+  /// actor, which run one action at a time): stash_bytes, peak_stash_bytes and
+  /// peak_working_bytes are then the stage actor's, whose chunks' own peaks need not coincide.
+  void count_stash_with(const stage& other);
 
   int64_t parameter_count() const;
 
@@ -287,7 +291,14 @@ private:
   // which the previous stage or the batch allocated; and the most held at once raised to `bytes`.
   int64_t held_gradient_bytes() const;
   static int64_t input_bytes(const stash_entry& entry);
-  void note_held(int64_t bytes) { peak_held_bytes_ = std::max(peak_held_bytes_, bytes); }
+  void note_held(int64_t bytes) {
+    stash_tally_->peak_held = std::max(stash_tally_->peak_held, bytes);
+  }
+  // Adds `bytes` (negative: takes them away) to the stash, raising its peak.
+  void add_stashed(int64_t bytes) {
+    stash_tally_->bytes += bytes;
+    stash_tally_->peak = std::max(stash_tally_->peak, stash_tally_->bytes);
+  }
 
   // Rebuilds a recomputed entry's output (and graph); nothing for the others.
   void recompute(int32_t microbatch, stash_entry& entry);
@@ -338,10 +349,14 @@ private:
   void load_optimizer_state(const tensor_map& all);
   std::map<int32_t, stash_entry> stash_;
   std::size_t peak_stash_ = 0;
-  int64_t stash_bytes_ = 0;
-  int64_t peak_stash_bytes_ = 0;
-  // The most the stage's micro-batches held at once: the stash and the running action's bytes.
-  int64_t peak_held_bytes_ = 0;
+  // Bytes stashed, their peak, and the most the micro-batches held at once (the stash and the
+  // running action's bytes): this stage's, or, shared (count_stash_with), its stage actor's.
+  struct stash_tally {
+    int64_t bytes = 0;
+    int64_t peak = 0;
+    int64_t peak_held = 0;
+  };
+  std::shared_ptr<stash_tally> stash_tally_ = std::make_shared<stash_tally>();
   bool train_ = false;
   std::vector<torch::Tensor> buffer_snapshot_;
   std::vector<std::shared_ptr<DeferredBatchNorm2dImpl>> batch_norms_;

@@ -217,12 +217,17 @@ std::size_t stage::peak_stash() const {
 
 int64_t stage::peak_working_bytes() const {
   std::lock_guard<std::mutex> guard{mutex_};
-  return std::max<int64_t>(0, peak_held_bytes_ - peak_stash_bytes_);
+  return std::max<int64_t>(0, stash_tally_->peak_held - stash_tally_->peak);
 }
 
 int64_t stage::peak_stash_bytes() const {
   std::lock_guard<std::mutex> guard{mutex_};
-  return peak_stash_bytes_;
+  return stash_tally_->peak;
+}
+
+void stage::count_stash_with(const stage& other) {
+  std::scoped_lock guard{mutex_, other.mutex_};
+  stash_tally_ = other.stash_tally_;
 }
 
 int64_t stage::parameter_count() const {

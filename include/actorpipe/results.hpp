@@ -42,13 +42,14 @@ struct stage_stats {
   bool overlapped = false;
   /// Most micro-batches held stashed at once during the step (a chunk's entry counts 1/chunks).
   double peak_stash = 0;
-  /// Most bytes stashed at once during the step (summed over an actor's chunks): the inputs of
-  /// the micro-batches between forward and backward and the activations their graphs keep (a
-  /// recomputed micro-batch keeps its input only until its backward rebuilds the rest): the
+  /// Most bytes stashed at once during the step (an actor's chunks counted together, at the
+  /// same moment): the inputs of the micro-batches between forward and backward and the
+  /// activations their graphs keep (a recomputed micro-batch keeps its input only until its
+  /// backward rebuilds the rest; a split backward's B adds the gradients it keeps for W): the
   /// bytes its forwards allocated and did not free, on the CPU and on a GPU alike.
   int64_t peak_stash_bytes = 0;
-  /// A stage on the CPU: the most one action needed during the step beyond what it kept (the
-  /// largest over its chunks): a forward's temporaries, a backward's input gradients and
+  /// A stage on the CPU: the most one action needed during the step beyond the most it kept
+  /// (peak_stash_bytes): a forward's temporaries, a backward's input gradients and
   /// temporaries (its own allocations at their peak, less the parameters' gradients it made),
   /// as the planner predicts it (memory_estimate::working, docs/memory.md). -1 on a GPU, where
   /// device_peak_bytes counts it.
