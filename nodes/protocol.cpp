@@ -69,6 +69,9 @@ json encode(bool v) {
 json encode(const std::string& v) {
   return v;
 }
+json encode(const std::vector<double>& v) {
+  return v;
+}
 json encode(chunk_placement v) {
   return to_string(v);
 }
@@ -156,6 +159,23 @@ constexpr auto settings_fields = [](auto& s, auto&& f) { visit_fields(s, f); };
 constexpr auto model_fields = [](auto& o, auto&& f) { visit_model_options(o, f); };
 constexpr auto optimizer_fields = [](auto& o, auto&& f) { visit_optimizer_spec(o, f); };
 constexpr auto hook_fields = [](auto& h, auto&& f) { visit_hook_spec(h, f); };
+// What a step plan and a stage report carry beside their tensors (sent as frames), their
+// programs and action records: origin_ns and overlapped stay in the process (a node's stages
+// time from their own clock and do not overlap steps), outputs go as frames.
+constexpr auto plan_fields = [](auto& p, auto&& f) {
+  f("step", p.step);
+  f("train", p.train);
+  f("loss_scales", p.loss_scales);
+  f("samples", p.samples);
+  f("learning_rate", p.learning_rate);
+  f("optimistic", p.optimistic);
+};
+constexpr auto report_fields = [](auto& r, auto&& f) {
+  f("step", r.step);
+  f("loss", r.loss);
+  f("gradient_square_sum", r.gradient_square_sum);
+  visit_scalars(r.stats, f);
+};
 
 json settings_json(const stage_settings& s) {
   json j = {{"version", stage_settings::version}};
@@ -365,23 +385,16 @@ std::string to_json(const actors::step_plan& plan, std::size_t targets) {
   for (const auto& a : plan.program) {
     program.push_back({static_cast<int>(a.kind), a.microbatch, a.chunk});
   }
-  return json{{"step", plan.step},
-              {"train", plan.train},
-              {"program", program},
-              {"loss_scales", plan.loss_scales},
-              {"samples", plan.samples},
-              {"targets", targets},
-              {"learning_rate", plan.learning_rate},
-              {"optimistic", plan.optimistic}}
-    .dump();
+  json j = {{"program", program}, {"targets", targets}};
+  write_fields(j, plan, plan_fields);
+  return j.dump();
 }
 
 actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets) {
   const char* what = "step plan";
   auto j = parse(text, what);
   actors::step_plan plan;
-  plan.step = field<uint64_t>(j, "step", what);
-  plan.train = field<bool>(j, "train", what);
+  read_fields(j, plan, plan_fields, what);
   for (const auto& a : field<std::vector<std::array<int64_t, 3>>>(j, "program", what)) {
     ACTORPIPE_CHECK(a[0] >= 0 && a[0] <= 2 && a[1] >= 0 && a[1] < (1 << 30) && a[2] >= 0 &&
                       a[2] < 1024,
@@ -389,10 +402,6 @@ actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targ
     plan.program.push_back(
       {static_cast<action_kind>(a[0]), static_cast<int32_t>(a[1]), static_cast<int32_t>(a[2])});
   }
-  plan.loss_scales = field<std::vector<double>>(j, "loss_scales", what);
-  plan.samples = field<int64_t>(j, "samples", what);
-  plan.learning_rate = field<double>(j, "learning_rate", what);
-  plan.optimistic = field<bool>(j, "optimistic", what);
   targets = field<std::size_t>(j, "targets", what);
   ACTORPIPE_CHECK(targets <= (1u << 20) && (targets == 0 || targets == plan.loss_scales.size()),
                   what, ": ", targets, " targets for ", plan.loss_scales.size(), " loss scales");
@@ -406,12 +415,8 @@ std::string to_json(const actors::stage_report& r) {
     actions.push_back({static_cast<int>(a.what.kind), a.what.microbatch, a.what.chunk, a.start_ms,
                        a.end_ms, a.bytes_sent, a.device_start_ms, a.device_end_ms});
   }
-  json j{{"step", r.step},
-         {"loss", r.loss},
-         {"gradient_square_sum", r.gradient_square_sum},
-         {"outputs", r.outputs.size()},
-         {"actions", actions}};
-  visit_scalars(s, [&](const char* name, const auto& value) { j[name] = value; });
+  json j{{"outputs", r.outputs.size()}, {"actions", actions}};
+  write_fields(j, r, report_fields);
   return j.dump();
 }
 
@@ -419,14 +424,9 @@ actors::stage_report stage_report_from_json(const std::string& text, std::size_t
   const char* what = "stage report";
   auto j = parse(text, what);
   actors::stage_report r;
-  r.step = field<uint64_t>(j, "step", what);
-  r.loss = field<double>(j, "loss", what);
-  r.gradient_square_sum = field<double>(j, "gradient_square_sum", what);
+  read_fields(j, r, report_fields, what);
   outputs = field<std::size_t>(j, "outputs", what);
   auto& s = r.stats;
-  visit_scalars(s, [&](const char* name, auto& value) {
-    value = field<std::decay_t<decltype(value)>>(j, name, what);
-  });
   for (const auto& a : field<json>(j, "actions", what)) {
     action_record rec;
     rec.what = {static_cast<action_kind>(a.at(0).get<int>()), a.at(1).get<int32_t>(),

@@ -1883,6 +1883,39 @@ TEST_CASE("a model's options, optimizer and hooks cross to a node whole: every f
   CHECK(refused(missing).find("field 'nesterov' is missing") != std::string::npos);
 }
 
+TEST_CASE("a step plan crosses to a node whole: every field it carries beside its tensors") {
+  // A field added to step_plan is sent in plan_fields (nodes/protocol.cpp) or said there to stay
+  // in the process; then update this size.
+  static_assert(sizeof(actors::step_plan) == 168, "step_plan changed: list the new field in "
+                                                  "plan_fields (nodes/protocol.cpp)");
+  actors::step_plan sent;
+  sent.step = 7;
+  sent.train = false;
+  sent.program = {{action_kind::forward, 3, 1}, {action_kind::weight, 2, 0}};
+  sent.loss_scales = {0.5, 0.25};
+  sent.samples = 9;
+  sent.learning_rate = 0.125;
+  sent.optimistic = true;
+  std::size_t targets = 0;
+  auto back = nodes::step_plan_from_json(nodes::to_json(sent, 2), targets);
+  CHECK(targets == 2);
+  CHECK(back.step == 7);
+  CHECK_FALSE(back.train);
+  CHECK((back.program == sent.program));
+  CHECK(back.loss_scales == sent.loss_scales);
+  CHECK(back.samples == 9);
+  CHECK(back.learning_rate == 0.125);
+  CHECK(back.optimistic);
+  auto j = nlohmann::json::parse(nodes::to_json(sent, 2));
+  j["loss_scales"] = "half";
+  try {
+    nodes::step_plan_from_json(j.dump(), targets);
+    FAIL("a malformed plan was accepted");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("field 'loss_scales' is malformed") != std::string::npos);
+  }
+}
+
 TEST_CASE("a node builds its stage with the settings sent, cold memory and linger included") {
   node n(node_config());
   control_client scheduler(n.address());
