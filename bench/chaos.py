@@ -2,7 +2,7 @@
 """A chaos soak (issue 41, part 6; docs/distributed.md's fault table, BENCHMARKS.md).
 
     python3 bench/chaos.py ACTORPIPE [--minutes 30] [--fault-every 30] [--seed 1] [--json OUT]
-                           [--faults node-kill,node-stop,driver-kill[,host-crash]]
+                           [--faults node-kill,node-stop,driver-kill[,host-crash,link-cut]]
                            [--throughput 0.97]
 
 Trains the small mlp over three `actorpipe node` processes on loopback (3 stages,
@@ -15,9 +15,9 @@ in --minutes (calibrated first):
    stopped (SIGSTOP) for 10 s and continued, the training process killed (-9) and started again
    with `--resume nodes`; with --faults host-crash (not drawn by default), the training process
    and a node killed at once, both started again (the node's stages come from its neighbour's
-   copy). Its nodes share loopback, where no one link can be cut: a cut link
-   (network namespaces, tools/netns_hosts.sh; the nodes_across_network_namespaces test cuts
-   one) is not drawn.
+   copy); with --faults link-cut (needs root and iproute2), the training process and every node
+   run in network namespaces of their own on a bridge (tools/netns_hosts.sh), the fault-free runs
+   too, and a node's link is cut (set down) for 10 s and restored: the node lives on, unreachable.
 
 Checks, each printed: every step line's loss (replayed steps' too) equals the fault-free run's
 at that step, to the 9 digits printed; no step missing; throughput (fault-free seconds over
@@ -67,11 +67,48 @@ def port_free(port):
             return False
 
 
+class Hosts:
+    """Where the processes run: loopback, or (`netns`) a network namespace each, on a bridge, so
+    that one node's link can be cut."""
+
+    def __init__(self, ports, netns, work):
+        self.netns = netns
+        self.secret = []  # addresses off loopback need the shared secret
+        if netns:
+            path = os.path.join(work, "secret")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write("chaos soak\n")
+            self.secret = ["--secret-file", path]
+        self.tag = f"cx{os.getpid() % 10000}{ports[0] % 100}"
+        self.net = f"10.{77 + ports[0] % 50}.{ports[0] % 200 + 20}"
+        self.names = [f"{self.tag}n{i}" for i in range(len(ports))] + [f"{self.tag}d"]
+        self.address = {p: f"{self.net}.{i + 1}" if netns else "127.0.0.1"
+                        for i, p in enumerate(ports)}
+        if netns:
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools",
+                                  "netns_hosts.sh")
+            subprocess.run(["bash", "-c", f'source "{script}" && netns_hosts "$@"', "hosts",
+                            f"{self.tag}br", self.net] + self.names, check=True)
+
+    def command(self, index, args):
+        """`args` run on host `index` (a node's; -1: the training process's)."""
+        return ["ip", "netns", "exec", self.names[index]] + args if self.netns else args
+
+    def link(self, index, up):
+        name = self.names[index]
+        subprocess.run(["ip", "-n", name, "link", "set", f"v{name}", "up" if up else "down"],
+                       check=True)
+
+    def remove(self):
+        for name in self.names + [f"{self.tag}br"] if self.netns else []:
+            subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL)
+
+
 class Cluster:
     """The node processes, each on its port; started again where killed."""
 
-    def __init__(self, program, ports, work):
-        self.program, self.ports, self.work = program, ports, work
+    def __init__(self, program, ports, work, hosts):
+        self.program, self.ports, self.work, self.hosts = program, ports, work, hosts
         self.procs = {}
         self.started = {}
         for p in ports:
@@ -81,8 +118,10 @@ class Cluster:
         log = open(os.path.join(self.work, f"node{port}.log"), "a")
         offset = log.tell()  # a node started again: its own line, not the one before
         self.procs[port] = subprocess.Popen(
-            [self.program, "node", "--listen", f"127.0.0.1:{port}"], stdout=log,
-            stderr=subprocess.STDOUT)
+            self.hosts.command(self.ports.index(port), [
+                self.program, "node", "--listen", f"{self.hosts.address[port]}:{port}"]
+                + self.hosts.secret),
+            stdout=log, stderr=subprocess.STDOUT)
         self.started[port] = time.time()
         deadline = time.time() + 20
         while time.time() < deadline:
@@ -91,10 +130,11 @@ class Cluster:
                 if "listening on" in f.read():
                     return
             time.sleep(0.05)
-        raise SystemExit(f"chaos: node 127.0.0.1:{port} did not listen within 20 s")
+        raise SystemExit(f"chaos: node {self.hosts.address[port]}:{port} did not listen within "
+                         "20 s")
 
     def nodes(self):
-        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return ",".join(f"{self.hosts.address[p]}:{p}" for p in self.ports)
 
     def stop(self):
         for p in self.procs.values():
@@ -124,10 +164,11 @@ class Driver:
         path = os.path.join(self.work, f"train{len(self.logs)}.log")
         self.logs.append(path)
         args = [self.program, "train"] + COMMON + ["--steps", str(self.steps), "--nodes",
-                                                   self.cluster.nodes()]
+                                                   self.cluster.nodes()] + self.cluster.hosts.secret
         if resume:
             args += ["--resume", "nodes"]
-        self.proc = subprocess.Popen(args, stdout=open(path, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cluster.hosts.command(-1, args), stdout=open(path, "w"),
+                                     stderr=subprocess.STDOUT)
         self.started = time.time()
 
     def lines(self):
@@ -156,10 +197,18 @@ class Driver:
         return False
 
 
-def run_steps(program, steps, work, faults=None, fault_every=30, seed=1):
+def run_steps(program, steps, work, faults=None, fault_every=30, seed=1, netns=False):
     """One run of `steps`; with `faults`, a fault every `fault_every` s. Returns the report."""
     base = 20000 + random.Random(seed * 7919 + steps).randrange(10000)
-    cluster = Cluster(program, [base, base + 1, base + 2], work)
+    hosts = Hosts([base, base + 1, base + 2], netns, work)
+    try:
+        return run_on(program, steps, work, faults, fault_every, seed, base, hosts)
+    finally:
+        hosts.remove()
+
+
+def run_on(program, steps, work, faults, fault_every, seed, base, hosts):
+    cluster = Cluster(program, [base, base + 1, base + 2], work, hosts)
     driver = Driver(program, cluster, steps, work)
     rng = random.Random(seed)
     events, memory = [], {}
@@ -198,6 +247,10 @@ def run_steps(program, steps, work, faults=None, fault_every=30, seed=1):
                 cluster.procs[port].send_signal(signal.SIGSTOP)
                 time.sleep(10)
                 cluster.procs[port].send_signal(signal.SIGCONT)
+            elif kind == "link-cut":  # the node lives on, unreachable for 10 s
+                hosts.link(cluster.ports.index(port), False)
+                time.sleep(10)
+                hosts.link(cluster.ports.index(port), True)
             elif kind == "host-crash":  # the training process and a node at once
                 driver.proc.kill()
                 cluster.procs[port].kill()
@@ -231,9 +284,9 @@ def run_steps(program, steps, work, faults=None, fault_every=30, seed=1):
         if driver.proc.poll() is None:
             driver.proc.kill()
         cluster.stop()
-    leftovers = [p for p in cluster.ports if not port_free(p)]
-    alive = subprocess.run(["pgrep", "-f", f"^{re.escape(program)} node --listen 127.0.0.1:"
-                            f"({base}|{base + 1}|{base + 2})$"], capture_output=True,
+    leftovers = [p for p in cluster.ports if not hosts.netns and not port_free(p)]
+    alive = subprocess.run(["pgrep", "-f", f"^{re.escape(program)} node --listen [0-9.]+:"
+                            f"({base}|{base + 1}|{base + 2})( |$)"], capture_output=True,
                            text=True).stdout.split()
     return {"seconds": seconds, "exit": code, "lines": driver.lines(), "events": events,
             "memory_first_fault": memory, "memory_end": end, "killed": sorted(killed),
@@ -257,14 +310,15 @@ def main():
         work = args.logs or temporary
         for sub in "cfx":
             os.makedirs(os.path.join(work, sub), exist_ok=True)
-        calibration = run_steps(program, 200, os.path.join(work, "c"))
+        netns = "link-cut" in args.faults.split(",")  # every run in namespaces, to compare
+        calibration = run_steps(program, 200, os.path.join(work, "c"), netns=netns)
         per_step = calibration["seconds"] / 200
         steps = max(50, int(args.minutes * 60 / per_step))
         print(f"chaos: {per_step * 1000:.1f} ms a step fault-free: {steps} steps for "
               f"{args.minutes} min", file=sys.stderr, flush=True)
-        free = run_steps(program, steps, os.path.join(work, "f"))
+        free = run_steps(program, steps, os.path.join(work, "f"), netns=netns)
         chaos = run_steps(program, steps, os.path.join(work, "x"),
-                          args.faults.split(","), args.fault_every, args.seed)
+                          args.faults.split(","), args.fault_every, args.seed, netns)
         checks = check(free, chaos, steps, args.throughput)
     report = {"steps": steps, "fault_free_s": free["seconds"], "chaos_s": chaos["seconds"],
               "throughput": free["seconds"] / chaos["seconds"], "events": chaos["events"],
@@ -290,7 +344,7 @@ def check(free, chaos, steps, throughput):
         f"exit {free['exit']}, {len(reference)} of {steps} steps")
     add("chaos run", chaos["exit"] == 0, f"exit {chaos['exit']}, {len(chaos['events'])} faults: "
         + ", ".join(f"{k} x{sum(e['fault'] == k for e in chaos['events'])}"
-                    for k in ("node-kill", "node-stop", "driver-kill", "host-crash")))
+                    for k in ("node-kill", "node-stop", "driver-kill", "host-crash", "link-cut")))
     differ = [(s, l, reference.get(s)) for s, l in chaos["lines"] if reference.get(s) != l]
     seen = {s for s, _ in chaos["lines"]}
     add("every step's loss equals the fault-free run's", not differ and len(seen) == steps,
