@@ -177,6 +177,16 @@ constexpr auto report_fields = [](auto& r, auto&& f) {
   visit_scalars(r.stats, f);
 };
 
+// A message's JSON (into `j`, for what is not a listed field) and a T of the fields `visit`
+// lists, read from it.
+template <class T, class Visit>
+T read_message(const std::string& text, const char* what, Visit visit, json& j) {
+  j = parse(text, what);
+  T value;
+  read_fields(j, value, visit, what);
+  return value;
+}
+
 json settings_json(const stage_settings& s) {
   json j = {{"version", stage_settings::version}};
   write_fields(j, s, settings_fields);
@@ -392,9 +402,8 @@ std::string to_json(const actors::step_plan& plan, std::size_t targets) {
 
 actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets) {
   const char* what = "step plan";
-  auto j = parse(text, what);
-  actors::step_plan plan;
-  read_fields(j, plan, plan_fields, what);
+  json j;
+  auto plan = read_message<actors::step_plan>(text, what, plan_fields, j);
   for (const auto& a : field<std::vector<std::array<int64_t, 3>>>(j, "program", what)) {
     ACTORPIPE_CHECK(a[0] >= 0 && a[0] <= 2 && a[1] >= 0 && a[1] < (1 << 30) && a[2] >= 0 &&
                       a[2] < 1024,
@@ -422,9 +431,8 @@ std::string to_json(const actors::stage_report& r) {
 
 actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs) {
   const char* what = "stage report";
-  auto j = parse(text, what);
-  actors::stage_report r;
-  read_fields(j, r, report_fields, what);
+  json j;
+  auto r = read_message<actors::stage_report>(text, what, report_fields, j);
   outputs = field<std::size_t>(j, "outputs", what);
   auto& s = r.stats;
   for (const auto& a : field<json>(j, "actions", what)) {
