@@ -8,6 +8,8 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/schedule.hpp>
 
+#include "scheduler/liveness.hpp"
+
 namespace actorpipe {
 namespace {
 
@@ -221,28 +223,16 @@ double stashed_bytes(const std::vector<layer_profile>& layers, const partition& 
            (recompute == recompute_mode::except_last &&
             static_cast<std::size_t>(microbatch) + 1 < microbatches);
   };
-  // The program in order: a forward stashes its entry (its input alone where recomputed), a
-  // backward rebuilds it and frees it, or, split, adds what W reads and leaves it to W.
+  // A forward stashes its entry (its input alone where recomputed); its backward rebuilds the
+  // rest and, split, adds what W reads.
   const auto& program = plan.programs.at(stage);
-  auto split = split_backwards(program);
-  double live = 0;
-  double peak = 0;
-  for (std::size_t i = 0; i < program.size(); ++i) {
-    const auto& a = program[i];
-    auto c = static_cast<std::size_t>(a.chunk);
-    if (a.kind == action_kind::forward) {
-      live += recomputed(a.microbatch) ? input[c] : whole[c];
-    } else if (a.kind == action_kind::backward) {
-      live += (recomputed(a.microbatch) ? whole[c] - input[c] : 0.0) + (split[i] ? for_w[c] : 0);
-    } else {
-      live -= whole[c] + for_w[c];
-    }
-    peak = std::max(peak, live);
-    if (a.kind == action_kind::backward && !split[i]) {
-      live -= whole[c];
-    }
-  }
-  return peak;
+  return liveness::peak_held(
+    program, split_backwards(program), [&](int32_t microbatch, int32_t chunk, bool split) {
+      auto c = static_cast<std::size_t>(chunk);
+      auto rebuilt = recomputed(microbatch);
+      return std::pair(rebuilt ? input[c] : whole[c],
+                       (rebuilt ? whole[c] - input[c] : 0.0) + (split ? for_w[c] : 0.0));
+    });
 }
 
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,

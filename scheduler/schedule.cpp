@@ -10,6 +10,8 @@
 
 #include <actorpipe/errors.hpp>
 
+#include "scheduler/liveness.hpp"
+
 namespace actorpipe {
 
 std::size_t chunks_of(const schedule& s) {
@@ -161,21 +163,12 @@ void validate(const schedule& s, std::size_t microbatches, bool training) {
 namespace {
 
 // peak_stash with `split` = split_backwards(program), which the simulator has already.
+// A micro-batch chunk counts 1/chunks from its forward to its W, or to its B when that is whole.
 double peak_stash_of(const stage_program& program, const std::vector<bool>& split,
                      std::size_t chunks) {
-  // A micro-batch is stashed from its forward to its W, or to its B when that is whole.
-  double live = 0;
-  double peak = 0;
-  for (std::size_t i = 0; i < program.size(); ++i) {
-    const auto& a = program[i];
-    if (a.kind == action_kind::forward) {
-      live += 1.0 / static_cast<double>(chunks);
-      peak = std::max(peak, live);
-    } else if (a.kind == action_kind::weight || (a.kind == action_kind::backward && !split[i])) {
-      live -= 1.0 / static_cast<double>(chunks);
-    }
-  }
-  return peak;
+  auto share = 1.0 / static_cast<double>(chunks);
+  return liveness::peak_held(program, split,
+                             [share](int32_t, int32_t, bool) { return std::pair(share, 0.0); });
 }
 
 } // namespace
