@@ -276,7 +276,7 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
     if (r.failed_step) {
       report.steps.emplace_back(done + 1, r.failed_step->loss);
       report.step_ms.push_back(r.failed_step->wall_ms);
-      if (o.log_steps) { // its line, as every completed step's
+      if (o.log_steps && o.rank == 0) { // its line, as every completed step's (the lead's)
         print_step_line(done + 1, where.total, *r.failed_step);
       }
       if (o.keep_results) {
