@@ -23,8 +23,8 @@ Checks, each printed: every step line's loss (replayed steps' too) equals the fa
 at that step, to the 9 digits printed; no step missing; throughput (fault-free seconds over
 chaos seconds) at least --throughput (0.97); the resident memory of the nodes that were never
 killed and of the training process at the first fault and at the end within --memory (5%; a
-process started again is measured from its start); after the nodes are stopped, no node process and no
-listening port left. Exits 1 when one fails, 77 (skipped) when link-cut is asked for where
+process started again is measured from its start); after the nodes are stopped, no node process
+and no listening port left. Exits 1 when one fails, 77 (skipped) when link-cut is asked for where
 network namespaces cannot be made. Every wait has a deadline (a run that makes no step for 120 s
 fails).
 """
@@ -74,23 +74,26 @@ class Hosts:
     that one node's link can be cut."""
 
     def __init__(self, ports, netns, work):
-        self.netns = netns
+        self.netns, self.work = netns, work
         self.secret = []  # addresses off loopback need the shared secret
-        if netns:
-            path = os.path.join(work, "secret")
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                f.write("chaos soak\n")
-            self.secret = ["--secret-file", path]
         self.tag = f"cx{os.getpid() % 10000}{ports[0] % 100}"
         self.net = f"10.{77 + ports[0] % 50}.{ports[0] % 200 + 20}"
         self.names = [f"{self.tag}n{i}" for i in range(len(ports))] + [f"{self.tag}d"]
         self.address = {p: f"{self.net}.{i + 1}" if netns else "127.0.0.1"
                         for i, p in enumerate(ports)}
-        if netns:
-            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools",
-                                  "netns_hosts.sh")
-            subprocess.run(["bash", "-c", f'source "{script}" && netns_hosts "$@"', "hosts",
-                            f"{self.tag}br", self.net] + self.names, check=True)
+
+    def make(self):
+        """The namespaces and the secret (remove() takes away what was made, also on failure)."""
+        if not self.netns:
+            return
+        path = os.path.join(self.work, "secret")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("chaos soak\n")
+        self.secret = ["--secret-file", path]
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools",
+                              "netns_hosts.sh")
+        subprocess.run(["bash", "-c", f'source "{script}" && netns_hosts "$@"', "hosts",
+                        f"{self.tag}br", self.net] + self.names, check=True)
 
     def command(self, index, args):
         """`args` run on host `index` (a node's; -1: the training process's)."""
@@ -204,6 +207,7 @@ def run_steps(program, steps, work, faults=None, fault_every=30, seed=1, netns=F
     base = 20000 + random.Random(seed * 7919 + steps).randrange(10000)
     hosts = Hosts([base, base + 1, base + 2], netns, work)
     try:
+        hosts.make()
         return run_on(program, steps, work, faults, fault_every, seed, base, hosts)
     finally:
         hosts.remove()
