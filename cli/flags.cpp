@@ -1,6 +1,7 @@
 #include "cli/flags.hpp"
 
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -157,6 +158,30 @@ void add_recompute_flag(CLI::App* cmd, planning_args& a) {
       "forward during backward (less memory, more time; docs/transformers.md). Left out under "
       "--max-memory, the planner chooses it when that is what fits (docs/memory.md)")
     ->default_str(a.recompute); // parse_recompute_mode names the modes
+}
+
+CLI::Validator at_least(double least) {
+  std::ostringstream bound;
+  bound << least;
+  return CLI::Validator(
+    [least, text = bound.str()](std::string& value) -> std::string {
+      double v = 0;
+      if (!CLI::detail::lexical_cast(value, v)) {
+        return "'" + value + "' is not a number";
+      }
+      return v >= least ? std::string{} : "must be >= " + text + " (got " + value + ")";
+    },
+    ">=" + bound.str());
+}
+
+CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,
+                                   std::chrono::milliseconds& field, int64_t least,
+                                   const std::string& help) {
+  return cmd
+    ->add_option_function<int64_t>(
+      name, [&field](int64_t ms) { field = std::chrono::milliseconds(ms); }, help)
+    ->check(at_least(static_cast<double>(least)))
+    ->default_str(std::to_string(field.count()));
 }
 
 void add_pipeline_flags(CLI::App* cmd, planning_args& a) {

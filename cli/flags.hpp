@@ -3,11 +3,16 @@
 /// pipeline is cut and scheduled (the settings are training/planning.hpp's).
 #pragma once
 
+#include <chrono>
+#include <string>
+
 #include "training/planning.hpp"
 
 namespace CLI {
 class App;
-}
+class Option;
+class Validator;
+} // namespace CLI
 
 namespace actorpipe::cli {
 
@@ -24,5 +29,13 @@ void add_model_flags(CLI::App* cmd, model_args& args);
 void add_pipeline_flags(CLI::App* cmd, planning_args& args);
 /// --recompute (train, plan): sets args.recompute and recompute_given.
 void add_recompute_flag(CLI::App* cmd, planning_args& args);
+/// A check that a number given to a flag is at least `least` ("must be >= 0", not CLI11's range
+/// up to the largest double).
+CLI::Validator at_least(double least);
+/// A flag of whole milliseconds that fills `field` (an option struct's duration) directly, at
+/// least `least` (refused by name below it); its default is the field's.
+CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,
+                                   std::chrono::milliseconds& field, int64_t least,
+                                   const std::string& help);
 
 } // namespace actorpipe::cli

@@ -76,7 +76,7 @@ nlohmann::json config_json(const train_args& a, const model_setup& setup, const 
           {"batch", setup.batch},
           {"image", setup.options.image_size},
           {"classes", setup.options.num_classes},
-          {"lr", a.lr},
+          {"lr", a.optimizer.lr},
           {"seed", a.model.seed},
           {"stage_parameters", stage_parameter_counts(setup.layers, c.cut)}};
 }
@@ -108,7 +108,7 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
                            const plan_choice& choice, pipeline_options po, const std::string& loss,
                            optimizer_spec optimizer) {
   auto hooks = hooks_of(a);
-  if (a.placement.nodes.empty()) {
+  if (a.pipeline.placement.nodes.empty()) {
     po.hooks = make_hooks(hooks);
     return {std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po)), nullptr};
   }
@@ -120,32 +120,20 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   model.torchscript = setup.torchscript;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
-  po.placement = a.placement;
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
-  ACTORPIPE_CHECK(a.connect_timeout_ms >= 1, "--connect-timeout must be >= 1");
-  po.placement.connect_timeout = std::chrono::milliseconds(a.connect_timeout_ms);
-  ACTORPIPE_CHECK(a.heartbeat_timeout_ms >= 0, "--heartbeat-timeout must be >= 0 (0: none)");
-  po.placement.heartbeat_timeout = std::chrono::milliseconds(a.heartbeat_timeout_ms);
   if (a.replicas > 1) {
     auto replicas = po.data_parallel.replicas;
     return {nullptr,
             std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas)};
   }
   auto one = std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
-  if (!a.placement.accept_joins.empty()) {
+  if (!a.pipeline.placement.accept_joins.empty()) {
     std::cerr << "actorpipe: nodes may join at " << one->join_address()
               << " (actorpipe node --join " << one->join_address() << ")\n";
   }
   return {std::move(one), nullptr};
-}
-
-optimizer_spec sgd_spec(double lr, double momentum) {
-  optimizer_spec spec;
-  spec.lr = lr;
-  spec.momentum = momentum;
-  return spec;
 }
 
 // One loop for every kind of data (training/: train), then the reports.
@@ -179,22 +167,26 @@ run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpu
              : setup.file.labels.scalar_type() == torch::kLong ? "cross_entropy"
                                                                : "mse";
   }
-  k.lr = k.lm && !(a.given && a.given("--lr")) ? 3e-3 : a.lr;
+  k.lr = k.lm && !(a.given && a.given("--lr")) ? 3e-3 : a.optimizer.lr;
   return k;
 }
 
 // One description of the optimizer: built here, or by the nodes from the same spec.
 // --optimizer and --momentum, else the default (training::default_optimizer_for).
 training::default_optimizer optimizer_of(const train_args& a) {
+  auto given = [&a](const char* flag) { return a.given && a.given(flag); };
   auto o = training::default_optimizer_for(a.model);
-  o.adam = a.optimizer.empty() ? o.adam : a.optimizer == "adam";
-  o.momentum = a.momentum < 0 ? o.momentum : a.momentum;
+  o.adam = given("--optimizer") ? a.optimizer.name == "adam" : o.adam;
+  o.momentum = given("--momentum") ? a.optimizer.momentum : o.momentum;
   return o;
 }
 
+// The flags' spec with what was not given filled in.
 optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
   auto chosen = optimizer_of(a);
-  auto optimizer = sgd_spec(k.lr, chosen.momentum);
+  auto optimizer = a.optimizer;
+  optimizer.lr = k.lr;
+  optimizer.momentum = chosen.momentum;
   if (chosen.adam) {
     optimizer.name = "adam";
     optimizer.momentum = 0;
@@ -203,11 +195,8 @@ optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
                       " is SGD's: this run trains with Adam (give --optimizer sgd)");
     }
   }
-  ACTORPIPE_CHECK(a.weight_decay >= 0, "--weight-decay (", a.weight_decay, ") must be >= 0");
-  optimizer.weight_decay = a.weight_decay;
-  ACTORPIPE_CHECK(!a.nesterov || optimizer.momentum > 0,
+  ACTORPIPE_CHECK(!optimizer.nesterov || optimizer.momentum > 0,
                   "--nesterov needs momentum: give --momentum (e.g. 0.9)");
-  optimizer.nesterov = a.nesterov;
   ACTORPIPE_CHECK(a.train.min_lr >= 0 && a.train.min_lr <= k.lr, "--min-lr (", a.train.min_lr,
                   ") must be between 0 and the peak learning rate (", k.lr, ")");
   return optimizer;
@@ -284,7 +273,7 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.log_steps = stream && !a.no_progress;
   to.progress = !stream && !a.no_progress;
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
-  to.overlap_steps = a.overlap_steps;
+  to.overlap_steps = a.pipeline.overlap_steps;
   to.recover_lost_nodes = a.on_node_loss == "continue";
   to.recut_slow_nodes = a.on_slow_node == "recut";
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
@@ -340,11 +329,11 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
               << (f.skipped.empty() ? "" : detail::concat(", ", f.skipped.size(), " skipped"))
               << "; " << a.workers << " loader workers), " << epochs << " epochs"
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-              << a.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
+              << a.optimizer.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   } else {
     std::cout << "Fashion-MNIST (" << data->epoch_samples() << " train), " << epochs << " epochs"
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
-              << a.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
+              << a.optimizer.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   }
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
@@ -481,7 +470,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   if (lead) {
     print_header(a, setup, choice, k, *data, to, optimizer, corpus, dp);
   }
-  if (!a.placement.nodes.empty()) {
+  if (!a.pipeline.placement.nodes.empty()) {
     // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
     memory::map_large_allocations();
   }
@@ -550,7 +539,7 @@ shard_mode shard_for(const train_args& a, std::size_t replicas) {
 // each checked against the others and the model.
 data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup,
                                         const plan_choice& choice) {
-  auto dp = data_parallel_from_env();
+  auto dp = data_parallel_from_env(a.pipeline.data_parallel);
   if (a.world_size > 0) {
     dp.replicas = static_cast<std::size_t>(a.world_size);
   }
@@ -565,8 +554,6 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                     ") must be in [1, 65535]");
     dp.master_port = static_cast<uint16_t>(a.master_port);
   }
-  ACTORPIPE_CHECK(a.dp_timeout_ms >= 1, "--dp-timeout (", a.dp_timeout_ms, ") must be >= 1");
-  dp.timeout = std::chrono::milliseconds(a.dp_timeout_ms);
   dp.backend = a.dp_backend == "gloo"   ? dp_backend::gloo
                : a.dp_backend == "nccl" ? dp_backend::nccl
                                         : dp_backend::automatic;
@@ -575,11 +562,13 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
   ACTORPIPE_CHECK(
-    a.placement.nodes.empty() || a.placement.nodes.size() == a.replicas * choice.stages(),
-    "--nodes lists ", a.placement.nodes.size(), " nodes for ", choice.stages(), " stages",
+    a.pipeline.placement.nodes.empty() ||
+      a.pipeline.placement.nodes.size() == a.replicas * choice.stages(),
+    "--nodes lists ", a.pipeline.placement.nodes.size(), " nodes for ", choice.stages(), " stages",
     a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
                    : std::string{});
-  ACTORPIPE_CHECK(a.placement.nodes.empty() || a.on_node_loss != "continue" || dp.replicas == 1,
+  ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty() || a.on_node_loss != "continue" ||
+                    dp.replicas == 1,
                   "--on-node-loss continue: replicas in processes of their own (--world-size) do "
                   "not recover a lost node; run them in one process with --replicas, which "
                   "recovers them together");
@@ -589,7 +578,7 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   if (dp.sync_batch_norm) {
     ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
                     "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(a.placement.nodes.empty(),
+    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(),
                     "--batch-norm sync: replicas of stages on nodes (--nodes) do "
                     "not synchronise their batch norms yet");
     ACTORPIPE_CHECK(setup.torchscript.empty(),
@@ -628,7 +617,6 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
 
 int run_train(const train_args& given) {
   auto a = given;
-  ACTORPIPE_CHECK(a.wait_timeout_ms >= 1, "--wait-timeout (", a.wait_timeout_ms, ") must be >= 1");
   ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
   training::check_model_fits_data(a.model);
   std::optional<text_corpus> corpus;
@@ -639,7 +627,7 @@ int run_train(const train_args& given) {
   auto setup = build_model(a.model);
   if (a.plan.layout_auto()) {
     const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
-    ACTORPIPE_CHECK(a.placement.nodes.empty(), what,
+    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(), what,
                     " plans stages on this machine's cores: with --nodes (one stage per node) "
                     "give --stages");
     ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
@@ -653,10 +641,7 @@ int run_train(const train_args& given) {
   a.plan.optimizer_state = optimizer_of(a).state_tensors();
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
-  auto po = pipeline_options_for(choice, a.plan);
-  po.wait_timeout = std::chrono::milliseconds(a.wait_timeout_ms);
-  ACTORPIPE_CHECK(a.max_grad_norm >= 0, "--max-grad-norm (", a.max_grad_norm, ") must be >= 0");
-  po.max_grad_norm = a.max_grad_norm;
+  auto po = pipeline_options_for(choice, a.plan, a.pipeline);
   po.precision = parse_precision(a.precision);
   po.devices = a.plan.devices;
   if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
@@ -664,7 +649,6 @@ int run_train(const train_args& given) {
     po.devices.erase(po.devices.begin() + static_cast<std::ptrdiff_t>(choice.stages()),
                      po.devices.end());
   }
-  po.overlap_steps = a.overlap_steps;
   po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 
@@ -676,7 +660,7 @@ int run_train(const train_args& given) {
   if (a.replicas == 1) {
     return run_rank(setup, std::move(po));
   }
-  if (!a.placement.nodes.empty()) {
+  if (!a.pipeline.placement.nodes.empty()) {
     // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
     // stages at a store served here (--master-addr/-port) and recovers them together.
     po.data_parallel.replicas = a.replicas;

@@ -40,26 +40,20 @@ struct train_args {
   std::size_t steps = 0;
   /// 0: 1 for Fashion-MNIST, 4 for text.
   int64_t epochs = 0;
-  double lr = 0.05;
-  double momentum = -1;
+  /// --optimizer, --lr, --momentum, --weight-decay, --nesterov fill it; an optimizer, learning
+  /// rate or momentum not given is the model's and data's own (optimizer_for in
+  /// cli/train_command.cpp: Adam at 3e-3 for gpt, momentum 0.9 for Fashion-MNIST).
+  optimizer_spec optimizer;
   /// --loss mse|cross_entropy (empty: the data's own).
   std::string loss;
-  /// --optimizer sgd|adam (empty: SGD, Adam for gpt).
-  std::string optimizer;
-  double weight_decay = 0;
-  /// SGD: Nesterov momentum.
-  bool nesterov = false;
   /// Fashion-MNIST: random crops (padding 2) and horizontal flips of the training images.
   bool augment = false;
   /// images:DIR: background threads decoding batches ahead of the pipeline.
   std::size_t workers = 2;
   /// --data tensors:PATH: a new order for every pass over the file.
   bool shuffle = false;
-  /// pipeline_options::overlap_steps and train_options::overlap_steps.
-  bool overlap_steps = false;
   /// Write the trained TorchScript model here.
   std::string export_path;
-  int64_t wait_timeout_ms = 60000;
   int64_t train_samples = 0;
   int64_t test_samples = 0;
   int64_t max_steps = 0;
@@ -73,14 +67,12 @@ struct train_args {
   int64_t world_size = 0;
   std::string master_addr;
   int64_t master_port = 0;
-  int64_t dp_timeout_ms = 60000;
   std::string buffers = "broadcast";
   /// --batch-norm local|sync: each replica's own batch statistics, or statistics over all.
   std::string batch_norm = "local";
   /// --sync gradients|bmuf, and BMUF's block flags (used with bmuf only).
   std::string sync = "gradients";
   bmuf_options bmuf{/*block_steps=*/8};
-  double max_grad_norm = 0;
   /// --after-forward, --after-backward: a built-in hook or a TorchScript file (hook_from_text).
   std::string after_forward;
   std::string after_backward;
@@ -93,13 +85,12 @@ struct train_args {
   /// --shard-optimizer (ZeRO-1), --shard-gradients (ZeRO-2): data_parallel_options::shard.
   bool shard_optimizer = false;
   bool shard_gradients = false;
-  /// Stages on `actorpipe node` processes: --nodes (one HOST:PORT per stage), --spare-nodes,
-  /// --accept-joins and TLS fill it here; the secret (from --secret-file) and the timeouts are
-  /// added when the pipeline is made.
-  node_placement placement;
+  /// The flags that name its fields fill them here: --wait-timeout, --max-grad-norm,
+  /// --overlap-steps, --dp-timeout (data_parallel.timeout), and the nodes' placement (--nodes,
+  /// --spare-nodes, --accept-joins, TLS, --connect-timeout, --heartbeat-timeout); run_train()
+  /// adds the plan's fields (pipeline_options_for), the devices, the replicas and the secret.
+  pipeline_options pipeline;
   std::string secret_file;
-  int64_t connect_timeout_ms = 10000;
-  int64_t heartbeat_timeout_ms = 1500;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
   /// the newest snapshot, taken every train.snapshot_every steps, at most train.max_recoveries
   /// times).

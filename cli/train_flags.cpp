@@ -40,8 +40,8 @@ void add_stage_flags(CLI::App* cmd, train_args& a) {
   opt("--after-backward", a.after_backward,
       "A hook on every stage's input gradient before it is sent back: clamp:V, check_finite or "
       "a TorchScript file, as --after-forward");
-  opt("--wait-timeout", a.wait_timeout_ms,
-      "Milliseconds a stage waits for an input before failing the step");
+  add_milliseconds_flag(cmd, "--wait-timeout", a.pipeline.wait_timeout, 1,
+                        "Milliseconds a stage waits for an input before failing the step");
   cmd->add_flag("--augment", a.augment,
                 "Fashion-MNIST: augment every training batch as torchvision's RandomCrop(28, "
                 "padding=2) and RandomHorizontalFlip (docs/images.md)");
@@ -83,17 +83,18 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
   opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
   cmd
-    ->add_option("--nodes", a.placement.nodes,
+    ->add_option("--nodes", a.pipeline.placement.nodes,
                  "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
                  "per stage); activations go node to node")
     ->delimiter(',');
   opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
-  add_tls_flags(cmd, a.placement.tls);
-  opt("--connect-timeout", a.connect_timeout_ms,
-      "Milliseconds to reach each node and for each control request");
-  opt("--heartbeat-timeout", a.heartbeat_timeout_ms,
-      "--nodes: milliseconds a node may leave a heartbeat unanswered before it counts as lost "
-      "(a frozen process, a cut link), whatever the longest action; 0: no heartbeats");
+  add_tls_flags(cmd, a.pipeline.placement.tls);
+  add_milliseconds_flag(cmd, "--connect-timeout", a.pipeline.placement.connect_timeout, 1,
+                        "Milliseconds to reach each node and for each control request");
+  add_milliseconds_flag(
+    cmd, "--heartbeat-timeout", a.pipeline.placement.heartbeat_timeout, 0,
+    "--nodes: milliseconds a node may leave a heartbeat unanswered before it counts as lost (a "
+    "frozen process, a cut link), whatever the longest action; 0: no heartbeats");
   opt("--on-node-loss", a.on_node_loss,
       "--nodes: when a node is lost (its connection closes, or it leaves its heartbeats "
       "unanswered for --heartbeat-timeout), fail (end the run) or continue: move its stages to a "
@@ -101,11 +102,11 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "newest snapshot and replay the data from there (docs/distributed.md)")
     ->check(CLI::IsMember({"fail", "continue"}));
   cmd
-    ->add_option("--spare-nodes", a.placement.spares,
+    ->add_option("--spare-nodes", a.pipeline.placement.spares,
                  "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
                  "comma-separated), taken in order for lost nodes")
     ->delimiter(',');
-  opt("--accept-joins", a.placement.accept_joins,
+  opt("--accept-joins", a.pipeline.placement.accept_joins,
       "--on-node-loss continue: listen on HOST:PORT for new nodes (`actorpipe node --join "
       "HOST:PORT`, the same secret): one that joins is taken at the next step, cutting the model "
       "back onto it after a loss, else standing by as a spare");
@@ -122,8 +123,9 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "When a stage is found slow: name it (log line, --json), or recut: with --nodes, cut the "
       "model anew by the measured speeds (fewer layers on the slow node), from the state then")
     ->check(CLI::IsMember({"name", "recut"}));
-  opt("--dp-timeout", a.dp_timeout_ms,
-      "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
+  add_milliseconds_flag(
+    cmd, "--dp-timeout", a.pipeline.data_parallel.timeout, 1,
+    "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
   opt("--dp-backend", a.dp_backend,
       "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
     ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
@@ -179,26 +181,30 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
       "data; Fashion-MNIST: all --epochs)");
   opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
-  opt("--lr", a.lr,
+  opt("--lr", a.optimizer.lr,
       "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
-      "at 3e-3 unless given)");
-  opt("--momentum", a.momentum,
-      "SGD momentum (-1: 0.9 for fashion-mnist, 0 for synthetic and tensor files)");
+      "at 3e-3 unless given)")
+    ->check(at_least(0));
+  opt("--momentum", a.optimizer.momentum,
+      "SGD momentum (not given: 0.9 for fashion-mnist, 0 for synthetic and tensor files)")
+    ->check(at_least(0));
   cmd
     ->add_option("--loss", a.loss,
                  "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
                  "against class indices (N, ...)); default cross_entropy for int64 targets, else "
                  "mse")
     ->check(CLI::IsMember({"mse", "cross_entropy"}));
-  cmd->add_option("--optimizer", a.optimizer, "sgd or adam (default: sgd; adam for gpt)")
+  cmd->add_option("--optimizer", a.optimizer.name, "sgd or adam (default: sgd; adam for gpt)")
     ->check(CLI::IsMember({"sgd", "adam"}));
-  opt("--weight-decay", a.weight_decay, "The optimizer's weight decay (L2, as torch.optim's)");
-  cmd->add_flag("--nesterov", a.nesterov,
+  opt("--weight-decay", a.optimizer.weight_decay,
+      "The optimizer's weight decay (L2, as torch.optim's)")
+    ->check(at_least(0));
+  cmd->add_flag("--nesterov", a.optimizer.nesterov,
                 "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
   opt("--min-lr", a.train.min_lr,
       "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
       "e.g. a hundredth of --lr)");
-  cmd->add_flag("--overlap-steps", a.overlap_steps,
+  cmd->add_flag("--overlap-steps", a.pipeline.overlap_steps,
                 "Overlap consecutive steps: each stage starts the next step as soon as it is done "
                 "with the one before (its optimizer steps early), the same parameters as without "
                 "(stages in this process; docs/schedules.md#overlapping-steps)");
@@ -213,8 +219,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
-  opt("--max-grad-norm", a.max_grad_norm,
-      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off");
+  opt("--max-grad-norm", a.pipeline.max_grad_norm,
+      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off")
+    ->check(at_least(0));
   cmd
     ->add_flag("--print-config", a.print_config,
                "Print every flag's value as TOML (defaults included) and exit: that text, given to "
@@ -237,7 +244,7 @@ void refuse_if_given(const train_args& a, const char* flag, const char* why) {
 // The flags of stages on nodes, of their recovery and of overlapping steps, where they apply.
 void check_node_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
-  if (a.placement.nodes.empty()) {
+  if (a.pipeline.placement.nodes.empty()) {
     for (const char* flag : {"--on-node-loss", "--spare-nodes", "--snapshot-every",
                              "--max-recoveries", "--heartbeat-timeout", "--accept-joins"}) {
       refuse(flag, "applies to stages on nodes (--nodes)");
@@ -248,7 +255,7 @@ void check_node_flags_apply(const train_args& a) {
       refuse(flag, "applies to --on-node-loss continue");
     }
   }
-  if (!a.placement.nodes.empty()) {
+  if (!a.pipeline.placement.nodes.empty()) {
     refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
                               "step at a time");
   }
@@ -258,13 +265,13 @@ void check_node_flags_apply(const train_args& a) {
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }
-  ACTORPIPE_CHECK(a.train.resume != "nodes" || !a.placement.nodes.empty(),
+  ACTORPIPE_CHECK(a.train.resume != "nodes" || !a.pipeline.placement.nodes.empty(),
                   "--resume nodes takes the snapshot that nodes keep of the stages they host: "
                   "give the run's --nodes");
   ACTORPIPE_CHECK(a.train.slow_factor == 0 || a.train.slow_factor > 1, "--slow-factor (",
                   a.train.slow_factor, ") must be 0 (not watched) or above 1");
   if (a.on_slow_node == "recut") {
-    ACTORPIPE_CHECK(!a.placement.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 &&
+    ACTORPIPE_CHECK(!a.pipeline.placement.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 &&
                       a.train.slow_factor > 0,
                     "--on-slow-node recut places the stages of one pipeline on its --nodes again: "
                     "it needs --nodes, no --replicas and a --slow-factor");
@@ -329,7 +336,7 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
       refuse(flag, "sets a size of --model gpt, which this run does not train");
     }
   } else {
-    if (a.optimizer != "sgd") {
+    if (a.optimizer.name != "sgd" || !a.given || !a.given("--optimizer")) {
       refuse("--momentum", "is SGD's: gpt trains with Adam (unless --optimizer sgd)");
     }
     refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");

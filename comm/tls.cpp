@@ -133,41 +133,49 @@ tls_stream::~tls_stream() {
   SSL_free(ssl_);
 }
 
-std::size_t tls_stream::read(void* out, std::size_t n) {
-  auto* p = static_cast<char*>(out);
-  std::size_t got = 0;
-  while (got < n) {
-    auto want = static_cast<int>(std::min<std::size_t>(n - got, std::numeric_limits<int>::max()));
+namespace {
+
+// Moves n bytes through `op` (SSL_read or SSL_write) in pieces an int can count; stops early
+// only where `at_end` says the peer closed cleanly. Errors name `what` (reading from / writing
+// to the peer) and, for a deadline, `timed_out`.
+template <class Op, class AtEnd>
+std::size_t ssl_transfer(SSL* ssl, char* p, std::size_t n, Op op, AtEnd at_end,
+                         const std::string& what, const char* timed_out) {
+  std::size_t done = 0;
+  while (done < n) {
+    auto piece = static_cast<int>(std::min<std::size_t>(n - done, std::size_t{1} << 30));
     errno = 0;
-    auto r = SSL_read(ssl_, p + got, want);
+    auto r = op(ssl, p + done, piece);
     if (r > 0) {
-      got += static_cast<std::size_t>(r);
+      done += static_cast<std::size_t>(r);
       continue;
     }
-    auto code = SSL_get_error(ssl_, r);
-    if (code == SSL_ERROR_ZERO_RETURN ||
-        (code == SSL_ERROR_SYSCALL && errno == 0 && ERR_peek_error() == 0)) {
+    auto code = SSL_get_error(ssl, r);
+    if (at_end(code)) {
       break;
     }
-    throw_io_error(code, errno, "reading from " + peer_, "timed out");
+    throw_io_error(code, errno, what, timed_out);
   }
-  return got;
+  return done;
+}
+
+} // namespace
+
+std::size_t tls_stream::read(void* out, std::size_t n) {
+  auto clean_close = [](int code) {
+    return code == SSL_ERROR_ZERO_RETURN ||
+           (code == SSL_ERROR_SYSCALL && errno == 0 && ERR_peek_error() == 0);
+  };
+  return ssl_transfer(ssl_, static_cast<char*>(out), n, SSL_read, clean_close,
+                      "reading from " + peer_, "timed out");
 }
 
 void tls_stream::write(const void* data, std::size_t n) {
-  const auto* p = static_cast<const char*>(data);
-  std::size_t sent = 0;
-  while (sent < n) {
-    auto chunk = static_cast<int>(std::min<std::size_t>(n - sent, std::size_t{1} << 30));
-    errno = 0;
-    auto r = SSL_write(ssl_, p + sent, chunk);
-    if (r > 0) {
-      sent += static_cast<std::size_t>(r);
-      continue;
-    }
-    auto code = SSL_get_error(ssl_, r);
-    throw_io_error(code, errno, "writing to " + peer_, "timed out (the peer stopped reading)");
-  }
+  // SSL_write reads its buffer only.
+  ssl_transfer(
+    ssl_, const_cast<char*>(static_cast<const char*>(data)), n,
+    [](SSL* ssl, char* p, int k) { return SSL_write(ssl, p, k); }, [](int) { return false; },
+    "writing to " + peer_, "timed out (the peer stopped reading)");
 }
 
 } // namespace actorpipe::comm

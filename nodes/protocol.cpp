@@ -142,6 +142,13 @@ void write_fields(json& j, const T& v, Visit visit) {
   visit(v, [&](const char* name, const auto& value) { j[name] = encode(value); });
 }
 
+// A message's text: `j` (what it carries beside its fields) with the fields `visit` lists.
+template <class T, class Visit>
+std::string message_text(json j, const T& v, Visit visit) {
+  write_fields(j, v, visit);
+  return j.dump();
+}
+
 template <class T, class Visit>
 void read_fields(const json& j, T& v, Visit visit, const char* what) {
   visit(v, [&](const char* name, auto& value) {
@@ -395,9 +402,7 @@ std::string to_json(const actors::step_plan& plan, std::size_t targets) {
   for (const auto& a : plan.program) {
     program.push_back({static_cast<int>(a.kind), a.microbatch, a.chunk});
   }
-  json j = {{"program", program}, {"targets", targets}};
-  write_fields(j, plan, plan_fields);
-  return j.dump();
+  return message_text({{"program", program}, {"targets", targets}}, plan, plan_fields);
 }
 
 actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targets) {
@@ -424,9 +429,7 @@ std::string to_json(const actors::stage_report& r) {
     actions.push_back({static_cast<int>(a.what.kind), a.what.microbatch, a.what.chunk, a.start_ms,
                        a.end_ms, a.bytes_sent, a.device_start_ms, a.device_end_ms});
   }
-  json j{{"outputs", r.outputs.size()}, {"actions", actions}};
-  write_fields(j, r, report_fields);
-  return j.dump();
+  return message_text({{"outputs", r.outputs.size()}, {"actions", actions}}, r, report_fields);
 }
 
 actors::stage_report stage_report_from_json(const std::string& text, std::size_t& outputs) {

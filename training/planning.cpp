@@ -648,8 +648,9 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
   return result;
 }
 
-pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args) {
-  pipeline_options po;
+pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args,
+                                      pipeline_options base) {
+  auto po = std::move(base);
   po.microbatches = choice.microbatches;
   po.schedule = choice.kind;
   po.chunks = choice.chunks;

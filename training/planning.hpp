@@ -254,9 +254,11 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& args, bool always_profile = false);
 
-/// Pipeline options carrying the choice (micro-batches, schedule, chunks) and the flags' threads
-/// per stage and memory; loss, optimizer and timeouts are the caller's.
-pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args);
+/// `base` (the caller's settings: timeouts, clipping, placement) with the choice's fields set
+/// (micro-batches, schedule, chunks, recomputation) and the flags' threads per stage and memory;
+/// loss and optimizer are the caller's.
+pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args,
+                                      pipeline_options base = {});
 
 /// The threads each stage gets for `stages` stage actors and the --threads flag.
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag);

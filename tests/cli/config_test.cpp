@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "helpers.hpp"
 
@@ -101,5 +102,35 @@ TEST_CASE("the example configs run: each seed scenario, one short step") {
     CHECK_MESSAGE(r.exit_code == 0, r.output);
   } else {
     MESSAGE("gpt_text.toml not run: no /usr/share/games/fortunes");
+  }
+}
+
+TEST_CASE("The flags that fill the library's option structs refuse a value out of range by name") {
+  const std::pair<const char*, const char*> refused[] = {
+    {"--wait-timeout 0", "--wait-timeout: must be >= 1 (got 0)"},
+    {"--dp-timeout 0", "--dp-timeout: must be >= 1 (got 0)"},
+    {"--connect-timeout 0", "--connect-timeout: must be >= 1 (got 0)"},
+    {"--heartbeat-timeout -1", "--heartbeat-timeout: must be >= 0 (got -1)"},
+    {"--wait-timeout soon", "--wait-timeout: 'soon' is not a number"},
+    {"--lr -0.1", "--lr: must be >= 0 (got -0.1)"},
+    {"--momentum -1", "--momentum: must be >= 0 (got -1)"},
+    {"--weight-decay -0.5", "--weight-decay: must be >= 0 (got -0.5)"},
+    {"--max-grad-norm -2", "--max-grad-norm: must be >= 0 (got -2)"},
+  };
+  for (const auto& [flag, message] : refused) {
+    CAPTURE(flag);
+    auto r = run("train" + mlp + " --steps 1 " + flag);
+    CHECK(r.exit_code != 0);
+    CHECK(has(r.output, message));
+  }
+  // Given, they are printed as set; the defaults stay the library's (options.hpp).
+  auto printed = run("train" + mlp +
+                     " --wait-timeout 500 --dp-timeout 700 --momentum 0.5 "
+                     "--max-grad-norm 2 --print-config");
+  REQUIRE(printed.exit_code == 0);
+  for (const char* line : {"train.wait-timeout=500\n", "train.dp-timeout=700\n",
+                           "train.momentum=0.5\n", "train.max-grad-norm=2\n",
+                           "# train.connect-timeout=10000\n", "# train.heartbeat-timeout=1500\n"}) {
+    CHECK(has(printed.output, line));
   }
 }
