@@ -174,6 +174,23 @@ CLI::Validator at_least(double least) {
     ">=" + bound.str());
 }
 
+CLI::Option* add_parsed_flag(CLI::App* cmd, const std::string& name,
+                             std::function<void(const std::string&)> set, const std::string& shown,
+                             const std::string& help) {
+  return cmd
+    ->add_option_function<std::string>(
+      name,
+      [name, set = std::move(set)](const std::string& text) {
+        try {
+          set(text);
+        } catch (const std::invalid_argument& e) {
+          throw CLI::ValidationError(name, e.what());
+        }
+      },
+      help)
+    ->default_str(shown);
+}
+
 CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,
                                    std::chrono::milliseconds& field, int64_t least,
                                    const std::string& help) {

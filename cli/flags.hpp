@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "training/planning.hpp"
@@ -32,6 +33,12 @@ void add_recompute_flag(CLI::App* cmd, planning_args& args);
 /// A check that a number given to a flag is at least `least` ("must be >= 0", not CLI11's range
 /// up to the largest double).
 CLI::Validator at_least(double least);
+/// A flag whose text `set` parses into an option struct's field (an enum, by the library's own
+/// parse function): what the parser refuses is reported as the flag's error ("--precision:
+/// unknown precision 'fp16' (choose fp32 or bf16)"); help shows `shown` as its default.
+CLI::Option* add_parsed_flag(CLI::App* cmd, const std::string& name,
+                             std::function<void(const std::string&)> set, const std::string& shown,
+                             const std::string& help);
 /// A flag of whole milliseconds that fills `field` (an option struct's duration) directly, at
 /// least `least` (refused by name below it); its default is the field's.
 CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,

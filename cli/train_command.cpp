@@ -554,10 +554,6 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                     ") must be in [1, 65535]");
     dp.master_port = static_cast<uint16_t>(a.master_port);
   }
-  dp.backend = a.dp_backend == "gloo"   ? dp_backend::gloo
-               : a.dp_backend == "nccl" ? dp_backend::nccl
-                                        : dp_backend::automatic;
-  dp.buffers = parse_buffer_sync(a.buffers);
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
@@ -574,7 +570,6 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                   "recovers them together");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
-  dp.sync_batch_norm = a.batch_norm == "sync";
   if (dp.sync_batch_norm) {
     ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
                     "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
@@ -642,7 +637,6 @@ int run_train(const train_args& given) {
   auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
   check_flags_apply(a, setup, choice);
   auto po = pipeline_options_for(choice, a.plan, a.pipeline);
-  po.precision = parse_precision(a.precision);
   po.devices = a.plan.devices;
   if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
     // The devices of the stages the planner chose, in order.

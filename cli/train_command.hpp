@@ -67,21 +67,14 @@ struct train_args {
   int64_t world_size = 0;
   std::string master_addr;
   int64_t master_port = 0;
-  std::string buffers = "broadcast";
-  /// --batch-norm local|sync: each replica's own batch statistics, or statistics over all.
-  std::string batch_norm = "local";
   /// --sync gradients|bmuf, and BMUF's block flags (used with bmuf only).
   std::string sync = "gradients";
   bmuf_options bmuf{/*block_steps=*/8};
   /// --after-forward, --after-backward: a built-in hook or a TorchScript file (hook_from_text).
   std::string after_forward;
   std::string after_backward;
-  /// --precision: fp32 or bf16.
-  std::string precision = "fp32";
   /// --devices: one device per stage ("cpu", "cuda:0", ...); empty: every stage on the CPU.
   std::vector<std::string> devices;
-  /// --dp-backend: auto (NCCL for stages on GPUs, else Gloo), gloo or nccl.
-  std::string dp_backend = "auto";
   /// --shard-optimizer (ZeRO-1), --shard-gradients (ZeRO-2): data_parallel_options::shard.
   bool shard_optimizer = false;
   bool shard_gradients = false;

@@ -11,6 +11,13 @@ namespace actorpipe::cli {
 
 namespace {
 
+// --dp-backend's text; CLI::IsMember beside the flag has refused any other.
+dp_backend parse_dp_backend(const std::string& text) {
+  return text == "gloo"   ? dp_backend::gloo
+         : text == "nccl" ? dp_backend::nccl
+                          : dp_backend::automatic;
+}
+
 // Adds an option to `cmd` whose help shows its default.
 auto option_adder(CLI::App* cmd) {
   return [cmd](const std::string& name, auto& value, const std::string& help) {
@@ -22,11 +29,13 @@ auto option_adder(CLI::App* cmd) {
 void add_stage_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
   add_recompute_flag(cmd, a.plan);
-  opt("--precision", a.precision,
-      "fp32, or bf16 mixed precision: each stage computes under autocast to bfloat16 (CPU "
-      "autocast, or CUDA autocast for a stage on a GPU), activations and their gradients cross "
-      "stages in bf16, parameters and the optimizer stay fp32 (on a CPU fast only with "
-      "avx512_bf16 or amx_bf16; docs/transformers.md, docs/gpu.md)");
+  add_parsed_flag(
+    cmd, "--precision", [&a](const std::string& v) { a.pipeline.precision = parse_precision(v); },
+    "fp32",
+    "fp32, or bf16 mixed precision: each stage computes under autocast to bfloat16 (CPU "
+    "autocast, or CUDA autocast for a stage on a GPU), activations and their gradients cross "
+    "stages in bf16, parameters and the optimizer stay fp32 (on a CPU fast only with "
+    "avx512_bf16 or amx_bf16; docs/transformers.md, docs/gpu.md)");
   cmd
     ->add_option("--devices", a.devices,
                  "One device per stage, comma-separated: cpu, cuda or cuda:N (e.g. cuda:0,cuda:1; "
@@ -126,8 +135,10 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   add_milliseconds_flag(
     cmd, "--dp-timeout", a.pipeline.data_parallel.timeout, 1,
     "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
-  opt("--dp-backend", a.dp_backend,
-      "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
+  add_parsed_flag(
+    cmd, "--dp-backend",
+    [&a](const std::string& v) { a.pipeline.data_parallel.backend = parse_dp_backend(v); }, "auto",
+    "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
     ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   cmd->add_flag("--shard-optimizer", a.shard_optimizer,
                 "Replicas: each keeps and steps 1/R of every stage's optimizer state, then the "
@@ -135,15 +146,21 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   cmd->add_flag("--shard-gradients", a.shard_gradients,
                 "Replicas: as --shard-optimizer, and each gradient is reduced to its owner only "
                 "(ZeRO-2; docs/memory.md)");
-  opt("--buffers", a.buffers,
-      "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
-      "none")
-    ->check(CLI::IsMember({"broadcast", "average", "none"}));
-  opt("--batch-norm", a.batch_norm,
+  add_parsed_flag(
+    cmd, "--buffers",
+    [&a](const std::string& v) { a.pipeline.data_parallel.buffers = parse_buffer_sync(v); },
+    "broadcast",
+    "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
+    "none");
+  cmd
+    ->add_option_function<std::string>(
+      "--batch-norm",
+      [&a](const std::string& v) { a.pipeline.data_parallel.sync_batch_norm = v == "sync"; },
       "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
       "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
       "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
-    ->check(CLI::IsMember({"local", "sync"}));
+    ->check(CLI::IsMember({"local", "sync"}))
+    ->default_str("local");
   opt("--sync", a.sync,
       "How replicas stay together: gradients (averaged every step) or bmuf (blockwise model-update "
       "filtering: --block-steps local steps, then parameters averaged with block momentum; "

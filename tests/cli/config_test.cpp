@@ -105,7 +105,8 @@ TEST_CASE("the example configs run: each seed scenario, one short step") {
   }
 }
 
-TEST_CASE("The flags that fill the library's option structs refuse a value out of range by name") {
+TEST_CASE("The flags that fill the library's option structs refuse a value out of range or an "
+          "unknown name, naming the flag") {
   const std::pair<const char*, const char*> refused[] = {
     {"--wait-timeout 0", "--wait-timeout: must be >= 1 (got 0)"},
     {"--dp-timeout 0", "--dp-timeout: must be >= 1 (got 0)"},
@@ -116,6 +117,9 @@ TEST_CASE("The flags that fill the library's option structs refuse a value out o
     {"--momentum -1", "--momentum: must be >= 0 (got -1)"},
     {"--weight-decay -0.5", "--weight-decay: must be >= 0 (got -0.5)"},
     {"--max-grad-norm -2", "--max-grad-norm: must be >= 0 (got -2)"},
+    {"--precision fp16", "--precision: unknown precision 'fp16' (choose fp32 or bf16)"},
+    {"--buffers all", "--buffers: unknown buffer sync 'all' (choose broadcast, average or none)"},
+    {"--dp-backend mpi", "--dp-backend: mpi not in {auto,gloo,nccl}"},
   };
   for (const auto& [flag, message] : refused) {
     CAPTURE(flag);
@@ -126,11 +130,12 @@ TEST_CASE("The flags that fill the library's option structs refuse a value out o
   // Given, they are printed as set; the defaults stay the library's (options.hpp).
   auto printed = run("train" + mlp +
                      " --wait-timeout 500 --dp-timeout 700 --momentum 0.5 "
-                     "--max-grad-norm 2 --print-config");
+                     "--max-grad-norm 2 --precision bf16 --print-config");
   REQUIRE(printed.exit_code == 0);
-  for (const char* line : {"train.wait-timeout=500\n", "train.dp-timeout=700\n",
-                           "train.momentum=0.5\n", "train.max-grad-norm=2\n",
-                           "# train.connect-timeout=10000\n", "# train.heartbeat-timeout=1500\n"}) {
+  for (const char* line :
+       {"train.wait-timeout=500\n", "train.dp-timeout=700\n", "train.momentum=0.5\n",
+        "train.max-grad-norm=2\n", "train.precision=\"bf16\"\n", "# train.buffers=\"broadcast\"\n",
+        "# train.connect-timeout=10000\n", "# train.heartbeat-timeout=1500\n"}) {
     CHECK(has(printed.output, line));
   }
 }
