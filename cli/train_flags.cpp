@@ -79,7 +79,7 @@ void add_run_flags(CLI::App* cmd, train_args& a) {
   opt("--json", a.json, "Write every step's loss (full precision) and timings to this JSON file");
 }
 
-// Replicas, ranks, nodes and their recovery, the replicas' synchronisation and BMUF.
+// Replicas, ranks, nodes and their recovery, slow nodes.
 void add_distributed_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
   opt("--replicas", a.replicas,
@@ -132,6 +132,11 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "When a stage is found slow: name it (log line, --json), or recut: with --nodes, cut the "
       "model anew by the measured speeds (fewer layers on the slow node), from the state then")
     ->check(CLI::IsMember({"name", "recut"}));
+}
+
+// How replicas meet and stay together: timeouts, backend, sharding, buffers, batch norm, BMUF.
+void add_replica_sync_flags(CLI::App* cmd, train_args& a) {
+  auto opt = option_adder(cmd);
   add_milliseconds_flag(
     cmd, "--dp-timeout", a.pipeline.data_parallel.timeout, 1,
     "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
@@ -236,6 +241,7 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
+  add_replica_sync_flags(cmd, a);
   opt("--max-grad-norm", a.pipeline.max_grad_norm,
       "Clip the global gradient norm (all stages, all replicas) to this value; 0: off")
     ->check(at_least(0));
