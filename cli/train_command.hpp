@@ -79,9 +79,10 @@ struct train_args {
   bool shard_optimizer = false;
   bool shard_gradients = false;
   /// The flags that name its fields fill them here: --wait-timeout, --max-grad-norm,
-  /// --overlap-steps, --dp-timeout (data_parallel.timeout), and the nodes' placement (--nodes,
-  /// --spare-nodes, --accept-joins, TLS, --connect-timeout, --heartbeat-timeout); run_train()
-  /// adds the plan's fields (pipeline_options_for), the devices, the replicas and the secret.
+  /// --overlap-steps, --precision, data_parallel's --dp-timeout, --dp-backend, --buffers and
+  /// --batch-norm, and the nodes' placement (--nodes, --spare-nodes, --accept-joins, TLS,
+  /// --connect-timeout, --heartbeat-timeout); run_train() adds the plan's fields
+  /// (pipeline_options_for), the devices, the replicas and the secret.
   pipeline_options pipeline;
   std::string secret_file;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from

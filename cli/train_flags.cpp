@@ -157,15 +157,13 @@ void add_replica_sync_flags(CLI::App* cmd, train_args& a) {
     "broadcast",
     "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
     "none");
-  cmd
-    ->add_option_function<std::string>(
-      "--batch-norm",
-      [&a](const std::string& v) { a.pipeline.data_parallel.sync_batch_norm = v == "sync"; },
-      "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
-      "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
-      "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
-    ->check(CLI::IsMember({"local", "sync"}))
-    ->default_str("local");
+  add_parsed_flag(
+    cmd, "--batch-norm",
+    [&a](const std::string& v) { a.pipeline.data_parallel.sync_batch_norm = v == "sync"; }, "local",
+    "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
+    "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
+    "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
+    ->check(CLI::IsMember({"local", "sync"}));
   opt("--sync", a.sync,
       "How replicas stay together: gradients (averaged every step) or bmuf (blockwise model-update "
       "filtering: --block-steps local steps, then parameters averaged with block momentum; "
@@ -359,7 +357,8 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
       refuse(flag, "sets a size of --model gpt, which this run does not train");
     }
   } else {
-    if (a.optimizer.name != "sgd" || !a.given || !a.given("--optimizer")) {
+    bool sgd_given = a.given && a.given("--optimizer") && a.optimizer.name == "sgd";
+    if (!sgd_given) {
       refuse("--momentum", "is SGD's: gpt trains with Adam (unless --optimizer sgd)");
     }
     refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");

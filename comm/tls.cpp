@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <limits>
 
 #include <openssl/err.h>
 #include <openssl/ssl.h>
@@ -135,17 +134,18 @@ tls_stream::~tls_stream() {
 
 namespace {
 
-// Moves n bytes through `op` (SSL_read or SSL_write) in pieces an int can count; stops early
-// only where `at_end` says the peer closed cleanly. Errors name `what` (reading from / writing
-// to the peer) and, for a deadline, `timed_out`.
+// Moves n bytes by `op(offset, count)` (SSL_read or SSL_write at that offset of the caller's
+// buffer) in pieces an int can count; stops early only where `at_end` says the peer closed
+// cleanly. Errors name `what` (reading from / writing to the peer) and, for a deadline,
+// `timed_out`.
 template <class Op, class AtEnd>
-std::size_t ssl_transfer(SSL* ssl, char* p, std::size_t n, Op op, AtEnd at_end,
-                         const std::string& what, const char* timed_out) {
+std::size_t ssl_transfer(SSL* ssl, std::size_t n, Op op, AtEnd at_end, const std::string& what,
+                         const char* timed_out) {
   std::size_t done = 0;
   while (done < n) {
     auto piece = static_cast<int>(std::min<std::size_t>(n - done, std::size_t{1} << 30));
     errno = 0;
-    auto r = op(ssl, p + done, piece);
+    auto r = op(done, piece);
     if (r > 0) {
       done += static_cast<std::size_t>(r);
       continue;
@@ -162,20 +162,21 @@ std::size_t ssl_transfer(SSL* ssl, char* p, std::size_t n, Op op, AtEnd at_end,
 } // namespace
 
 std::size_t tls_stream::read(void* out, std::size_t n) {
+  auto* p = static_cast<char*>(out);
   auto clean_close = [](int code) {
     return code == SSL_ERROR_ZERO_RETURN ||
            (code == SSL_ERROR_SYSCALL && errno == 0 && ERR_peek_error() == 0);
   };
-  return ssl_transfer(ssl_, static_cast<char*>(out), n, SSL_read, clean_close,
-                      "reading from " + peer_, "timed out");
+  return ssl_transfer(
+    ssl_, n, [&](std::size_t at, int k) { return SSL_read(ssl_, p + at, k); }, clean_close,
+    "reading from " + peer_, "timed out");
 }
 
 void tls_stream::write(const void* data, std::size_t n) {
-  // SSL_write reads its buffer only.
+  const auto* p = static_cast<const char*>(data);
   ssl_transfer(
-    ssl_, const_cast<char*>(static_cast<const char*>(data)), n,
-    [](SSL* ssl, char* p, int k) { return SSL_write(ssl, p, k); }, [](int) { return false; },
-    "writing to " + peer_, "timed out (the peer stopped reading)");
+    ssl_, n, [&](std::size_t at, int k) { return SSL_write(ssl_, p + at, k); },
+    [](int) { return false; }, "writing to " + peer_, "timed out (the peer stopped reading)");
 }
 
 } // namespace actorpipe::comm
