@@ -3,8 +3,10 @@
 #   ./setup.sh run [train flags...]   runs the main job (`actorpipe train` with defaults)
 #   ./setup.sh test                   runs the whole test suite through CTest
 #   ./setup.sh build                  only builds
-#   ./setup.sh sanitize               unit tests built with AddressSanitizer + UBSan, and the
-#                                     actor tests with ThreadSanitizer (build-asan, build-tsan)
+#   ./setup.sh sanitize [address|thread]
+#                                     unit tests built with AddressSanitizer + UBSan (build-asan),
+#                                     and the actor tests with ThreadSanitizer (build-tsan); both
+#                                     unless one is named
 # With `--torch pip` after build or test: the PyTorch 2.11 line instead of Debian's libtorch 1.13:
 # a venv .venv-torch with the torch 2.11 wheel from PyPI (a CUDA 13.0 build; its libtorch, headers
 # and CMake config are under torch/), built in build-cuda/ with CUDA and NCCL (docs/gpu.md).
@@ -139,15 +141,22 @@ if [[ $torch_line == pip ]]; then
   exit 0
 fi
 if [[ $command == sanitize ]]; then
-  # libtorch and CAF keep process-lifetime allocations: leaks are not checked.
-  export ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0:abort_on_error=1
-  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-  sanitize address,undefined build-asan "$sanitized_tests"
-  # ThreadSanitizer on the actor tests; libgomp and libtorch are not instrumented, see
-  # docs/troubleshooting.md and .ci/tsan.supp.
-  export TSAN_OPTIONS="suppressions=$PWD/.ci/tsan.supp halt_on_error=1 second_deadlock_stack=1"
-  export OMP_NUM_THREADS=1
-  sanitize thread build-tsan "actors_test pipeline_test replicas_test"
+  kinds=${1:-address thread}
+  [[ $kinds == address || $kinds == thread || $kinds == "address thread" ]] ||
+    { echo "setup: sanitize takes address, thread or nothing (both), not '$kinds'" >&2; exit 2; }
+  if [[ $kinds == *address* ]]; then
+    # libtorch and CAF keep process-lifetime allocations: leaks are not checked.
+    export ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0:abort_on_error=1
+    export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    sanitize address,undefined build-asan "$sanitized_tests"
+  fi
+  if [[ $kinds == *thread* ]]; then
+    # ThreadSanitizer on the actor tests; libgomp and libtorch are not instrumented, see
+    # docs/troubleshooting.md and .ci/tsan.supp.
+    export TSAN_OPTIONS="suppressions=$PWD/.ci/tsan.supp halt_on_error=1 second_deadlock_stack=1"
+    export OMP_NUM_THREADS=1
+    sanitize thread build-tsan "actors_test pipeline_test replicas_test"
+  fi
   exit 0
 fi
 build
