@@ -428,7 +428,8 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                                {"seconds", r.seconds},
                                {"replicas_left", r.replicas_left},
                                {"replicas", r.replicas},
-                               {"from_replica", r.from_replica}});
+                               {"from_replica", r.from_replica},
+                               {"from_nodes", r.from_nodes}});
   }
   j["replayed_steps"] = report.replayed_steps;
   j["slow_stages"] = nlohmann::json::array();

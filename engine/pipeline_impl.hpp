@@ -239,6 +239,12 @@ struct pipeline::impl {
                         uint64_t number, const std::string& note);
   // Stages on nodes: the node of each stage actor, in stage order.
   std::vector<caf::actor> stage_nodes() const;
+  // After a loss, the stage actors placed again on the same cut (spares in the lost nodes'
+  // places, `before` the nodes before) load snapshot `number` from what the nodes keep: a
+  // survivor its own part, a spare the copy that the lost node's neighbour holds, sent node to
+  // node. False, saying `why`, when the nodes do not keep it whole (the caller then restores the
+  // driver's snapshot).
+  bool restore_from_kept(const std::vector<std::string>& before, uint64_t number, std::string& why);
   // The nodes that joined since (joins), added to lost_nodes: rejoin_nodes() takes them.
   void take_joined();
   // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are

@@ -281,10 +281,20 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
                     " stages for the ", placed.size(), " nodes left (", self.options.chunks,
                     " chunks each)");
   }
+  auto before = placement.nodes;
+  auto same_cut = cut.bounds == self.cut.bounds;
   self.cut = cut;
   placement.nodes = placed;
   self.place_on_nodes();
-  self.restore(self.snapshot, self.snapshot_number, "recover");
+  std::string why = same_cut ? "" : "the model is cut anew over the nodes left";
+  report.from_nodes = same_cut && self.restore_from_kept(before, self.snapshot_number, why);
+  if (!report.from_nodes) {
+    if (self.snapshot_number > 0) {
+      log::get()->info("pipeline: restoring snapshot {} from the driver: {}", self.snapshot_number,
+                       why);
+    }
+    self.restore(self.snapshot, self.snapshot_number, "recover");
+  }
   // The failed pipeline's actors, the local model built again, the snapshot's frames.
   memory::release_free_heap();
   report.nodes = placed;
@@ -293,10 +303,75 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   report.seconds =
     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   log::get()->info("pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
-                   "{} cut {}, restored snapshot {}",
+                   "{} cut {}, restored snapshot {} from {}",
                    report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
-                   placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot);
+                   placed.size(), fmt::join(placed, ", "), cut.to_string(), report.snapshot,
+                   report.from_nodes ? "the nodes" : "the driver");
   return report;
+}
+
+bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, uint64_t number,
+                                       std::string& why) {
+  const auto& now = options.placement.nodes;
+  if (number == 0) {
+    why = "no snapshot taken yet (the starting state)";
+    return false;
+  }
+  if (replicas || before.size() != now.size() || stage_data.size() != now.size()) {
+    why = "another placement";
+    return false;
+  }
+  auto& actor_system = sys->internals().system;
+  auto actors = stage_nodes();
+  auto kept = nodes::kept_by(actor_system, actors, options.placement.connect_timeout);
+  const auto bounds = nlohmann::json(cut.bounds);
+  // Stage actor k's part of snapshot `number` of this cut, as node n keeps it (own or a copy).
+  auto part = [&](std::size_t n, std::size_t k) -> const nodes::kept_stage* {
+    for (const auto& e : kept[n]) {
+      auto tag = nlohmann::json::parse(e.note, nullptr, false);
+      if (e.stage == k && e.number == number && tag.is_object() && tag.contains("bounds") &&
+          tag["bounds"] == bounds) {
+        return &e;
+      }
+    }
+    return nullptr;
+  };
+  for (std::size_t k = 0; k < now.size(); ++k) {
+    if (now[k] == before[k]) {
+      if (part(k, k) == nullptr) {
+        why = detail::concat("node ", now[k], " does not keep stage ", k, "'s part of it");
+        return false;
+      }
+      continue;
+    }
+    // A spare in a lost node's place: the part comes from the node that keeps its copy.
+    std::size_t holder = now.size();
+    for (std::size_t n = 0; n < now.size() && holder == now.size(); ++n) {
+      if (n != k && now[n] == before[n] && part(n, k) != nullptr) {
+        holder = n;
+      }
+    }
+    if (holder == now.size()) {
+      why = detail::concat("no node left keeps a copy of stage ", k, "'s part of it (", before[k],
+                           " was lost)");
+      return false;
+    }
+    if (!nodes::hand_over_kept(actor_system, actors[holder], actors[k], stage_data[k],
+                               static_cast<uint32_t>(k), number, part(holder, k)->note,
+                               options.step_timeout)) {
+      why = detail::concat("stage ", k, "'s copy did not reach ", now[k], " from ", now[holder]);
+      return false;
+    }
+    log::get()->info("pipeline: stage {}'s part of snapshot {} went from {} to {}", k, number,
+                     now[holder], now[k]);
+  }
+  try {
+    nodes::restore_kept(actor_system, actors, now, number, options.step_timeout);
+  } catch (const std::exception& e) {
+    why = e.what();
+    return false;
+  }
+  return true;
 }
 
 std::optional<recovery_report>

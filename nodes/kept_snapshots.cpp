@@ -1,6 +1,8 @@
 #include "nodes/kept_snapshots.hpp"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include <caf/all.hpp>
 #include <nlohmann/json.hpp>
@@ -38,6 +40,12 @@ bool kept_snapshots::keep(uint32_t index, uint64_t number, std::string note) {
   // The state it replaced is the next pending one's buffer.
   it->second.number = 0;
   it->second.note.clear();
+  // A copy of this stage held from before (it came here as a lost neighbour's, and this node has
+  // hosted the stage since) is older: it goes.
+  auto held = copies_.find(index);
+  if (held != copies_.end() && held->second.number <= number) {
+    copies_.erase(held);
+  }
   return true;
 }
 
@@ -46,6 +54,12 @@ std::shared_ptr<const stages::packed_bytes> kept_snapshots::kept_bytes(uint32_t 
   auto it = kept_.find(index);
   return it != kept_.end() && it->second.number == number && number > 0 ? it->second.bytes
                                                                         : nullptr;
+}
+
+torch::Tensor kept_snapshots::copy_frame(uint32_t index, uint64_t number) const {
+  auto it = copies_.find(index);
+  return it != copies_.end() && it->second.number == number && number > 0 ? it->second.bytes
+                                                                          : torch::Tensor{};
 }
 
 kept_snapshots::copy& kept_snapshots::arriving(uint32_t index, uint64_t number) {
@@ -188,6 +202,33 @@ std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
         [&](const caf::error&) {});
   }
   return result;
+}
+
+bool hand_over_kept(caf::actor_system& sys, const caf::actor& from, const caf::actor& to,
+                    const endpoint& to_data, uint32_t index, uint64_t number,
+                    const std::string& note, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  caf::scoped_actor self{sys};
+  // The holder first: the copy is kept once its note and its bytes are both there.
+  bool held = false, sent = false;
+  self->request(to, timeout, hold_atom::value, index, number, note)
+    .receive([&](bool ok) { held = ok; }, [](const caf::error&) {});
+  if (held) {
+    self->request(from, timeout, copy_atom::value, index, number, to_data.host, to_data.port)
+      .receive([&](bool ok) { sent = ok; }, [](const caf::error&) {});
+  }
+  while (sent && std::chrono::steady_clock::now() < deadline) {
+    auto kept = kept_by(sys, {to},
+                        std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now()));
+    for (const auto& e : kept.front()) {
+      if (e.stage == index && e.number == number && e.note == note) {
+        return true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
 }
 
 void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,

@@ -26,13 +26,16 @@ public:
   std::shared_ptr<stages::packed_bytes> buffer(uint32_t index, uint64_t number);
 
   // Snapshot `number` of stage `index` arrived whole at the driver: its pending state is kept,
-  // with `note` (the driver's: the cut, where in the data). False when the pending state is not
-  // that snapshot's (none, or a newer one).
+  // with `note` (the driver's: the cut, where in the data), and a copy of that stage held from
+  // before goes. False when the pending state is not that snapshot's (none, or a newer one).
   bool keep(uint32_t index, uint64_t number, std::string note);
 
   // Stage `index`'s kept snapshot `number`, packed (null: another or none is kept): what a
   // neighbour is sent a copy of.
   std::shared_ptr<const stages::packed_bytes> kept_bytes(uint32_t index, uint64_t number) const;
+  // A neighbour's stage `index`, snapshot `number`, as its frame came (undefined: no such copy
+  // held): what a node that takes that neighbour's place after a loss is sent.
+  torch::Tensor copy_frame(uint32_t index, uint64_t number) const;
 
   // A neighbour's stage `index`, snapshot `number`: its bytes came, or the driver's note for it
   // (it came whole to the driver). Once both are here it is kept as that stage's copy, in place

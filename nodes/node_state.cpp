@@ -42,22 +42,26 @@ caf::error no_stage(node_actor* self, uint32_t index) {
 
 namespace {
 
-// Sends `bytes` as the state frame `id` of stage `index` to the data port host:port, beside the
-// node's work (the caller waited for the frame before); a failure is logged at `level` as
-// `failed`.
-void send_beside(node_state& s, std::shared_ptr<const stages::packed_bytes> bytes,
+// Sends `blob` (bytes that `owner` keeps alive) as the state frame `id` of stage `index` to the
+// data port host:port, beside the node's work (the caller waited for the frame before); a failure
+// is logged at `level` as `failed`.
+void send_beside(node_state& s, torch::Tensor blob, std::shared_ptr<const void> owner,
                  const std::string& host, uint16_t port, uint32_t index, uint64_t id,
                  spdlog::level::level_enum level, std::string failed) {
-  s.sending = std::async(std::launch::async, [bytes, hub = s.hub, label = s.label, host, port,
-                                              index, id, level, failed = std::move(failed)] {
+  s.sending = std::async(std::launch::async, [blob = std::move(blob), owner = std::move(owner),
+                                              hub = s.hub, label = s.label, host, port, index, id,
+                                              level, failed = std::move(failed)] {
     try {
-      auto blob = torch::from_blob(const_cast<char*>(bytes->data()),
-                                   {static_cast<int64_t>(bytes->size())}, torch::kUInt8);
       hub->send(host, port, comm::describe(comm::frame_kind::state, index, id, 0, 0, blob), blob);
     } catch (const std::exception& e) {
       log::get()->log(level, "node {}: {}: {}", label, failed, e.what());
     }
   });
+}
+
+torch::Tensor as_frame(const std::shared_ptr<const stages::packed_bytes>& bytes) {
+  return torch::from_blob(const_cast<char*>(bytes->data()), {static_cast<int64_t>(bytes->size())},
+                          torch::kUInt8);
 }
 
 // Stage `index`'s state as a state frame to the scheduler; for snapshot `keep_as` (> 0), packed
@@ -88,18 +92,21 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t k
     return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
   }
   // The scheduler's request for it ends at its deadline, naming this stage, if it does not come.
-  send_beside(s, bytes, h->peers.scheduler.host, h->peers.scheduler.port, index, id,
-              spdlog::level::err, detail::concat("stage ", index, " could not send its state"));
+  send_beside(s, as_frame(bytes), bytes, h->peers.scheduler.host, h->peers.scheduler.port, index,
+              id, spdlog::level::err, detail::concat("stage ", index, " could not send its state"));
   return {};
 }
 
 // Sends the node's kept snapshot `number` of stage `index` to the node whose data port is
-// host:port, which holds it for this node (hold_atom); false when another or none is kept.
+// host:port, which holds it as a copy (hold_atom): the node's own stage's, for the neighbour that
+// keeps its copy, or the copy it holds of a lost neighbour's, for the node that takes that
+// neighbour's place (restore_kept then loads it there). False when it keeps neither.
 bool send_copy(node_actor* self, uint32_t index, uint64_t number, const std::string& host,
                uint16_t port) {
   auto& s = self->state;
   auto bytes = s.snapshots.kept_bytes(index, number);
-  if (!bytes) {
+  auto held = bytes ? torch::Tensor{} : s.snapshots.copy_frame(index, number);
+  if (!bytes && !held.defined()) {
     log::get()->warn("node {}: asked to send a copy of stage {}'s snapshot {}, which it does not "
                      "keep",
                      s.label, index, number);
@@ -110,7 +117,8 @@ bool send_copy(node_actor* self, uint32_t index, uint64_t number, const std::str
   }
   // If it does not come, the neighbour keeps its older copy; a driver that starts again without
   // this node resumes from the snapshot before.
-  send_beside(s, bytes, host, port, index, number | copy_bit, spdlog::level::warn,
+  send_beside(s, bytes ? as_frame(bytes) : held, bytes, host, port, index, number | copy_bit,
+              spdlog::level::warn,
               detail::concat("the copy of stage ", index, "'s snapshot ", number, " did not reach ",
                              host, ":", port));
   return true;
@@ -184,9 +192,11 @@ caf::message_handler state_handlers(node_actor* self) {
       return allowed(self, "copy") && send_copy(self, index, number, host, port);
     },
     [=](hold_atom, uint32_t index, uint64_t number, std::string& note) {
-      if (allowed(self, "hold") && self->state.keep_for.count() > 0) {
-        self->state.snapshots.copy_held(index, number, std::move(note));
+      if (!allowed(self, "hold") || self->state.keep_for.count() == 0) {
+        return false;
       }
+      self->state.snapshots.copy_held(index, number, std::move(note));
+      return true;
     },
     [=](kept_atom) -> std::string {
       return allowed(self, "kept") ? self->state.snapshots.inventory() : std::string("[]");

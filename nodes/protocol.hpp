@@ -27,16 +27,18 @@
 ///   (false: the pending state is another's, or the node keeps none). Kept after the stage went,
 ///   for node_options::keep_snapshots.
 /// - (copy_atom, uint32 stage, uint64 number, std::string host, uint16 port) -> bool: the node
-///   sends its kept snapshot `number` of stage `stage` to the node whose data port is host:port
-///   (a state frame whose id is number | copy_bit), beside its stages' work (false: it keeps
-///   another or none)
-/// - (hold_atom, uint32 stage, uint64 number, std::string note): a copy of another node's stage
-///   `stage`, snapshot `number`, is on its way here (copy_atom): the node keeps it beside its own
-///   once it came, in place of the copy before, with `note`
+///   sends its kept snapshot `number` of stage `stage` (its own stage's, else the copy it holds
+///   of a neighbour's) to the node whose data port is host:port (a state frame whose id is
+///   number | copy_bit), beside its stages' work (false: it keeps another or none)
+/// - (hold_atom, uint32 stage, uint64 number, std::string note) -> bool: a copy of another
+///   node's stage `stage`, snapshot `number`, is on its way here (copy_atom): the node keeps it
+///   beside its own once it came, in place of the copy before, with `note` (false: it keeps
+///   none, node_options::keep_snapshots 0)
 /// - (kept_atom) -> std::string: the kept snapshots, [{"stage", "number", "note", "copy"}, ...]
 ///   (copy: a neighbour's stage, held for it)
 /// - (rrestore_atom, uint32 stage, uint64 number) -> true: the stage (built anew, by a driver
-///   that started again) loads kept snapshot `number` of its index
+///   that started again, or placed anew after a loss) loads kept snapshot `number` of its index,
+///   its own or a copy it holds
 /// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
 ///   optimizer: its state gathered on rank 0's stage for a checkpoint)
 /// - (rload_atom, uint32 stage, uint64 id) -> true, once the state frame id came and loaded

@@ -94,6 +94,13 @@ struct kept_stage {
 std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
                                              const std::vector<caf::actor>& nodes,
                                              std::chrono::milliseconds timeout);
+/// Stage `index`'s kept snapshot `number` goes from the node `from` that keeps it (its own, or
+/// the copy it holds of a lost neighbour's) to the node `to`, whose data port is `to_data`: `to`
+/// holds it as a copy, with `note`, for restore_kept. Waits until `to` lists it, at most
+/// `timeout`; false when `from` does not keep it or it did not arrive by then.
+bool hand_over_kept(caf::actor_system& sys, const caf::actor& from, const caf::actor& to,
+                    const endpoint& to_data, uint32_t index, uint64_t number,
+                    const std::string& note, std::chrono::milliseconds timeout);
 /// Every stage loads kept snapshot `number` on its node, each within `timeout`; throws
 /// pipeline_error (io) naming the stage and its node (`addresses[i]`) otherwise.
 void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,

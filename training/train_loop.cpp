@@ -321,8 +321,9 @@ start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_
             << r.nodes.size() / r.replicas << " stages on " << join(r.nodes) << ", cut "
             << partition{r.bounds}.to_string() << "; restored "
             << (r.from_replica >= 0 ? detail::concat("the live state of replica ", r.from_replica)
-                : r.snapshot == 0   ? std::string("the run's starting state")
-                                    : detail::concat("snapshot ", r.snapshot))
+                : r.snapshot == 0
+                  ? std::string("the run's starting state")
+                  : detail::concat("snapshot ", r.snapshot, r.from_nodes ? " from the nodes" : ""))
             << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
             << (replayed.size() == 1 ? "" : "s") << "\n"
             << std::flush;

@@ -157,6 +157,11 @@ struct recovery_report {
   /// every replica's gradients; another replica failed after it): its result. The state taken is
   /// then that step's, and the step is not taken again.
   std::optional<step_result> failed_step;
+  /// Without replicas, on the same cut: the snapshot came from the nodes, each survivor loading
+  /// the part it keeps and each spare the copy that its lost node's neighbour keeps (sent node to
+  /// node), not from the driver's memory. False: the driver's (the model cut anew, or the nodes
+  /// did not keep it whole; the log says why).
+  bool from_nodes = false;
   /// pipeline::rejoin_nodes(): the nodes lost before that answered again, now holding stages
   /// again or standing by as spares (`spares_used` lists those); `lost` is then empty.
   std::vector<std::string> rejoined;

@@ -828,6 +828,8 @@ TEST_CASE("a lost node's stages move to a spare and the replayed steps equal pla
   CHECK(r.nodes == std::vector<std::string>{n1->address(), spare.address()});
   CHECK(r.bounds == cut.bounds);
   CHECK(r.snapshot == 1);
+  // Not from the driver: n1 loaded the part it keeps, the spare the copy of n2's that n1 kept.
+  CHECK(r.from_nodes);
   CHECK(r.seconds > 0);
   CHECK(spare.stages() == 1);
   CHECK(n1->stages() == 1);
@@ -959,12 +961,41 @@ TEST_CASE("a snapshot taken in the background holds the state between its steps,
   auto r = remote.recover();
   CHECK(r.snapshot == 1);
   CHECK(r.spares_used == std::vector<std::string>{spare.address()});
+  CHECK(r.from_nodes);
   // Replayed from snapshot 1, taken after step 0 (not after the steps that ran beside it).
   for (int step = 1; step < 5; ++step) {
     CAPTURE(step);
     CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
   }
   check_close(remote.named_parameters(), named(plain.layers, false));
+}
+
+TEST_CASE("nodes that keep no snapshot: recover() restores the driver's, with the same losses") {
+  auto keeps_none = node_config();
+  keeps_none.keep_snapshots = 0s;
+  auto n1 = std::make_unique<node>(keeps_none);
+  auto n2 = std::make_unique<node>(keeps_none);
+  node spare(keeps_none);
+  engine sys;
+  auto o = remote_options({n1->address(), n2->address()});
+  o.placement.spares = {spare.address()};
+  pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 4);
+  auto train = [&](int step) { return loss_at(remote, step); };
+  train(0);
+  CHECK(remote.snapshot() == 1);
+  train(1);
+  n2.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(2), pipeline_error);
+  auto r = remote.recover();
+  CHECK(r.snapshot == 1);
+  CHECK_FALSE(r.from_nodes);
+  for (int step = 1; step < 4; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
 }
 
 TEST_CASE("without a spare the pipeline shrinks onto the nodes left and equals a run resumed "
@@ -997,6 +1028,7 @@ TEST_CASE("without a spare the pipeline shrinks onto the nodes left and equals a
   CHECK(r.spares_used.empty());
   CHECK(r.nodes == std::vector<std::string>{n1.address(), n3.address()});
   CHECK(r.bounds == std::vector<std::size_t>{0, 4, 6});
+  CHECK_FALSE(r.from_nodes); // cut anew: the kept parts are of the old cut
   CHECK(remote.stages() == 2);
   CHECK(remote.cut().bounds == r.bounds);
   std::vector<double> recovered;
