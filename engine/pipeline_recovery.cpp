@@ -317,7 +317,7 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
     why = "no snapshot taken yet (the starting state)";
     return false;
   }
-  if (replicas || before.size() != now.size() || stage_data.size() != now.size()) {
+  if (before.size() != now.size() || stage_data.size() != now.size()) {
     why = "another placement";
     return false;
   }
@@ -344,20 +344,21 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
       }
       continue;
     }
-    // A spare in a lost node's place: the part comes from the node that keeps its copy.
-    std::size_t holder = now.size();
-    for (std::size_t n = 0; n < now.size() && holder == now.size(); ++n) {
-      if (n != k && now[n] == before[n] && part(n, k) != nullptr) {
+    // A spare in a lost node's place: the part comes from the survivor that keeps its copy.
+    std::size_t holder = 0;
+    const nodes::kept_stage* copy = nullptr;
+    for (std::size_t n = 0; n < now.size() && copy == nullptr; ++n) {
+      if (n != k && now[n] == before[n] && (copy = part(n, k)) != nullptr) {
         holder = n;
       }
     }
-    if (holder == now.size()) {
+    if (copy == nullptr) {
       why = detail::concat("no node left keeps a copy of stage ", k, "'s part of it (", before[k],
                            " was lost)");
       return false;
     }
     if (!nodes::hand_over_kept(actor_system, actors[holder], actors[k], stage_data[k],
-                               static_cast<uint32_t>(k), number, part(holder, k)->note,
+                               static_cast<uint32_t>(k), number, copy->note,
                                options.step_timeout)) {
       why = detail::concat("stage ", k, "'s copy did not reach ", now[k], " from ", now[holder]);
       return false;

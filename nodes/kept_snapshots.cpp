@@ -117,10 +117,10 @@ stages::tensor_map kept_snapshots::take(uint32_t index, uint64_t number,
     std::memcpy(aligned.data_ptr(), bytes->data(), bytes->size());
     return stages::unpack_tensors(aligned, what);
   }
-  auto c = copies_.find(index);
-  if (c != copies_.end() && c->second.number == number) {
-    return stages::unpack_tensors(c->second.bytes.clone(), what);
+  if (auto frame = copy_frame(index, number); frame.defined()) {
+    return stages::unpack_tensors(frame.clone(), what);
   }
+  auto c = copies_.find(index);
   auto it = kept_.find(index);
   throw pipeline_error(
     detail::concat("node ", node, " keeps ",
