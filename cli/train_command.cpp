@@ -123,16 +123,21 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   if (!a.secret_file.empty()) {
     po.placement.secret = comm::read_secret_file(a.secret_file);
   }
+  auto say_where_to_join = [](const std::string& at) {
+    if (!at.empty()) {
+      std::cerr << "actorpipe: nodes may join at " << at << " (actorpipe node --join " << at
+                << ")\n";
+    }
+  };
   if (a.replicas > 1) {
     auto replicas = po.data_parallel.replicas;
-    return {nullptr,
-            std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas)};
+    auto many =
+      std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas);
+    say_where_to_join(many->join_address());
+    return {nullptr, std::move(many)};
   }
   auto one = std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
-  if (!a.pipeline.placement.accept_joins.empty()) {
-    std::cerr << "actorpipe: nodes may join at " << one->join_address()
-              << " (actorpipe node --join " << one->join_address() << ")\n";
-  }
+  say_where_to_join(one->join_address());
   return {std::move(one), nullptr};
 }
 

@@ -118,7 +118,8 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   opt("--accept-joins", a.pipeline.placement.accept_joins,
       "--on-node-loss continue: listen on HOST:PORT for new nodes (`actorpipe node --join "
       "HOST:PORT`, the same secret): one that joins is taken at the next step, cutting the model "
-      "back onto it after a loss, else standing by as a spare");
+      "back onto it after a loss (--replicas: taking a lost node's place in a replica that left), "
+      "else standing by as a spare");
   opt("--snapshot-every", a.train.snapshot_every,
       "--on-node-loss continue: copy every stage's parameters, buffers and optimizer state into "
       "this process's memory every N steps (and at the start); a recovery replays from the "
@@ -281,8 +282,6 @@ void check_node_flags_apply(const train_args& a) {
                               "step at a time");
   }
   if (a.replicas > 1) {
-    refuse("--accept-joins", "takes nodes into one pipeline; replicas (--replicas) keep the nodes "
-                             "a recovery left them");
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }

@@ -289,7 +289,8 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   const auto& at = self.options.placement.accept_joins;
   ACTORPIPE_CHECK(at.empty() || self.options.data_parallel.replicas <= 1,
                   "pipeline: accept_joins (", at,
-                  ") takes nodes into one pipeline; replicas keep the nodes recover() left them");
+                  ") takes nodes into one pipeline; replicas of it take joins together "
+                  "(replicated_pipeline), not one replica's pipeline");
   self.meet_replicas();
   self.place_on_nodes();
   if (!at.empty()) {

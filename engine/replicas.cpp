@@ -8,9 +8,12 @@
 #include <future>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "comm/replica_group.hpp"
 #include "engine/futures.hpp"
+#include "engine/pipeline_impl.hpp"
+#include "nodes/join.hpp"
 
 namespace actorpipe {
 namespace {
@@ -105,6 +108,8 @@ replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model,
   options.data_parallel.local = nullptr;
   auto deadline = 2 * options.data_parallel.timeout + 2 * options.placement.connect_timeout +
                   std::chrono::seconds(30);
+  // The replicas take joins together (rejoin_nodes), not each its own pipeline.
+  const auto joins_at = std::exchange(options.placement.accept_joins, std::string{});
   replicas_ = build_replicas(replicas, deadline, [&](std::size_t r) {
     auto o = options;
     o.data_parallel.rank = r;
@@ -113,6 +118,14 @@ replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model,
     return std::make_unique<pipeline>(sys, model, cut, o);
   });
   deadline_ = options.step_timeout + std::chrono::seconds(30);
+  if (!joins_at.empty()) {
+    joins_ = std::make_unique<nodes::join_listener>(
+      sys.internals().system, joins_at, options.placement.secret, options.placement.tls.enabled());
+  }
+}
+
+std::string replicated_pipeline::join_address() const {
+  return joins_ ? joins_->address() : std::string{};
 }
 
 replicated_pipeline::~replicated_pipeline() {

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <future>
+#include <iterator>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -26,6 +28,37 @@ using recovery::list_or_none;
 using recovery::node_census;
 using recovery::take_census;
 
+// The nodes a replica goes on with, or comes back on (`layout`, its stage actors' nodes): each
+// one neither lost nor holding another replica's stages (`in_use`) stays, each other one's place
+// is taken by the next spare of `spares` that is none of its own; those and its own nodes leave
+// `spares`. Nothing, and `spares` untouched, when the spares do not fill every place.
+std::optional<std::vector<std::string>> fill_places(const std::vector<std::string>& layout,
+                                                    const std::vector<std::string>& lost,
+                                                    const std::vector<std::string>& in_use,
+                                                    std::vector<std::string>& spares) {
+  std::vector<std::string> free;
+  std::copy_if(spares.begin(), spares.end(), std::back_inserter(free),
+               [&](const std::string& n) { return !among(layout, n); });
+  std::map<std::string, std::string> replacement; // a node hosting several stages: one spare
+  for (const auto& n : layout) {
+    if ((among(lost, n) || among(in_use, n)) && replacement.count(n) == 0) {
+      if (replacement.size() == free.size()) {
+        return std::nullopt;
+      }
+      replacement.emplace(n, free[replacement.size()]);
+    }
+  }
+  std::vector<std::string> placed;
+  for (const auto& n : layout) {
+    auto it = replacement.find(n);
+    placed.push_back(it == replacement.end() ? n : it->second);
+  }
+  spares.erase(std::remove_if(spares.begin(), spares.end(),
+                              [&](const std::string& n) { return among(placed, n); }),
+               spares.end());
+  return placed;
+}
+
 // Which replicas go on after a loss, and on which nodes (each replica's nodes given in rank
 // order); the replicas that leave go into report.replicas_left, the spares taken into
 // report.spares_used.
@@ -37,32 +70,21 @@ whole_replicas(const std::vector<std::vector<std::string>>& replica_nodes,
   // leave.
   std::vector<std::size_t> whole;
   std::vector<std::vector<std::string>> layouts;
-  std::size_t next_spare = 0;
+  auto spares = census.spares;
   for (std::size_t r = 0; r < replica_nodes.size(); ++r) {
     const auto& nodes = replica_nodes[r];
-    std::map<std::string, std::string> replacement;
-    for (const auto& n : nodes) {
-      if (census.is_lost(n) && replacement.count(n) == 0) {
-        auto index = next_spare + replacement.size();
-        replacement.emplace(n, index < census.spares.size() ? census.spares[index] : std::string{});
-      }
-    }
-    bool enough = std::all_of(replacement.begin(), replacement.end(),
-                              [](const auto& kv) { return !kv.second.empty(); });
-    if (!enough) {
+    auto placed = fill_places(nodes, census.lost, {}, spares);
+    if (!placed) {
       report.replicas_left.push_back(r);
       continue;
     }
-    std::vector<std::string> placed;
-    for (const auto& n : nodes) {
-      auto it = replacement.find(n);
-      placed.push_back(it == replacement.end() ? n : it->second);
-    }
-    for (std::size_t k = 0; k < replacement.size(); ++k) {
-      report.spares_used.push_back(census.spares[next_spare++]);
+    for (const auto& n : *placed) {
+      if (!among(nodes, n) && !among(report.spares_used, n)) {
+        report.spares_used.push_back(n);
+      }
     }
     whole.push_back(r);
-    layouts.push_back(std::move(placed));
+    layouts.push_back(std::move(*placed));
   }
   return {whole, layouts};
 }
@@ -270,7 +292,22 @@ void replicated_pipeline::rejoin(
 
 std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
   auto& first = *replicas_.front()->impl_;
-  if (!first.remote || lost_.empty()) {
+  if (!first.remote) {
+    return std::nullopt;
+  }
+  if (joins_) {
+    for (auto& n : joins_->take()) {
+      // Asked whether it answers with the lost ones, then taken as those are.
+      if (!among(lost_, n) && !among(first.options.placement.spares, n) &&
+          std::none_of(replicas_.begin(), replicas_.end(), [&](const auto& p) {
+            return among(p->impl_->options.placement.nodes, n);
+          })) {
+        lost_.push_back(n);
+        joined_.push_back(n);
+      }
+    }
+  }
+  if (lost_.empty()) {
     return std::nullopt;
   }
   auto answers = recovery::poll_answering(first.sys->internals().system, lost_,
@@ -283,9 +320,18 @@ std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
   recovery_report report;
   std::vector<std::string> still_lost;
   for (std::size_t i = 0; i < lost_.size(); ++i) {
-    (i < alive.size() && alive[i] ? report.rejoined : still_lost).push_back(lost_[i]);
+    const auto& n = lost_[i];
+    if (!(i < alive.size() && alive[i])) {
+      still_lost.push_back(n);
+      continue;
+    }
+    auto j = std::find(joined_.begin(), joined_.end(), n);
+    (j == joined_.end() ? report.rejoined : report.joined).push_back(n);
+    if (j != joined_.end()) {
+      joined_.erase(j);
+    }
   }
-  if (report.rejoined.empty()) {
+  if (report.rejoined.empty() && report.joined.empty()) {
     return std::nullopt;
   }
   lost_ = std::move(still_lost);
@@ -300,22 +346,30 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
     const auto& nodes = p->impl_->options.placement.nodes;
     in_use.insert(in_use.end(), nodes.begin(), nodes.end());
   }
-  std::vector<std::size_t> coming;
-  for (std::size_t k = 0; k < left_.size(); ++k) {
-    const auto& nodes = left_[k].second;
-    if (std::none_of(nodes.begin(), nodes.end(),
-                     [&](const std::string& n) { return among(lost_, n) || among(in_use, n); })) {
-      coming.push_back(k);
-      in_use.insert(in_use.end(), nodes.begin(), nodes.end());
-    }
-  }
   auto spares = replicas_.front()->impl_->options.placement.spares;
   spares.erase(std::remove_if(spares.begin(), spares.end(),
                               [&](const std::string& n) { return among(in_use, n); }),
                spares.end());
-  for (const auto& n : report.rejoined) {
+  std::vector<std::string> back = report.rejoined;
+  back.insert(back.end(), report.joined.begin(), report.joined.end());
+  for (const auto& n : back) {
     if (!among(in_use, n) && !among(spares, n)) {
       spares.push_back(n);
+    }
+  }
+  // A replica that left comes back with each node it had that serves again, the others'
+  // places taken by spares standing by (in order).
+  std::vector<std::size_t> coming;
+  std::vector<std::vector<std::string>> coming_layouts;
+  for (std::size_t k = 0; k < left_.size(); ++k) {
+    if (auto layout = fill_places(left_[k].second, lost_, in_use, spares)) {
+      coming.push_back(k);
+      in_use.insert(in_use.end(), layout->begin(), layout->end());
+      coming_layouts.push_back(std::move(*layout));
+    }
+  }
+  for (const auto& n : back) {
+    if (among(spares, n)) {
       report.spares_used.push_back(n); // standing by
     }
   }
@@ -332,9 +386,9 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
       layouts.push_back(p->impl_->options.placement.nodes);
       p->impl_->stop_actors(); // they meet again with the replicas that come back
     }
-    for (auto k : coming) {
-      layouts.push_back(left_[k].second);
-      replicas_.push_back(std::move(left_[k].first));
+    for (std::size_t c = 0; c < coming.size(); ++c) {
+      layouts.push_back(coming_layouts[c]);
+      replicas_.push_back(std::move(left_[coming[c]].first));
     }
     for (auto k = coming.rbegin(); k != coming.rend(); ++k) {
       left_.erase(left_.begin() + static_cast<std::ptrdiff_t>(*k));
@@ -348,7 +402,7 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
   }
   describe_world(report, number, started);
   log::get()->info("replicas: {} back in {:.2f} s: now {} replicas on {}, spares {}",
-                   fmt::join(report.rejoined, ", "), report.seconds, report.replicas,
+                   fmt::join(back, ", "), report.seconds, report.replicas,
                    fmt::join(report.nodes, ", "),
                    list_or_none(replicas_.front()->impl_->options.placement.spares));
   return report;

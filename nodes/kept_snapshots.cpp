@@ -2,7 +2,7 @@
 
 #include <chrono>
 #include <cstring>
-#include <thread>
+#include <vector>
 
 #include <caf/all.hpp>
 #include <nlohmann/json.hpp>
@@ -94,6 +94,11 @@ void kept_snapshots::copy_held(uint32_t index, uint64_t number, std::string note
     a.noted = true;
     settle_copy(index);
   }
+}
+
+bool kept_snapshots::copy_coming(uint32_t index, uint64_t number) const {
+  auto it = arriving_.find(index);
+  return number > 0 && it != arriving_.end() && it->second.number == number;
 }
 
 std::string kept_snapshots::inventory() const {
@@ -207,9 +212,9 @@ std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
 bool hand_over_kept(caf::actor_system& sys, const caf::actor& from, const caf::actor& to,
                     const endpoint& to_data, uint32_t index, uint64_t number,
                     const std::string& note, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
   caf::scoped_actor self{sys};
-  // The holder first: the copy is kept once its note and its bytes are both there.
+  // The holder first: the copy is kept once its note and its bytes are both there, and a
+  // restore of it that comes before its bytes waits for them (node_state.cpp).
   bool held = false, sent = false;
   self->request(to, timeout, hold_atom::value, index, number, note)
     .receive([&](bool ok) { held = ok; }, [](const caf::error&) {});
@@ -217,33 +222,34 @@ bool hand_over_kept(caf::actor_system& sys, const caf::actor& from, const caf::a
     self->request(from, timeout, copy_atom::value, index, number, to_data.host, to_data.port)
       .receive([&](bool ok) { sent = ok; }, [](const caf::error&) {});
   }
-  while (sent && std::chrono::steady_clock::now() < deadline) {
-    auto kept = kept_by(sys, {to},
-                        std::chrono::duration_cast<std::chrono::milliseconds>(
-                          deadline - std::chrono::steady_clock::now()));
-    for (const auto& e : kept.front()) {
-      if (e.stage == index && e.number == number && e.note == note) {
-        return true;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return false;
+  return sent;
 }
 
 void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
                   const std::vector<std::string>& addresses, uint64_t number,
                   std::chrono::milliseconds timeout) {
   caf::scoped_actor self{sys};
+  // All at once: each node loads while the others do.
+  using handle =
+    decltype(self->request(nodes[0], timeout, rrestore_atom::value, uint32_t{0}, number));
+  std::vector<handle> asked;
   for (std::size_t i = 0; i < nodes.size(); ++i) {
-    std::string failed;
-    self->request(nodes[i], timeout, rrestore_atom::value, static_cast<uint32_t>(i), number)
-      .receive([](bool) {}, [&](const caf::error& e) { failed = sys.render(e); });
-    if (!failed.empty()) {
-      throw pipeline_error(detail::concat("restoring stage ", i, " on node ", addresses.at(i),
-                                          " from its kept snapshot ", number, ": ", failed),
-                           error_details{error_kind::io});
-    }
+    asked.push_back(
+      self->request(nodes[i], timeout, rrestore_atom::value, static_cast<uint32_t>(i), number));
+  }
+  std::string failed;
+  for (std::size_t i = 0; i < asked.size(); ++i) {
+    asked[i].receive([](bool) {},
+                     [&](const caf::error& e) {
+                       if (failed.empty()) {
+                         failed =
+                           detail::concat("restoring stage ", i, " on node ", addresses.at(i),
+                                          " from its kept snapshot ", number, ": ", sys.render(e));
+                       }
+                     });
+  }
+  if (!failed.empty()) {
+    throw pipeline_error(failed, error_details{error_kind::io});
   }
 }
 

@@ -42,6 +42,9 @@ public:
   // of the one before; what came of another snapshot of that stage that is not whole yet goes.
   void copy_arrived(uint32_t index, uint64_t number, torch::Tensor bytes);
   void copy_held(uint32_t index, uint64_t number, std::string note);
+  // Whether stage `index`'s snapshot `number` is on its way as a copy: its note or its bytes
+  // came, not both yet.
+  bool copy_coming(uint32_t index, uint64_t number) const;
 
   // What is kept, as JSON: [{"stage": index, "number": n, "note": "...", "copy": false}, ...],
   // the node's own stages' first, then the copies it holds for its neighbours.

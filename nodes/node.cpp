@@ -58,6 +58,14 @@ void release(node_actor* self, uint32_t index) {
     caf::anon_send_exit(link, caf::exit_reason::user_shutdown);
   }
   s.stages.erase(it);
+  for (auto w = s.awaiting_copies.begin(); w != s.awaiting_copies.end();) {
+    if (w->first.first == index) { // a restore of the stage that went: nothing to load into
+      w->second.deliver(no_stage(self, index));
+      w = s.awaiting_copies.erase(w);
+    } else {
+      ++w;
+    }
+  }
   if (s.stages.empty()) {
     // The state buffers go with the last stage (after its frame, if one is on its way), but for
     // the kept snapshots: those wait `keep_for` for a driver that starts again.

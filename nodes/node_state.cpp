@@ -104,6 +104,9 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t k
 bool send_copy(node_actor* self, uint32_t index, uint64_t number, const std::string& host,
                uint16_t port) {
   auto& s = self->state;
+  if (s.keep_for.count() == 0) {
+    return false; // it keeps no snapshot (node_options::keep_snapshots 0): nothing to say
+  }
   auto bytes = s.snapshots.kept_bytes(index, number);
   auto held = bytes ? torch::Tensor{} : s.snapshots.copy_frame(index, number);
   if (!bytes && !held.defined()) {
@@ -157,10 +160,10 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
   }
 }
 
-// Loads stage `index` from the node's kept snapshot `number` (a driver that started again).
-caf::result<bool> restore_kept(node_actor* self, uint32_t index, uint64_t number) {
+// Loads stage `index` from the node's kept snapshot `number`: none when it did.
+caf::error load_kept(node_actor* self, uint32_t index, uint64_t number) {
   auto* h = find_stage(self, index);
-  if (h == nullptr || !allowed(self, "restore")) {
+  if (h == nullptr) {
     return no_stage(self, index);
   }
   try {
@@ -174,7 +177,52 @@ caf::result<bool> restore_kept(node_actor* self, uint32_t index, uint64_t number
       detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
   }
   memory::release_free_heap();
+  return {};
+}
+
+// Loads stage `index` from the node's kept snapshot `number` (a driver that started again, or a
+// recovery): at once, or, where it is a copy still on its way (hand_over_kept), when its bytes
+// have come (the driver's request has its deadline).
+caf::result<bool> restore_kept(node_actor* self, uint32_t index, uint64_t number) {
+  auto& s = self->state;
+  if (find_stage(self, index) == nullptr || !allowed(self, "restore")) {
+    return no_stage(self, index);
+  }
+  if (!s.snapshots.kept_bytes(index, number) && !s.snapshots.copy_frame(index, number).defined() &&
+      s.snapshots.copy_coming(index, number)) {
+    log::get()->info("node {}: the copy of stage {}'s snapshot {} is on its way: loaded when it "
+                     "comes",
+                     s.label, index, number);
+    auto rp = self->make_response_promise<bool>();
+    auto [it, fresh] = s.awaiting_copies.emplace(std::pair(index, number), rp);
+    if (!fresh) { // the one before waited past its driver's deadline
+      it->second.deliver(actors::make_pipeline_error(
+        error_kind::io, detail::concat("stage ", index, " on node ", s.label,
+                                       ": a newer restore of snapshot ", number, " came")));
+      it->second = rp;
+    }
+    return rp;
+  }
+  if (auto failed = load_kept(self, index, number)) {
+    return failed;
+  }
   return true;
+}
+
+// A copy's bytes came: a restore waiting for them loads it now.
+void restore_awaited(node_actor* self, uint32_t index, uint64_t number) {
+  auto& waiting = self->state.awaiting_copies;
+  auto it = waiting.find({index, number});
+  if (it == waiting.end() || !self->state.snapshots.copy_frame(index, number).defined()) {
+    return;
+  }
+  auto rp = it->second;
+  waiting.erase(it);
+  if (auto failed = load_kept(self, index, number)) {
+    rp.deliver(std::move(failed));
+  } else {
+    rp.deliver(true);
+  }
 }
 
 } // namespace
@@ -228,6 +276,7 @@ caf::message_handler state_handlers(node_actor* self) {
         // A neighbour's kept snapshot (copy_atom), kept once the driver's note is here too.
         if (self->state.keep_for.count() > 0) {
           self->state.snapshots.copy_arrived(index, id & ~copy_bit, std::move(blob));
+          restore_awaited(self, index, id & ~copy_bit);
         }
       } else if (auto* h = find_stage(self, index)) {
         h->states[id] = std::move(blob);

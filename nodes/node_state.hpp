@@ -68,6 +68,9 @@ struct node_state {
   kept_snapshots snapshots;
   std::chrono::seconds keep_for{0};
   uint64_t generation = 0;
+  // Restores of a copy still on its way (its note here, its bytes not yet), answered when the
+  // bytes come; by stage index and snapshot number.
+  std::map<std::pair<uint32_t, uint64_t>, caf::response_promise> awaiting_copies;
 
   static inline const char* name = "actorpipe.node";
 };

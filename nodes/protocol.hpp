@@ -38,7 +38,8 @@
 ///   (copy: a neighbour's stage, held for it)
 /// - (rrestore_atom, uint32 stage, uint64 number) -> true: the stage (built anew, by a driver
 ///   that started again, or placed anew after a loss) loads kept snapshot `number` of its index,
-///   its own or a copy it holds
+///   its own or a copy it holds; a copy on its way (its note here, or its bytes) is loaded, and
+///   the request answered, once it came
 /// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
 ///   optimizer: its state gathered on rank 0's stage for a checkpoint)
 /// - (rload_atom, uint32 stage, uint64 id) -> true, once the state frame id came and loaded

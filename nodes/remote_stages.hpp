@@ -96,13 +96,14 @@ std::vector<std::vector<kept_stage>> kept_by(caf::actor_system& sys,
                                              std::chrono::milliseconds timeout);
 /// Stage `index`'s kept snapshot `number` goes from the node `from` that keeps it (its own, or
 /// the copy it holds of a lost neighbour's) to the node `to`, whose data port is `to_data`: `to`
-/// holds it as a copy, with `note`, for restore_kept. Waits until `to` lists it, at most
-/// `timeout`; false when `from` does not keep it or it did not arrive by then.
+/// holds it as a copy, with `note`, for restore_kept (which on `to` waits for the copy's bytes
+/// while they are on their way). False when `to` keeps no copies or `from` does not keep it,
+/// each asked within `timeout`.
 bool hand_over_kept(caf::actor_system& sys, const caf::actor& from, const caf::actor& to,
                     const endpoint& to_data, uint32_t index, uint64_t number,
                     const std::string& note, std::chrono::milliseconds timeout);
-/// Every stage loads kept snapshot `number` on its node, each within `timeout`; throws
-/// pipeline_error (io) naming the stage and its node (`addresses[i]`) otherwise.
+/// Every stage loads kept snapshot `number` on its node, all at once, each within `timeout`;
+/// throws pipeline_error (io) naming the first stage that did not and its node (`addresses[i]`).
 void restore_kept(caf::actor_system& sys, const std::vector<caf::actor>& nodes,
                   const std::vector<std::string>& addresses, uint64_t number,
                   std::chrono::milliseconds timeout);

@@ -352,8 +352,9 @@ struct node_placement {
   std::vector<std::string> spares;
   /// "host:port" (port 0: any free one) where this process listens for nodes that join the run
   /// (node_options::join, `actorpipe node --join`): one that proves the secret is taken at the
-  /// next pipeline::rejoin_nodes(), as a spare, or to cut the model back onto after a loss.
-  /// Empty: none. One pipeline, not replicas (they keep the world recover() left them).
+  /// next pipeline::rejoin_nodes(), as a spare, or to cut the model back onto after a loss;
+  /// with replicas (replicated_pipeline::rejoin_nodes()), in a lost node's place in a replica
+  /// that left, else as a spare. Empty: none.
   std::string accept_joins;
 };
 

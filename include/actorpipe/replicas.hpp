@@ -22,6 +22,10 @@
 
 namespace actorpipe {
 
+namespace nodes {
+class join_listener;
+}
+
 /// `defaults` with what torchrun-style variables say: RANK, WORLD_SIZE, MASTER_ADDR,
 /// MASTER_PORT (unset ones keep the default). Throws invalid_argument naming a variable whose
 /// value is not a valid number or a rank not below the world size.
@@ -131,15 +135,21 @@ public:
   /// it from the thread that runs the steps.
   recovery_report recover();
 
-  /// Between steps, replicas on nodes: the nodes lost in earlier recoveries are asked beside
-  /// the steps (at most once a second) whether they answer again. A replica that left (a node of
-  /// it lost, no spare) comes back when every node it had answers and none of them holds
-  /// another's stages: the replicas meet again with it, every stage from the state now (replica
-  /// 0's, after a completed step every replica's: nothing is replayed), and each step's batch is
-  /// split over one more again. A node that answers and is not needed so stands by as a spare
-  /// for the next loss. Returns what it did (recovery_report::rejoined, replicas, nodes), or
-  /// nothing where no node came back (yet). Call it from the thread that runs the steps.
+  /// Between steps, replicas on nodes: the nodes lost in earlier recoveries, and new nodes that
+  /// joined (placement.accept_joins), are asked beside the steps (at most once a second) whether
+  /// they answer. A replica that left (a node of it lost, no spare) comes back when each node it
+  /// had answers again and holds no other replica's stages, or a spare standing by (one given, a
+  /// node back or one that joined) takes that node's place: the replicas meet again with it,
+  /// every stage from the state now (replica 0's, after a completed step every replica's:
+  /// nothing is replayed), and each step's batch is split over one more again. A node that
+  /// answers and is not needed so stands by as a spare for the next loss. Returns what it did
+  /// (recovery_report::rejoined, joined, replicas, nodes, spares_used: those standing by), or
+  /// nothing where no node came (yet). Call it from the thread that runs the steps.
   std::optional<recovery_report> rejoin_nodes();
+
+  /// With placement.accept_joins: "host:port" where nodes join (the port taken, when 0 was
+  /// asked); empty otherwise.
+  std::string join_address() const;
 
   std::size_t replicas() const;
   pipeline& replica(std::size_t rank);
@@ -157,6 +167,10 @@ private:
   std::vector<std::string> lost_;
   std::future<std::vector<bool>> lost_answering_;
   std::chrono::steady_clock::time_point lost_asked_at_{};
+  // placement.accept_joins: nodes that announce themselves, asked with the lost ones (joined_
+  // lists those not yet taken).
+  std::unique_ptr<nodes::join_listener> joins_;
+  std::vector<std::string> joined_;
 
   // recover()'s second half: the replicas `whole` (old ranks) go on, on `layouts`, meet again
   // and restore `state` (snapshot `number`; `taken` snapshots numbered so far).

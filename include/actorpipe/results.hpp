@@ -162,10 +162,11 @@ struct recovery_report {
   /// node), not from the driver's memory. False: the driver's (the model cut anew, or the nodes
   /// did not keep it whole; the log says why).
   bool from_nodes = false;
-  /// pipeline::rejoin_nodes(): the nodes lost before that answered again, now holding stages
-  /// again or standing by as spares (`spares_used` lists those); `lost` is then empty.
+  /// rejoin_nodes() (a pipeline's or replicas'): the nodes lost before that answered again, now
+  /// holding stages again or standing by as spares (`spares_used` lists those); `lost` is then
+  /// empty.
   std::vector<std::string> rejoined;
-  /// pipeline::rejoin_nodes(): new nodes that joined (node_options::join), taken as those are.
+  /// rejoin_nodes(): new nodes that joined (node_options::join), taken as those are.
   std::vector<std::string> joined;
 };
 

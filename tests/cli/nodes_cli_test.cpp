@@ -472,9 +472,6 @@ TEST_CASE("the flags of lost-node recovery are refused where they do not apply")
      "--accept-joins applies to --on-node-loss continue"},
     {" --steps 1 --accept-joins 127.0.0.1:0",
      "--accept-joins applies to stages on nodes (--nodes)"},
-    {" --steps 1 --replicas 2 --nodes 127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4 "
-     "--on-node-loss continue --accept-joins 127.0.0.1:0",
-     "--accept-joins takes nodes into one pipeline"},
     {two_nodes + " --on-node-loss continue --snapshot-every 0",
      "--snapshot-every (0) must be >= 1"},
   };
@@ -522,6 +519,41 @@ TEST_CASE("a node started with --join after a node was lost is taken into the ru
         std::string::npos);
   check_losses_equal_in_process(json, 3, 400);
   std::filesystem::remove(json);
+  // Two replicas: replica 1 leaves with its lost node, and the node that joins brings it back
+  // in that node's place (or, announced before the loss was found, stands by and takes it).
+  node_process r0a("", "join-dp-a"), r0b("", "join-dp-b"), r1a("", "join-dp-c"),
+    r1b("", "join-dp-d");
+  const auto dp_at = "127.0.0.1:" + std::to_string(free_port());
+  std::unique_ptr<node_process> joiner;
+  auto dp_json = temp_file("join-dp.json");
+  output = run_losing_a_node(
+    " --stages 2 --replicas 2 --wait-timeout 5000 --dp-timeout 5000 "
+    "--master-port " +
+      std::to_string(free_port()) + " --accept-joins " + dp_at + " --nodes " + r0a.address() + "," +
+      r0b.address() + "," + r1a.address() + "," + r1b.address(),
+    dp_json,
+    [&] {
+      CHECK(r1b.process->stop(SIGKILL) == 128 + SIGKILL);
+      joiner = std::make_unique<node_process>("--join " + dp_at, "join-dp-e");
+    },
+    400);
+  CAPTURE(output);
+  REQUIRE(joiner);
+  CHECK(joiner->process->wait_for("joined the driver at " + dp_at, 5s));
+  CHECK(output.find("nodes may join at " + dp_at) != std::string::npos);
+  const auto whole =
+    r0a.address() + ", " + r0b.address() + ", " + r1a.address() + ", " + joiner->address();
+  const bool came_back =
+    output.find("now 1 replica of 2 stages on " + r0a.address() + ", " + r0b.address()) !=
+      std::string::npos &&
+    output.find(joiner->address() + " joined: now 2 replicas, 4 stages on " + whole) !=
+      std::string::npos;
+  const bool stood_by =
+    output.find("spares used " + joiner->address() + "; now 2 replicas of 2 stages on " + whole) !=
+    std::string::npos;
+  CHECK((came_back || stood_by));
+  check_losses_equal_in_process(dp_json, 2, 400);
+  std::filesystem::remove(dp_json);
   // Another secret: the driver refuses it and the node ends with the reason.
   auto secret = secret_file("join-secret", "one");
   auto other = secret_file("join-other", "two");

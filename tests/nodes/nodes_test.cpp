@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <limits>
 #include <map>
 #include <random>
@@ -1407,6 +1408,82 @@ TEST_CASE(
   CHECK(node(node_config()).joining() == node::join_state::none);
 }
 
+TEST_CASE("replicas take nodes that join (accept_joins): one takes a lost node's place in the "
+          "replica that left, which comes back, the next stands by and serves the next loss, and "
+          "the steps equal plain libtorch") {
+  std::vector<std::unique_ptr<node>> n;
+  std::vector<std::string> address;
+  for (int k = 0; k < 4; ++k) {
+    n.push_back(std::make_unique<node>(node_config()));
+    address.push_back(n.back()->address());
+  }
+  engine sys;
+  auto o = remote_options(address);
+  o.data_parallel.master_port = static_cast<uint16_t>(free_port());
+  o.data_parallel.timeout = 5000ms;
+  o.placement.connect_timeout = 2000ms;
+  o.placement.accept_joins = "127.0.0.1:0";
+  replicated_pipeline replicas(sys, tiny_remote(), partition_uniform(6, 2), o, 2);
+  const auto at = replicas.join_address();
+  REQUIRE(at.rfind("127.0.0.1:", 0) == 0);
+  CHECK(at != "127.0.0.1:0");
+  CHECK(replicas.replica(0).join_address().empty()); // one listener, the replicas'
+  plain_model plain(tiny_mlp(1), sgd(0.1, 0.9));
+  auto expected = plain_losses(plain, 8);
+  auto train = [&](int step) { return loss_at(replicas, step); };
+  CHECK(train(0) == doctest::Approx(expected[0]).epsilon(1e-6));
+  CHECK(train(1) == doctest::Approx(expected[1]).epsilon(1e-6));
+  // Replica 1's second node goes, no spare: replica 1 leaves.
+  n[3].reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(2), pipeline_error);
+  CHECK(replicas.recover().replicas == 1);
+  CHECK(train(2) == doctest::Approx(expected[2]).epsilon(1e-6));
+  // A new node joins: it takes the lost node's place, and replica 1 comes back.
+  auto joining = node_config();
+  joining.join = at;
+  node j1(joining);
+  auto r = replicas_rejoin_within(replicas, 10);
+  REQUIRE(r);
+  CHECK(j1.joining() == node::join_state::joined);
+  CHECK(r->joined == std::vector<std::string>{j1.address()});
+  CHECK(r->rejoined.empty());
+  CHECK(r->replicas == 2);
+  CHECK(r->nodes == std::vector<std::string>{address[0], address[1], address[2], j1.address()});
+  CHECK(r->spares_used.empty());
+  CHECK(j1.stages() == 1);
+  CHECK(n[2]->stages() == 1);
+  for (int step = 3; step < 5; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  // The replicas whole: the next one to join stands by, and takes the next lost node's stages.
+  node j2(joining);
+  r = replicas_rejoin_within(replicas, 10);
+  REQUIRE(r);
+  CHECK(r->joined == std::vector<std::string>{j2.address()});
+  CHECK(r->replicas == 2);
+  CHECK(r->spares_used == std::vector<std::string>{j2.address()});
+  CHECK(replicas.replica(0).spares() == std::vector<std::string>{j2.address()});
+  CHECK(j2.stages() == 0);
+  CHECK(train(5) == doctest::Approx(expected[5]).epsilon(1e-6));
+  replicas.snapshot(); // after step 5: what a recovery without a live source restores
+  n[1].reset();        // replica 0's second node
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(train(6), pipeline_error);
+  auto lost = replicas.recover();
+  CHECK(lost.spares_used == std::vector<std::string>{j2.address()});
+  CHECK(lost.replicas == 2);
+  CHECK(lost.nodes == std::vector<std::string>{address[0], j2.address(), address[2], j1.address()});
+  for (int step = lost.failed_step ? 7 : 6; step < 8; ++step) {
+    CAPTURE(step);
+    CHECK(train(step) == doctest::Approx(expected[step]).epsilon(1e-6));
+  }
+  for (std::size_t k = 0; k < replicas.replicas(); ++k) {
+    check_close(replicas.replica(k).named_parameters(), named(plain.layers, false));
+  }
+}
+
 TEST_CASE("recover() counts a node the failed step found lost without asking it again, and "
           "rejoin_nodes() takes it back once it answers") {
   node n1(node_config()), n2(node_config());
@@ -1560,14 +1637,19 @@ TEST_CASE("a node keeps a neighbour's copy once its bytes and the driver's note 
   };
   auto value_of = [](const stages::tensor_map& m) { return m.at("w")[0].item<float>(); };
   nodes::kept_snapshots kept;
+  CHECK_FALSE(kept.copy_coming(1, 4));
   kept.copy_arrived(1, 4, bytes_of(4));
   CHECK(kept.inventory() == "[]"); // the driver has not said it is whole yet
   CHECK(kept.empty());
+  CHECK(kept.copy_coming(1, 4)); // a restore of it waits
+  CHECK_FALSE(kept.copy_coming(1, 5));
   kept.copy_held(1, 4, "tag 4");
+  CHECK_FALSE(kept.copy_coming(1, 4)); // here: a restore loads it at once
   CHECK(kept.inventory() == R"([{"copy":true,"note":"tag 4","number":4,"stage":1}])");
   CHECK(value_of(kept.take(1, 4, "n")) == 4);
   // The next one, its note first: the copy before stays until its bytes come.
   kept.copy_held(1, 6, "tag 6");
+  CHECK(kept.copy_coming(1, 6));
   CHECK(value_of(kept.take(1, 4, "n")) == 4);
   kept.copy_arrived(1, 6, bytes_of(6));
   CHECK(value_of(kept.take(1, 6, "n")) == 6);
@@ -1582,6 +1664,42 @@ TEST_CASE("a node keeps a neighbour's copy once its bytes and the driver's note 
   CHECK_THROWS_AS(kept.take(1, 3, "n"), pipeline_error);
   kept.clear();
   CHECK(kept.empty());
+}
+
+TEST_CASE("a node's restore of a copy on its way waits for its bytes, and is refused when its "
+          "stage goes") {
+  node n1(node_config());
+  engine sys;
+  auto remote = std::make_unique<pipeline>(sys, tiny_remote(), partition_uniform(6, 1),
+                                           remote_options({n1.address()}));
+  control_client client(n1.address());
+  client.authenticate();
+  auto& self = *client.self;
+  auto restore = [&](std::chrono::milliseconds timeout) {
+    std::string outcome = "no reply";
+    self->request(client.node, timeout, nodes::rrestore_atom::value, uint32_t{0}, uint64_t{7})
+      .receive([&](bool) { outcome = "loaded"; },
+               [&](caf::error& e) { outcome = client.render(e); });
+    return outcome;
+  };
+  // Nothing kept, nothing coming: refused at once.
+  CHECK(restore(5s).find("keeps no snapshot of stage 0") != std::string::npos);
+  bool held = false;
+  self
+    ->request(client.node, 5s, nodes::hold_atom::value, uint32_t{0}, uint64_t{7},
+              std::string("note"))
+    .receive([&](bool ok) { held = ok; }, [](caf::error&) {});
+  REQUIRE(held);
+  // Its note here, its bytes not: the restore waits (here past the asker's deadline).
+  CHECK(restore(300ms).find("request_timeout") != std::string::npos);
+  // The stage goes while a restore waits: refused, naming it.
+  auto waiting = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(300ms);
+    remote.reset();
+  });
+  auto refused = restore(10s);
+  waiting.get();
+  CHECK(refused.find("hosts no stage 0") != std::string::npos);
 }
 
 TEST_CASE("a node lost with its driver loses nothing: its neighbour keeps a copy of its stage's "
