@@ -354,8 +354,11 @@ def main():
             print("chaos: skipped: a cut link needs root, iproute2 and network namespaces",
                   flush=True)
             sys.exit(77)
-        calibration = run_steps(program, 200, os.path.join(work, "c"), netns=netns)
-        per_step = calibration["seconds"] / 200
+        # The process's start (~1-2 s) is in the calibration's time: over 200 steps it reads
+        # a step a third slower than it is, so a long soak calibrates over 1,000.
+        trial = 1000 if args.minutes >= 5 else 200
+        calibration = run_steps(program, trial, os.path.join(work, "c"), netns=netns)
+        per_step = calibration["seconds"] / trial
         steps = max(50, int(args.minutes * 60 / per_step))
         print(f"chaos: {per_step * 1000:.1f} ms a step fault-free: {steps} steps for "
               f"{args.minutes} min", file=sys.stderr, flush=True)
