@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "nodes/join.hpp"
 #include "nodes/remote_stages.hpp"
 
 namespace actorpipe::recovery {
@@ -68,6 +69,31 @@ std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
     return std::nullopt;
   }
   return answering.get();
+}
+
+void take_joined(nodes::join_listener* joins, const std::vector<std::string>& in_use,
+                 const std::vector<std::string>& spares, std::vector<std::string>& lost,
+                 std::vector<std::string>& joined) {
+  if (joins == nullptr) {
+    return;
+  }
+  for (auto& n : joins->take()) {
+    if (!among(in_use, n) && !among(spares, n) && !among(lost, n)) {
+      lost.push_back(n);
+      joined.push_back(n);
+    }
+  }
+}
+
+void count_answered(const std::string& node, std::vector<std::string>& joined,
+                    recovery_report& report) {
+  auto j = std::find(joined.begin(), joined.end(), node);
+  if (j == joined.end()) {
+    report.rejoined.push_back(node);
+  } else {
+    report.joined.push_back(node);
+    joined.erase(j);
+  }
 }
 
 } // namespace actorpipe::recovery

@@ -16,6 +16,11 @@
 #include <fmt/format.h>
 
 #include <actorpipe/options.hpp>
+#include <actorpipe/results.hpp>
+
+namespace actorpipe::nodes {
+class join_listener;
+}
 
 namespace actorpipe::recovery {
 
@@ -70,5 +75,17 @@ std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
                                                 const node_placement& placement,
                                                 std::future<std::vector<bool>>& answering,
                                                 std::chrono::steady_clock::time_point& asked_at);
+
+// The nodes that joined since the last call (`joins`; none without a listener) that are not yet
+// among `in_use`, `spares` or `lost`: added to `lost`, to be asked with the lost ones whether they
+// answer (rejoin_nodes), and to `joined`.
+void take_joined(nodes::join_listener* joins, const std::vector<std::string>& in_use,
+                 const std::vector<std::string>& spares, std::vector<std::string>& lost,
+                 std::vector<std::string>& joined);
+
+// A node asked with the lost ones answered: into report.joined where it is one of `joined` (taken
+// off it), else into report.rejoined.
+void count_answered(const std::string& node, std::vector<std::string>& joined,
+                    recovery_report& report);
 
 } // namespace actorpipe::recovery

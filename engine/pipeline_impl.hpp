@@ -245,8 +245,6 @@ struct pipeline::impl {
   // node. False, saying `why`, when the nodes do not keep it whole (the caller then restores the
   // driver's snapshot).
   bool restore_from_kept(const std::vector<std::string>& before, uint64_t number, std::string& why);
-  // The nodes that joined since (joins), added to lost_nodes: rejoin_nodes() takes them.
-  void take_joined();
   // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are
   // placed again on `nodes` cut by `new_cut`, restored from it (`what` names the caller).
   void place_again_from_now(std::vector<std::string> nodes, partition new_cut, const char* what);

@@ -378,7 +378,8 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
 std::optional<recovery_report>
 pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   auto& self = *impl_;
-  self.take_joined();
+  recovery::take_joined(self.joins.get(), self.options.placement.nodes,
+                        self.options.placement.spares, self.lost_nodes, self.joined_nodes);
   if (!self.remote || self.replicas || self.lost_nodes.empty()) {
     return std::nullopt;
   }
@@ -403,11 +404,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
       continue;
     }
     back.push_back(n);
-    auto j = std::find(self.joined_nodes.begin(), self.joined_nodes.end(), n);
-    (j == self.joined_nodes.end() ? report.rejoined : report.joined).push_back(n);
-    if (j != self.joined_nodes.end()) {
-      self.joined_nodes.erase(j);
-    }
+    recovery::count_answered(n, self.joined_nodes, report);
   }
   self.lost_nodes = still_lost;
   if (back.empty()) {
@@ -450,19 +447,6 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
                    fmt::join(placement.nodes, ", "), self.cut.to_string(),
                    list_or_none(placement.spares));
   return report;
-}
-
-void pipeline::impl::take_joined() {
-  if (!joins) {
-    return;
-  }
-  const auto& placement = options.placement;
-  for (auto& n : joins->take()) {
-    if (!among(placement.nodes, n) && !among(placement.spares, n) && !among(lost_nodes, n)) {
-      lost_nodes.push_back(n); // asked whether it answers, then taken as a lost one back
-      joined_nodes.push_back(n);
-    }
-  }
 }
 
 void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, partition new_cut,

@@ -28,6 +28,15 @@ using recovery::list_or_none;
 using recovery::node_census;
 using recovery::take_census;
 
+// Every replica's nodes, replica after replica (each its stage actors' nodes, in stage order).
+std::vector<std::string> nodes_of(const std::vector<std::unique_ptr<pipeline>>& replicas) {
+  std::vector<std::string> all;
+  for (const auto& p : replicas) {
+    all.insert(all.end(), p->nodes().begin(), p->nodes().end());
+  }
+  return all;
+}
+
 // The nodes a replica goes on with, or comes back on (`layout`, its stage actors' nodes): each
 // one neither lost nor holding another replica's stages (`in_use`) stays, each other one's place
 // is taken by the next spare of `spares` that is none of its own; those and its own nodes leave
@@ -296,16 +305,8 @@ std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
     return std::nullopt;
   }
   if (joins_) {
-    for (auto& n : joins_->take()) {
-      // Asked whether it answers with the lost ones, then taken as those are.
-      if (!among(lost_, n) && !among(first.options.placement.spares, n) &&
-          std::none_of(replicas_.begin(), replicas_.end(), [&](const auto& p) {
-            return among(p->impl_->options.placement.nodes, n);
-          })) {
-        lost_.push_back(n);
-        joined_.push_back(n);
-      }
-    }
+    recovery::take_joined(joins_.get(), nodes_of(replicas_), first.options.placement.spares, lost_,
+                          joined_);
   }
   if (lost_.empty()) {
     return std::nullopt;
@@ -320,15 +321,10 @@ std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
   recovery_report report;
   std::vector<std::string> still_lost;
   for (std::size_t i = 0; i < lost_.size(); ++i) {
-    const auto& n = lost_[i];
-    if (!(i < alive.size() && alive[i])) {
-      still_lost.push_back(n);
-      continue;
-    }
-    auto j = std::find(joined_.begin(), joined_.end(), n);
-    (j == joined_.end() ? report.rejoined : report.joined).push_back(n);
-    if (j != joined_.end()) {
-      joined_.erase(j);
+    if (i < alive.size() && alive[i]) {
+      recovery::count_answered(lost_[i], joined_, report);
+    } else {
+      still_lost.push_back(lost_[i]);
     }
   }
   if (report.rejoined.empty() && report.joined.empty()) {
@@ -341,11 +337,7 @@ std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
 recovery_report replicated_pipeline::take_back(recovery_report report,
                                                std::chrono::steady_clock::time_point started) {
   // The nodes the replicas hold; a spare standing by may go back to the replica it came from.
-  std::vector<std::string> in_use;
-  for (auto& p : replicas_) {
-    const auto& nodes = p->impl_->options.placement.nodes;
-    in_use.insert(in_use.end(), nodes.begin(), nodes.end());
-  }
+  auto in_use = nodes_of(replicas_);
   auto spares = replicas_.front()->impl_->options.placement.spares;
   spares.erase(std::remove_if(spares.begin(), spares.end(),
                               [&](const std::string& n) { return among(in_use, n); }),
@@ -410,10 +402,7 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
 
 void replicated_pipeline::describe_world(recovery_report& report, uint64_t number,
                                          std::chrono::steady_clock::time_point started) const {
-  for (const auto& p : replicas_) {
-    const auto& nodes = p->impl_->options.placement.nodes;
-    report.nodes.insert(report.nodes.end(), nodes.begin(), nodes.end());
-  }
+  report.nodes = nodes_of(replicas_);
   report.bounds = replicas_.front()->impl_->cut.bounds;
   report.snapshot = number;
   report.replicas = replicas_.size();
