@@ -103,7 +103,8 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   add_milliseconds_flag(
     cmd, "--heartbeat-timeout", a.pipeline.placement.heartbeat_timeout, 0,
     "--nodes: milliseconds a node may leave a heartbeat unanswered before it counts as lost (a "
-    "frozen process, a cut link), whatever the longest action; 0: no heartbeats");
+    "frozen process, a cut link: found within it and a sixth more), whatever the longest action; "
+    "0: no heartbeats");
   opt("--on-node-loss", a.on_node_loss,
       "--nodes: when a node is lost (its connection closes, or it leaves its heartbeats "
       "unanswered for --heartbeat-timeout), fail (end the run) or continue: move its stages to a "

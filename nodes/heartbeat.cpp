@@ -1,5 +1,6 @@
 #include "nodes/heartbeat.hpp"
 
+#include <algorithm>
 #include <utility>
 
 #include <actorpipe/errors.hpp>
@@ -49,10 +50,12 @@ caf::behavior heartbeat(heartbeat_actor self, caf::actor node, std::string addre
   self->send(self, heartbeat_tick_atom::value);
   return {
     [=](heartbeat_tick_atom) {
+      // A question every sixth of the timeout, whether or not the last was answered: a node
+      // that stops answering is missed `timeout` after the first question it left, at most a
+      // sixth later than it froze (waiting for each answer before the next question let that
+      // grow to a third). The node answers in order, so no question times out after a later
+      // one was answered.
       auto& s = self->state;
-      auto next = [=] {
-        self->delayed_send(self, self->state.timeout / 3, heartbeat_tick_atom::value);
-      };
       self->request(s.node, s.timeout, heartbeat_atom::value)
         .then(
           [=](bool) {
@@ -60,7 +63,6 @@ caf::behavior heartbeat(heartbeat_actor self, caf::actor node, std::string addre
               self->state.missed = 0;
               caf::anon_send(self->state.proxy, heartbeat_atom::value, true, std::string{});
             }
-            next();
           },
           [=](caf::error& e) {
             if (e != caf::sec::request_timeout) {
@@ -69,8 +71,9 @@ caf::behavior heartbeat(heartbeat_actor self, caf::actor node, std::string addre
               return;
             }
             missed(self);
-            next();
           });
+      self->delayed_send(self, std::max(s.timeout / 6, std::chrono::milliseconds{1}),
+                         heartbeat_tick_atom::value);
     },
   };
 }

@@ -344,9 +344,10 @@ struct node_placement {
   /// How long a node may leave a heartbeat unanswered before the step fails with node_lost
   /// naming it: a frozen process (SIGSTOP) or a cut link is found within about this long,
   /// whatever the longest action, since the node answers heartbeats beside its stages' work.
-  /// Heartbeats go every third of it while the pipeline lives; 0: none (such a node is then
-  /// found at wait_timeout).
-  std::chrono::milliseconds heartbeat_timeout{1500};
+  /// Heartbeats go every sixth of it, answered or not, while the pipeline lives, so a node is
+  /// found lost between this and a sixth more after it stops answering; 0: none (such a node
+  /// is then found at wait_timeout).
+  std::chrono::milliseconds heartbeat_timeout{1000};
   /// Nodes standing by ("host:port"): pipeline::recover() moves a lost node's stages to the
   /// first of them that answers before it shrinks the pipeline onto the survivors.
   std::vector<std::string> spares;

@@ -135,7 +135,7 @@ TEST_CASE("The flags that fill the library's option structs refuse a value out o
   for (const char* line :
        {"train.wait-timeout=500\n", "train.dp-timeout=700\n", "train.momentum=0.5\n",
         "train.max-grad-norm=2\n", "train.precision=\"bf16\"\n", "# train.buffers=\"broadcast\"\n",
-        "# train.connect-timeout=10000\n", "# train.heartbeat-timeout=1500\n"}) {
+        "# train.connect-timeout=10000\n", "# train.heartbeat-timeout=1000\n"}) {
     CHECK(has(printed.output, line));
   }
 }

@@ -116,7 +116,7 @@ TEST_CASE("a frozen node (SIGSTOP) is found by its heartbeat within seconds, not
   CHECK(took < 6s);
   CHECK(code == 1);
   CHECK(output.find("node " + b.address() +
-                    " hosting stage 1 is lost: it did not answer a heartbeat within 1500 ms") !=
+                    " hosting stage 1 is lost: it did not answer a heartbeat within 1000 ms") !=
         std::string::npos);
   auto off = run("train --data synthetic --model mlp --steps 1 --heartbeat-timeout 0 --nodes " +
                  a.address() + "," + b.address());
@@ -278,9 +278,9 @@ TEST_CASE("a node stopped past the deadline, without a spare: the run goes on ov
                                   json, [&] { c.process->signal(SIGSTOP); });
   c.process->signal(SIGCONT);
   CAPTURE(output);
-  // Found by its heartbeat (1.5 s), not at --wait-timeout (60 s).
+  // Found by its heartbeat (1 s), not at --wait-timeout (60 s).
   CHECK(output.find("(node_lost, node " + c.address() + ")") != std::string::npos);
-  CHECK(output.find("did not answer a heartbeat within 1500 ms") != std::string::npos);
+  CHECK(output.find("did not answer a heartbeat within 1000 ms") != std::string::npos);
   CHECK(output.find("lost " + c.address() + ", spares used none; now 2 stages on " + a.address() +
                     ", " + b.address()) != std::string::npos);
   check_losses_equal_in_process(json, 3);
