@@ -16,8 +16,11 @@ namespace actorpipe::liveness {
 /// chunk's forward stashes (`.first`) and what its backward adds to it (`.second`: under
 /// recomputation the rebuilt rest, and for a split B what W will read); the entry is freed,
 /// both parts, at its W, or at its backward when that is whole (`split`, as split_backwards).
-template <class Entry>
-double peak_held(const stage_program& program, const std::vector<bool>& split, Entry entry) {
+/// `during(action, split)` is how far the action rises for a moment above what is held once its
+/// entry part is added (its working set; 0 counts the stash alone).
+template <class Entry, class During>
+double peak_held(const stage_program& program, const std::vector<bool>& split, Entry entry,
+                 During during) {
   double live = 0;
   double peak = 0;
   for (std::size_t i = 0; i < program.size(); ++i) {
@@ -27,13 +30,18 @@ double peak_held(const stage_program& program, const std::vector<bool>& split, E
     } else if (a.kind == action_kind::backward) {
       live += entry(a.microbatch, a.chunk, split[i]).second;
     }
-    peak = std::max(peak, live);
+    peak = std::max(peak, live + std::max(0.0, during(a, split[i])));
     if (a.kind == action_kind::weight || (a.kind == action_kind::backward && !split[i])) {
       auto held = entry(a.microbatch, a.chunk, a.kind == action_kind::weight);
       live -= held.first + held.second;
     }
   }
   return peak;
+}
+
+template <class Entry>
+double peak_held(const stage_program& program, const std::vector<bool>& split, Entry entry) {
+  return peak_held(program, split, entry, [](const action&, bool) { return 0.0; });
 }
 
 } // namespace actorpipe::liveness

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 
 #include <actorpipe/errors.hpp>
@@ -165,55 +166,89 @@ double kept_bytes(const std::vector<layer_profile>& layers, std::size_t begin, s
   return std::max(0.0, bytes);
 }
 
-double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end,
-                     recompute_mode recompute) {
+namespace {
+
+// How far one micro-batch's action on layers [begin, end) rises above what the micro-batch
+// holds whole (kept_bytes of the layers), at the profile's samples, at least 0 where it stays
+// under. While a layer runs, the micro-batch holds what its layers up to that one keep: in
+// the forward as the layer runs; in the backward once the layers after it were backed up and
+// freed theirs (and without this layer's output where the next layer freed it in the forward).
+struct working_set {
+  double forward = 0;            // a forward that builds the graph
+  std::optional<double> no_grad; // a recomputing last stage's forward without autograd
+  double backward = 0;           // a whole backward
+  // A split B, above what it holds once it has kept all that its W reads (the layers' weight
+  // gradients' inputs): while a layer's B runs, only the layers after it have kept theirs.
+  double split_backward = 0;
+};
+
+working_set working_sets(const std::vector<layer_profile>& layers, std::size_t begin,
+                         std::size_t end) {
   ACTORPIPE_CHECK(begin <= end && end <= layers.size(), "working_bytes: layers [", begin, ", ", end,
                   ") of ", layers.size());
   const auto whole = kept_bytes(layers, begin, end);
-  double most = 0;
+  working_set w;
+  double for_w = 0; // what the B of layers [begin, i] keeps for W (none in the model's first)
   for (auto i = begin; i < end; ++i) {
     const auto& l = layers[i];
-    // The micro-batch holds what its layers up to this one keep: in the forward, as this layer
-    // runs; in the backward, once the layers after it were backed up and freed theirs (and
-    // without this layer's output where the next layer freed it in the forward).
     auto upto = kept_bytes(layers, begin, i + 1);
     auto forward = static_cast<double>(std::max<int64_t>(0, l.forward_working_bytes));
-    most = std::max(most, upto - whole + forward);
+    w.forward = std::max(w.forward, upto - whole + forward);
+    if (begin > 0) {
+      for_w += static_cast<double>(std::max<int64_t>(0, l.weight_kept_bytes));
+    }
     if (l.backward_working_bytes >= 0) {
       auto freed = i + 1 < end ? static_cast<double>(layers[i + 1].freed_input_bytes) : 0.0;
       // While a layer's backward runs, the gradient of its output is alive too, and the
       // stage's output gradient (its roots' gradients live until the backward ends).
       auto received = i + 1 < end ? static_cast<double>(layers[end - 1].output_bytes) : 0.0;
       auto backward = static_cast<double>(l.backward_working_bytes + l.output_bytes) + received;
-      most = std::max(most, upto - freed - whole + backward);
+      w.backward = std::max(w.backward, upto - freed - whole + backward);
+      w.split_backward = std::max(w.split_backward, upto - freed - whole + backward - for_w);
     }
-    if (recompute != recompute_mode::never && end == layers.size() &&
-        l.no_grad_forward_bytes >= 0) {
-      // The first forward of a recomputing last stage: no micro-batch is rebuilt then, the
-      // stash holds inputs alone.
+    if (end == layers.size() && l.no_grad_forward_bytes >= 0) {
+      // Without autograd the stash holds the stage's input alone, and the layer its input.
       auto input = i > begin ? input_of(layers, i) : 0.0;
-      most = std::max(most, input + static_cast<double>(l.no_grad_forward_bytes) -
-                              (whole - input_of(layers, begin)));
+      auto above =
+        input + static_cast<double>(l.no_grad_forward_bytes) - (whole - input_of(layers, begin));
+      w.no_grad = std::max(w.no_grad.value_or(above), above);
     }
   }
-  return most;
+  return w;
 }
 
-double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
-                     const schedule& plan, std::size_t stage, double samples_scale,
-                     recompute_mode recompute, std::size_t microbatches) {
+} // namespace
+
+double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin, std::size_t end,
+                     recompute_mode recompute) {
+  auto w = working_sets(layers, begin, end);
+  auto most = std::max(w.forward, w.backward);
+  return recompute != recompute_mode::never ? std::max(most, w.no_grad.value_or(0.0)) : most;
+}
+
+namespace {
+
+// What stage `stage` of `plan` holds at its peak: stashed alone (`.first`, stashed_bytes), and
+// with the working set of the action running then (`.second`). Each action's working set is
+// added to what the stage holds during that action, not the largest to the largest stash: a
+// split B's stash peaks as it ends, when what W reads is kept and its working set is gone.
+std::pair<double, double> held_peaks(const std::vector<layer_profile>& layers, const partition& cut,
+                                     const schedule& plan, std::size_t stage, double samples_scale,
+                                     recompute_mode recompute, std::size_t microbatches) {
   auto v = chunks_of(plan);
-  // Per chunk: what an entry keeps whole, its input alone, and what a split B keeps for W.
+  // Per chunk, at the profile's samples: what an entry keeps whole, its input alone, what a
+  // split B keeps for W, and what its actions need for a moment.
   std::vector<double> whole(v), input(v), for_w(v);
+  std::vector<working_set> work(v);
   for (std::size_t c = 0; c < v; ++c) {
     auto part = plan.virtual_stage(stage, c);
-    whole[c] = kept_bytes(layers, cut.begin(part), cut.end(part)) * samples_scale;
-    input[c] = input_of(layers, cut.begin(part)) * samples_scale;
+    whole[c] = kept_bytes(layers, cut.begin(part), cut.end(part));
+    input[c] = input_of(layers, cut.begin(part));
     // The model's first part has no input gradient: its B computes nothing, its W all.
     for (auto i = cut.begin(part); part > 0 && i < cut.end(part); ++i) {
-      for_w[c] +=
-        static_cast<double>(std::max<int64_t>(0, layers[i].weight_kept_bytes)) * samples_scale;
+      for_w[c] += static_cast<double>(std::max<int64_t>(0, layers[i].weight_kept_bytes));
     }
+    work[c] = working_sets(layers, cut.begin(part), cut.end(part));
   }
   if (recompute == recompute_mode::except_last && microbatches < 2) {
     recompute = recompute_mode::never; // the only micro-batch is the last
@@ -225,14 +260,44 @@ double stashed_bytes(const std::vector<layer_profile>& layers, const partition& 
   };
   // A forward stashes its entry (its input alone where recomputed); its backward rebuilds the
   // rest and, split, adds what W reads.
+  auto entry = [&](int32_t microbatch, int32_t chunk, bool split) {
+    auto c = static_cast<std::size_t>(chunk);
+    auto rebuilt = recomputed(microbatch);
+    return std::pair((rebuilt ? input[c] : whole[c]) * samples_scale,
+                     ((rebuilt ? whole[c] - input[c] : 0.0) + (split ? for_w[c] : 0.0)) *
+                       samples_scale);
+  };
+  // Each working set is measured against the micro-batch held whole. A recomputed forward
+  // holds its input alone once done: a graph built and dropped (its forward's working set),
+  // or, on the last stage, a forward without autograd. A recomputed backward first rebuilds.
+  auto during = [&](const action& a, bool split) {
+    auto c = static_cast<std::size_t>(a.chunk);
+    const auto& w = work[c];
+    auto rebuilt = recomputed(a.microbatch);
+    double above = 0;
+    if (a.kind == action_kind::forward) {
+      auto graph = rebuilt && w.no_grad ? *w.no_grad : w.forward;
+      above = (rebuilt ? whole[c] - input[c] : 0.0) + graph;
+    } else if (a.kind == action_kind::backward) {
+      above = split ? w.split_backward : w.backward;
+      if (rebuilt) {
+        above = std::max(above, w.forward - (split ? for_w[c] : 0.0));
+      }
+    }
+    return above * samples_scale;
+  };
   const auto& program = plan.programs.at(stage);
-  return liveness::peak_held(
-    program, split_backwards(program), [&](int32_t microbatch, int32_t chunk, bool split) {
-      auto c = static_cast<std::size_t>(chunk);
-      auto rebuilt = recomputed(microbatch);
-      return std::pair(rebuilt ? input[c] : whole[c],
-                       (rebuilt ? whole[c] - input[c] : 0.0) + (split ? for_w[c] : 0.0));
-    });
+  auto split = split_backwards(program);
+  return {liveness::peak_held(program, split, entry),
+          liveness::peak_held(program, split, entry, during)};
+}
+
+} // namespace
+
+double stashed_bytes(const std::vector<layer_profile>& layers, const partition& cut,
+                     const schedule& plan, std::size_t stage, double samples_scale,
+                     recompute_mode recompute, std::size_t microbatches) {
+  return held_peaks(layers, cut, plan, stage, samples_scale, recompute, microbatches).first;
 }
 
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
@@ -246,16 +311,11 @@ memory_estimate stage_memory(const std::vector<layer_profile>& layers, const par
       parameters += layers[i].parameters;
     }
   }
-  double working = 0;
-  for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {
-    auto part = plan.virtual_stage(stage, c);
-    working = std::max(working, working_bytes(layers, cut.begin(part), cut.end(part), recompute));
-  }
-  auto activations =
-    stashed_bytes(layers, cut, plan, stage, samples_scale, recompute, microbatches);
-  auto m =
-    estimate_memory(parameters, optimizer_state, static_cast<int64_t>(std::llround(activations)));
-  m.working = static_cast<int64_t>(std::llround(working * samples_scale));
+  auto [stashed, peak] =
+    held_peaks(layers, cut, plan, stage, samples_scale, recompute, microbatches);
+  auto activations = static_cast<int64_t>(std::llround(stashed));
+  auto m = estimate_memory(parameters, optimizer_state, activations);
+  m.working = std::max<int64_t>(0, static_cast<int64_t>(std::llround(peak)) - activations);
   // Each chunk runs on a CUDA stream of its own (pipeline_options::chunk_streams), and cuBLAS
   // keeps a workspace for each stream that multiplied matrices: a stage holds its chunks'.
   for (std::size_t c = 0, v = chunks_of(plan); c < v; ++c) {

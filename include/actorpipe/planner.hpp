@@ -174,10 +174,12 @@ double working_bytes(const std::vector<layer_profile>& layers, std::size_t begin
                      recompute_mode recompute = recompute_mode::never);
 
 /// What stage `stage` of `plan` holds at its peak: its parameters (from `layers`' counts), their
-/// gradients, the optimizer's state, stashed_bytes, the largest working_bytes of its parts
-/// (times `samples_scale`; one action runs at a time) and the workspaces of a device like the
-/// profiled one: the largest workspace_bytes of each chunk's layers, summed over the stage's
-/// chunks (each chunk on a stream of its own, pipeline_options::chunk_streams).
+/// gradients, the optimizer's state, stashed_bytes, its working set (the program walked as
+/// stashed_bytes walks it, each action's working set, a part's working_bytes or for a split B
+/// that less what it has yet to keep for W, beside what the stage holds during that action;
+/// times `samples_scale`; the most of that less the stash's peak) and the workspaces of a device
+/// like the profiled one: the largest workspace_bytes of each chunk's layers, summed over the
+/// stage's chunks (each chunk on a stream of its own, pipeline_options::chunk_streams).
 memory_estimate stage_memory(const std::vector<layer_profile>& layers, const partition& cut,
                              const schedule& plan, std::size_t stage, double samples_scale,
                              double optimizer_state,

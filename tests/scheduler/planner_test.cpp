@@ -279,6 +279,48 @@ TEST_CASE("the memory model counts how far a stage's peak rises above its stash 
   CHECK(stage_memory(profile, cut, plan, 1, 2, 0).workspace == 4096);
 }
 
+TEST_CASE("the memory model adds each action's working set to what the stage holds during that "
+          "action: a split B's, before it has kept what its W reads") {
+  // Two stages of two layers of 100 bytes of output per sample; stage 1 keeps 300 per
+  // micro-batch (its input and two outputs). fc2's backward needs 120 above its input gradient,
+  // fc3's 10; their B keep 50 and 70 for W.
+  auto profile = linear_costs(1, 1, 1, 2).layers;
+  auto cut = partition_uniform(4, 2);
+  profile[2].backward_working_bytes = 120;
+  profile[3].backward_working_bytes = 10;
+  profile[2].weight_kept_bytes = 50;
+  profile[3].weight_kept_bytes = 70;
+  // While fc2's backward runs the micro-batch holds fc2's input and output (200), both
+  // gradients (200) and its 120, and fc3 has kept its 70 for W, fc2 not yet its 50: 170 above
+  // the 420 it holds once B ends. fc3's B (110 above the whole entry) comes before anything is
+  // kept for W: -10.
+  CHECK(working_bytes(profile, 2, 4) == doctest::Approx(200 + 320 - 300));
+  // ZB-H1, stage 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3. Its stash peaks after B1 (two entries
+  // and what their B kept: 840); B1's working set rises 170 above that, not fc2's 220.
+  auto zb = make_schedule(schedule_kind::zb_h1, 2, 4);
+  auto split = stage_memory(profile, cut, zb, 1, 1, 0);
+  CHECK(split.activations == 2 * (300 + 120));
+  CHECK(split.working == 170);
+  // Two samples a micro-batch: both scale.
+  auto doubled = stage_memory(profile, cut, zb, 1, 2, 0);
+  CHECK(doubled.activations == 2 * 2 * 420);
+  CHECK(doubled.working == 2 * 170);
+  // A B that keeps more for W than its working set needs: the stash's peak is the stage's.
+  profile[2].weight_kept_bytes = 400;
+  CHECK(stage_memory(profile, cut, zb, 1, 1, 0).working == 0);
+  profile[2].weight_kept_bytes = 50;
+  // A whole backward keeps nothing for W: 1F1B holds one entry, and fc2's 220 above it.
+  auto fused = stage_memory(profile, cut, make_schedule(schedule_kind::one_f_one_b, 2, 4), 1, 1, 0);
+  CHECK(fused.activations == 300);
+  CHECK(fused.working == 220);
+  // A forward's working set counts beside what is stashed as it runs: stage 0 of 1F1B stashes
+  // two micro-batches (200 each) when F1 runs, and fc1's forward needs 250 beyond what it keeps.
+  profile[1].forward_working_bytes = 250;
+  auto first = stage_memory(profile, cut, make_schedule(schedule_kind::one_f_one_b, 2, 4), 0, 1, 0);
+  CHECK(first.activations == 2 * 200);
+  CHECK(first.working == 250);
+}
+
 TEST_CASE("recomputation in the memory model: inputs stashed, one micro-batch rebuilt, each "
           "recomputed backward charged its forward, and chosen when only it fits") {
   // Four layers of 100 bytes of output per sample, two stages of two layers, GPipe over 8
