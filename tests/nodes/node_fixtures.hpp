@@ -28,6 +28,7 @@
 #include "nodes/kept_snapshots.hpp"
 #include "nodes/option_fields.hpp"
 #include "nodes/protocol.hpp"
+#include "nodes/remote_stages.hpp"
 #include <actorpipe/models.hpp>
 #include <actorpipe/node.hpp>
 #include <actorpipe/replicas.hpp>
@@ -158,10 +159,9 @@ inline bool holds_copy(const std::string& address, uint32_t stage, uint64_t numb
   client.authenticate();
   auto deadline = std::chrono::steady_clock::now() + 10s;
   while (std::chrono::steady_clock::now() < deadline) {
-    auto kept = nlohmann::json::parse(client.ask(nodes::kept_atom::value), nullptr, false);
-    for (const auto& e : kept.is_array() ? kept : nlohmann::json::array()) {
-      if (e.value("copy", false) && e.value("stage", 0u) == stage &&
-          e.value("number", uint64_t{0}) == number) {
+    auto kept = nodes::kept_by(*client.system, {client.node}, 2s);
+    for (const auto& k : kept.front()) {
+      if (k.copy && k.stage == stage && k.number == number) {
         return true;
       }
     }
