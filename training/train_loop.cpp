@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "training/batches_ahead.hpp"
 #include "training/progress.hpp"
 #include "training/stragglers.hpp"
 
@@ -495,7 +496,7 @@ private:
         return true;
       }
       auto asked = std::chrono::steady_clock::now();
-      auto [x, y] = data_.batch(e.epoch, b, o_.batch, o_.seed, o_.rank, o_.replicas);
+      auto [x, y] = batch_at(e.epoch, b);
       const double waited =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - asked).count();
       report_.data_wait_seconds += waited / 1000.0;
@@ -505,6 +506,9 @@ private:
       // A step after which the loop checkpoints, snapshots, stops or ends the epoch finishes
       // before the next is submitted (which would run before the checkpoint).
       const auto after = submitted + 1;
+      if (b + 1 < steps_per_epoch_ && !stops_after(after)) {
+        ask_ahead(e.epoch, b + 1);
+      }
       bool alone = !o_.overlap_steps || b + 1 == steps_per_epoch_ || stops_after(after) ||
                    checkpoints_after(after) || snapshots_after(after);
       while (e.flying.size() > (alone ? 0U : 1U)) {
@@ -514,6 +518,23 @@ private:
       }
     }
     return false;
+  }
+
+  // Batch `b` of `epoch`: the one asked for ahead when it is that one, else asked for now.
+  std::pair<torch::Tensor, torch::Tensor> batch_at(int64_t epoch, int64_t b) {
+    if (auto made = ahead_.take(epoch, b)) {
+      return std::move(*made);
+    }
+    return data_.batch(epoch, b, o_.batch, o_.seed, o_.rank, o_.replicas);
+  }
+
+  // Asks a source that allows it (batch_source::prefetch) for batch `b` of `epoch` on a thread
+  // of its own while the step before it runs: its making then costs the stages no time between
+  // steps (a synthetic batch's random draws are milliseconds).
+  void ask_ahead(int64_t epoch, int64_t b) {
+    if (data_.prefetch()) {
+      ahead_.ask(epoch, b);
+    }
   }
 
   // Finishes the oldest step in flight (its log, checkpoint and snapshot); whether the run
@@ -703,6 +724,11 @@ private:
   // Where the step after the last completed one starts.
   start_point position_;
   training::straggler_watch watch_{o_.slow_factor};
+  // The next batch, asked for while a step runs (ask_ahead). Last: destroyed first, waiting for
+  // a batch still being made with the members above.
+  training::batches_ahead ahead_{[this](int64_t epoch, int64_t b) {
+    return data_.batch(epoch, b, o_.batch, o_.seed, o_.rank, o_.replicas);
+  }};
 };
 
 template <class Pipe>

@@ -115,6 +115,13 @@ public:
   virtual std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const {
     return std::nullopt;
   }
+
+  /// Whether train() may ask for the next batch on a thread of its own while the step before it
+  /// runs (never two calls at once, nor beside evaluate): for a source whose batches depend on
+  /// their arguments alone. False by default (a source with effects of its own, or one that
+  /// must be called on the loop's thread); the built-in sources but image folders (which have
+  /// loader workers of their own) say true.
+  virtual bool prefetch() const { return false; }
 };
 
 /// Training-time augmentation of a batch of images [N, C, H, W], as torchvision's RandomCrop
@@ -144,6 +151,7 @@ public:
   void set_augmentation(image_augmentation augmentation);
   std::string name() const override { return name_; }
   int64_t epoch_samples() const override { return train_.size(); }
+  bool prefetch() const override { return true; }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
                                                 uint64_t seed, int64_t rank,
                                                 int64_t replicas) const override;
@@ -168,6 +176,7 @@ public:
   synthetic_source(int64_t channels, int64_t side, int64_t classes);
   std::string name() const override { return "synthetic"; }
   int64_t epoch_samples() const override { return 0; }
+  bool prefetch() const override { return true; }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
                                                 uint64_t seed, int64_t rank,
                                                 int64_t replicas) const override;
@@ -187,6 +196,7 @@ public:
   synthetic_tokens_source(int64_t vocabulary, int64_t context);
   std::string name() const override { return "synthetic"; }
   int64_t epoch_samples() const override { return 0; }
+  bool prefetch() const override { return true; }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
                                                 uint64_t seed, int64_t rank,
                                                 int64_t replicas) const override;
@@ -205,6 +215,7 @@ public:
   tensor_file_source(std::string path, dataset data, bool shuffle);
   std::string name() const override { return "tensors:" + path_; }
   int64_t epoch_samples() const override { return 0; }
+  bool prefetch() const override { return true; }
   /// Samples in the file.
   int64_t samples() const { return data_.size(); }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,

@@ -1,8 +1,11 @@
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
@@ -308,6 +311,86 @@ TEST_CASE("train() with overlap_steps submits each step behind the running one: 
   CHECK_THROWS_WITH_AS(train(replicas, data, overlapped),
                        doctest::Contains("train_options::overlap_steps is for one pipeline"),
                        invalid_argument);
+}
+
+namespace {
+
+// A data set's batches through a source that says whether train() may ask ahead, and that
+// records where and in which order it is asked, and whether two asks ever met.
+class recording_source : public batch_source {
+public:
+  recording_source(const dataset_source& data, bool ahead) : data_(data), ahead_(ahead) {}
+  std::string name() const override { return data_.name(); }
+  int64_t epoch_samples() const override { return data_.epoch_samples(); }
+  bool prefetch() const override { return ahead_; }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
+                                                uint64_t seed, int64_t rank,
+                                                int64_t replicas) const override {
+    CHECK(inside_.fetch_add(1) == 0);                          // never two at once
+    std::this_thread::sleep_for(std::chrono::milliseconds(5)); // long enough to meet another
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      asked_.emplace_back(epoch, index);
+      away_ += std::this_thread::get_id() != loop_;
+    }
+    auto result = data_.batch(epoch, index, batch, seed, rank, replicas);
+    inside_.fetch_sub(1);
+    return result;
+  }
+  std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const override {
+    CHECK(inside_.load() == 0); // nothing asked ahead runs beside an evaluation
+    return data_.evaluate(pipe, batch);
+  }
+  std::vector<std::pair<int64_t, int64_t>> asked() const {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return asked_;
+  }
+  int away() const { return away_; }
+
+private:
+  const dataset_source& data_;
+  bool ahead_;
+  std::thread::id loop_ = std::this_thread::get_id();
+  mutable std::atomic<int> inside_{0};
+  mutable std::mutex mutex_;
+  mutable std::vector<std::pair<int64_t, int64_t>> asked_;
+  mutable int away_ = 0;
+};
+
+} // namespace
+
+TEST_CASE("train() asks a source that allows it for the next batch while a step runs, one ask "
+          "at a time, in order, each batch once: the same losses and parameters as without") {
+  engine sys;
+  torch::manual_seed(6);
+  dataset train_set{torch::randn({48, 1, 4, 4}), torch::randint(3, {48})};
+  dataset test_set{torch::randn({8, 1, 4, 4}), torch::randint(3, {8})};
+  dataset_source data("toy", train_set, test_set);
+  auto o = toy_options();
+  o.epochs = 2;
+  CHECK(data.prefetch()); // the built-in sources allow it
+  recording_source in_turn(data, false), ahead(data, true);
+  pipeline plain(sys, test::tiny_mlp(1), partition_uniform(6, 2), sgd_options(2));
+  auto expected = train(plain, in_turn, o);
+  pipeline prefetched(sys, test::tiny_mlp(1), partition_uniform(6, 2), sgd_options(2));
+  auto got = train(prefetched, ahead, o);
+  REQUIRE(got.steps.size() == 12);
+  CHECK(got.steps == expected.steps);
+  test::check_close(prefetched.named_parameters(), plain.named_parameters(), 0, 0);
+  REQUIRE(got.epochs.size() == 2);
+  CHECK(got.epochs[1].test.loss == expected.epochs[1].test.loss);
+  // Each batch once, in order; all but each epoch's first made on another thread.
+  CHECK(ahead.asked() == in_turn.asked());
+  CHECK(ahead.asked().size() == 12);
+  CHECK(in_turn.away() == 0);
+  CHECK(ahead.away() == 10);
+  // A run that stops early asks for nothing past its last step.
+  recording_source stopping(data, true);
+  auto three = o;
+  three.max_steps = 3;
+  pipeline short_run(sys, test::tiny_mlp(1), partition_uniform(6, 2), sgd_options(2));
+  train(short_run, stopping, three);
+  CHECK(stopping.asked().size() == 3);
 }
 
 TEST_CASE("evaluation counts top-1 and top-5 hits") {
