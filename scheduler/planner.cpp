@@ -180,6 +180,9 @@ struct working_set {
   // A split B, above what it holds once it has kept all that its W reads (the layers' weight
   // gradients' inputs): while a layer's B runs, only the layers after it have kept theirs.
   double split_backward = 0;
+  // What a split B keeps for W: the layers' weight_kept_bytes, none in the model's first part
+  // (no input gradient: its B computes nothing, its W all).
+  double for_w = 0;
 };
 
 working_set working_sets(const std::vector<layer_profile>& layers, std::size_t begin,
@@ -188,14 +191,13 @@ working_set working_sets(const std::vector<layer_profile>& layers, std::size_t b
                   ") of ", layers.size());
   const auto whole = kept_bytes(layers, begin, end);
   working_set w;
-  double for_w = 0; // what the B of layers [begin, i] keeps for W (none in the model's first)
   for (auto i = begin; i < end; ++i) {
     const auto& l = layers[i];
     auto upto = kept_bytes(layers, begin, i + 1);
     auto forward = static_cast<double>(std::max<int64_t>(0, l.forward_working_bytes));
     w.forward = std::max(w.forward, upto - whole + forward);
-    if (begin > 0) {
-      for_w += static_cast<double>(std::max<int64_t>(0, l.weight_kept_bytes));
+    if (begin > 0) { // so far: the B of layers [begin, i]
+      w.for_w += static_cast<double>(std::max<int64_t>(0, l.weight_kept_bytes));
     }
     if (l.backward_working_bytes >= 0) {
       auto freed = i + 1 < end ? static_cast<double>(layers[i + 1].freed_input_bytes) : 0.0;
@@ -204,7 +206,7 @@ working_set working_sets(const std::vector<layer_profile>& layers, std::size_t b
       auto received = i + 1 < end ? static_cast<double>(layers[end - 1].output_bytes) : 0.0;
       auto backward = static_cast<double>(l.backward_working_bytes + l.output_bytes) + received;
       w.backward = std::max(w.backward, upto - freed - whole + backward);
-      w.split_backward = std::max(w.split_backward, upto - freed - whole + backward - for_w);
+      w.split_backward = std::max(w.split_backward, upto - freed - whole + backward - w.for_w);
     }
     if (end == layers.size() && l.no_grad_forward_bytes >= 0) {
       // Without autograd the stash holds the stage's input alone, and the layer its input.
@@ -236,18 +238,14 @@ std::pair<double, double> held_peaks(const std::vector<layer_profile>& layers, c
                                      const schedule& plan, std::size_t stage, double samples_scale,
                                      recompute_mode recompute, std::size_t microbatches) {
   auto v = chunks_of(plan);
-  // Per chunk, at the profile's samples: what an entry keeps whole, its input alone, what a
-  // split B keeps for W, and what its actions need for a moment.
-  std::vector<double> whole(v), input(v), for_w(v);
+  // Per chunk, at the profile's samples: what an entry keeps whole, its input alone, and what
+  // its actions need for a moment (with what a split B keeps for W).
+  std::vector<double> whole(v), input(v);
   std::vector<working_set> work(v);
   for (std::size_t c = 0; c < v; ++c) {
     auto part = plan.virtual_stage(stage, c);
     whole[c] = kept_bytes(layers, cut.begin(part), cut.end(part));
     input[c] = input_of(layers, cut.begin(part));
-    // The model's first part has no input gradient: its B computes nothing, its W all.
-    for (auto i = cut.begin(part); part > 0 && i < cut.end(part); ++i) {
-      for_w[c] += static_cast<double>(std::max<int64_t>(0, layers[i].weight_kept_bytes));
-    }
     work[c] = working_sets(layers, cut.begin(part), cut.end(part));
   }
   if (recompute == recompute_mode::except_last && microbatches < 2) {
@@ -264,7 +262,7 @@ std::pair<double, double> held_peaks(const std::vector<layer_profile>& layers, c
     auto c = static_cast<std::size_t>(chunk);
     auto rebuilt = recomputed(microbatch);
     return std::pair((rebuilt ? input[c] : whole[c]) * samples_scale,
-                     ((rebuilt ? whole[c] - input[c] : 0.0) + (split ? for_w[c] : 0.0)) *
+                     ((rebuilt ? whole[c] - input[c] : 0.0) + (split ? work[c].for_w : 0.0)) *
                        samples_scale);
   };
   // Each working set is measured against the micro-batch held whole. A recomputed forward
@@ -281,7 +279,7 @@ std::pair<double, double> held_peaks(const std::vector<layer_profile>& layers, c
     } else if (a.kind == action_kind::backward) {
       above = split ? w.split_backward : w.backward;
       if (rebuilt) {
-        above = std::max(above, w.forward - (split ? for_w[c] : 0.0));
+        above = std::max(above, w.forward - (split ? w.for_w : 0.0));
       }
     }
     return above * samples_scale;

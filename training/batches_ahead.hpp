@@ -2,32 +2,28 @@
 // a source whose batch_source::prefetch() is true). Private to training/.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <future>
-#include <mutex>
+#include <memory>
 #include <optional>
-#include <thread>
 #include <utility>
 
 #include <torch/torch.h>
 
+#include "training/job_threads.hpp"
+
 namespace actorpipe::training {
 
 /// One batch ahead: ask() starts making a batch on the maker's thread (started at the first ask,
-/// kept for the run: its tensor calls start no intra-op threads, as an image loader's workers);
-/// take() gives it when it is the one wanted. One batch is made at a time, in the order asked.
+/// kept for the run, as an image loader's workers: job_threads); take() gives it when it is the
+/// one wanted. One batch is made at a time, in the order asked.
 class batches_ahead {
 public:
   using batch_t = std::pair<torch::Tensor, torch::Tensor>;
   using maker = std::function<batch_t(int64_t epoch, int64_t index)>;
 
   explicit batches_ahead(maker make) : make_(std::move(make)) {}
-  /// Waits for a batch being made (the maker reads what the caller's members hold).
-  ~batches_ahead();
-  batches_ahead(const batches_ahead&) = delete;
-  batches_ahead& operator=(const batches_ahead&) = delete;
 
   /// Starts making batch `index` of `epoch`, after the one asked for before is made (taken or
   /// not).
@@ -39,17 +35,13 @@ public:
   std::optional<batch_t> take(int64_t epoch, int64_t index);
 
 private:
-  void work();
-
   maker make_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stopping_ = false;
-  std::packaged_task<batch_t()> job_; // asked for, not yet started
   int64_t epoch_ = -1;
   int64_t index_ = -1;
   std::future<batch_t> made_;
-  std::thread thread_; // last: joined first
+  // Last: destroyed first, waiting for a batch being made (the maker reads what the caller's
+  // members hold).
+  std::unique_ptr<job_threads> thread_;
 };
 
 } // namespace actorpipe::training

@@ -3,18 +3,16 @@
 
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <future>
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <tuple>
 
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
+
+#include "training/job_threads.hpp"
 
 namespace actorpipe {
 
@@ -24,10 +22,6 @@ struct image_folder_source::loader {
   using key_t = std::pair<int64_t, int64_t>;
 
   std::mutex mutex;
-  std::condition_variable wake;
-  std::deque<std::function<void()>> jobs;
-  bool stopping = false;
-  std::vector<std::thread> threads;
   std::map<key_t, std::shared_future<batch_t>> pending;
   // What the pending batches were asked with: (batch, seed, rank, replicas).
   std::tuple<int64_t, uint64_t, int64_t, int64_t> asked{-1, 0, -1, -1};
@@ -36,43 +30,10 @@ struct image_folder_source::loader {
   std::map<std::tuple<int64_t, uint64_t, int64_t, int64_t>, torch::Tensor> orders;
   // Files that failed to decode, not yet reported (bad_image_policy::skip).
   std::vector<std::string> failures;
+  // Last: joined first, before what the jobs read. A worker decodes with plain loops.
+  training::job_threads workers;
 
-  explicit loader(std::size_t workers) {
-    for (std::size_t i = 0; i < workers; ++i) {
-      threads.emplace_back([this] { work(); });
-    }
-  }
-
-  ~loader() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      stopping = true;
-      jobs.clear();
-    }
-    wake.notify_all();
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-
-  void work() {
-    // A worker decodes with plain loops; its tensor calls must not start intra-op threads of
-    // their own (the stage threads own the cores' pools).
-    at::set_num_threads(1);
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex);
-        wake.wait(lock, [&] { return stopping || !jobs.empty(); });
-        if (stopping) {
-          return;
-        }
-        job = std::move(jobs.front());
-        jobs.pop_front();
-      }
-      job();
-    }
-  }
+  explicit loader(std::size_t count) : workers(count) {}
 
   // Queues `make` for `key` unless it is queued already (caller holds no lock).
   void submit(key_t key, std::function<batch_t()> make) {
@@ -82,14 +43,13 @@ struct image_folder_source::loader {
     }
     auto promise = std::make_shared<std::promise<batch_t>>();
     pending.emplace(key, promise->get_future().share());
-    jobs.emplace_back([promise, make = std::move(make)] {
+    workers.post([promise, make = std::move(make)] {
       try {
         promise->set_value(make());
       } catch (...) {
         promise->set_exception(std::current_exception());
       }
     });
-    wake.notify_one();
   }
 };
 
