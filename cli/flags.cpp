@@ -28,10 +28,17 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
       },
       "DATA"));
   cmd->add_option("--model", m.model,
-                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt, or a TorchScript "
-                  "file (PATH.pt, written by torch.jit.save(torch.jit.script(nn.Sequential(...))); "
-                  "docs/from-pytorch.md) (default: cnn for fashion-mnist, gpt for text, resnet50 "
-                  "for synthetic, resnet18 for images:DIR)");
+                  "Model: resnet18, resnet34, resnet50, resnet101, mlp, cnn, gpt, or a model file "
+                  "written in Python: a PT2 archive (PATH.pt2, written by torch.export.save("
+                  "torch.export.export(model, example)); the PyTorch 2.x line) or a TorchScript "
+                  "nn.Sequential (PATH.pt; docs/from-pytorch.md) (default: cnn for fashion-mnist, "
+                  "gpt for text, resnet50 for synthetic, resnet18 for images:DIR)");
+  cmd
+    ->add_option("--segments", m.segments,
+                 "--model PATH.pt2: where the graph is cut into layers: auto (at pipe_split() "
+                 "markers if any, else modules), modules (each top-level submodule), modules:K "
+                 "(submodules K deep), markers, or nodes (every op)")
+    ->capture_default_str();
   cmd
     ->add_option("--batch", m.batch,
                  "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <actorpipe/actorpipe.hpp>
+#include <actorpipe/exported.hpp>
 #include <actorpipe/trace.hpp>
 #include <actorpipe/training.hpp>
 
@@ -117,7 +118,8 @@ run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& 
   model.name = setup.name;
   model.options = setup.options;
   model.seed = a.model.seed;
-  model.torchscript = setup.torchscript;
+  model.file = setup.model_file;
+  model.segments = setup.segments;
   model.loss = loss;
   model.optimizer = std::move(optimizer);
   if (!a.secret_file.empty()) {
@@ -181,7 +183,7 @@ run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpu
 training::default_optimizer optimizer_of(const train_args& a) {
   auto given = [&a](const char* flag) { return a.given && a.given(flag); };
   auto o = training::default_optimizer_for(a.model);
-  o.adam = given("--optimizer") ? a.optimizer.name == "adam" : o.adam;
+  o.adam = given("--optimizer") ? a.optimizer.name != "sgd" : o.adam;
   o.momentum = given("--momentum") ? a.optimizer.momentum : o.momentum;
   return o;
 }
@@ -193,8 +195,11 @@ optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
   optimizer.lr = k.lr;
   optimizer.momentum = chosen.momentum;
   if (chosen.adam) {
-    optimizer.name = "adam";
+    optimizer.name = a.given && a.given("--optimizer") ? a.optimizer.name : "adam";
     optimizer.momentum = 0;
+    if (optimizer.name == "adamw" && !(a.given && a.given("--weight-decay"))) {
+      optimizer.weight_decay = 1e-2; // torch.optim.AdamW's
+    }
     for (const char* flag : {"--momentum", "--nesterov"}) {
       ACTORPIPE_CHECK(!a.given || !a.given(flag), flag,
                       " is SGD's: this run trains with Adam (give --optimizer sgd)");
@@ -281,6 +286,11 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.overlap_steps = a.pipeline.overlap_steps;
   to.recover_lost_nodes = a.on_node_loss == "continue";
   to.recut_slow_nodes = a.on_slow_node == "recut";
+  // The straggler watch is for stages on other machines: in process, stages on a shared machine
+  // wander with whatever else runs there, so it watches only when asked (--slow-factor).
+  if (a.pipeline.placement.nodes.empty() && !(a.given && a.given("--slow-factor"))) {
+    to.slow_factor = 0;
+  }
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
   // parameter counts then), profiled again for time.
   to.repartition = [&setup, plan = a.plan](std::size_t parts) {
@@ -495,8 +505,14 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
   print_summary(a, setup, choice, k, report, run);
   auto& pipe = run.lead();
   if (!a.export_path.empty()) {
-    pipe.save_torchscript(a.export_path);
-    std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
+    if (is_exported(setup.layers)) {
+      pipe.save_exported(a.export_path);
+      std::cout << "wrote " << a.export_path
+                << " (a PT2 archive: torch.export.load(path).module() runs it)\n";
+    } else {
+      pipe.save_torchscript(a.export_path);
+      std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
+    }
   }
   if (k.text && a.sample > 0) {
     // The forward-only path, a character at a time, from the start of a held-out line.
@@ -582,9 +598,9 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
     ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(),
                     "--batch-norm sync: replicas of stages on nodes (--nodes) do "
                     "not synchronise their batch norms yet");
-    ACTORPIPE_CHECK(setup.torchscript.empty(),
-                    "--batch-norm sync applies to the built-in ResNets' batch norm (a TorchScript "
-                    "model's BatchNorm normalises each replica's micro-batch by itself)");
+    ACTORPIPE_CHECK(setup.model_file.empty(),
+                    "--batch-norm sync applies to the built-in ResNets' batch norm (a model file's "
+                    "BatchNorm normalises each replica's micro-batch by itself)");
     ACTORPIPE_CHECK(count_batch_norms(setup.layers) > 0, "--batch-norm sync: --model ", setup.name,
                     " has no batch norm to synchronise (the ResNets have)");
   }

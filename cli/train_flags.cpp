@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/exported.hpp>
 
 #include "cli/flags.hpp"
 #include "cli/train_command.hpp"
@@ -129,7 +130,8 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "--on-node-loss continue: recoveries a run may make before a lost node ends it");
   opt("--slow-factor", a.train.slow_factor,
       "Name a stage whose forward and backward take this many times as long as over its first "
-      "steps (medians of its last 5 and of steps 2-6); 0: do not watch");
+      "steps (medians of its last 5 and of steps 2-6); 0: do not watch. Default: 2 with "
+      "--nodes; in process only when given");
   opt("--on-slow-node", a.on_slow_node,
       "When a stage is found slow: name it (log line, --json), or recut: with --nodes, cut the "
       "model anew by the measured speeds (fewer layers on the slow node), from the state then")
@@ -216,10 +218,12 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
                  "against class indices (N, ...)); default cross_entropy for int64 targets, else "
                  "mse")
     ->check(CLI::IsMember({"mse", "cross_entropy"}));
-  cmd->add_option("--optimizer", a.optimizer.name, "sgd or adam (default: sgd; adam for gpt)")
-    ->check(CLI::IsMember({"sgd", "adam"}));
+  cmd
+    ->add_option("--optimizer", a.optimizer.name, "sgd, adam or adamw (default: sgd; adam for gpt)")
+    ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
   opt("--weight-decay", a.optimizer.weight_decay,
-      "The optimizer's weight decay (L2, as torch.optim's)")
+      "The optimizer's weight decay (L2, as torch.optim's; AdamW's is decoupled, 0.01 unless "
+      "given, as torch.optim.AdamW's)")
     ->check(at_least(0));
   cmd->add_flag("--nesterov", a.optimizer.nesterov,
                 "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
@@ -234,8 +238,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
                 "--data tensors:PATH: visit the file in a new random order (from --seed) on "
                 "every pass instead of in order");
   opt("--export", a.export_path,
-      "After training, write the trained TorchScript model (--model PATH.pt) to this file, which "
-      "Python's torch.jit.load runs");
+      "After training, write the trained model file back with its new weights: a PT2 archive "
+      "(--model PATH.pt2), which torch.export.load(PATH).module() runs, or TorchScript (--model "
+      "PATH.pt), which torch.jit.load runs");
   opt("--warmup", a.train.warmup_steps,
       "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
   add_stage_flags(cmd, a);
@@ -336,9 +341,14 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--shuffle", "applies to --data tensors:PATH (other data has its own order)");
     refuse("--loss", "applies to --data tensors:PATH (the other data sets decide their loss)");
   }
-  if (setup.torchscript.empty()) {
-    refuse("--export", "writes a TorchScript model back: it needs --model PATH.pt");
+  if (setup.model_file.empty()) {
+    refuse("--export", "writes a model file back: it needs --model PATH.pt2 (or PATH.pt)");
+    refuse("--segments", "cuts a PT2 archive into layers: it needs --model PATH.pt2");
   } else {
+    if (!is_exported(setup.layers)) {
+      refuse("--segments", "cuts a PT2 archive into layers; a TorchScript model's layers are "
+                           "its Sequential's children");
+    }
     refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
   }
   if (a.model.data != "fashion-mnist" && !images) {

@@ -16,6 +16,7 @@
 #include <caf/openssl/manager.hpp>
 
 #include <actorpipe/batch_norm.hpp>
+#include <actorpipe/exported.hpp>
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/memory.hpp>
 #include <actorpipe/replicas.hpp>
@@ -334,9 +335,9 @@ void pipeline::impl::restore(const std::shared_ptr<const stages::tensor_map>& st
 void pipeline::impl::place_on_nodes() {
   const auto& model = *remote;
   // A local copy of the initial model checks the partition and, later, checkpoints.
-  layers = model.torchscript.empty()
-             ? make_seeded_model(model.name, model.options, model.seed)
-             : load_torchscript_bytes(model.torchscript, "the TorchScript model " + model.name);
+  layers = model.file.empty() ? make_seeded_model(model.name, model.options, model.seed)
+                              : load_model_file(model.file, "the model " + model.name,
+                                                exported_options{model.segments});
   auto stage_count = check_pipeline(layers.size(), cut, options);
   if (options.data_parallel.sync_batch_norm) {
     ACTORPIPE_CHECK(count_batch_norms(layers) > 0, "pipeline: sync_batch_norm: the model ",
@@ -472,8 +473,19 @@ void pipeline::save_torchscript(const std::string& path) {
   ACTORPIPE_CHECK(is_torchscript(self.layers),
                   "save_torchscript: this pipeline's model was not loaded from TorchScript "
                   "(load_torchscript); only such a model can be written back as TorchScript");
-  // The trained tensors as a checkpoint gives them (between steps, from every stage, on nodes
-  // too), then into a fresh copy of the file.
+  actorpipe::save_torchscript(self.layers, state_dict(), path);
+}
+
+void pipeline::save_exported(const std::string& path) {
+  auto& self = *impl_;
+  ACTORPIPE_CHECK(is_exported(self.layers),
+                  "save_exported: this pipeline's model was not loaded from a PT2 archive "
+                  "(load_exported); only such a model can be written back as one");
+  actorpipe::save_exported(self.layers, state_dict(), path);
+}
+
+std::map<std::string, torch::Tensor> pipeline::state_dict() {
+  // As a checkpoint gives them (between steps, from every stage, on nodes too).
   static std::atomic<uint64_t> exports{0};
   auto dir = std::filesystem::temp_directory_path() /
              detail::concat("actorpipe-export-", ::getpid(), "-", exports++);
@@ -488,7 +500,7 @@ void pipeline::save_torchscript(const std::string& path) {
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
-  actorpipe::save_torchscript(self.layers, state, path);
+  return state;
 }
 
 void pipeline::end_block() {

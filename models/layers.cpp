@@ -34,6 +34,12 @@ layer layer::over_bundles(std::string name, torch::nn::AnyModule module) {
   return result;
 }
 
+layer layer::model_wide(std::string name, torch::nn::AnyModule module) {
+  auto result = over_bundles(std::move(name), std::move(module));
+  result.model_wide_ = true;
+  return result;
+}
+
 std::shared_ptr<torch::nn::Module> layer::module() const {
   return is_function() ? nullptr : module_.ptr();
 }
@@ -153,7 +159,7 @@ std::vector<tied_parameter> tied_parameters(const layer_list& layers) {
       continue;
     }
     for (const auto& item : m->named_parameters()) {
-      auto name = l.name() + "." + item.key();
+      auto name = l.qualified(item.key());
       auto [it, first] = seen.emplace(item.value().unsafeGetTensorImpl(), result.size());
       if (first) {
         result.push_back({name, {}});

@@ -14,6 +14,7 @@
 #include <caf/io/all.hpp>
 #include <nlohmann/json.hpp>
 
+#include <actorpipe/exported.hpp>
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/losses.hpp>
 #include <actorpipe/memory.hpp>
@@ -113,12 +114,11 @@ hosted* find_by_actor(node_state& s, const caf::strong_actor_ptr& sender) {
   return nullptr;
 }
 
-// The bytes of a TorchScript file this node was sent, by digest.
+// The bytes of a model file (TorchScript or PT2) this node was sent, by digest.
 const std::string& received(const node_state& s, const std::string& digest, const char* what) {
   auto it = std::find_if(s.models.begin(), s.models.end(),
                          [&](const auto& m) { return m.first == digest; });
-  ACTORPIPE_CHECK(it != s.models.end(), "no TorchScript ", what, " ", digest,
-                  " was sent to this node");
+  ACTORPIPE_CHECK(it != s.models.end(), "no ", what, " file ", digest, " was sent to this node");
   return it->second;
 }
 
@@ -133,11 +133,11 @@ std::string build(node_actor* self, const std::string& text) {
   }
   release(self, index);
   layer_list layers;
-  if (spec.model.torchscript.empty()) {
+  if (spec.model.file.empty()) {
     layers = make_seeded_model(spec.model.name, spec.model.options, spec.model.seed);
   } else {
-    layers = load_torchscript_bytes(received(s, spec.model.torchscript, "model"),
-                                    "the TorchScript model " + spec.model.name);
+    layers = load_model_file(received(s, spec.model.file, "model"), "the model " + spec.model.name,
+                             exported_options{spec.model.segments});
   }
   // Hooks arrive as TorchScript digests or built-in names.
   auto hooks = spec.model.hooks;
@@ -225,14 +225,14 @@ std::string receive_model(node_actor* self, const std::string& digest, const std
   auto& s = self->state;
   if (bytes.size() > s.max_model_bytes) {
     ++s.route->rejected;
-    return detail::concat("node ", s.label, ": the TorchScript file is ", bytes.size(),
+    return detail::concat("node ", s.label, ": the model file is ", bytes.size(),
                           " bytes, more than this node takes (", s.max_model_bytes,
                           "; start it with a larger --max-model-bytes)");
   }
   if (model_digest(bytes) != digest) {
     ++s.route->rejected;
     return detail::concat("node ", s.label,
-                          ": the TorchScript file arrived damaged (its "
+                          ": the model file arrived damaged (its "
                           "SHA-256 is not ",
                           digest, ")");
   }
@@ -246,7 +246,7 @@ std::string receive_model(node_actor* self, const std::string& digest, const std
   if (s.models.size() > kept) {
     s.models.erase(s.models.begin());
   }
-  log::get()->info("node {}: received a TorchScript model of {} bytes ({})", s.label, bytes.size(),
+  log::get()->info("node {}: received a model file of {} bytes ({})", s.label, bytes.size(),
                    digest.substr(0, 12));
   return {};
 }

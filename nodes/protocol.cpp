@@ -249,18 +249,18 @@ std::string model_digest(const std::string& bytes) {
   return to_hex(std::string(reinterpret_cast<const char*>(digest), length));
 }
 
-std::array<std::string*, 3> torchscript_fields(remote_model& model) {
-  return {&model.torchscript, &model.hooks.after_forward.torchscript,
+std::array<std::string*, 3> file_fields(remote_model& model) {
+  return {&model.file, &model.hooks.after_forward.torchscript,
           &model.hooks.after_backward.torchscript};
 }
 
-std::array<const std::string*, 3> torchscript_fields(const remote_model& model) {
-  return {&model.torchscript, &model.hooks.after_forward.torchscript,
+std::array<const std::string*, 3> file_fields(const remote_model& model) {
+  return {&model.file, &model.hooks.after_forward.torchscript,
           &model.hooks.after_backward.torchscript};
 }
 
 remote_model by_digest(remote_model model) {
-  for (auto* text : torchscript_fields(model)) {
+  for (auto* text : file_fields(model)) {
     if (!text->empty()) {
       *text = model_digest(*text);
     }
@@ -287,10 +287,14 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text, const 
 
 namespace {
 
-// A remote_model: its name, seed, TorchScript bytes and loss, its options' fields beside them,
-// and its hooks and optimizer as objects of their fields.
+// A remote_model: its name, seed, model file's bytes, segments and loss, its options' fields beside
+// them, and its hooks and optimizer as objects of their fields.
 json model_json(const remote_model& m) {
-  json j = {{"name", m.name}, {"seed", m.seed}, {"torchscript", m.torchscript}, {"loss", m.loss}};
+  json j = {{"name", m.name},
+            {"seed", m.seed},
+            {"file", m.file},
+            {"segments", m.segments},
+            {"loss", m.loss}};
   write_fields(j, m.options, model_fields);
   json hooks = {{"after_forward", json::object()}, {"after_backward", json::object()}};
   write_fields(hooks["after_forward"], m.hooks.after_forward, hook_fields);
@@ -306,7 +310,8 @@ remote_model model_from(const json& j, const char* what) {
   remote_model m;
   m.name = field<std::string>(j, "name", what);
   m.seed = field<uint64_t>(j, "seed", what);
-  m.torchscript = field<std::string>(j, "torchscript", what);
+  m.file = field<std::string>(j, "file", what);
+  m.segments = field<std::string>(j, "segments", what);
   m.loss = field<std::string>(j, "loss", what);
   read_fields(j, m.options, model_fields, what);
   auto hooks = field<json>(j, "hooks", what);

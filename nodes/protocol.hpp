@@ -8,9 +8,9 @@
 /// - (hello_atom) -> std::string challenge
 /// - (auth_atom, std::string answer) -> std::string error (empty: accepted); the answer is
 ///   HMAC-SHA256(secret, challenge), hex.
-/// - (model_atom, std::string digest, std::string bytes) -> std::string error: a TorchScript
-///   model, kept by its SHA-256 (hex) for the build requests that name it; refused above the
-///   node's max_model_bytes or when the bytes do not hash to the digest.
+/// - (model_atom, std::string digest, std::string bytes) -> std::string error: a model file
+///   (TorchScript or PT2), kept by its SHA-256 (hex) for the build requests that name it; refused
+///   above the node's max_model_bytes or when the bytes do not hash to the digest.
 /// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port", "settings":
 ///   the stage settings the stage actor was given} or {"error"}
 /// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
@@ -103,7 +103,7 @@ using expire_atom = caf::atom_constant<caf::atom("expire")>;
 
 /// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
 /// model (chunk c is virtual stage virtual_stage_of(placement, count, index, c), as in process).
-/// For a TorchScript model, `model.torchscript` holds the model's digest (model_digest), not its
+/// For a model file (TorchScript or PT2), `model.file` holds its digest (model_digest), not its
 /// bytes, and so does a TorchScript hook's (by_digest).
 struct stage_spec {
   remote_model model;
@@ -161,14 +161,14 @@ std::string new_challenge();
 bool answers_challenge(const std::string& secret, const std::string& challenge,
                        const std::string& answer);
 
-/// SHA-256 of `bytes`, hex: how a TorchScript model is named between scheduler and node.
+/// SHA-256 of `bytes`, hex: how a model file is named between scheduler and node.
 std::string model_digest(const std::string& bytes);
 
-/// The TorchScript fields of `model`, empty or not: the model's, then each hook's.
-std::array<std::string*, 3> torchscript_fields(remote_model& model);
-std::array<const std::string*, 3> torchscript_fields(const remote_model& model);
+/// The file fields of `model`, empty or not: the model's file, then each hook's TorchScript.
+std::array<std::string*, 3> file_fields(remote_model& model);
+std::array<const std::string*, 3> file_fields(const remote_model& model);
 
-/// `model` with each TorchScript (the model's, the hooks') replaced by its digest, as a stage
+/// `model` with each file (the model's, the hooks') replaced by its digest, as a stage
 /// spec carries it: the bytes go to each node once (the node's model message).
 remote_model by_digest(remote_model model);
 

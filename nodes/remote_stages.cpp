@@ -533,13 +533,13 @@ caf::actor authenticated(caf::actor_system& sys, caf::scoped_actor& self,
   return handle;
 }
 
-// Each TorchScript file (the model's, the hooks') goes once to every node, which keeps it by its
+// Each file (the model's, the hooks' TorchScript) goes once to every node, which keeps it by its
 // digest for the builds; returns the model with digests in place of the files.
 remote_model send_models(caf::scoped_actor& self, const std::map<std::string, caf::actor>& handles,
                          const remote_model& model, std::chrono::milliseconds timeout) {
   auto described = by_digest(model);
-  auto files = torchscript_fields(model);
-  auto digests = torchscript_fields(std::as_const(described));
+  auto files = file_fields(model);
+  auto digests = file_fields(std::as_const(described));
   for (std::size_t f = 0; f < files.size(); ++f) {
     if (files[f]->empty()) {
       continue;

@@ -92,6 +92,7 @@ void bind_config(py::module_& m) {
       "model", [](const c& x) { return py::bytes(x.model); },
       [](c& x, py::bytes b) { x.model = b; })
     .def_readwrite("model_name", &c::model_name)
+    .def_readwrite("segments", &c::segments)
     .def_readwrite("stages", &c::stages)
     .def_readwrite("microbatches", &c::microbatches)
     .def_readwrite("schedule", &c::schedule)
@@ -176,6 +177,9 @@ void bind_pipeline(py::module_& m) {
     .def("save_state", &p::save_state, release)
     .def("load_state", &p::load_state, release)
     .def("save_torchscript", &p::save_torchscript, release)
+    .def("save_exported", &p::save_exported, release)
+    .def("exported", &p::exported)
+    .def("state_dict", &p::state_dict, release)
     .def("named_parameters", &p::named_parameters, release)
     .def("layout", [](const p& self) { return layout_of(self.layout()); })
     .def("last_result",

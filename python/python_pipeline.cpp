@@ -4,6 +4,7 @@
 
 #include <torch/script.h>
 
+#include <actorpipe/exported.hpp>
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/torchscript.hpp>
 
@@ -131,7 +132,11 @@ std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config)
 
 python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(config)) {
   const auto& c = config_;
-  auto layers = load_torchscript_bytes(c.model, c.model_name);
+  auto layers = load_model_file(c.model, c.model_name, {c.segments});
+  exported_ = is_exported(layers);
+  if (exported_) {
+    state_names_ = exported_state_names(layers);
+  }
   auto a = planning_of(c);
   ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
                                                    "give a stage count with replicas > 1");
@@ -148,7 +153,8 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   if (!c.nodes.empty()) {
     remote_model model;
     model.name = c.model_name;
-    model.torchscript = c.model;
+    model.file = c.model;
+    model.segments = c.segments;
     model.loss = c.loss;
     model.optimizer = c.optimizer;
     model.hooks = c.hooks;
@@ -166,7 +172,8 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   if (c.replicas > 1) {
     auto bytes = c.model;
     auto name = c.model_name;
-    auto make = [bytes, name] { return load_torchscript_bytes(bytes, name); };
+    exported_options how{c.segments};
+    auto make = [bytes, name, how] { return load_model_file(bytes, name, how); };
     replicas_ =
       std::make_unique<replicated_pipeline>(*engine_, make, choice.cut, std::move(po), c.replicas);
   } else {
@@ -252,6 +259,25 @@ void python_pipeline::load_state(const std::string& dir) {
 
 void python_pipeline::save_torchscript(const std::string& path) {
   first().save_torchscript(path);
+}
+
+void python_pipeline::save_exported(const std::string& path) {
+  first().save_exported(path);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> python_pipeline::state_dict() {
+  auto state = first().state_dict();
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  if (!exported_) {
+    named.assign(state.begin(), state.end());
+    return named;
+  }
+  for (const auto& [python, ours] : state_names_) {
+    auto it = state.find(ours);
+    ACTORPIPE_CHECK(it != state.end(), "state_dict: the pipeline's state has no '", ours, "'");
+    named.emplace_back(python, it->second);
+  }
+  return named;
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> python_pipeline::named_parameters() {

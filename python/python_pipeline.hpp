@@ -22,9 +22,12 @@ namespace actorpipe::python {
 /// Everything `actorpipe.Pipeline(...)` takes, as plain values (python/actorpipe/__init__.py
 /// checks types and turns Python objects into these).
 struct pipeline_config {
-  /// The bytes of a TorchScript file of an nn.Sequential; `model_name` names it in messages.
+  /// The bytes of a model file: a PT2 archive (torch.export.save) or a TorchScript file of an
+  /// nn.Sequential; `model_name` names it in messages.
   std::string model;
   std::string model_name = "model";
+  /// A PT2 archive's cut into layers (exported_options::segments).
+  std::string segments = "auto";
   /// Stage actors; 0: chosen by the planner from `example`.
   std::size_t stages = 2;
   /// 0: the planner's choice (stages == 0 or schedule "auto"), else 4.
@@ -102,6 +105,13 @@ public:
   void load_state(const std::string& dir);
   /// The model as a TorchScript file at `path`, with the trained parameters.
   void save_torchscript(const std::string& path);
+  /// The model as a PT2 archive at `path`, with the trained weights.
+  void save_exported(const std::string& path);
+  /// True for a model read from a PT2 archive.
+  bool exported() const { return exported_; }
+  /// The trained parameters and persistent buffers, named as the Python module's state_dict
+  /// names them (a tied parameter under each of its names).
+  std::vector<std::pair<std::string, torch::Tensor>> state_dict();
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
 
   const pipeline_layout& layout() const { return layout_; }
@@ -120,6 +130,9 @@ private:
   std::unique_ptr<pipeline> pipeline_;
   std::unique_ptr<replicated_pipeline> replicas_;
   pipeline_layout layout_;
+  /// A PT2 archive's model: its names in Python (state_dict's) with the pipeline's for them.
+  bool exported_ = false;
+  std::vector<std::pair<std::string, std::string>> state_names_;
   /// In-process replicas have no queue of their own: each step waits for the one before.
   std::shared_future<step_result> previous_replica_step_;
   mutable std::mutex mutex_;

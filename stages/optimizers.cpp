@@ -1,6 +1,7 @@
 #include <actorpipe/optimizers.hpp>
 
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <actorpipe/errors.hpp>
@@ -29,16 +30,27 @@ optimizer_factory adam(double lr, double weight_decay) {
   };
 }
 
+optimizer_factory adamw(double lr, double weight_decay) {
+  ACTORPIPE_CHECK(lr > 0, "adamw: learning rate (", lr, ") must be > 0");
+  ACTORPIPE_CHECK(weight_decay >= 0, "adamw: weight decay (", weight_decay, ") must be >= 0");
+  return [=](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::AdamW>(
+      std::move(params), torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+  };
+}
+
 optimizer_factory make_optimizer(const optimizer_spec& spec) {
   if (spec.name == "sgd") {
     return sgd(spec.lr, spec.momentum, spec.weight_decay, spec.nesterov);
   }
-  if (spec.name == "adam") {
-    ACTORPIPE_CHECK(!spec.nesterov && spec.momentum == 0, "adam: momentum and Nesterov are SGD's "
-                                                          "(Adam has its own moment estimates)");
-    return adam(spec.lr, spec.weight_decay);
+  if (spec.name == "adam" || spec.name == "adamw") {
+    ACTORPIPE_CHECK(!spec.nesterov && spec.momentum == 0, spec.name,
+                    ": momentum and Nesterov are SGD's (Adam has its own moment estimates)");
+    return spec.name == "adam" ? adam(spec.lr, spec.weight_decay)
+                               : adamw(spec.lr, spec.weight_decay);
   }
-  throw invalid_argument(detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam)"));
+  throw invalid_argument(
+    detail::concat("unknown optimizer '", spec.name, "' (known: sgd, adam, adamw)"));
 }
 
 } // namespace actorpipe

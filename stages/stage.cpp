@@ -87,6 +87,9 @@ stage::stage(stage_config config, layer_list layers) : config_(config), layers_(
           batch_norms_.push_back(std::move(bn));
         }
         draws_random_ = draws_random_ || draws_random(*sub);
+        if (const auto* own = dynamic_cast<const random_source*>(sub.get())) {
+          draws_random_ = draws_random_ || own->draws_random();
+        }
       }
     }
   }
@@ -719,7 +722,7 @@ void tie_stage(const layer_list& layers, const partition& cut, std::size_t k,
     if (list.size() < 2) {
       continue;
     }
-    auto name_of = [&](const holder& h) { return layers[h.layer].name() + "." + h.parameter; };
+    auto name_of = [&](const holder& h) { return layers[h.layer].qualified(h.parameter); };
     auto tie = name_of(list.front());
     bool shared = false;
     std::vector<holder> here;

@@ -40,7 +40,7 @@ void for_each_named(const layer_list& layers, bool buffers,
   for (const auto& l : layers) {
     if (auto m = l.module()) {
       for (const auto& item : buffers ? m->named_buffers() : m->named_parameters()) {
-        auto name = l.name() + "." + item.key();
+        auto name = l.qualified(item.key());
         if (auto it = tied.find(name); !buffers && it != tied.end()) {
           name = it->second;
           if (!seen.insert(name).second) {

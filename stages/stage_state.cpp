@@ -6,6 +6,7 @@
 #include <set>
 
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <actorpipe/errors.hpp>
@@ -15,6 +16,25 @@
 
 namespace actorpipe::stages {
 using namespace stage_helpers;
+
+namespace {
+
+// Adam's and AdamW's per-parameter state: the same fields under two types. Calls f with the
+// state as its own type; false when it is neither.
+template <class F>
+bool with_adam_state(torch::optim::OptimizerParamState& s, F&& f) {
+  if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(&s)) {
+    f(*adam);
+    return true;
+  }
+  if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(&s)) {
+    f(*adamw);
+    return true;
+  }
+  return false;
+}
+
+} // namespace
 
 bool stage::owns(const torch::Tensor& p) const {
   return shards_.ranks == 1 || owned_.count(p.unsafeGetTensorImpl()) != 0;
@@ -85,10 +105,12 @@ int64_t stage::optimizer_bytes() const {
       if (sgd->momentum_buffer().defined()) {
         bytes += static_cast<int64_t>(sgd->momentum_buffer().nbytes());
       }
-    } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(entry.second.get())) {
-      for (const auto& t : {adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()}) {
-        bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
-      }
+    } else {
+      with_adam_state(*entry.second, [&](auto& adam) {
+        for (const auto& t : {adam.exp_avg(), adam.exp_avg_sq(), adam.max_exp_avg_sq()}) {
+          bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+        }
+      });
     }
   }
   return bytes;
@@ -243,7 +265,7 @@ std::vector<std::pair<std::string, torch::Tensor>> stage::named_tensors(bool gra
     if (auto m = l.module()) {
       for (const auto& item : m->named_parameters()) {
         auto t = gradients ? item.value().grad() : item.value();
-        result.emplace_back(l.name() + "." + item.key(), t.defined() ? t.detach().clone() : t);
+        result.emplace_back(l.qualified(item.key()), t.defined() ? t.detach().clone() : t);
       }
     }
   }
@@ -260,8 +282,11 @@ void stage::set_learning_rate(double lr) {
       sgd->lr(lr);
     } else if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&group.options())) {
       adam->lr(lr);
+    } else if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&group.options())) {
+      adamw->lr(lr);
     } else {
-      throw invalid_argument("set_learning_rate: only SGD and Adam optimizers are supported");
+      throw invalid_argument("set_learning_rate: only SGD, Adam and AdamW optimizers are "
+                             "supported");
     }
   }
 }
@@ -335,15 +360,15 @@ stage::tensor_map stage::collect_state(bool copy, bool tie_copies, bool owned_on
       if (sgd->momentum_buffer().defined()) {
         result[prefix + "momentum_buffer"] = take(sgd->momentum_buffer());
       }
-    } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-      result[prefix + "step"] = torch::tensor(adam->step(), torch::kInt64);
-      result[prefix + "exp_avg"] = take(adam->exp_avg());
-      result[prefix + "exp_avg_sq"] = take(adam->exp_avg_sq());
-      if (adam->max_exp_avg_sq().defined()) {
-        result[prefix + "max_exp_avg_sq"] = take(adam->max_exp_avg_sq());
-      }
-    } else {
-      throw invalid_argument("checkpoint: only SGD and Adam optimizer state can be saved");
+    } else if (!with_adam_state(*it->second, [&](auto& adam) {
+                 result[prefix + "step"] = torch::tensor(adam.step(), torch::kInt64);
+                 result[prefix + "exp_avg"] = take(adam.exp_avg());
+                 result[prefix + "exp_avg_sq"] = take(adam.exp_avg_sq());
+                 if (adam.max_exp_avg_sq().defined()) {
+                   result[prefix + "max_exp_avg_sq"] = take(adam.max_exp_avg_sq());
+                 }
+               })) {
+      throw invalid_argument("checkpoint: only SGD, Adam and AdamW optimizer state can be saved");
     }
   };
   for_each_named(layers_, false, config_.tied,
@@ -414,8 +439,9 @@ void stage::load_optimizer_state(const tensor_map& all) {
   if (!optimizer_) {
     return;
   }
-  auto is_adam = dynamic_cast<torch::optim::AdamOptions*>(
-                   &optimizer_->param_groups().front().options()) != nullptr;
+  auto& options = optimizer_->param_groups().front().options();
+  auto is_adamw = dynamic_cast<torch::optim::AdamWOptions*>(&options) != nullptr;
+  auto is_adam = is_adamw || dynamic_cast<torch::optim::AdamOptions*>(&options) != nullptr;
   auto& states = optimizer_->state();
   for_each_named(layers_, false, config_.tied,
                  [&](const std::string& name, const torch::Tensor& p) {
@@ -434,11 +460,18 @@ void stage::load_optimizer_state(const tensor_map& all) {
                      if (!step.defined()) {
                        return;
                      }
-                     auto st = std::make_unique<torch::optim::AdamParamState>();
-                     st->step(step.item<int64_t>());
-                     st->exp_avg(field("exp_avg"));
-                     st->exp_avg_sq(field("exp_avg_sq"));
-                     st->max_exp_avg_sq(field("max_exp_avg_sq"));
+                     std::unique_ptr<torch::optim::OptimizerParamState> st;
+                     if (is_adamw) {
+                       st = std::make_unique<torch::optim::AdamWParamState>();
+                     } else {
+                       st = std::make_unique<torch::optim::AdamParamState>();
+                     }
+                     with_adam_state(*st, [&](auto& adam) {
+                       adam.step(step.item<int64_t>());
+                       adam.exp_avg(field("exp_avg"));
+                       adam.exp_avg_sq(field("exp_avg_sq"));
+                       adam.max_exp_avg_sq(field("max_exp_avg_sq"));
+                     });
                      states[key] = std::move(st);
                    } else if (auto momentum = field("momentum_buffer"); momentum.defined()) {
                      auto st = std::make_unique<torch::optim::SGDParamState>();

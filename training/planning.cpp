@@ -15,6 +15,7 @@
 
 #include <ATen/Parallel.h>
 #include <actorpipe/data.hpp>
+#include <actorpipe/exported.hpp>
 #include <actorpipe/memory.hpp>
 #include <actorpipe/torchscript.hpp>
 #include <torch/torch.h>
@@ -110,12 +111,13 @@ double update_at(const layer_list& layers, std::size_t threads, std::size_t mach
 
 } // namespace
 
-bool is_torchscript_model(const std::string& model) {
+bool is_model_file(const std::string& model) {
   auto ends_with = [&](const std::string& suffix) {
     return model.size() > suffix.size() &&
            model.compare(model.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
-  return ends_with(".pt") || ends_with(".pth") || model.find('/') != std::string::npos;
+  return ends_with(".pt") || ends_with(".pth") || ends_with(".pt2") ||
+         model.find('/') != std::string::npos;
 }
 
 std::string tensor_file_of(const std::string& data) {
@@ -143,13 +145,13 @@ void check_model_fits_data(const model_args& m) {
   const bool images = !image_folder_of(m.data).empty();
   if (m.model.empty()) {
     ACTORPIPE_CHECK(!tensors, "--data ", m.data,
-                    " has no model of its own: give --model (a TorchScript file, e.g. "
-                    "model.pt, or a built-in model)");
+                    " has no model of its own: give --model (a PT2 archive of torch.export, "
+                    "e.g. model.pt2, a TorchScript file, or a built-in model)");
     return; // the data's own model
   }
-  if (is_torchscript_model(m.model)) {
+  if (is_model_file(m.model)) {
     ACTORPIPE_CHECK(tensors || images || m.data == "fashion-mnist", "--model ", m.model,
-                    " (a TorchScript file) trains on --data tensors:PATH (its inputs and targets, "
+                    " (a model file) trains on --data tensors:PATH (its inputs and targets, "
                     "docs/from-pytorch.md), images:DIR or fashion-mnist, not ",
                     m.data);
     return;
@@ -212,13 +214,19 @@ model_setup build_model(const model_args& m) {
   model_setup setup;
   setup.name = model_name(m);
   check_model_fits_data(m);
-  if (is_torchscript_model(setup.name)) {
+  if (is_model_file(setup.name)) {
     ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
-    std::ifstream in(setup.name, std::ios::binary);
-    ACTORPIPE_CHECK(in.good(), "--model ", setup.name,
-                    ": cannot read the file (a TorchScript model is a path ending in .pt)");
-    setup.torchscript.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    setup.layers = load_torchscript_bytes(setup.torchscript, "--model " + setup.name);
+    std::ifstream in(setup.name, std::ios::binary | std::ios::ate);
+    auto size = in.good() ? static_cast<std::streamoff>(in.tellg()) : -1;
+    ACTORPIPE_CHECK(in.good() && size >= 0, "--model ", setup.name,
+                    ": cannot read the file (a model file is a PT2 archive, model.pt2, or a "
+                    "TorchScript file, model.pt)");
+    setup.model_file.resize(static_cast<std::size_t>(size));
+    in.seekg(0);
+    in.read(setup.model_file.data(), static_cast<std::streamsize>(setup.model_file.size()));
+    ACTORPIPE_CHECK(in.good(), "--model ", setup.name, ": cannot read the file");
+    setup.segments = m.segments;
+    setup.layers = load_model_file(setup.model_file, "--model " + setup.name, {setup.segments});
     setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
     take_example(setup, m);
     scan_images(setup, m);
@@ -271,8 +279,8 @@ model_setup build_model(const model_args& m) {
 }
 
 layer_list model_setup::fresh(uint64_t seed) const {
-  if (!torchscript.empty()) {
-    return load_torchscript_bytes(torchscript, "--model " + name);
+  if (!model_file.empty()) {
+    return load_model_file(model_file, "--model " + name, {segments});
   }
   return make_seeded_model(name, options, seed);
 }

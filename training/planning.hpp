@@ -48,6 +48,8 @@ struct model_args {
   int64_t context = 0;
   double dropout = 0;
   int64_t vocabulary = 0;
+  /// A PT2 archive's cut into layers (--segments).
+  std::string segments = "auto";
 };
 
 /// The gpt sizes `actorpipe train --model gpt` takes when no flag says otherwise: 4 blocks of 4
@@ -57,9 +59,10 @@ inline constexpr int64_t default_gpt_heads = 4;
 inline constexpr int64_t default_gpt_width = 128;
 inline constexpr int64_t default_gpt_context = 64;
 
-/// True when --model names a TorchScript file rather than a built-in model: a name ending in
-/// ".pt" or ".pth", or containing '/'.
-bool is_torchscript_model(const std::string& model);
+/// True when --model names a model file written in Python rather than a built-in model: a name
+/// ending in ".pt", ".pth" (TorchScript) or ".pt2" (a PT2 archive of torch.export), or
+/// containing '/'. Which of the two it is, the file's contents say (load_model_file).
+bool is_model_file(const std::string& model);
 
 /// The path of `--data tensors:PATH`, or an empty string for other data.
 std::string tensor_file_of(const std::string& data);
@@ -73,8 +76,11 @@ struct model_setup {
   model_options options;
   layer_list layers;
   int64_t batch = 0;
-  /// A TorchScript model's file (the bytes nodes receive); empty for a built-in model.
-  std::string torchscript;
+  /// A model file's bytes (TorchScript or a PT2 archive: what nodes receive); empty for a
+  /// built-in model.
+  std::string model_file;
+  /// A PT2 archive's cut into layers (--segments: exported_options::segments).
+  std::string segments = "auto";
   /// Real inputs [batch, ...] to profile with, when the data gives them (tensor files).
   torch::Tensor example;
   /// --data tensors:PATH: the file's inputs and targets (empty otherwise).
@@ -86,7 +92,7 @@ struct model_setup {
   /// file's first batch.
   torch::Tensor sample() const;
   /// The model again, with modules of its own: a built-in one drawn after
-  /// torch::manual_seed(seed), a TorchScript one from its file's bytes (`seed` unused).
+  /// torch::manual_seed(seed), a model file's from its bytes (`seed` unused).
   layer_list fresh(uint64_t seed) const;
   /// A language model (inputs are token ids [N, context], outputs logits per token).
   bool language_model() const { return name == "gpt"; }
@@ -111,8 +117,8 @@ default_optimizer default_optimizer_for(const model_args& args);
 /// Throws invalid_argument when --model cannot train on --data (before any data is read).
 void check_model_fits_data(const model_args& args);
 
-/// Builds the model (parameters drawn after torch::manual_seed(seed)), or loads a TorchScript
-/// file (load_torchscript).
+/// Builds the model (parameters drawn after torch::manual_seed(seed)), or loads a model file
+/// (load_model_file: TorchScript or a PT2 archive).
 model_setup build_model(const model_args& args);
 
 struct planning_args {

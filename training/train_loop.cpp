@@ -587,7 +587,15 @@ private:
     const auto& nodes = lead_of(pipe_).nodes();
     for (auto& f : found) {
       f.node = f.stage < nodes.size() ? nodes[f.stage] : std::string{};
-      if (lead_) {
+      // Said once, and again only when the slowdown changes by a quarter or more.
+      auto ratio = f.recent_ms / f.usual_ms;
+      auto said = said_slow_.find(f.stage);
+      bool changed =
+        said == said_slow_.end() || ratio > said->second * 1.25 || ratio < said->second / 1.25;
+      if (changed) {
+        said_slow_[f.stage] = ratio;
+      }
+      if (lead_ && changed) {
         std::cerr << "actorpipe: stage " << f.stage
                   << (f.node.empty() ? std::string{} : " on node " + f.node) << " runs "
                   << std::setprecision(3) << f.recent_ms / f.usual_ms
@@ -720,6 +728,8 @@ private:
   uint64_t step_ = 0;
   std::unique_ptr<metrics_writer> metrics_;
   train_report report_;
+  // The slowdown last said per stage (name_stragglers).
+  std::map<std::size_t, double> said_slow_;
   std::map<uint64_t, start_point> snapshots_;
   // Where the step after the last completed one starts.
   start_point position_;

@@ -6,6 +6,7 @@
 #include <actorpipe/batch_norm.hpp>
 #include <actorpipe/data.hpp>
 #include <actorpipe/errors.hpp>
+#include <actorpipe/exported.hpp>
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/images.hpp>
 #include <actorpipe/layers.hpp>

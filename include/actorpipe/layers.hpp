@@ -38,6 +38,11 @@ public:
   /// A module layer over bundles: `module` has `bundle forward(const bundle&)`.
   static layer over_bundles(std::string name, torch::nn::AnyModule module);
 
+  /// A module layer over bundles whose module registers its parameters and buffers under their
+  /// model-wide names (a segment of an exported graph: `layers.0.attn.wq.weight`, as the Python
+  /// module names it), so that qualified(key) is the key itself.
+  static layer model_wide(std::string name, torch::nn::AnyModule module);
+
   const std::string& name() const noexcept { return name_; }
 
   /// True for a plain function layer (no module, no parameters).
@@ -45,6 +50,13 @@ public:
 
   /// The module, or nullptr for a function layer.
   std::shared_ptr<torch::nn::Module> module() const;
+
+  /// The model-wide name of the parameter or buffer `key` of this layer's module:
+  /// "<layer>.<key>", or `key` for a model_wide layer. Checkpoints, ties and named_parameters
+  /// name tensors so.
+  std::string qualified(const std::string& key) const {
+    return model_wide_ ? key : name_ + "." + key;
+  }
 
   /// True for a layer over bundles; the others take and give one tensor.
   bool takes_bundles() const noexcept { return bundles_; }
@@ -70,6 +82,7 @@ private:
   layer_function fn_;
   bundle_function bundle_fn_;
   bool bundles_ = false;
+  bool model_wide_ = false;
 };
 
 /// An ordered model: layer i feeds layer i + 1.
@@ -100,6 +113,14 @@ class described_input {
 public:
   virtual ~described_input() = default;
   virtual std::string expected_input() const = 0;
+};
+
+/// A module of your own whose forward draws random numbers (as dropout does) without being one
+/// of libtorch's dropout modules: a stage that recomputes it replays the generator's draws.
+class random_source {
+public:
+  virtual ~random_source() = default;
+  virtual bool draws_random() const = 0;
 };
 
 /// A module of your own that can hold a tied parameter: it registers `name` and keeps any

@@ -40,7 +40,7 @@ using optimizer_factory =
 /// An optimizer described by value, so that a node in another process can build it
 /// (make_optimizer in <actorpipe/optimizers.hpp>).
 struct optimizer_spec {
-  /// "sgd" or "adam".
+  /// "sgd", "adam" or "adamw".
   std::string name = "sgd";
   double lr = 0.05;
   /// SGD only.
@@ -314,7 +314,7 @@ struct data_parallel_options {
 /// model code ships. Every node builds the model from the same seed and keeps its part.
 struct remote_model {
   /// A make_model name ("resnet50", "mlp", "cnn", ...; or one register_model added), or, with
-  /// `torchscript`, what to call the model in messages.
+  /// `file`, what to call the model in messages.
   std::string name;
   model_options options;
   /// torch::manual_seed before the model is built (the same parameters in every process).
@@ -322,10 +322,13 @@ struct remote_model {
   /// builtin_loss name, used by the last stage.
   std::string loss = "mse";
   optimizer_spec optimizer;
-  /// The bytes of a TorchScript file (load_torchscript): when not empty, every node receives
-  /// them once and builds its stage from them (`options` and `seed` are then unused, `name`
-  /// only names the model in messages).
-  std::string torchscript;
+  /// The bytes of a model file written in Python, a TorchScript file (load_torchscript) or a
+  /// PT2 archive (load_exported): when not empty, every node receives them once and builds its
+  /// stage from them (`options` and `seed` are then unused, `name` only names the model in
+  /// messages).
+  std::string file;
+  /// A PT2 archive's cut into layers (exported_options::segments).
+  std::string segments = "auto";
   /// Hooks every stage runs on its node (as pipeline_options::hooks in process).
   hook_specs hooks;
 };

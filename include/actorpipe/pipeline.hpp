@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -188,6 +189,15 @@ public:
   /// load_torchscript (<actorpipe/torchscript.hpp>); invalid_argument for any other model.
   /// Runs between steps, like save_state.
   void save_torchscript(const std::string& path);
+
+  /// Writes the trained model as a PT2 archive that Python's `torch.export.load(path).module()`
+  /// runs (its weights as they are now, on nodes too), for a model loaded with load_exported
+  /// (<actorpipe/exported.hpp>); invalid_argument for any other model. Runs between steps.
+  void save_exported(const std::string& path);
+
+  /// Copies of the trained parameters and persistent buffers by name, as save_state writes them
+  /// (layer::qualified; from every stage, on nodes too). Runs between steps.
+  std::map<std::string, torch::Tensor> state_dict();
 
   /// Data parallelism: a barrier with a deadline at which the replicas also agree on a value.
   /// Every replica's pipeline makes the same calls in the same order, each with the same `what`

@@ -1,20 +1,27 @@
-"""actorpipe from Python: pipeline-parallel training of a TorchScript model on the C++ engine.
+"""actorpipe from Python: pipeline-parallel training of a PyTorch model on the C++ engine.
 
     import torch, actorpipe
-    p = actorpipe.Pipeline(torch.jit.script(model), stages=2, microbatches=4, schedule="1f1b",
-                           optimizer=("sgd", {"lr": 0.05, "momentum": 0.9}),
-                           loss="cross_entropy")
+    p = actorpipe.Pipeline(model, example=x, stages=2, microbatches=4, schedule="1f1b",
+                           optimizer=("adamw", {"lr": 1e-3}), loss="cross_entropy")
     loss = p.train_step(x, y)          # a float; the stages compute without the GIL
     fut = p.train_step_async(x, y)     # a StepFuture: fut.result() is the loss
     out = p(x)                         # forward only
-    trained = p.module()               # a torch.jit.ScriptModule with the trained parameters
+    model.load_state_dict(p.state_dict())   # the trained weights
 
-The model is an nn.Sequential (scripted here when it is not yet), cut between its children into
-stage actors, each on a thread (and device) of its own. docs/python.md has the rest.
+On PyTorch 2.x the model is exported (torch.export) and its graph cut into segments; on 1.13 an
+nn.Sequential is scripted and cut between its children. Each stage is an actor on a thread (and
+device) of its own. docs/python.md has the rest.
 """
 import os
 
-import torch  # loads the libtorch that the extension below shares
+try:
+    import torch  # loads the libtorch that the extension below shares
+except ImportError as e:  # pragma: no cover - depends on the Python it runs in
+    raise ImportError(
+        "actorpipe needs PyTorch in this Python: on Debian's line `apt-get install python3-torch` "
+        "(PyTorch 1.13, the libtorch actorpipe's default build uses), or run Python from the "
+        "2.x line's venv, .venv-torch/bin/python (./setup.sh build --torch pip); docs/python.md"
+    ) from e
 
 from ._errors import PipelineError
 

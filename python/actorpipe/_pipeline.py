@@ -13,10 +13,13 @@ import torch
 
 from . import _actorpipe
 
-_OPTIMIZERS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"}, "adam": {"lr", "weight_decay"}}
+_OPTIMIZERS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"}, "adam": {"lr", "weight_decay"},
+               "adamw": {"lr", "weight_decay"}}
 _LOSSES = ("mse", "cross_entropy")
 _FORMAT = 1
 _live = weakref.WeakSet()
+# torch.export's programs reach the engine on PyTorch 2.x; 1.13 scripts nn.Sequentials.
+_EXPORT = hasattr(torch, "export") and hasattr(torch.export, "ExportedProgram")
 
 
 @contextlib.contextmanager
@@ -59,6 +62,44 @@ def _script_bytes_of(obj, what):
     raise TypeError(f"{what}: expected a TorchScript module or a path, not {type(obj).__name__}")
 
 
+def _exported_bytes(program):
+    """The bytes of a PT2 archive of an ExportedProgram (what torch.export.save writes)."""
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+def _export(module, example):
+    """torch.export.export of `module` on `example`, its batch dimension dynamic where the
+    model allows (Dim.AUTO: else fixed, and micro-batches of another size are refused)."""
+    if example is None:
+        raise TypeError(f"model: a {type(module).__name__} is exported for the stages "
+                        f"(torch.export.export) on a batch like the ones to come: give "
+                        f"example=<a batch>, or export it yourself and pass the ExportedProgram")
+    inputs = example if isinstance(example, tuple) else (example,)
+    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0
+                  else None for t in inputs)
+    try:
+        return torch.export.export(module, inputs, dynamic_shapes=batch)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TypeError(f"model: torch.export.export of {type(module).__name__} failed ({first})"
+                        ) from e
+
+
+def _model_bytes(model, example):
+    """The bytes of the model file the stages load: a PT2 archive (an ExportedProgram, a .pt2
+    file, or an nn.Module exported here on the PyTorch 2.x line) or TorchScript (1.13's line)."""
+    if _EXPORT and isinstance(model, torch.export.ExportedProgram):
+        return _exported_bytes(model)
+    plain = isinstance(model, torch.nn.Module) and not isinstance(model, torch.jit.ScriptModule)
+    # An nn.Sequential without an example is scripted, as on 1.13 (TorchScript is deprecated
+    # upstream from 2.11: give example= to have it exported).
+    if _EXPORT and plain and (example is not None or not isinstance(model, torch.nn.Sequential)):
+        return _exported_bytes(_export(model, example))
+    return _script_bytes(model, "model")
+
+
 def _refuse_python_function(obj, what, instead):
     """TypeError for a plain Python callable: stage threads run TorchScript, never Python."""
     if callable(obj) and not isinstance(obj, (torch.nn.Module, torch.jit.ScriptFunction)):
@@ -95,22 +136,25 @@ def _hook_of(hook, where):
 def _optimizer_of(optimizer):
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer: a torch.optim object holds a Python model's parameters; the "
-                        "stages build their own from ('sgd' or 'adam', {'lr': ...})")
+                        "stages build their own from ('sgd', 'adam' or 'adamw', {'lr': ...})")
     if isinstance(optimizer, str):
         name, args = optimizer, {}
     else:
         try:
             name, args = optimizer
         except (TypeError, ValueError):
-            raise TypeError(f"optimizer: expected ('sgd' or 'adam', {{settings}}), not "
+            raise TypeError(f"optimizer: expected ('sgd', 'adam' or 'adamw', {{settings}}), not "
                             f"{optimizer!r}") from None
     if name not in _OPTIMIZERS:
-        raise ValueError(f"optimizer: unknown '{name}' (choose sgd or adam)")
+        raise ValueError(f"optimizer: unknown '{name}' (choose sgd, adam or adamw)")
     unknown = sorted(set(args) - _OPTIMIZERS[name])
     if unknown:
         raise ValueError(f"optimizer: {name} takes {', '.join(sorted(_OPTIMIZERS[name]))}, not "
                          f"{', '.join(unknown)}")
-    return name, dict(args)
+    args = dict(args)
+    if name == "adamw":
+        args.setdefault("weight_decay", 1e-2)  # torch.optim.AdamW's default
+    return name, args
 
 
 class StepFuture:
@@ -150,11 +194,16 @@ def _devices_of(devices, stages):
 
 
 class Pipeline:
-    """A TorchScript nn.Sequential cut into stage actors that train it as one model would.
+    """A model written in PyTorch cut into stage actors that train it as one model would.
 
-    model: a torch.jit.ScriptModule of an nn.Sequential (an nn.Sequential is scripted here; a
-      path to a file of torch.jit.save works too). Its children are the layers a cut falls
-      between; nested Sequentials are flattened.
+    model: on PyTorch 2.x, a torch.export.ExportedProgram (torch.export.export's), an nn.Module
+      (exported here on `example`, its batch dimension dynamic where the model allows) or the
+      path of a PT2 archive (torch.export.save): its graph is cut into segments (`segments`),
+      skip connections and all. Also, and on PyTorch 1.13 only: a torch.jit.ScriptModule of an
+      nn.Sequential (an nn.Sequential is scripted there), or a path to a torch.jit.save file,
+      whose children are the layers a cut falls between.
+    segments: where an exported graph is cut into layers: "auto" (pipe_split() markers if any,
+      else "modules"), "modules" (each top-level submodule), "modules:K", "markers", "nodes".
     stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
       the planner profiles the layers on `example` and runs the fastest layout it simulates.
     microbatches: per step (default 4; with stages="auto" or schedule="auto" the planner's).
@@ -163,8 +212,9 @@ class Pipeline:
     chunks: model chunks per stage (interleaved, interleaved-zb; the V schedules take 2 by
         themselves).
     partition: "uniform" (layer counts), "params", "time" (profiled on `example`) or "cut:I,J".
-    optimizer: ("sgd", {"lr", "momentum", "weight_decay", "nesterov"}) or ("adam", {"lr",
-      "weight_decay"}): each stage steps its own over its own parameters.
+    optimizer: ("sgd", {"lr", "momentum", "weight_decay", "nesterov"}), ("adam", {"lr",
+      "weight_decay"}) or ("adamw", {"lr", "weight_decay"}: 0.01 unless given, as
+      torch.optim.AdamW): each stage steps its own over its own parameters.
     loss: "mse", "cross_entropy", or TorchScript taking (output, target). A Python function is
       refused: it would need the GIL on a stage's thread.
     devices: one per stage ("cpu", "cuda:0", ...), or one for all.
@@ -190,7 +240,7 @@ class Pipeline:
                  threads=0, recompute="never", precision="fp32", max_grad_norm=0.0,
                  after_forward=None, after_backward=None, nodes=None, secret="", replicas=1,
                  shard="none", wait_timeout=60.0, step_timeout=600.0, warm_memory=True,
-                 example=None):
+                 example=None, segments="auto"):
         auto = stages == "auto"
         if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")
@@ -199,7 +249,8 @@ class Pipeline:
         opt_name, opt_args = _optimizer_of(optimizer)
         loss_name, loss_bytes = _loss_of(loss)
         c = _actorpipe.Config()
-        c.model = _script_bytes(model, "model")
+        c.model = _model_bytes(model, example)
+        c.segments = segments
         c.model_name = os.path.basename(str(model)) if isinstance(model, (str, os.PathLike)) \
             else type(model).__name__
         c.stages = 0 if auto else stages
@@ -234,7 +285,7 @@ class Pipeline:
             max_grad_norm=float(max_grad_norm), nodes=list(c.nodes), replicas=replicas,
             shard=shard,
             wait_timeout=float(wait_timeout), step_timeout=float(step_timeout),
-            warm_memory=warm_memory)
+            warm_memory=warm_memory, segments=segments)
         _live.add(self)
 
     # Training and inference.
@@ -265,8 +316,19 @@ class Pipeline:
     def parameters(self):
         return [t for _, t in self.named_parameters()]
 
+    def state_dict(self):
+        """The trained parameters and persistent buffers by the Python module's names (each name
+        of a tied parameter): what model.load_state_dict takes."""
+        return dict(self._p.state_dict())
+
     def module(self):
-        """The model as a torch.jit.ScriptModule with the trained parameters and buffers."""
+        """The model with the trained parameters and buffers: an exported program's as
+        torch.export.load(...).module() gives it, a TorchScript model's as a ScriptModule."""
+        if self._p.exported():
+            with tempfile.TemporaryDirectory(prefix="actorpipe-") as d:
+                path = os.path.join(d, "model.pt2")
+                self._p.save_exported(path)
+                return torch.export.load(path).module()
         with tempfile.TemporaryDirectory(prefix="actorpipe-") as d:
             path = os.path.join(d, "model.pt")
             self._p.save_torchscript(path)
@@ -292,8 +354,8 @@ class Pipeline:
         work = tempfile.mkdtemp(prefix=".actorpipe-save-", dir=parent)
         try:
             self._p.save_state(work)
-            files = {"model": "model.pt"}
-            with open(os.path.join(work, "model.pt"), "wb") as f:
+            files = {"model": "model.pt2" if self._p.exported() else "model.pt"}
+            with open(os.path.join(work, files["model"]), "wb") as f:
                 f.write(self._config.model)
             if self._config.loss_module:
                 files["loss"] = "loss.pt"

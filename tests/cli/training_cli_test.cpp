@@ -345,7 +345,12 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
   refused("train --model " + model + " --data " + data + " --epochs 2",
           "--epochs does not apply to --data tensors:PATH");
   refused("train --model " + model + " --data synthetic", "trains on --data tensors:PATH");
-  refused("train --model mlp --data fashion-mnist --export x.pt", "--export writes a TorchScript");
+  refused("train --model mlp --data fashion-mnist --export x.pt",
+          "--export writes a model file back");
+  refused("train --model mlp --data fashion-mnist --segments nodes",
+          "--segments cuts a PT2 archive");
+  refused("train --model " + model + " --data " + data + " --segments nodes",
+          "a TorchScript model's layers are its Sequential's children");
   refused("train --model mlp --data synthetic --shuffle", "--shuffle applies to --data tensors");
   refused("train --model mlp --data synthetic --loss mse", "--loss applies to --data tensors");
   refused("train --data " + data, "has no model of its own");

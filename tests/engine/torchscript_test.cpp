@@ -9,8 +9,10 @@
 
 #include <unistd.h>
 
+#include <caffe2/serialize/inline_container.h>
 #include <torch/script.h>
 
+#include <actorpipe/exported.hpp>
 #include <actorpipe/losses.hpp>
 #include <actorpipe/node.hpp>
 #include <actorpipe/optimizers.hpp>
@@ -138,7 +140,7 @@ trained train(engine& sys, const recipe& r, const partition& cut, schedule_kind 
   } else {
     remote_model m;
     m.name = r.model;
-    m.torchscript = read_bytes(model_file(r.model));
+    m.file = read_bytes(model_file(r.model));
     m.loss = r.loss;
     m.optimizer.name = r.optimizer;
     m.optimizer.lr = r.lr;
@@ -249,6 +251,32 @@ TEST_CASE("load_torchscript: files it cannot cut are refused, naming the file an
   CHECK(e.find("child '1' (Listify)") != std::string::npos);
   INFO(e);
   CHECK(e.find("it returns a List[Tensor]") != std::string::npos);
+}
+
+TEST_CASE("A PT2 archive is told from TorchScript by its contents, and a build on libtorch 1.13 "
+          "refuses it naming the line that reads it") {
+  // What torch.export.save writes first: a zip whose archive_format record says "pt2".
+  std::string archive;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t size) {
+      archive.append(static_cast<const char*>(data), size);
+      return size;
+    });
+    writer.writeRecord("archive_format", "pt2", 3);
+  }
+  CHECK(is_exported_archive(archive));
+  CHECK_FALSE(is_exported_archive(read_bytes(model_file("mlp"))));
+  CHECK_FALSE(is_exported_archive("PK\x03\x04 and no zip"));
+  if (exported_programs_supported()) {
+    return; // the 2.x line reads it (tests/python/test_export.py)
+  }
+  auto e = error_of([&] { load_model_file(archive, "--model m.pt2"); });
+  INFO(e);
+  CHECK(e.find("--model m.pt2 is a PT2 archive (torch.export)") != std::string::npos);
+  CHECK(e.find("./setup.sh build --torch pip") != std::string::npos);
+  CHECK(e.find("libtorch 1.13") != std::string::npos);
+  // A TorchScript file still loads through the same door.
+  CHECK(load_model_file(read_bytes(model_file("mlp")), "mlp").size() > 1);
 }
 
 TEST_CASE("Tensor files: Python's torch.save({inputs, targets}) reads, C++ writes what it reads, "

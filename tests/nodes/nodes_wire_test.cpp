@@ -164,7 +164,8 @@ TEST_CASE("a model's options, optimizer and hooks cross to a node whole: every f
   m.name = "a model";
   m.seed = 17;
   m.loss = "cross_entropy";
-  m.torchscript = "bytes";
+  m.file = "bytes";
+  m.segments = "modules:2";
   CHECK(make_unusual(m.options, options, 0) == 12);
   CHECK(make_unusual(m.optimizer, optimizer, 0) == 5);
   CHECK(make_unusual(m.hooks.after_forward, hook, 0) == 3);
@@ -177,7 +178,8 @@ TEST_CASE("a model's options, optimizer and hooks cross to a node whole: every f
   CHECK(back.name == m.name);
   CHECK(back.seed == m.seed);
   CHECK(back.loss == m.loss);
-  CHECK(back.torchscript == m.torchscript);
+  CHECK(back.file == m.file);
+  CHECK(back.segments == m.segments);
   CHECK(text_of(back.options, options) == text_of(m.options, options));
   CHECK(text_of(back.optimizer, optimizer) == text_of(m.optimizer, optimizer));
   CHECK(text_of(back.hooks.after_forward, hook) == text_of(m.hooks.after_forward, hook));

@@ -159,6 +159,11 @@ def make(args):
     else:
         raise SystemExit("unknown model " + args.model)
     torch.jit.save(torch.jit.script(model), f"{args.out}/model.pt")
+    if args.export:
+        # The same model as a torch.export program (PyTorch 2.x), its batch dimension dynamic.
+        batch = torch.export.Dim("batch")
+        program = torch.export.export(model, (inputs[:2],), dynamic_shapes=({0: batch},))
+        torch.export.save(program, f"{args.out}/model.pt2")
     torch.save({"inputs": inputs, "targets": targets}, f"{args.out}/data.pt")
     print(json.dumps({"model": f"{args.out}/model.pt", "data": f"{args.out}/data.pt"}))
 
@@ -232,5 +237,6 @@ parser.add_argument("--momentum", type=float, default=0.0)
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--nesterov", action="store_true")
 parser.add_argument("--parameters", default="")
+parser.add_argument("--export", action="store_true", help="make: also write model.pt2")
 args = parser.parse_args()
 {"make": make, "train": train, "run": run}[args.command](args)
