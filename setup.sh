@@ -3,6 +3,8 @@
 #   ./setup.sh run [train flags...]   runs the main job (`actorpipe train` with defaults)
 #   ./setup.sh test                   runs the whole test suite through CTest
 #   ./setup.sh build                  only builds
+#   ./setup.sh python                 builds the Python module and installs the torch it needs
+#                                     (Debian's python3-torch): then PYTHONPATH=build/python python3
 #   ./setup.sh sanitize [address|thread]
 #                                     unit tests built with AddressSanitizer + UBSan (build-asan),
 #                                     and the actor tests with ThreadSanitizer (build-tsan); both
@@ -118,7 +120,7 @@ if [[ ${1:-} == --torch ]]; then
   [[ $torch_line == pip || $torch_line == debian ]] || { echo "setup: --torch debian|pip" >&2; exit 2; }
   shift 2
 fi
-[[ $command == test ]] && packages+=("${test_packages[@]}")
+[[ $command == test || $command == python ]] && packages+=("${test_packages[@]}")
 install_missing
 if [[ $torch_line == pip ]]; then
   case "$command" in
@@ -162,6 +164,10 @@ if [[ $command == sanitize ]]; then
 fi
 if [[ $command == run ]]; then
   build --target actorpipe_cli
+elif [[ $command == python ]]; then
+  build --target actorpipe_python
+  echo "setup: the module is in build/python: PYTHONPATH=$PWD/build/python python3 -c 'import actorpipe'"
+  exit 0
 else
   build
 fi
@@ -169,5 +175,5 @@ case "$command" in
   run) exec build/cli/actorpipe train "$@" ;;
   test) cd build && exec ctest -j2 --output-on-failure --timeout 600 "$@" ;;
   build) ;;
-  *) echo "usage: ./setup.sh run|test|build|sanitize [args...]" >&2; exit 2 ;;
+  *) echo "usage: ./setup.sh run|test|build|python|sanitize [args...]" >&2; exit 2 ;;
 esac

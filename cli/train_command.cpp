@@ -164,7 +164,7 @@ run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpu
   k.tensor_file = training::tensor_file_of(a.model.data);
   k.tensors = !k.tensor_file.empty();
   k.images = !setup.images.classes.empty();
-  k.stream = k.synthetic || k.tensors;
+  k.stream = k.synthetic || (k.tensors && !tensor_data_set(a));
   k.text = corpus != nullptr;
   k.lm = setup.language_model();
   k.loss = k.synthetic && !k.lm ? "mse" : "cross_entropy";
@@ -222,7 +222,15 @@ std::unique_ptr<batch_source> data_for(const train_args& a, const model_setup& s
   const bool tensors = k.tensors, synthetic = k.synthetic, images = k.images, text = k.text,
              lm = k.lm;
   std::unique_ptr<batch_source> data;
-  if (tensors) {
+  if (tensors && !k.stream) {
+    // A data set: --holdout's part kept apart and evaluated after each epoch.
+    auto [kept, held] = hold_out(file_data, a.holdout, a.model.seed);
+    auto set =
+      std::make_unique<dataset_source>("tensors:" + tensor_file, std::move(kept), std::move(held));
+    set->set_shuffle(a.shuffle);
+    set->set_evaluation_loss(builtin_loss(k.loss));
+    data = std::move(set);
+  } else if (tensors) {
     const auto samples = file_data.size();
     data = std::make_unique<tensor_file_source>(tensor_file, file_data, a.shuffle);
     // One pass over the file unless --steps says otherwise.
@@ -279,7 +287,13 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.rank = static_cast<int64_t>(dp.rank);
   to.replicas = static_cast<int64_t>(dp.replicas);
   // Synthetic runs are few, slow steps at a constant rate: a line per step is their progress.
-  to.cosine = !stream;
+  // A tensor file trains at a constant rate, as a plain torch.optim loop does, unless a cosine
+  // schedule's flag is given.
+  auto given = [&a](const char* flag) { return a.given && a.given(flag); };
+  to.cosine = !stream && !(k.tensors && !given("--warmup") && !given("--min-lr"));
+  if (k.tensors && !given("--warmup")) {
+    to.warmup_steps = 0;
+  }
   to.log_steps = stream && !a.no_progress;
   to.progress = !stream && !a.no_progress;
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
@@ -318,7 +332,17 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
   const int64_t steps = to.max_steps;
   const int64_t epochs = to.epochs;
   std::cout << "actorpipe train: " << setup.name << " on ";
-  if (tensors) {
+  if (tensors && !k.stream) {
+    std::cout << data->name() << " (" << data->epoch_samples() << " samples to train on, "
+              << static_cast<const dataset_source&>(*data).test_samples() << " held out, inputs "
+              << setup.example.sizes().slice(1) << ' ' << setup.example.scalar_type() << "), "
+              << epochs << " epochs" << (a.shuffle ? " shuffled" : " in file order")
+              << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", loss "
+              << loss << ", " << optimizer.name << " lr " << lr
+              << (to.cosine ? detail::concat(" (cosine to ", a.train.min_lr, ", ",
+                                             a.train.warmup_steps, " warm-up steps)")
+                            : std::string(" (constant)"));
+  } else if (tensors) {
     std::cout << data->name() << " (" << static_cast<const tensor_file_source&>(*data).samples()
               << " samples, inputs " << setup.example.sizes().slice(1) << ' '
               << setup.example.scalar_type() << "), " << steps << " steps, loss " << loss << ", "
@@ -365,6 +389,12 @@ void print_summary(const train_args& a, const model_setup& setup, const plan_cho
   auto& pipe = run.lead();
   if (text && !report.epochs.empty()) {
     std::cout << "validation: " << report.epochs.back().test.bits << " bits per character\n";
+  } else if (k.tensors && !stream && !report.epochs.empty()) {
+    const auto& test = report.epochs.back().test;
+    if (a.holdout > 0) {
+      std::cout << "held out: loss " << test.loss
+                << (test.classes ? detail::concat(", top-1 ", test.top1) : std::string{}) << '\n';
+    }
   } else if (!stream && !report.epochs.empty() && !(images && setup.images.validation.empty())) {
     std::cout << "test accuracy: top-1 " << report.epochs.back().test.top1 << ", top-5 "
               << report.epochs.back().test.top5 << '\n';

@@ -52,6 +52,9 @@ struct train_args {
   std::size_t workers = 2;
   /// --data tensors:PATH: a new order for every pass over the file.
   bool shuffle = false;
+  /// --data tensors:PATH: the fraction of the file held out and evaluated after each epoch
+  /// (--holdout; with it or --epochs the file is a data set, not a stream).
+  double holdout = 0;
   /// Write the trained TorchScript model here.
   std::string export_path;
   int64_t train_samples = 0;
@@ -99,6 +102,10 @@ CLI::App* add_train_command(CLI::App& app, train_args& args);
 
 /// Runs it: prints per-step loss and time; returns the process exit code.
 int run_train(const train_args& args);
+
+/// Whether `--data tensors:PATH` is a data set visited epoch by epoch (--epochs or --holdout
+/// given) rather than a stream of --steps batches.
+bool tensor_data_set(const train_args& a);
 
 /// Refuses, by name and with why, a flag given where it does not apply: one kind of data's flag
 /// with another, a flag that needs another (cli/train_flags.cpp, beside the flags).

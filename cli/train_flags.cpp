@@ -204,7 +204,9 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--steps", a.steps,
       "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
       "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs, "Fashion-MNIST and text: epochs (0: 1 for Fashion-MNIST, 4 for text)");
+  opt("--epochs", a.epochs,
+      "Fashion-MNIST, text and tensor files: epochs (0: 1 for Fashion-MNIST and a file, 4 for "
+      "text); with it (or --holdout) --data tensors:PATH is a data set visited epoch by epoch");
   opt("--lr", a.optimizer.lr,
       "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
       "at 3e-3 unless given)")
@@ -228,7 +230,8 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   cmd->add_flag("--nesterov", a.optimizer.nesterov,
                 "SGD with Nesterov momentum (torch.optim.SGD's nesterov=True; needs momentum)");
   opt("--min-lr", a.train.min_lr,
-      "Fashion-MNIST and text: the learning rate the cosine schedule ends at (torch's eta_min, "
+      "Fashion-MNIST, text and a tensor file's epochs: the learning rate the cosine schedule "
+      "ends at (torch's eta_min, "
       "e.g. a hundredth of --lr)");
   cmd->add_flag("--overlap-steps", a.pipeline.overlap_steps,
                 "Overlap consecutive steps: each stage starts the next step as soon as it is done "
@@ -237,12 +240,17 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   cmd->add_flag("--shuffle", a.shuffle,
                 "--data tensors:PATH: visit the file in a new random order (from --seed) on "
                 "every pass instead of in order");
+  opt("--holdout", a.holdout,
+      "--data tensors:PATH: hold this fraction of the file out (drawn from --seed) and "
+      "evaluate it after each epoch: its loss, and top-1 for class targets (e.g. 0.1)")
+    ->check(CLI::Range(0.0, 0.99));
   opt("--export", a.export_path,
       "After training, write the trained model file back with its new weights: a PT2 archive "
       "(--model PATH.pt2), which torch.export.load(PATH).module() runs, or TorchScript (--model "
       "PATH.pt), which torch.jit.load runs");
   opt("--warmup", a.train.warmup_steps,
-      "Fashion-MNIST and text: linear warm-up steps of the cosine schedule");
+      "Fashion-MNIST, text and a tensor file's epochs: linear warm-up steps of the cosine "
+      "schedule (a tensor file: 0, and a constant --lr unless this or --min-lr is given)");
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
@@ -310,6 +318,11 @@ void check_node_flags_apply(const train_args& a) {
 
 } // namespace
 
+bool tensor_data_set(const train_args& a) {
+  return !training::tensor_file_of(a.model.data).empty() && a.given &&
+         (a.given("--epochs") || a.given("--holdout"));
+}
+
 // Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
 void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
@@ -329,17 +342,22 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--bad-images", "applies to --data images:DIR");
   }
   if (tensors) {
-    const char* stream = "does not apply to --data tensors:PATH, read as a stream of batches in "
-                         "file order: say how long to train with --steps";
-    refuse("--epochs", stream);
-    refuse("--warmup", "does not apply to --data tensors:PATH, which trains at a constant --lr");
-    refuse("--min-lr", "does not apply to --data tensors:PATH, which trains at a constant --lr");
+    if (!tensor_data_set(a)) {
+      const char* constant = "does not apply to --data tensors:PATH read as a stream of --steps "
+                             "batches at a constant --lr: give --epochs (and --holdout) to "
+                             "train on the file epoch by epoch under the cosine schedule";
+      refuse("--warmup", constant);
+      refuse("--min-lr", constant);
+    }
     refuse("--data-dir", "is Fashion-MNIST's folder; --data tensors:PATH names its own file");
     refuse("--train-samples", "applies to Fashion-MNIST (a tensor file is used whole)");
-    refuse("--test-samples", "applies to Fashion-MNIST (a tensor file has no test set)");
+    refuse("--test-samples", "applies to Fashion-MNIST: hold part of a tensor file out with "
+                             "--holdout F");
   } else {
     refuse("--shuffle", "applies to --data tensors:PATH (other data has its own order)");
     refuse("--loss", "applies to --data tensors:PATH (the other data sets decide their loss)");
+    refuse("--holdout", "applies to --data tensors:PATH (the other data sets have their own "
+                        "held-out part)");
   }
   if (setup.model_file.empty()) {
     refuse("--export", "writes a model file back: it needs --model PATH.pt2 (or PATH.pt)");

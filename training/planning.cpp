@@ -503,6 +503,51 @@ void print_ranking(const std::vector<layout>& ranking, std::size_t rows) {
     " bytes in all on its fullest stage (", smallest->to_string(), ")"));
 }
 
+namespace {
+
+// A fixed layout under a memory cap: each stage's predicted peak against the caps, as the
+// planner checks every layout it ranks; the first stage over one is refused with its need.
+void check_fixed_layout_caps(const plan_choice& c, std::size_t stages, int64_t batch_size,
+                             const planning_args& a) {
+  auto plan = c.custom.empty() ? make_schedule(c.kind, stages, c.microbatches, c.chunks) : c.custom;
+  auto scale = static_cast<double>(batch_size) / static_cast<double>(c.microbatches) /
+               static_cast<double>(c.profiled_samples);
+  auto costs = costs_of(c.profile, c.cut, scale);
+  charge_recomputation(costs, c.recompute, c.microbatches);
+  auto sim = simulate(plan, c.microbatches, costs);
+  auto layout = detail::concat(plan.programs.size(), " stage(s), ", c.schedule_name, ", ",
+                               c.microbatches, " micro-batch(es), partition ", c.cut.to_string(),
+                               recompute_suffix(c.recompute));
+  auto refuse = [&](const std::string& cap, std::size_t s, const std::string& need) {
+    throw invalid_argument(detail::concat(
+      cap, ": stage ", s, " of the layout given (", layout, ") needs ", need,
+      ", predicted (docs/memory.md); fewer layers on it, more stages or micro-batches, "
+      "--recompute always, or --stages auto (the planner picks the fastest layout that fits) "
+      "need less"));
+  };
+  for (std::size_t s = 0; s < plan.programs.size(); ++s) {
+    auto m = stage_memory(c.profile, c.cut, plan, s, scale, std::max(0.0, a.optimizer_state),
+                          c.recompute, c.microbatches);
+    if (a.max_memory_bytes > 0 && m.total() > a.max_memory_bytes) {
+      refuse(detail::concat("--max-memory ", a.max_memory_bytes, " bytes per stage"), s,
+             detail::concat(m.total(), " bytes at its peak (parameters ", m.parameters,
+                            ", gradients ", m.gradients, ", optimizer ", m.optimizer,
+                            ", activations ", m.activations, ", working ", m.working,
+                            ", workspace ", m.workspace, ")"));
+    }
+    if (a.max_stash_bytes > 0 && m.activations > a.max_stash_bytes) {
+      refuse(detail::concat("--max-stash ", a.max_stash_bytes, " bytes"), s,
+             detail::concat(m.activations, " bytes of stashed activations"));
+    }
+    if (a.max_stash > 0 && sim.peak_stash[s] > a.max_stash + 1e-9) {
+      refuse(detail::concat("--max-stash ", a.max_stash, " micro-batches"), s,
+             detail::concat(sim.peak_stash[s], " micro-batches stashed at once"));
+    }
+  }
+}
+
+} // namespace
+
 plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& a, bool always_profile) {
   auto batch_size = batch.size(0);
@@ -533,7 +578,8 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
         choice.chunks = chunks_for(choice.kind, a.chunks);
       }
     }
-    if (always_profile || a.partition == "time") {
+    bool capped = a.max_memory_bytes > 0 || a.max_stash > 0 || a.max_stash_bytes > 0;
+    if (always_profile || a.partition == "time" || capped) {
       bool split =
         choice.custom.empty() ? splits_backward(choice.kind) : splits_backward(choice.custom);
       choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
@@ -541,6 +587,9 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                                   a.profile_device());
     }
     choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
+    if (capped) {
+      check_fixed_layout_caps(choice, a.stages, batch_size, a);
+    }
     return choice;
   }
   auto space = layout_space_for(layers, batch_size, a);

@@ -709,9 +709,11 @@ private:
     if (e.test.tokens) {
       std::cout << "  validation loss " << e.test.loss << "  bits/char " << e.test.bits
                 << "  top-1 " << e.test.top1;
-    } else {
+    } else if (e.test.classes) {
       std::cout << "  test loss " << e.test.loss << "  top-1 " << e.test.top1 << "  top-5 "
                 << e.test.top5;
+    } else {
+      std::cout << "  test loss " << e.test.loss;
     }
     std::cout << "  " << static_cast<int64_t>(e.samples_per_second) << " samples/s\n" << std::flush;
   }

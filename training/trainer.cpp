@@ -62,6 +62,41 @@ eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch) {
   return r;
 }
 
+eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch,
+                     const loss_function& loss) {
+  ACTORPIPE_CHECK(batch >= 1, "evaluation batch (", batch, ") must be >= 1");
+  eval_result r;
+  r.classes = false;
+  double sum = 0;
+  for (int64_t begin = 0; begin < data.size(); begin += batch) {
+    auto end = std::min(data.size(), begin + batch);
+    auto out = pipe.forward(data.images.slice(0, begin, end));
+    sum +=
+      loss(out, data.labels.slice(0, begin, end)).item<double>() * static_cast<double>(end - begin);
+  }
+  r.loss = data.size() > 0 ? sum / static_cast<double>(data.size()) : 0;
+  r.bits = r.loss / std::log(2.0);
+  return r;
+}
+
+std::pair<dataset, dataset> hold_out(const dataset& data, double fraction, uint64_t seed) {
+  ACTORPIPE_CHECK(fraction >= 0 && fraction < 1, "the fraction held out (", fraction,
+                  ") must be in [0, 1)");
+  const auto n = data.size();
+  auto held = fraction > 0 ? std::max<int64_t>(1, std::llround(fraction * static_cast<double>(n)))
+                           : int64_t{0};
+  ACTORPIPE_CHECK(held < n, "holding out ", fraction, " of ", n,
+                  " samples leaves none to train on");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + 977);
+  auto order = torch::randperm(n, gen, torch::kLong);
+  auto kept = std::get<0>(order.slice(0, 0, n - held).sort());
+  auto out = std::get<0>(order.slice(0, n - held, n).sort());
+  auto part = [&](const torch::Tensor& rows) {
+    return dataset{data.images.index_select(0, rows), data.labels.index_select(0, rows)};
+  };
+  return {part(kept), part(out)};
+}
+
 torch::Tensor augment_images(const torch::Tensor& images, const image_augmentation& a,
                              at::Generator& generator) {
   ACTORPIPE_CHECK(images.dim() == 4, "augment_images: images must be [N, C, H, W], not ",
@@ -108,8 +143,14 @@ std::pair<torch::Tensor, torch::Tensor> dataset_source::batch(int64_t epoch, int
                                                               int64_t replicas) const {
   // The order of an epoch is drawn once and reused for its batches.
   if (order_epoch_ != epoch || !order_.defined()) {
-    order_ = replicas == 1 ? epoch_order(train_.size(), seed, epoch)
-                           : distributed_order(train_.size(), seed, epoch, rank, replicas);
+    const auto n = train_.size();
+    if (shuffle_) {
+      order_ = replicas == 1 ? epoch_order(n, seed, epoch)
+                             : distributed_order(n, seed, epoch, rank, replicas);
+    } else {
+      auto padded = (n + replicas - 1) / replicas * replicas;
+      order_ = torch::arange(padded, torch::kLong).remainder(n).slice(0, rank, padded, replicas);
+    }
     order_epoch_ = epoch;
   }
   auto local = batch / replicas;
@@ -126,7 +167,23 @@ std::pair<torch::Tensor, torch::Tensor> dataset_source::batch(int64_t epoch, int
   return {x, train_.labels.index_select(0, index_range)};
 }
 
+void dataset_source::set_shuffle(bool shuffle) {
+  shuffle_ = shuffle;
+  order_ = torch::Tensor();
+}
+
+void dataset_source::set_evaluation_loss(loss_function loss) {
+  loss_ = std::move(loss);
+}
+
 std::optional<eval_result> dataset_source::evaluate(pipeline& pipe, int64_t batch) const {
+  if (test_.size() == 0) {
+    return std::nullopt;
+  }
+  bool classes = !at::isFloatingType(test_.labels.scalar_type());
+  if (!classes && loss_) {
+    return actorpipe::evaluate(pipe, test_, batch, loss_);
+  }
   return actorpipe::evaluate(pipe, test_, batch);
 }
 

@@ -86,11 +86,23 @@ struct eval_result {
   /// character tokens is bits per character.
   bool tokens = false;
   double bits = 0;
+  /// Class-index targets: top1 and top5 count. False for other targets (a tensor file's float
+  /// targets), scored by the run's loss alone.
+  bool classes = true;
 };
 
 /// Runs `data` through `pipe` forward-only in batches of `batch` samples. Outputs [N, classes]
 /// are scored per sample; [N, T, vocabulary] (a language model) per token.
 eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch);
+
+/// Runs `data` through `pipe` forward-only in batches of `batch` samples and scores it with
+/// `loss` (a mean over its batch): the mean over the samples, no top-1 (classes false).
+eval_result evaluate(pipeline& pipe, const dataset& data, int64_t batch, const loss_function& loss);
+
+/// `data` cut in two as torch.utils.data.random_split would: `fraction` of its samples (rounded,
+/// at least one when fraction > 0) drawn at random from `seed` are held out (second), the rest
+/// kept (first); each part keeps the file's order.
+std::pair<dataset, dataset> hold_out(const dataset& data, double fraction, uint64_t seed);
 
 /// Where a training run's batches come from: a data set visited in a seeded order every epoch,
 /// or an endless stream of generated batches numbered by step. train() serves both alike.
@@ -149,19 +161,30 @@ public:
   dataset_source(std::string name, dataset train, dataset test);
   /// Augments every training batch from now on (evaluation never is).
   void set_augmentation(image_augmentation augmentation);
+  /// With false, every epoch visits the training set in its own order instead of epoch_order's
+  /// (replicas take every replicas-th sample from their rank on, as distributed_order does).
+  void set_shuffle(bool shuffle);
+  /// Scores the held-out set with `loss` when its targets are not class indices (the default,
+  /// cross-entropy and top-1, needs classes).
+  void set_evaluation_loss(loss_function loss);
   std::string name() const override { return name_; }
   int64_t epoch_samples() const override { return train_.size(); }
   bool prefetch() const override { return true; }
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t epoch, int64_t index, int64_t batch,
                                                 uint64_t seed, int64_t rank,
                                                 int64_t replicas) const override;
+  /// Nothing when the held-out set is empty.
   std::optional<eval_result> evaluate(pipeline& pipe, int64_t batch) const override;
+  /// Samples held out for evaluation.
+  int64_t test_samples() const { return test_.size(); }
 
 private:
   std::string name_;
   dataset train_;
   dataset test_;
   image_augmentation augmentation_;
+  bool shuffle_ = true;
+  loss_function loss_;
   // The order of the epoch last asked for, drawn once per epoch.
   mutable torch::Tensor order_;
   mutable int64_t order_epoch_ = -1;

@@ -63,10 +63,10 @@ std::map<std::string, std::map<std::string, std::string>> flags_of_every_command
   return flags;
 }
 
-// The README's flag table of `actorpipe <command>`: the rows between the heading line that
+// docs/cli.md's flag table of `actorpipe <command>`: the rows between the heading line that
 // names the command and the next blank line, as flag -> default cell.
 std::map<std::string, std::string> readme_table(const std::string& command) {
-  std::ifstream in(std::string(ACTORPIPE_SOURCE_DIR) + "/README.md");
+  std::ifstream in(std::string(ACTORPIPE_SOURCE_DIR) + "/docs/cli.md");
   REQUIRE(in.good());
   std::string line;
   std::string marker = "<!-- flags: " + command + " -->";
@@ -107,16 +107,16 @@ TEST_CASE("--help documents every flag the parser defines, for every command") {
   }
 }
 
-TEST_CASE("the README's table of each command has a row for every flag with its default, and no "
+TEST_CASE("docs/cli.md's table of each command has a row for every flag with its default, and no "
           "row for a flag that does not exist") {
   for (const auto& [command, options] : flags_of_every_command()) {
     CAPTURE(command);
     auto rows = readme_table(command);
-    REQUIRE_MESSAGE(!rows.empty(), "README.md has no table after <!-- flags: ", command, " -->");
+    REQUIRE_MESSAGE(!rows.empty(), "docs/cli.md has no table after <!-- flags: ", command, " -->");
     for (const auto& [flag, default_value] : options) {
       CAPTURE(flag);
       auto row = rows.find(flag);
-      REQUIRE_MESSAGE(row != rows.end(), "no README row for ", flag);
+      REQUIRE_MESSAGE(row != rows.end(), "no docs/cli.md row for ", flag);
       if (!default_value.empty()) {
         CAPTURE(default_value);
         CAPTURE(row->second);
@@ -125,7 +125,7 @@ TEST_CASE("the README's table of each command has a row for every flag with its 
     }
     for (const auto& [flag, cell] : rows) {
       CAPTURE(flag);
-      CHECK_MESSAGE(options.count(flag) == 1, "the README names ", flag, ", which `", command,
+      CHECK_MESSAGE(options.count(flag) == 1, "docs/cli.md names ", flag, ", which `", command,
                     "` does not define");
     }
   }

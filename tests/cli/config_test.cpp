@@ -68,6 +68,36 @@ TEST_CASE("a config file's key that is no flag is refused, naming it, and so is 
   CHECK(has(missing.output, "/nonexistent/run.toml"));
 }
 
+TEST_CASE("a config file's mistake names the file, the line and the key, where the key goes and "
+          "what its value must be") {
+  auto file = temp_file("config_mistakes.toml");
+  // A key of the run outside its section: the program's own keys are the only top-level ones.
+  write(file, "# a run\ndata = \"synthetic\"\n[train]\nmodel = \"mlp\"\n");
+  auto top = run("train --config " + file.string() + " --batch 16 --threads 1 --no-progress");
+  CHECK(top.exit_code == 2);
+  CHECK(has(top.output, file.string() + ":2: 'data' is a flag of `actorpipe train`"));
+  CHECK(has(top.output, "put it under [train], or write it as train.data"));
+  CHECK_FALSE(has(top.output, "INI"));
+  // A misspelt key, with the flag it was meant to be.
+  write(file, "[train]\nmodel = \"mlp\"\nstepz = 3\n");
+  auto typo = run("train --config " + file.string() + mlp);
+  CHECK(typo.exit_code == 2);
+  CHECK(has(typo.output, file.string() + ":3: 'stepz' is no flag of actorpipe train (did you mean "
+                                         "'steps'?)"));
+  // A value of the wrong type: the flag and what it takes.
+  write(file, "train.lr = 0.1\ntrain.steps = \"two\"\n");
+  auto type = run("train --config " + file.string() + mlp);
+  CHECK(type.exit_code == 2);
+  CHECK(
+    has(type.output, file.string() + ":2: train.steps = \"two\": --steps takes a whole number"));
+  // The same mistake on the command line is the command line's, not the file's.
+  write(file, "train.steps = 3\n");
+  auto flag = run("train --config " + file.string() + mlp + " --steps two");
+  CHECK(flag.exit_code == 2);
+  CHECK_FALSE(has(flag.output, file.string() + ":"));
+  CHECK(has(flag.output, "--steps"));
+}
+
 TEST_CASE("checkpoints keep the run's settings, and a resume with other settings says what "
           "differs") {
   auto dir = temp_file("config_checkpoints");

@@ -70,6 +70,24 @@ TEST_CASE("--stages auto ranks layouts by simulated step, trains the fastest to 
                           "the smallest needs ") != std::string::npos);
   refused("plan --data synthetic --model mlp --stages auto --max-memory 5",
           "'5' needs a unit (e.g. 512MB, 2GiB)");
+  // A fixed layout under a cap: its stages' predicted peaks are checked as the planner's are.
+  auto fixed = run("train --data synthetic --model mlp --batch 16 --stages 2 --steps 1 "
+                   "--max-memory 64KB --profile-repeats 1 --no-progress");
+  CAPTURE(fixed.output);
+  CHECK(fixed.exit_code == 2);
+  CHECK(std::regex_search(fixed.output,
+                          std::regex(R"(--max-memory 64000 bytes per stage: stage [01] of the )"
+                                     R"(layout given \(2 stage\(s\), .*\) needs [0-9]+ bytes at )"
+                                     R"(its peak \(parameters [0-9]+, )")));
+  CHECK(run("train --data synthetic --model mlp --batch 16 --stages 2 --steps 1 --max-memory 1GB "
+            "--max-stash 8 --profile-repeats 1 --no-progress")
+          .exit_code == 0);
+  auto stashed = run("train --data synthetic --model mlp --batch 16 --stages 2 --steps 1 "
+                     "--microbatches 4 --schedule gpipe --max-stash 2 --profile-repeats 1 "
+                     "--no-progress");
+  CHECK(stashed.exit_code == 2);
+  CHECK(stashed.output.find("--max-stash 2 micro-batches: stage 0 of the layout given (2 stage(s), "
+                            "gpipe, 4 micro-batch(es)") != std::string::npos);
 
   refused("train --data synthetic --model mlp --stages 0 --steps 1",
           "'0' is neither a count >= 1 nor auto");

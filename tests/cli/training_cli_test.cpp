@@ -1,8 +1,10 @@
 // One training loop for every kind of data and model: flags that do not apply, recomputation,
 // a gpt on text, bf16, TorchScript models, PyTorch as the oracle, the optimizer's flags.
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include "../training/image_folders.hpp"
 #include "cli/program.hpp"
@@ -342,8 +344,11 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
   INFO(bench.output);
   CHECK(bench.exit_code == 0);
   CHECK(bench.output.find(data + " [4, 4] Float") != std::string::npos);
-  refused("train --model " + model + " --data " + data + " --epochs 2",
-          "--epochs does not apply to --data tensors:PATH");
+  refused("train --model " + model + " --data " + data + " --warmup 5",
+          "--warmup does not apply to --data tensors:PATH read as a stream");
+  refused("train --model mlp --data fashion-mnist --holdout 0.1",
+          "--holdout applies to --data tensors:PATH");
+  refused("train --model " + model + " --data " + data + " --holdout 1.5", "--holdout");
   refused("train --model " + model + " --data synthetic", "trains on --data tensors:PATH");
   refused("train --model mlp --data fashion-mnist --export x.pt",
           "--export writes a model file back");
@@ -357,6 +362,87 @@ TEST_CASE("flags of TorchScript models and tensor files are refused where they d
   refused("train --model " + (dir / "data.pt").string() + " --data " + data,
           "is not a TorchScript file");
   refused("train --model " + model + " --data tensors:" + model, "is not a tensor file");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the main job says nothing but its progress while something else loads the cores") {
+  // Two threads spinning beside the run, as a compile on a shared machine would: in-process
+  // stages slow down with it, and no straggler warning (for stages on other machines) comes.
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> load;
+  for (int i = 0; i < 2; ++i) {
+    load.emplace_back([&stop] {
+      volatile uint64_t n = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        n = n + 1;
+      }
+    });
+  }
+  auto r = run("train --train-samples 3072 --test-samples 256");
+  stop = true;
+  for (auto& t : load) {
+    t.join();
+  }
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("test accuracy: top-1 ") != std::string::npos);
+  CHECK(r.output.find("slower") == std::string::npos);
+  CHECK(r.output.find("warn") == std::string::npos);
+  CHECK(r.output.find("actorpipe: ") == std::string::npos);
+}
+
+TEST_CASE("a tensor file is a data set with --epochs and --holdout: epochs in file order or "
+          "shuffled, a held-out part evaluated after each, as a stream when neither is given") {
+  auto dir = temp_file("tensor-epochs");
+  auto files = make_oracle_model("mlp", dir); // 24 samples, 5 classes
+  const std::string flags =
+    "train --model " + files.model + " --data tensors:" + files.data + " --no-progress";
+  auto losses_of = [&](const std::string& more, const std::string& name) {
+    auto json = dir / (name + ".json");
+    auto r = run(flags + more + " --json " + json.string());
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    return std::make_pair(losses(json), r.output);
+  };
+  // One epoch in file order at a constant rate visits the batches a stream of 3 steps does.
+  auto [stream, stream_out] = losses_of(" --batch 8 --steps 3", "stream");
+  auto [epoch, epoch_out] = losses_of(" --batch 8 --epochs 1", "epoch");
+  REQUIRE(epoch.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(epoch[i] == stream[i]);
+  }
+  CHECK(epoch_out.find("24 samples to train on, 0 held out") != std::string::npos);
+  CHECK(epoch_out.find("1 epochs in file order") != std::string::npos);
+  auto [shuffled, shuffled_out] = losses_of(" --batch 8 --epochs 1 --shuffle", "shuffled");
+  CHECK(shuffled[0] != epoch[0]);
+  // A quarter held out: 18 samples in 3 batches of 6 per epoch, the 6 others scored after each.
+  auto json = dir / "held.json";
+  auto held =
+    run(flags + " --batch 6 --epochs 2 --holdout 0.25 --stages 2 --json " + json.string());
+  INFO(held.output);
+  REQUIRE(held.exit_code == 0);
+  CHECK(held.output.find("18 samples to train on, 6 held out") != std::string::npos);
+  CHECK(held.output.find("epoch 2/2  train loss ") != std::string::npos);
+  CHECK(held.output.find("top-1 ") != std::string::npos);
+  CHECK(held.output.find("held out: loss ") != std::string::npos);
+  CHECK(losses(json).size() == 6);
+  auto report = nlohmann::json::parse(std::ifstream(json));
+  REQUIRE(report["epochs"].size() == 2);
+  for (const auto& e : report["epochs"]) {
+    CHECK(e["test_loss"].get<double>() > 0);
+    CHECK(e["top1"].get<double>() >= 0);
+    CHECK(e["top1"].get<double>() <= 1);
+  }
+  // Float targets are scored by the run's loss (MSE) alone.
+  auto regression = make_oracle_model("residual", dir / "residual");
+  auto mse = run("train --model " + regression.model + " --data tensors:" + regression.data +
+                 " --batch 6 --epochs 1 --holdout 0.25 --no-progress");
+  INFO(mse.output);
+  REQUIRE(mse.exit_code == 0);
+  CHECK(mse.output.find("held out: loss ") != std::string::npos);
+  CHECK(mse.output.find("top-1") == std::string::npos);
+  // Too much held out leaves no batch.
+  refused(flags + " --batch 8 --epochs 1 --holdout 0.9", "smaller than one batch");
   std::filesystem::remove_all(dir);
 }
 

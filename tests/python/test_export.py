@@ -320,13 +320,16 @@ class ExportModelTest(unittest.TestCase):
         ep = torch.export.export(Drop(), (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
         with actorpipe.Pipeline(ep, stages=1, microbatches=2,
                                 optimizer=("sgd", {"lr": 1e-9})) as p:
-            losses = [p.train_step(x, torch.zeros(8, 512)) for _ in range(3)]
+            losses = [p.train_step(x, torch.zeros(8, 512)) for _ in range(5)]
             kept = p.forward(x)
         # mean(out^2) = kept fraction x 2^2: about 2 when half is kept.
         for loss in losses:
             self.assertGreater(loss, 1.8)
             self.assertLess(loss, 2.2)
-        self.assertEqual(len(set(losses)), 3, "every step draws a new mask")
+        # Two steps' kept fractions (of 4,096) agree by chance about once in 80 pairs: a mask
+        # drawn again would make them all equal. (Once, beside other suites, all three of a
+        # 3-step run agreed; not reproduced alone: see issue 61's closing note.)
+        self.assertGreaterEqual(len(set(losses)), 3, f"every step draws a new mask: {losses}")
         torch.testing.assert_close(kept, x)  # eval: no dropout
 
 
