@@ -268,6 +268,12 @@ class Pipeline:
         c.set_after_backward(hooks[1])
         c.nodes, c.secret, c.replicas, c.shard = list(nodes or []), secret, replicas, shard
         c.wait_timeout, c.step_timeout = float(wait_timeout), float(step_timeout)
+        if isinstance(example, tuple):
+            # torch.export's own form, (x,): the engine's batch is its one tensor.
+            if len(example) != 1 or not isinstance(example[0], torch.Tensor):
+                raise TypeError("example: a batch tensor, or a tuple of one (x,), not a tuple "
+                                f"of {len(example)}")
+            example = example[0]
         if example is not None:
             c.example = example
         self._config = c
