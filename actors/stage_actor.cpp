@@ -198,7 +198,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
       return 0;
     }
     auto bytes = static_cast<int64_t>(output.nbytes());
-    output.set_ready(s.device->record());
+    output.set_ready(s.device->record(st.replayed_last()));
     send_to_virtual(self, virtual_stage + 1, forward_atom::value, a.microbatch, std::move(output));
     return bytes;
   }
@@ -221,7 +221,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
       run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
     }
     auto bytes = static_cast<int64_t>(input_grad.nbytes());
-    input_grad.set_ready(s.device->record());
+    input_grad.set_ready(s.device->record(st.replayed_last()));
     send_to_virtual(self, virtual_stage - 1, backward_atom::value, a.microbatch,
                     std::move(input_grad));
     return bytes;
@@ -235,6 +235,7 @@ int64_t run_action(stage_actor_type self, const action& a) {
 }
 
 void start_queued(stage_actor_type self);
+void say_graph_notes(stage_state& s);
 
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type self) {
@@ -278,6 +279,9 @@ void advance(stage_actor_type self) {
     }
     (a.kind == action_kind::forward ? s.report.stats.forward_ms : s.report.stats.backward_ms) +=
       took;
+    if (s.options.cuda_graphs == cuda_graph_mode::automatic) {
+      s.chunks.at(static_cast<std::size_t>(a.chunk))->observe_action_ms(took);
+    }
     s.report.stats.actions.push_back(
       {a, std::chrono::duration<double, std::milli>(start - origin).count(),
        std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
@@ -285,6 +289,9 @@ void advance(stage_actor_type self) {
   }
   if (s.active) {
     s.device->end_chunks();
+    if (s.options.cuda_graphs != cuda_graph_mode::off) {
+      say_graph_notes(s);
+    }
     if (s.plan.train) {
       try {
         end_training_program(s, origin);
@@ -328,6 +335,54 @@ void advance(stage_actor_type self) {
       start_queued(self);
     }
   }
+}
+
+// What the chunks' graphs have to say, each line once: a warning where they were asked for.
+void say_graph_notes(stage_state& s) {
+  for (auto& chunk : s.chunks) {
+    for (const auto& line : chunk->take_graph_notes()) {
+      if (s.options.cuda_graphs == cuda_graph_mode::on) {
+        log::get()->warn("{}", line);
+      } else {
+        log::get()->info("{}", line);
+      }
+    }
+  }
+}
+
+// Each chunk's part of the program, as its graphs see it (training steps).
+void begin_graph_steps(stage_state& s) {
+  if (s.options.cuda_graphs == cuda_graph_mode::off || !s.plan.train) {
+    return;
+  }
+  std::vector<std::vector<stages::graph_action>> programs(s.chunks.size());
+  for (std::size_t i = 0; i < s.plan.program.size(); ++i) {
+    const auto& a = s.plan.program[i];
+    auto what = a.kind == action_kind::forward    ? stages::graph_action::kind::forward
+                : a.kind == action_kind::backward && !s.split_actions.at(i)
+                  ? stages::graph_action::kind::backward
+                  : stages::graph_action::kind::weight; // a split B, or its W
+    programs.at(static_cast<std::size_t>(a.chunk)).push_back({what, a.microbatch});
+  }
+  for (std::size_t c = 0; c < s.chunks.size(); ++c) {
+    s.chunks[c]->begin_graph_step(programs[c]);
+  }
+}
+
+// CUDA graphs (stages/graphs.hpp), each chunk with a book and a pool of its own.
+void set_up_graphs(stage_state& s) {
+  if (s.options.cuda_graphs == cuda_graph_mode::off) {
+    return;
+  }
+  for (std::size_t c = 0; c < s.chunks.size(); ++c) {
+    auto who = s.chunks.size() == 1 ? detail::concat("stage ", s.options.index)
+                                    : detail::concat("stage ", s.options.index, ", chunk ", c);
+    s.chunks[c]->use_graphs(s.device, s.options.cuda_graphs, who);
+    if (s.options.loss_with_inputs && s.chunks[c]->is_last()) {
+      s.chunks[c]->turn_off_graphs("its loss takes the batch's inputs, which stay on the host");
+    }
+  }
+  say_graph_notes(s);
 }
 
 void set_threads(stage_state& s) {
@@ -409,6 +464,7 @@ void start_plan(stage_actor_type self, step_plan plan) {
   s.waiting = false;
   s.active = true;
   try {
+    begin_graph_steps(s);
     for (auto& chunk : s.chunks) {
       chunk->begin_step(s.plan.train);
     }
@@ -466,6 +522,7 @@ void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
       chunk->synchronise_batch_norm(s.batch_norm_sync);
     }
   }
+  set_up_graphs(s);
 }
 
 // The wait deadline fired: fails the step naming what the stage waited for, unless the wait

@@ -93,6 +93,9 @@ json encode(recompute_mode v) {
 json encode(precision_mode v) {
   return to_string(v);
 }
+json encode(cuda_graph_mode v) {
+  return to_string(v);
+}
 json encode(buffer_sync v) {
   return to_string(v);
 }
@@ -121,6 +124,9 @@ void decode(const json& j, recompute_mode& v) {
 }
 void decode(const json& j, precision_mode& v) {
   v = parse_precision(j.get<std::string>());
+}
+void decode(const json& j, cuda_graph_mode& v) {
+  v = parse_cuda_graph_mode(j.get<std::string>());
 }
 void decode(const json& j, loss_reduction& v) {
   auto text = j.get<std::string>();

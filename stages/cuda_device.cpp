@@ -4,6 +4,7 @@
 #include "stages/device.hpp"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h> // recordStream
 #include <c10/cuda/CUDAEvent.h>
@@ -83,21 +84,38 @@ const c10::CachingAllocator::Stat& aggregate(const c10::CachingAllocator::StatAr
   return stats[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
 }
 
-// Recorded on the producing stage's stream after the bundle's tensors were made.
+// Recorded on the producing stage's stream after the bundle's tensors were made. A stage keeps
+// a ring of them (cuda_context::record), each re-recorded once no bundle holds it.
 class cuda_ready_event final : public ready_event {
 public:
-  explicit cuda_ready_event(const CUDAStream& stream)
-    : device_(stream.device_index()), event_(cudaEventDisableTiming) {
+  explicit cuda_ready_event(c10::DeviceIndex device)
+    : device_(device), event_(cudaEventDisableTiming) {}
+  void record(const CUDAStream& stream, bool graph_owned) {
     event_.record(stream);
+    graph_owned_ = graph_owned;
   }
   void synchronize() const override { event_.synchronize(); }
   // Makes `stream` wait for the event (on the GPU; the host goes on).
   void block(const CUDAStream& stream) const { event_.block(stream); }
   c10::DeviceIndex device() const { return device_; }
+  bool graph_owned() const { return graph_owned_; }
 
 private:
   c10::DeviceIndex device_;
   mutable c10::cuda::CUDAEvent event_;
+  bool graph_owned_ = false;
+};
+
+// One capture at a time in the process (CUDA's rule for captures that share the allocator).
+std::mutex& capture_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+class cuda_graph final : public device_graph {
+public:
+  void replay() override { graph.replay(); }
+  at::cuda::CUDAGraph graph;
 };
 
 class cuda_context final : public device_context {
@@ -151,8 +169,20 @@ public:
     c10::cuda::setCurrentCUDAStream(stream_);
   }
 
-  std::shared_ptr<const ready_event> record() override {
-    return std::make_shared<cuda_ready_event>(current_);
+  std::shared_ptr<const ready_event> record(bool graph_owned) override {
+    // The next event of the ring that no bundle holds (the ring's own reference alone): a
+    // receiver lets go of it once its stream waits for it.
+    for (std::size_t tried = 0; tried < events_.size(); ++tried) {
+      auto& event = events_[(next_event_ + tried) % events_.size()];
+      if (event.use_count() == 1) {
+        next_event_ = (next_event_ + tried + 1) % events_.size();
+        event->record(current_, graph_owned);
+        return event;
+      }
+    }
+    events_.push_back(std::make_shared<cuda_ready_event>(index_));
+    events_.back()->record(current_, graph_owned);
+    return events_.back();
   }
 
   void adopt(bundle& b) override {
@@ -162,6 +192,10 @@ public:
       // (libtorch's cross-device copy): it waits too.
       if (event->device() != index_) {
         event->block(c10::cuda::getCurrentCUDAStream(event->device()));
+      }
+      if (event->graph_owned()) {
+        b.set_ready(nullptr);
+        return;
       }
     } else if (b.ready()) {
       b.ready()->synchronize();
@@ -182,6 +216,34 @@ public:
     for (const auto& chunk : chunk_streams_) {
       chunk.synchronize();
     }
+  }
+
+  bool captures_graphs() const override { return true; }
+
+  graph_pool new_graph_pool() override {
+    auto id = at::cuda::graph_pool_handle();
+    return {id.first, id.second};
+  }
+
+  std::unique_ptr<device_graph> capture(graph_pool pool,
+                                        const std::function<void()>& body) override {
+    std::lock_guard<std::mutex> one_at_a_time{capture_mutex()};
+    auto made = std::make_unique<cuda_graph>();
+    // Dropout draws from the device's generator: a replay advances it as the eager work would.
+    made->graph.register_generator_state(at::cuda::detail::getDefaultCUDAGenerator(index_));
+    // Thread-local: the other stages' threads go on queueing their own work meanwhile.
+    made->graph.capture_begin({pool.first, pool.second}, cudaStreamCaptureModeThreadLocal);
+    try {
+      body();
+    } catch (...) {
+      try {
+        made->graph.capture_end();
+      } catch (...) { // the capture was invalidated: what the body threw says why
+      }
+      throw;
+    }
+    made->graph.capture_end();
+    return made;
   }
 
   void begin_timeline(double host_ms) override {
@@ -215,6 +277,9 @@ private:
   CUDAStream current_;
   // Timing events, reused step after step; the first `used_` belong to the running step.
   std::vector<std::unique_ptr<c10::cuda::CUDAEvent>> marks_;
+  // Hand-off events, made as needed and reused (record).
+  std::vector<std::shared_ptr<cuda_ready_event>> events_;
+  std::size_t next_event_ = 0;
   std::size_t used_ = 0;
   int zero_ = -1;
   double host_ms_ = 0;

@@ -3,10 +3,18 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 
+#include <mutex>
+
 #include <actorpipe/errors.hpp>
 
 namespace actorpipe::stages {
 namespace {
+
+std::mutex override_mutex;
+device_override::factory& overriding() {
+  static device_override::factory make;
+  return make;
+}
 
 class cpu_context final : public device_context {
 public:
@@ -59,7 +67,32 @@ void check_device(c10::Device device, const std::string& who) {
   }
 }
 
+graph_pool device_context::new_graph_pool() {
+  throw invalid_argument(detail::concat(device_.str(), ": this device captures no graphs"));
+}
+
+std::unique_ptr<device_graph> device_context::capture(graph_pool, const std::function<void()>&) {
+  throw invalid_argument(detail::concat(device_.str(), ": this device captures no graphs"));
+}
+
+device_override::device_override(factory make) {
+  std::lock_guard<std::mutex> lock{override_mutex};
+  ACTORPIPE_CHECK(!overriding(), "a device_override is already alive");
+  overriding() = std::move(make);
+}
+
+device_override::~device_override() {
+  std::lock_guard<std::mutex> lock{override_mutex};
+  overriding() = nullptr;
+}
+
 std::shared_ptr<device_context> make_device_context(c10::Device device) {
+  {
+    std::lock_guard<std::mutex> lock{override_mutex};
+    if (overriding()) {
+      return overriding()(device);
+    }
+  }
   check_device(device, "stage");
   if (device.is_cpu()) {
     return std::make_shared<cpu_context>();

@@ -6,8 +6,10 @@
 /// stream of its own. The scheduler, the actors and comm/ stay device-blind: they call this.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <ATen/core/Generator.h>
 #include <c10/core/Device.h>
@@ -16,6 +18,18 @@
 #include <actorpipe/memory.hpp>
 
 namespace actorpipe::stages {
+
+/// A memory pool of CUDA graphs (CUDA's MempoolId_t): graphs captured into one pool must replay
+/// in the order they were captured, never side by side, so each stage has a pool of its own.
+using graph_pool = std::pair<unsigned long long, unsigned long long>;
+
+/// Work captured once and run again on the same memory: a CUDA graph (stages/graphs.hpp).
+class device_graph {
+public:
+  virtual ~device_graph() = default;
+  /// Queues the captured work again, on the device's current stream.
+  virtual void replay() = 0;
+};
 
 class device_context {
 public:
@@ -40,12 +54,18 @@ public:
   virtual void end_chunks() {}
 
   /// An event recorded on the stream after what it has been given so far (null on the CPU):
-  /// set it on a bundle before the bundle leaves the stage.
-  virtual std::shared_ptr<const ready_event> record() { return nullptr; }
+  /// set it on a bundle before the bundle leaves the stage. `graph_owned`: the bundle's
+  /// tensors are a graph's static buffers, which the allocator never reuses while the graph
+  /// lives, so the receiver need not mark them as used on its stream. A GPU takes the event
+  /// from a ring made once (one CUDA call: the record), reusing one that no bundle holds.
+  virtual std::shared_ptr<const ready_event> record(bool /*graph_owned*/ = false) {
+    return nullptr;
+  }
 
   /// Takes in a bundle made elsewhere: the stream waits for its event (without blocking the
-  /// host), and its device tensors are marked as used on this stream, so that their memory is
-  /// not reused before this stream is done with them. The bundle's event is cleared. On the
+  /// host), and its device tensors (unless graph-owned) are marked as used on this stream, so
+  /// that their memory is not reused before this stream is done with them. The bundle's event
+  /// is cleared. On the
   /// CPU the host waits for the event: a GPU stage's output is complete before a CPU stage
   /// copies it (that copy runs on the thread's default stream, which does not wait for the
   /// producer's).
@@ -66,6 +86,17 @@ public:
   virtual int mark() { return -1; }
   virtual double at_ms(int /*mark*/) const { return -1; }
 
+  /// CUDA graphs (stages/graphs.hpp): whether this device captures them (a GPU: yes; the
+  /// CPU: no, and the two calls below throw).
+  virtual bool captures_graphs() const { return false; }
+  /// A new pool for one stage's graphs.
+  virtual graph_pool new_graph_pool();
+  /// Captures what `body` queues on the current stream into a graph of `pool`. The captured
+  /// kernels do not run until replay(); one capture at a time in the process; the random
+  /// generator is registered so that a replay draws as eager work would. Throws what `body` or
+  /// the capture threw (a host synchronisation inside it, say), the capture ended.
+  virtual std::unique_ptr<device_graph> capture(graph_pool pool, const std::function<void()>& body);
+
 protected:
   explicit device_context(c10::Device device) : device_(device) {}
 
@@ -77,6 +108,17 @@ private:
 /// exist or this build cannot use it ("cuda:1: this machine has 1 CUDA device";
 /// "cuda:0: this build of actorpipe has no CUDA").
 std::shared_ptr<device_context> make_device_context(c10::Device device);
+
+/// Tests: while alive, make_device_context returns what `make` returns (a device that records
+/// its calls and captures "graphs" on the CPU, say); one at a time.
+class device_override {
+public:
+  using factory = std::function<std::shared_ptr<device_context>(c10::Device)>;
+  explicit device_override(factory make);
+  ~device_override();
+  device_override(const device_override&) = delete;
+  device_override& operator=(const device_override&) = delete;
+};
 
 /// Whether this build can bind stages to CUDA devices, and how many there are here (0 when the
 /// build has no CUDA or the machine no GPU).

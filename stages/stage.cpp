@@ -36,14 +36,6 @@ bool draws_random(const torch::nn::Module& m) {
          dynamic_cast<const torch::nn::RReLUImpl*>(&m) != nullptr;
 }
 
-// Stages share the CPU generator. A forward that will be recomputed must draw a contiguous run
-// of it (recomputation replays the run from its start), so it holds this lock exclusively;
-// other forwards that draw hold it shared, and stages that draw nothing never take it.
-std::shared_mutex& generator_lock() {
-  static std::shared_mutex lock;
-  return lock;
-}
-
 // The state of the generator the stage's device draws from (the CPU's, or its GPU's).
 torch::Tensor generator_state(c10::Device device) {
   auto generator = default_generator(device);
@@ -251,25 +243,6 @@ bundle stage::receive(const bundle& input, bool train) const {
   return x;
 }
 
-namespace {
-
-// Detached copies of `y`'s tensors that keep the flag saying they need a gradient.
-bundle detach_keeping_flags(const bundle& y) {
-  auto out = y;
-  for (auto& t : out.tensors()) {
-    if (t.defined()) {
-      bool flagged = bundle::needs_gradient(t);
-      t = t.detach();
-      if (flagged) {
-        t.requires_grad_(true);
-      }
-    }
-  }
-  return out;
-}
-
-} // namespace
-
 int64_t stage::input_bytes(const stash_entry& entry) {
   int64_t bytes = 0;
   for (const auto& t : entry.input.tensors()) {
@@ -308,6 +281,18 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
   stash_entry entry;
   entry.input = receive(input, true);
+  if (graphs_ && !graphs_->book.is_off()) {
+    graphs_->replayed_last = false;
+    if (recompute) {
+      graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
+    }
+    auto use = graphs_->book.forward(microbatch, tensor_signature::of(entry.input));
+    if (use != graph_book::use::eager) {
+      if (auto sent = graphed_forward(microbatch, entry.input, use)) {
+        return std::move(*sent);
+      }
+    }
+  }
   // With recomputation the graph is built (it says which outputs need a gradient) and dropped
   // at once: only the input, and where the stage draws random numbers the generator's state,
   // stay until backward.
@@ -360,6 +345,19 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
   stash_entry entry;
   entry.input = receive(input, true);
+  if (graphs_ && !graphs_->book.is_off()) {
+    graphs_->replayed_last = false;
+    if (recompute) {
+      graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
+    }
+    auto use = graphs_->book.forward(microbatch, tensor_signature::of(entry.input, target));
+    if (use != graph_book::use::eager) {
+      torch::AutoGradMode grad_mode{true};
+      if (auto value = graphed_forward(microbatch, entry.input, use, target, &loss, scale)) {
+        return (*value)[0];
+      }
+    }
+  }
   torch::Tensor value;
   memory_tally tally{config_.device};
   {
@@ -532,6 +530,12 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
     throw pipeline_error(detail::concat(where(microbatch), ": backward without a stashed forward"),
                          details(microbatch, error_kind::stage_failure));
   }
+  if (graphs_) {
+    graphs_->replayed_last = false;
+    if (it->second.graphed) {
+      return graphed_backward(microbatch, it, output_gradient);
+    }
+  }
   recompute(microbatch, it->second);
   pair_gradients(microbatch, it->second, output_gradient);
   auto entry = std::move(it->second);
@@ -544,6 +548,7 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
   count->reset_peak();
   memory_tally tally{config_.device, count};
   if (!entry.roots.empty()) {
+    compat::backward_on_this_thread here;
     torch::autograd::backward(entry.roots, entry.root_gradients);
   }
   std::vector<torch::Tensor> grads;
@@ -641,6 +646,9 @@ std::size_t stage::synchronise_batch_norm(const c10::intrusive_ptr<batch_norm_sy
 
 void stage::abort_step() {
   std::lock_guard<std::mutex> guard{mutex_};
+  if (graphs_ && graphs_->book.abandon_capture()) {
+    graphs_->passes.clear(); // some micro-batches may have a forward graph and no backward
+  }
   for (const auto& [microbatch, entry] : stash_) {
     add_stashed(-entry.bytes); // the other chunks of a shared tally keep theirs
   }

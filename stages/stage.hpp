@@ -24,6 +24,8 @@
 #include <actorpipe/options.hpp>
 #include <actorpipe/partition.hpp>
 
+#include "stages/graphs.hpp"
+
 namespace actorpipe {
 class DeferredBatchNorm2dImpl;
 class batch_norm_sync;
@@ -142,6 +144,25 @@ public:
   void use_weight_pass(bool on);
   /// W's so far: how many ran as a weight pass and how many walked the graph.
   std::pair<std::size_t, std::size_t> weight_passes() const;
+
+  /// CUDA graphs (stages/graphs.hpp) on `device`, the stage actor's (which captures them),
+  /// under `mode`; `who` names the stage in the notes. Off (the default): always eager. A
+  /// stage with deferred batch norms, recomputation or a loss that takes the batch's inputs
+  /// runs eagerly, and says why once.
+  void use_graphs(std::shared_ptr<device_context> device, cuda_graph_mode mode,
+                  const std::string& who);
+  /// Starts a training step's graphs with the stage's part of the program, in order (before
+  /// begin_step); and, during the warm-up, an eager action's host time (auto's rule).
+  void begin_graph_step(const std::vector<graph_action>& program);
+  void observe_action_ms(double ms);
+  /// Runs without graphs from now on, saying why once (a loss that takes the batch's inputs).
+  void turn_off_graphs(const std::string& why);
+  /// Whether the last forward's or backward's result is a graph's static buffers (see
+  /// device_context::record).
+  bool replayed_last() const;
+  /// What the graphs have to say, each line once (taken); replays and captures so far.
+  std::vector<std::string> take_graph_notes();
+  std::pair<std::size_t, std::size_t> graph_counts() const;
 
   /// After the last micro-batch of a training step: deferred batch norms update their running
   /// statistics from the whole step's (DeferredBatchNorm2dImpl::commit).
@@ -279,6 +300,8 @@ private:
     double scale = 1.0;
     /// What it holds (peak_stash_bytes).
     int64_t bytes = 0;
+    /// Its forward replayed a CUDA graph (graphs_->passes holds the rest).
+    bool graphed = false;
     /// The count of what its forward (or its recomputation) allocated, which its backward
     /// counts on too (peak_working_bytes).
     std::shared_ptr<memory::tally_count> count;
@@ -318,6 +341,30 @@ private:
   bundle receive(const bundle& input, bool train) const;
 
   bundle run(int32_t microbatch, const bundle& input) const;
+
+  // CUDA graphs: the book, the device that captures, the stage's pool, each micro-batch's
+  // pass and the parameters' gradients that every backward graph adds into.
+  struct graphs {
+    graph_book book;
+    std::shared_ptr<device_context> device;
+    std::optional<graph_pool> pool;
+    std::map<int32_t, graph_pass> passes;
+    std::vector<torch::Tensor> parameter_gradients;
+    bool replayed_last = false;
+  };
+  std::unique_ptr<graphs> graphs_;
+  // A training forward through its graph (captured first in the capture step), stashed;
+  // nothing when a capture fails (then eager from now on). `x` as receive() made it.
+  std::optional<bundle> graphed_forward(int32_t microbatch, const bundle& x, graph_book::use use,
+                                        const torch::Tensor& target = {},
+                                        const loss_function* loss = nullptr, double scale = 1);
+  graph_pass& capture_forward(int32_t microbatch, const bundle& x, const torch::Tensor& target,
+                              const loss_function* loss);
+  bundle graphed_backward(int32_t microbatch, std::map<int32_t, stash_entry>::iterator it,
+                          const bundle& output_gradient);
+  void capture_backward(int32_t microbatch, graph_pass& pass);
+  // Makes each parameter's gradient the tensor the backward graphs add into (its value kept).
+  void seat_parameter_gradients(graph_pass& pass);
   std::string where(int32_t microbatch) const;
   // The fields of a pipeline_error about `microbatch` of this stage.
   error_details details(int32_t microbatch, error_kind kind) const;

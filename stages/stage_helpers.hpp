@@ -1,9 +1,10 @@
-// What stages/stage.cpp (a stage's passes) and stages/stage_state.cpp (its optimizer and state)
-// share: shapes in messages, the optimizer's keys, model-wide names. Private to stages/.
+// What stages/stage.cpp (a stage's passes), stages/stage_graphs.cpp (the same through CUDA
+// graphs) and stages/stage_state.cpp (its optimizer and state) share: the generator's lock, shapes in messages, the optimizer's keys, model-wide names. Private to stages/.
 #pragma once
 
 #include <map>
 #include <set>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 
@@ -51,6 +52,29 @@ void for_each_named(const layer_list& layers, bool buffers,
       }
     }
   }
+}
+
+// Stages share the CPU generator. A forward that will be recomputed must draw a contiguous run
+// of it (recomputation replays the run from its start), so it holds this lock exclusively;
+// other forwards that draw hold it shared, and stages that draw nothing never take it.
+inline std::shared_mutex& generator_lock() {
+  static std::shared_mutex lock;
+  return lock;
+}
+
+// Detached copies of `y`'s tensors that keep the flag saying they need a gradient.
+inline bundle detach_keeping_flags(const bundle& y) {
+  auto out = y;
+  for (auto& t : out.tensors()) {
+    if (t.defined()) {
+      bool flagged = bundle::needs_gradient(t);
+      t = t.detach();
+      if (flagged) {
+        t.requires_grad_(true);
+      }
+    }
+  }
+  return out;
 }
 
 } // namespace actorpipe::stages::stage_helpers

@@ -1,5 +1,7 @@
 #include "stages/weight_pass.hpp"
 
+#include <actorpipe/torch_compat.hpp>
+
 #include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
@@ -226,6 +228,7 @@ std::vector<at::Tensor> input_backward(const std::vector<at::Tensor>& roots,
   if (pass != nullptr) {
     targets.insert(targets.end(), pass->in_b_.begin(), pass->in_b_.end());
   }
+  compat::backward_on_this_thread here;
   auto grads = torch::autograd::grad(roots, targets, root_gradients, /*retain_graph=*/true,
                                      /*create_graph=*/false, /*allow_unused=*/true);
   if (pass != nullptr) {
@@ -256,6 +259,7 @@ bool weight_backward(const std::vector<at::Tensor>& roots,
   }
   auto targets = pass != nullptr ? pass->left_for_w(parameters) : parameters;
   if (!targets.empty()) {
+    compat::backward_on_this_thread here;
     torch::autograd::backward(roots, root_gradients, /*retain_graph=*/false,
                               /*create_graph=*/false, /*inputs=*/targets);
   }
@@ -322,6 +326,7 @@ void weight_pass::run() {
   if (roots.empty()) {
     return;
   }
+  compat::backward_on_this_thread here;
   torch::autograd::Engine::get_default_engine().execute(roots, gradients, /*keep_graph=*/false,
                                                         /*create_graph=*/false,
                                                         /*accumulate_grad=*/true);

@@ -399,6 +399,47 @@ inline recompute_mode parse_recompute_mode(const std::string& text) {
 }
 
 /// The arithmetic of the stages' forward and backward (docs/transformers.md#precision).
+/// CUDA graphs for stages on GPUs (docs/gpu.md#cuda-graphs): after two eager training steps
+/// each stage captures a forward and a backward graph per micro-batch, in its program's order,
+/// and replays them from then on; a micro-batch of another shape, a step of another program, and
+/// what cannot be captured run eagerly (said once, with the reason). Nothing on the CPU.
+enum class cuda_graph_mode {
+  /// Always eager.
+  off,
+  /// Every GPU stage that can captures.
+  on,
+  /// A GPU stage captures where its eager actions over the warm-up averaged under
+  /// graph_auto_below_ms on the host: there its kernels' launches are a visible part of each.
+  automatic,
+};
+
+/// auto's threshold: an action the host queues in under this many milliseconds is launch-bound
+/// (a kernel's launch costs the host ~5 us; at a few hundred kernels an action, that is it).
+constexpr double graph_auto_below_ms = 2.0;
+
+/// "off", "on", "auto".
+inline const char* to_string(cuda_graph_mode mode) {
+  switch (mode) {
+  case cuda_graph_mode::off:
+    return "off";
+  case cuda_graph_mode::on:
+    return "on";
+  case cuda_graph_mode::automatic:
+    return "auto";
+  }
+  return "off";
+}
+
+/// The mode named by to_string; invalid_argument naming the choices otherwise.
+inline cuda_graph_mode parse_cuda_graph_mode(const std::string& text) {
+  for (auto mode : {cuda_graph_mode::off, cuda_graph_mode::on, cuda_graph_mode::automatic}) {
+    if (text == to_string(mode)) {
+      return mode;
+    }
+  }
+  throw invalid_argument("unknown CUDA graph mode '" + text + "' (choose auto, on or off)");
+}
+
 enum class precision_mode {
   /// Everything in float32.
   fp32,
@@ -523,6 +564,9 @@ struct pipeline_options {
   recompute_mode recompute = recompute_mode::never;
   /// Mixed precision on every stage (fp32: none).
   precision_mode precision = precision_mode::fp32;
+  /// CUDA graphs on GPU stages (cuda_graph_mode). Off by default until measured on a GPU
+  /// (docs/gpu.md#cuda-graphs); nothing changes on the CPU.
+  cuda_graph_mode cuda_graphs = cuda_graph_mode::off;
   /// Stage actors on `actorpipe node` processes (see the remote_model constructor).
   node_placement placement;
 };

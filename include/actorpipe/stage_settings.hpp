@@ -20,7 +20,7 @@ namespace actorpipe {
 
 struct stage_settings {
   /// The wire format's version: a node refuses settings of another.
-  static constexpr int version = 4;
+  static constexpr int version = 5;
 
   /// This stage actor's index among `count`, its chunks and which virtual stage each chunk is.
   std::size_t index = 0;
@@ -45,6 +45,8 @@ struct stage_settings {
   bool chunk_streams = true;
   recompute_mode recompute = recompute_mode::never;
   precision_mode precision = precision_mode::fp32;
+  /// CUDA graphs on a GPU stage (pipeline_options::cuda_graphs).
+  cuda_graph_mode cuda_graphs = cuda_graph_mode::off;
   /// Replicas: buffers after a step, synchronised batch norm, BMUF (block_steps > 0; its block
   /// momentum resolved, >= 0).
   buffer_sync buffers = buffer_sync::broadcast;
@@ -72,6 +74,7 @@ void visit_fields(Settings& s, F&& f) {
   f("chunk_streams", s.chunk_streams);
   f("recompute", s.recompute);
   f("precision", s.precision);
+  f("cuda_graphs", s.cuda_graphs);
   f("buffers", s.buffers);
   f("sync_batch_norm", s.sync_batch_norm);
   f("shard", s.shard);
@@ -105,6 +108,7 @@ inline stage_settings stage_settings_for(const pipeline_options& o, std::size_t 
   s.chunk_streams = o.chunk_streams;
   s.recompute = o.recompute;
   s.precision = o.precision;
+  s.cuda_graphs = o.cuda_graphs;
   s.buffers = o.data_parallel.buffers;
   s.sync_batch_norm = o.data_parallel.sync_batch_norm;
   s.shard = o.data_parallel.shard;

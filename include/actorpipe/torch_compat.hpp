@@ -13,6 +13,7 @@
 /// forms warn on every call)  | | c10d process groups (Gloo, NCCL)     | derive from ProcessGroup
 /// | derive from c10d::Backend  | | c10::Error's second argument         | std::string backtrace |
 /// a lazy backtrace pointer:  | |                                      | | pass `{}` on both lines
+/// | autograd's multithreading switch    | none (CPU only: not needed)  | AutogradState's |
 /// |
 #pragma once
 
@@ -21,6 +22,7 @@
 #include <string>
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
@@ -131,5 +133,31 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
   }
 #endif
 }
+
+/// Runs a backward on the calling thread, not on the autograd engine's worker thread of the
+/// device, while alive (thread-local: make one around each backward, on the thread that runs
+/// it), so that two stages on one GPU launch their backwards side by side. On 1.13 nothing:
+/// that line computes on the CPU, whose backward runs on the calling thread already.
+class backward_on_this_thread {
+public:
+#if ACTORPIPE_TORCH_2
+  backward_on_this_thread() : was_(c10::AutogradState::get_tls_state().get_multithreading_enabled()) {
+    c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+  }
+  ~backward_on_this_thread() {
+    c10::AutogradState::get_tls_state().set_multithreading_enabled(was_);
+  }
+#else
+  backward_on_this_thread() {} // user-provided: an object that does nothing is not "unused"
+  ~backward_on_this_thread() {}
+#endif
+  backward_on_this_thread(const backward_on_this_thread&) = delete;
+  backward_on_this_thread& operator=(const backward_on_this_thread&) = delete;
+
+#if ACTORPIPE_TORCH_2
+private:
+  bool was_;
+#endif
+};
 
 } // namespace actorpipe::compat
