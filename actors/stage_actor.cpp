@@ -358,7 +358,7 @@ void begin_graph_steps(stage_state& s) {
   std::vector<std::vector<stages::graph_action>> programs(s.chunks.size());
   for (std::size_t i = 0; i < s.plan.program.size(); ++i) {
     const auto& a = s.plan.program[i];
-    auto what = a.kind == action_kind::forward    ? stages::graph_action::kind::forward
+    auto what = a.kind == action_kind::forward ? stages::graph_action::kind::forward
                 : a.kind == action_kind::backward && !s.split_actions.at(i)
                   ? stages::graph_action::kind::backward
                   : stages::graph_action::kind::weight; // a split B, or its W

@@ -6,6 +6,9 @@
 //   3. the gpt's tokens per second in fp32 and bf16 (two stages on the device, 4 micro-batches),
 //      width 1024 and 512 tokens, at 16 and 64 sequences a batch: the smaller leaves a GPU
 //      waiting for the host's kernel launches, the larger is decided by its matrix products;
+//   with CUDA graphs off and on (--cuda-graphs off,on; docs/gpu.md#cuda-graphs) for the pipeline
+//   rows of 1-3, beside plain libtorch accumulating the same micro-batches (the seed scenario) and
+//   a training hop (4 near-empty stages, 64 micro-batches, a forward and a backward hop each);
 //   4. schedules on the gpt (fp32, 32 sequences, 8 micro-batches, two stages): 1F1B, ZB-V, and
 //      DualPipeV with each chunk on a stream of its own (pipeline_options::chunk_streams) and
 //      with one stream per stage, side by side.
@@ -48,16 +51,19 @@ struct settings {
   std::vector<int64_t> gpt_batches{16, 64};
   int64_t schedules_batch = 32;
   bool host_batch = false;
+  std::vector<std::string> graphs{"off", "on"};
 };
 
 double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
-// Median step time of `step` (which returns once the step's work is done) after one warm-up.
+// Median step time of `step` (which returns once the step's work is done) after `warmup` steps.
 template <class Step>
-double median_step_ms(int steps, Step&& step) {
-  step();
+double median_step_ms(int steps, Step&& step, int warmup = 1) {
+  for (int i = 0; i < warmup; ++i) {
+    step();
+  }
   std::vector<double> times;
   for (int i = 0; i < steps; ++i) {
     auto start = clock_type::now();
@@ -112,11 +118,47 @@ double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
   });
 }
 
+// Plain libtorch's step accumulating `m` micro-batches' gradients before one optimizer step:
+// the same kernels a pipeline of the same micro-batches runs, with no engine around them.
+double plain_accumulating_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
+                             const torch::Tensor& y, std::size_t m, int steps) {
+  std::vector<torch::Tensor> parameters;
+  for (auto& l : layers) {
+    if (auto module = l.module()) {
+      module->to(device);
+      for (auto& p : module->parameters()) {
+        parameters.push_back(p);
+      }
+    }
+  }
+  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(0.05));
+  auto xs = torch::tensor_split(x.to(device), static_cast<int64_t>(m), 0);
+  auto ys = torch::tensor_split(y.to(device), static_cast<int64_t>(m), 0);
+  auto loss = builtin_loss("mse");
+  return median_step_ms(steps, [&] {
+    optimizer.zero_grad();
+    torch::Tensor last;
+    for (std::size_t i = 0; i < m; ++i) {
+      last = loss(run_layers(layers, xs[i]), ys[i]) / static_cast<double>(m);
+      last.backward();
+    }
+    optimizer.step();
+    last.item<double>(); // waits for the device
+  });
+}
+
+// Warm-up steps before timing: CUDA graphs capture in the third training step.
+int warmup_for(cuda_graph_mode graphs) {
+  return graphs == cuda_graph_mode::off ? 1 : 3;
+}
+
 // The pipeline's step on x and y as given (on the device, or on the host with --host-batch).
 double pipeline_ms(engine& sys, const layer_list& layers, std::size_t stages, std::size_t splits,
                    c10::Device device, const torch::Tensor& x, const torch::Tensor& y, int steps,
-                   precision_mode precision = precision_mode::fp32) {
+                   precision_mode precision = precision_mode::fp32,
+                   cuda_graph_mode graphs = cuda_graph_mode::off) {
   pipeline_options o;
+  o.cuda_graphs = graphs;
   o.microbatches = splits;
   o.schedule = schedule_kind::one_f_one_b;
   o.loss = builtin_loss(y.is_floating_point() ? "mse" : "cross_entropy");
@@ -124,7 +166,16 @@ double pipeline_ms(engine& sys, const layer_list& layers, std::size_t stages, st
   o.devices.assign(stages, device);
   o.precision = precision;
   pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
-  return median_step_ms(steps, [&] { pipe.train_step(x, y); });
+  return median_step_ms(
+    steps, [&] { pipe.train_step(x, y); }, warmup_for(graphs));
+}
+
+std::vector<cuda_graph_mode> graph_modes(const settings& s) {
+  std::vector<cuda_graph_mode> modes;
+  for (const auto& g : s.graphs) {
+    modes.push_back(parse_cuda_graph_mode(g));
+  }
+  return modes;
 }
 
 // Where the pipeline's batch starts: the device, as plain libtorch's (or the host: --host-batch).
@@ -141,10 +192,21 @@ nlohmann::json seed_scenario(engine& sys, const settings& s, c10::Device device)
   double plain = plain_ms(resnet50(), device, x, y, s.steps);
   std::fprintf(stderr, "seed scenario: plain libtorch %.1f ms\n", plain);
   for (auto m : s.splits) {
-    double ms = pipeline_ms(sys, resnet50(), 2, m, device, px, py, s.steps);
-    std::fprintf(stderr, "seed scenario: 2 stages, %zu splits: %.1f ms (%.3fx plain)\n", m, ms,
-                 plain / ms);
-    rows.push_back({{"splits", m}, {"ms", ms}, {"plain_over_pipeline", plain / ms}});
+    double accumulating = plain_accumulating_ms(resnet50(), device, x, y, m, s.steps);
+    for (auto graphs : graph_modes(s)) {
+      double ms =
+        pipeline_ms(sys, resnet50(), 2, m, device, px, py, s.steps, precision_mode::fp32, graphs);
+      std::fprintf(stderr,
+                   "seed scenario: 2 stages, %zu splits, graphs %s: %.1f ms (%.3fx plain, %.3fx "
+                   "plain accumulating %zu micro-batches)\n",
+                   m, to_string(graphs), ms, plain / ms, accumulating / ms, m);
+      rows.push_back({{"splits", m},
+                      {"cuda_graphs", to_string(graphs)},
+                      {"ms", ms},
+                      {"plain_over_pipeline", plain / ms},
+                      {"plain_accumulating_ms", accumulating},
+                      {"accumulating_over_pipeline", accumulating / ms}});
+    }
   }
   return {{"plain_ms", plain}, {"two_stages_one_device", rows}};
 }
@@ -177,6 +239,26 @@ nlohmann::json hop_cost(engine& sys, const settings& s, c10::Device device) {
     out[m == 1 ? "one_microbatch" : "steady"] = {
       {"stages", stages}, {"microbatches", m}, {"pass_ms", ms}, {"per_hop_us", per_hop_us}};
   }
+  // Training: a forward and a backward hop per stage and micro-batch, with graphs off and on.
+  for (auto graphs : graph_modes(s)) {
+    const std::size_t m = 64;
+    pipeline_options o;
+    o.microbatches = m;
+    o.optimizer = sgd(0.05);
+    o.loss = builtin_loss("mse");
+    o.devices.assign(stages, device);
+    o.cuda_graphs = graphs;
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), stages), o);
+    auto x = batch_for(s, torch::randn({static_cast<int64_t>(m), 16}), device);
+    auto y = batch_for(s, torch::randn({static_cast<int64_t>(m), 16}), device);
+    double ms = median_step_ms(
+      s.steps * 4, [&] { pipe.train_step(x, y); }, warmup_for(graphs));
+    double per_hop_us = ms * 1000.0 / static_cast<double>(2 * stages * m);
+    std::fprintf(stderr, "per training hop, graphs %s: %.3f ms a step, %.1f us per hop\n",
+                 to_string(graphs), ms, per_hop_us);
+    out[std::string("train_graphs_") + to_string(graphs)] = {
+      {"stages", stages}, {"microbatches", m}, {"step_ms", ms}, {"per_hop_us", per_hop_us}};
+  }
   return out;
 }
 
@@ -202,18 +284,26 @@ nlohmann::json gpt_tokens(engine& sys, const settings& s, int64_t batch, c10::De
   nlohmann::json out{{"batch", batch}, {"tokens_per_step", batch * s.gpt_context}};
   for (auto precision : {precision_mode::fp32, precision_mode::bf16}) {
     auto name = precision == precision_mode::bf16 ? "bf16" : "fp32";
-    double ms = pipeline_ms(sys, gpt(), 2, 4, device, px, py, s.steps, precision);
     double plain = plain_ms(gpt(), device, x, y, s.steps, precision);
-    out[name] = {{"pipeline_ms", ms},
-                 {"pipeline_tokens_per_s", tokens / ms * 1000.0},
-                 {"plain_ms", plain},
-                 {"plain_tokens_per_s", tokens / plain * 1000.0}};
-    std::fprintf(stderr, "gpt, batch %lld, %s: pipeline %.0f tokens/s, plain %.0f tokens/s\n",
-                 static_cast<long long>(batch), name, tokens / ms * 1000.0,
-                 tokens / plain * 1000.0);
+    out[name] = {{"plain_ms", plain}, {"plain_tokens_per_s", tokens / plain * 1000.0}};
+    for (auto graphs : graph_modes(s)) {
+      double ms = pipeline_ms(sys, gpt(), 2, 4, device, px, py, s.steps, precision, graphs);
+      auto key = graphs == cuda_graph_mode::off
+                   ? std::string("pipeline")
+                   : std::string("pipeline_graphs_") + to_string(graphs);
+      out[name][key + "_ms"] = ms;
+      out[name][key + "_tokens_per_s"] = tokens / ms * 1000.0;
+      std::fprintf(stderr,
+                   "gpt, batch %lld, %s, graphs %s: pipeline %.0f tokens/s, plain %.0f "
+                   "tokens/s\n",
+                   static_cast<long long>(batch), name, to_string(graphs), tokens / ms * 1000.0,
+                   tokens / plain * 1000.0);
+    }
   }
-  out["bf16_over_fp32"] =
-    out["fp32"]["pipeline_ms"].get<double>() / out["bf16"]["pipeline_ms"].get<double>();
+  if (out["fp32"].contains("pipeline_ms") && out["bf16"].contains("pipeline_ms")) {
+    out["bf16_over_fp32"] =
+      out["fp32"]["pipeline_ms"].get<double>() / out["bf16"]["pipeline_ms"].get<double>();
+  }
   return out;
 }
 
@@ -276,6 +366,8 @@ int main(int argc, char** argv) {
     ->capture_default_str();
   app.add_flag("--host-batch", s.host_batch,
                "the pipeline's batch starts on the host (pinned and copied every step)");
+  app.add_option("--cuda-graphs", s.graphs, "pipelines with CUDA graphs off, on or auto")
+    ->delimiter(',');
   app.add_option("--json", json_path, "write the results here (default: stdout)");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -1,6 +1,7 @@
 // `actorpipe train`'s flags: each one's help and the train_args field it fills, and the rules of
 // where a flag applies (cli/train_command.cpp runs the command).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/exported.hpp>
@@ -43,6 +44,13 @@ void add_stage_flags(CLI::App* cmd, train_args& a) {
                  "two stages may share a GPU); with --stages auto the devices the planner may "
                  "use, one stage each, profiled on the first; the CUDA build only (docs/gpu.md)")
     ->delimiter(',');
+  add_parsed_flag(
+    cmd, "--cuda-graphs",
+    [&a](const std::string& v) { a.pipeline.cuda_graphs = parse_cuda_graph_mode(v); }, "off",
+    "auto, on or off: after two eager steps each stage on a GPU captures a CUDA graph for the "
+    "forward and the backward of each micro-batch and replays them (auto: where its eager "
+    "actions averaged under 2 ms on the host); not with stages on the CPU "
+    "(docs/gpu.md#cuda-graphs)");
   opt("--after-forward", a.after_forward,
       "A hook on every stage's activation before it is sent on: clamp:V (clamp to [-V, V]), "
       "check_finite (a NaN or an infinity fails the step), or a TorchScript file whose "
@@ -327,6 +335,12 @@ bool tensor_data_set(const train_args& a) {
 void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
   check_node_flags_apply(a);
+  bool on_gpus = std::any_of(a.plan.devices.begin(), a.plan.devices.end(),
+                             [](const c10::Device& d) { return d.is_cuda(); });
+  if (!on_gpus && a.pipeline.cuda_graphs != cuda_graph_mode::off) {
+    refuse("--cuda-graphs", "applies to stages on GPUs (--devices cuda:N): every stage of this "
+                            "run computes on the CPU");
+  }
   const bool tensors = !training::tensor_file_of(a.model.data).empty();
   const bool images = !training::image_folder_of(a.model.data).empty();
   if (images) {

@@ -92,8 +92,8 @@ void graph_book::begin_step(const std::vector<graph_action>& program) {
       double mean = observed_ > 0 ? observed_ms_ / static_cast<double>(observed_) : 0;
       if (observed_ == 0 || mean >= graph_auto_below_ms) {
         turn_off(detail::concat("auto: its eager actions averaged ", mean,
-                                " ms on the host over the warm-up, not under ",
-                                graph_auto_below_ms, " ms, so launches are not what it waits for"));
+                                " ms on the host over the warm-up, not under ", graph_auto_below_ms,
+                                " ms, so launches are not what it waits for"));
         return;
       }
       note(detail::concat(who_, " captures CUDA graphs (auto: its eager actions averaged ", mean,

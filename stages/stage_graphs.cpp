@@ -148,12 +148,12 @@ std::optional<bundle> stage::graphed_forward(int32_t microbatch, const bundle& x
       pass = &capture_forward(microbatch, x, target, loss);
     } catch (const std::exception& e) {
       g.passes.erase(microbatch);
-      g.book.capture_failed(detail::concat("micro-batch ", microbatch, "'s forward: ",
-                                           detail::first_line(e.what())));
+      g.book.capture_failed(
+        detail::concat("micro-batch ", microbatch, "'s forward: ", detail::first_line(e.what())));
       return std::nullopt;
     }
-    g.book.captured(microbatch, target.defined() ? tensor_signature::of(x, target)
-                                                 : tensor_signature::of(x));
+    g.book.captured(microbatch,
+                    target.defined() ? tensor_signature::of(x, target) : tensor_signature::of(x));
     g.book.count_capture();
   } else {
     pass = &g.passes.at(microbatch);
@@ -251,8 +251,8 @@ void stage::capture_backward(int32_t microbatch, graph_pass& pass) {
   try {
     pass.backward = g.device->capture(*g.pool, body);
   } catch (const std::exception& e) {
-    g.book.capture_failed(detail::concat("micro-batch ", microbatch, "'s backward: ",
-                                         detail::first_line(e.what())));
+    g.book.capture_failed(
+      detail::concat("micro-batch ", microbatch, "'s backward: ", detail::first_line(e.what())));
     g.passes.clear();
     throw pipeline_error(
       detail::concat(where(microbatch), ": capturing its backward as a CUDA graph failed (",

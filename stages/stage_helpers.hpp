@@ -1,5 +1,6 @@
 // What stages/stage.cpp (a stage's passes), stages/stage_graphs.cpp (the same through CUDA
-// graphs) and stages/stage_state.cpp (its optimizer and state) share: the generator's lock, shapes in messages, the optimizer's keys, model-wide names. Private to stages/.
+// graphs) and stages/stage_state.cpp (its optimizer and state) share: the generator's lock, shapes
+// in messages, the optimizer's keys, model-wide names. Private to stages/.
 #pragma once
 
 #include <map>

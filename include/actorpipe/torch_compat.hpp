@@ -22,8 +22,8 @@
 #include <string>
 
 #include <ATen/autocast_mode.h>
-#include <c10/core/AutogradState.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
@@ -141,7 +141,8 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 class backward_on_this_thread {
 public:
 #if ACTORPIPE_TORCH_2
-  backward_on_this_thread() : was_(c10::AutogradState::get_tls_state().get_multithreading_enabled()) {
+  backward_on_this_thread()
+    : was_(c10::AutogradState::get_tls_state().get_multithreading_enabled()) {
     c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
   }
   ~backward_on_this_thread() {

@@ -31,15 +31,13 @@ struct call_log {
 };
 
 std::size_t count(const std::vector<std::string>& calls, const std::string& prefix) {
-  return static_cast<std::size_t>(std::count_if(calls.begin(), calls.end(), [&](const auto& c) {
-    return c.rfind(prefix, 0) == 0;
-  }));
+  return static_cast<std::size_t>(std::count_if(
+    calls.begin(), calls.end(), [&](const auto& c) { return c.rfind(prefix, 0) == 0; }));
 }
 
 class recorded_graph final : public stages::device_graph {
 public:
-  recorded_graph(std::shared_ptr<call_log> log, unsigned long long pool,
-                 std::function<void()> body)
+  recorded_graph(std::shared_ptr<call_log> log, unsigned long long pool, std::function<void()> body)
     : log_(std::move(log)), pool_(pool), body_(std::move(body)) {}
   void replay() override {
     log_->add("replay " + std::to_string(pool_));
@@ -129,10 +127,10 @@ void check_equal(const run_result& graphed, const run_result& eager) {
 } // namespace
 
 TEST_CASE("CUDA graphs on a recording device: two eager steps, a capture step in program order, "
-          "then replays; losses and parameters equal eager training's bit for bit") {
-  for (auto setting : {schedule_setting{schedule_kind::gpipe, 1},
-                       schedule_setting{schedule_kind::one_f_one_b, 1},
-                       schedule_setting{schedule_kind::interleaved, 2}}) {
+          "then replays, and losses and parameters equal eager training's bit for bit") {
+  for (auto setting :
+       {schedule_setting{schedule_kind::gpipe, 1}, schedule_setting{schedule_kind::one_f_one_b, 1},
+        schedule_setting{schedule_kind::interleaved, 2}}) {
     for (std::size_t m : {2, 4}) {
       CAPTURE(to_string(setting.kind));
       CAPTURE(m);

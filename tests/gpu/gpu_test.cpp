@@ -472,3 +472,70 @@ TEST_CASE("gpu: DualPipeV's chunks on streams of their own train a tied gpt as o
   }
   check_close(parameters[0], parameters[1], 0, 0);
 }
+
+TEST_CASE("gpu: CUDA graphs (captured in the third step, replayed after) train every schedule as "
+          "eager does on the GPU, a shorter last micro-batch eagerly") {
+  require_gpu();
+  engine sys;
+  torch::manual_seed(4);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
+  for (int64_t n : {10, 10, 10, 10, 9, 10}) {
+    data.emplace_back(torch::randn({n, 1, 4, 4}), torch::randn({n, 3}));
+  }
+  for (auto s : every_schedule()) {
+    CAPTURE(to_string(s.kind));
+    std::vector<std::vector<double>> losses;
+    std::vector<std::vector<std::pair<std::string, torch::Tensor>>> parameters;
+    for (auto graphs : {cuda_graph_mode::off, cuda_graph_mode::on}) {
+      auto layers = tiny_mlp();
+      auto o = options_for(s, {gpu, gpu});
+      o.microbatches = microbatches_for(s.kind, 2, 4);
+      o.cuda_graphs = graphs;
+      pipeline pipe(sys, layers, partition_uniform(layers.size(), 2 * s.chunks), o);
+      losses.emplace_back();
+      for (const auto& [x, t] : data) {
+        losses.back().push_back(pipe.train_step(x, t).loss);
+      }
+      parameters.push_back(to_cpu(pipe.named_parameters()));
+    }
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      CAPTURE(i);
+      CHECK(losses[1][i] == doctest::Approx(losses[0][i]).epsilon(1e-6));
+    }
+    check_close(parameters[1], parameters[0], 1e-6, 1e-7);
+  }
+}
+
+TEST_CASE("gpu: CUDA graphs draw dropout's masks from the registered generator: a gpt with "
+          "dropout, its first stage on the GPU, trains under graphs as eager does") {
+  require_gpu();
+  engine sys;
+  auto [x, y] = random_tokens(32, 8, 6, 5);
+  std::vector<double> losses[2];
+  for (int g = 0; g < 2; ++g) {
+    torch::manual_seed(9);
+    stages::default_generator(gpu).set_current_seed(9);
+    model_options m;
+    m.vocabulary = 32;
+    m.layers = 2;
+    m.heads = 2;
+    m.width = 16;
+    m.context = 6;
+    m.dropout = 0.1;
+    auto layers = make_model("gpt", m);
+    pipeline_options o;
+    o.microbatches = 2;
+    o.loss = builtin_loss("cross_entropy");
+    o.optimizer = adam(1e-3);
+    o.devices = {gpu, cpu}; // one thread draws from the GPU's generator, as eager's order needs
+    o.cuda_graphs = g == 0 ? cuda_graph_mode::off : cuda_graph_mode::on;
+    pipeline pipe(sys, layers, partition_uniform(layers.size(), 2), o);
+    for (int step = 0; step < 5; ++step) {
+      losses[g].push_back(pipe.train_step(x, y).loss);
+    }
+  }
+  for (std::size_t i = 0; i < losses[0].size(); ++i) {
+    CAPTURE(i);
+    CHECK(losses[1][i] == doctest::Approx(losses[0][i]).epsilon(1e-5));
+  }
+}

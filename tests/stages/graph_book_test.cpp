@@ -102,7 +102,8 @@ TEST_CASE("graph book: what keeps a stage eager is said once, with its reason") 
     graph_book book("stage 0", cuda_graph_mode::on, true, 0);
     book.begin_step(one_f_one_b());
     CHECK(book.forward(0, of(2)) == use::capture);
-    book.capture_failed("micro-batch 0's forward: operation not permitted when stream is capturing");
+    book.capture_failed(
+      "micro-batch 0's forward: operation not permitted when stream is capturing");
     book.turn_off("again");
     CHECK(book.forward(1, of(2)) == use::eager);
     auto notes = book.take_notes();
