@@ -26,6 +26,7 @@ stage_settings unusual_settings() {
   s.chunk_streams = false;
   s.recompute = recompute_mode::always;
   s.precision = precision_mode::bf16;
+  s.cuda_graphs = cuda_graph_mode::automatic;
   s.buffers = buffer_sync::average;
   s.sync_batch_norm = true;
   s.shard = shard_mode::gradients;
@@ -83,7 +84,7 @@ TEST_CASE("stage settings cross to a node whole: every field, with a version, ch
   auto sent = unusual_settings();
   auto defaults = fields_of(stage_settings{});
   auto unusual = fields_of(sent);
-  REQUIRE(unusual.size() == 24);
+  REQUIRE(unusual.size() == 25);
   for (const auto& [name, value] : unusual) {
     CAPTURE(name);
     CHECK(value != defaults.at(name));
