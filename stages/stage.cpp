@@ -273,6 +273,9 @@ void stage::unstash(std::map<int32_t, stash_entry>::iterator it) {
 
 bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
+  if (graphs_) {
+    graphs_->replayed_last = false; // an eager result is never marked graph-owned
+  }
   if (!train_) {
     torch::NoGradGuard no_grad;
     return run(microbatch, receive(input, false));
@@ -282,7 +285,6 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   stash_entry entry;
   entry.input = receive(input, true);
   if (graphs_ && !graphs_->book.is_off()) {
-    graphs_->replayed_last = false;
     if (recompute) {
       graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
     }
@@ -341,12 +343,14 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
                                   const torch::Tensor& target, const loss_function& loss,
                                   double scale, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
+  if (graphs_) {
+    graphs_->replayed_last = false;
+  }
   ACTORPIPE_ASSERT(train_ && is_last());
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
   stash_entry entry;
   entry.input = receive(input, true);
   if (graphs_ && !graphs_->book.is_off()) {
-    graphs_->replayed_last = false;
     if (recompute) {
       graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
     }
@@ -563,6 +567,9 @@ bundle stage::backward(int32_t microbatch, const bundle& output_gradient) {
 
 bundle stage::backward_input(int32_t microbatch, const bundle& output_gradient) {
   std::lock_guard<std::mutex> guard{mutex_};
+  if (graphs_) {
+    graphs_->replayed_last = false;
+  }
   auto it = stash_.find(microbatch);
   if (it == stash_.end() || it->second.input_done) {
     throw pipeline_error(detail::concat(where(microbatch), ": input-gradient backward without a "
