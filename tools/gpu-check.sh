@@ -252,7 +252,7 @@ run() {
   stage build 330 configure_and_build
   if [[ ${status[build]} == ok ]]; then
     stage gpu_tests 200 gpu_tests
-    stage gpu_bench 150 gpu_bench
+    stage gpu_bench 240 gpu_bench # graphs off and on side by side (docs/gpu.md#cuda-graphs)
     stage cli 60 cli_run
     stage memory 200 memory_model
     stage slow_link 180 slow_link
