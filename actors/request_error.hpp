@@ -27,20 +27,18 @@ inline std::string request_error(caf::actor_system& sys, const caf::error& err,
   return "failed: " + sys.render(err);
 }
 
-/// The sentence an error carries: a stage's refusal (actors/pipeline_errc.hpp), or what an actor
-/// that answers for another (a stage proxy for its node) put into the error it delivered:
-/// caf::make_error(code, "stage 1 on node ..., asked to ..., did not answer within 2000 ms"),
-/// whose code says the kind (request_timeout, request_receiver_down).
+/// The sentence an error carries: a refusal's (actors/pipeline_errc.hpp), which stages, their
+/// proxies and nodes answer with, whose context starts with it.
 inline std::optional<std::string> carried_sentence(const caf::error& err) {
   const auto& context = err.context();
-  if (context.size() == 1 && context.match_element<std::string>(0)) {
+  if (is_pipeline_error(err) && context.size() >= 1 && context.match_element<std::string>(0)) {
     return context.get_as<std::string>(0);
   }
   return std::nullopt;
 }
 
-/// What kind of failure a failed request is: the kind a stage's refusal carries
-/// (actors/pipeline_errc.hpp), a timeout, a receiver that is gone (the stage actor terminated),
+/// What kind of failure a failed request is: the kind a refusal carries (actors/pipeline_errc.hpp),
+/// or CAF's own: a request that timed out, a receiver that is gone (the stage actor terminated),
 /// or something else.
 inline error_kind request_error_kind(const caf::error& err) {
   if (is_pipeline_error(err)) {

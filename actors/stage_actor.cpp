@@ -409,8 +409,8 @@ void start_plan(stage_actor_type self, step_plan plan) {
     log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
                      "optimizer step is undone",
                      s.options.index, s.stepped_early);
-    if (auto error = restore_before_update(s); !error.empty()) {
-      log::get()->error("{}", error);
+    if (auto error = restore_before_update(s)) {
+      log::get()->error("{}", *error);
     }
   }
   drop_older_than(s.activations, plan.step);
@@ -556,8 +556,8 @@ void abort_step(stage_actor_type self, uint64_t step) {
   std::vector<std::vector<torch::Tensor>> buffers;
   if (s.stepped_early != 0 && s.stepped_early <= step) {
     buffers = std::move(s.early_buffers);
-    if (auto error = restore_before_update(s); !error.empty()) {
-      log::get()->error("{}", error);
+    if (auto error = restore_before_update(s)) {
+      log::get()->error("{}", *error);
     }
   }
   if (step == s.plan.step) {
@@ -578,39 +578,54 @@ void abort_step(stage_actor_type self, uint64_t step) {
   start_queued(self);
 }
 
+// This stage's refusal of a request whose work threw `e`: the kind and fields a pipeline_error
+// carried (else `otherwise`), this stage, and `sentence`.
+caf::error refusal(const stage_state& s, const std::exception& e, error_kind otherwise,
+                   std::string sentence) {
+  error_details d{kind_of(e, otherwise), s.options.index};
+  if (const auto* pe = dynamic_cast<const pipeline_error*>(&e)) {
+    d.microbatch = pe->microbatch();
+    d.step = pe->step();
+  }
+  return make_pipeline_error(d, std::move(sentence));
+}
+
 // BMUF: ends the running block now (or says why not).
-std::string end_block_now(stage_state& s) {
+caf::error end_block_now(stage_state& s) {
   set_threads(s);
+  auto refused = [&](const std::string& sentence) {
+    return make_pipeline_error(error_details{error_kind::replica_failure, s.options.index},
+                               detail::concat("stage ", s.options.index, ": ", sentence));
+  };
   if (sharded(s)) {
     // Every rank takes the same steps and gathers, so all skip together when nothing has stepped
     // since the last gather (train() ends a run's last epoch, and checkpoints it, on rank 0 only).
     bool current = std::all_of(s.chunks.begin(), s.chunks.end(),
                                [](const auto& chunk) { return chunk->holds_gathered_state(); });
     if (current) {
-      return std::string{};
+      return caf::error{};
     }
     try {
       gather_optimizer_state(s);
       s.device->synchronize();
     } catch (const std::exception& e) {
-      return detail::concat("stage ", s.options.index,
-                            ": gathering the sharded optimizer state failed: ", e.what());
+      return refused(detail::concat("gathering the sharded optimizer state failed: ", e.what()));
     }
-    return std::string{};
+    return caf::error{};
   }
   if (!s.bmuf()) {
-    return detail::concat("stage ", s.options.index, ": ending a block needs BMUF replicas");
+    return refused("ending a block needs BMUF replicas");
   }
   if (s.warmed_up && s.block_position == 0) {
-    return std::string{};
+    return caf::error{};
   }
   try {
     end_block(s);
     s.device->synchronize();
   } catch (const std::exception& e) {
-    return detail::concat("stage ", s.options.index, ": BMUF block sync failed: ", e.what());
+    return refused(detail::concat("BMUF block sync failed: ", e.what()));
   }
-  return std::string{};
+  return caf::error{};
 }
 
 // Every chunk's parameters, buffers and optimizer state, on the CPU.
@@ -623,15 +638,16 @@ tensor_map state_on_cpu(stage_state& s) {
   return on_cpu(std::move(all));
 }
 
-// Loads every chunk's state from `all` (and BMUF's block state); what failed, or nothing.
-std::string load_state(stage_state& s, const tensor_map& all) {
+// Loads every chunk's state from `all` (and BMUF's block state); the refusal, of the kind the
+// stage found (a tensor of another shape: shape_mismatch), or none.
+caf::error load_state(stage_state& s, const tensor_map& all) {
   set_threads(s);
   try {
     for (auto& chunk : s.chunks) {
       chunk->load_state(all);
     }
   } catch (const std::exception& e) {
-    return std::string(e.what());
+    return refusal(s, e, error_kind::io, e.what()); // the stage's words name it
   }
   if (s.bmuf()) {
     // A block starts from the loaded parameters (and block momenta), with no warm-up.
@@ -642,7 +658,7 @@ std::string load_state(stage_state& s, const tensor_map& all) {
     s.block_position = 0;
   }
   s.device->synchronize();
-  return std::string{};
+  return caf::error{};
 }
 
 stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
@@ -698,13 +714,13 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       auto& s = self->state;
       set_threads(s);
       auto promise = self->make_response_promise<double>();
-      auto [ms, error] = update(s, step, learning_rate, gradient_scale);
+      auto ms = update(s, step, learning_rate, gradient_scale);
       // The caller may read the parameters once this replies (on a GPU: from another stream).
       s.device->synchronize();
-      if (error.empty()) {
-        promise.deliver(ms);
+      if (ms) {
+        promise.deliver(*ms);
       } else {
-        promise.deliver(make_pipeline_error(error_kind::stage_failure, std::move(error)));
+        promise.deliver(ms.error());
       }
       if (s.awaiting_update && step == s.plan.step) {
         s.awaiting_update = false;
@@ -714,15 +730,18 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       return promise;
     },
     [=](block_atom) -> caf::result<bool> {
-      return done_or_refused(error_kind::replica_failure, end_block_now(self->state));
+      if (auto refused = end_block_now(self->state)) {
+        return refused;
+      }
+      return true;
     },
     [=](save_atom, const std::string& path) -> caf::result<bool> {
       set_threads(self->state);
       try {
         stages::save_tensors(path, state_on_cpu(self->state));
       } catch (const std::exception& e) {
-        return make_pipeline_error(
-          error_kind::io, detail::concat("stage ", self->state.options.index, ": ", e.what()));
+        return refusal(self->state, e, error_kind::io,
+                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
       }
       return true;
     },
@@ -731,12 +750,15 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       try {
         return std::make_shared<const tensor_map>(state_on_cpu(self->state));
       } catch (const std::exception& e) {
-        return make_pipeline_error(
-          error_kind::io, detail::concat("stage ", self->state.options.index, ": ", e.what()));
+        return refusal(self->state, e, error_kind::io,
+                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
-      return done_or_refused(error_kind::io, load_state(self->state, *all));
+      if (auto refused = load_state(self->state, *all)) {
+        return refused;
+      }
+      return true;
     },
   };
 }

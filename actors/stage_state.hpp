@@ -9,10 +9,13 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include <caf/expected.hpp>
 
 #include <actorpipe/batch_norm.hpp>
 
@@ -140,13 +143,13 @@ inline bool sharded(const stage_state& s) {
 void gather_optimizer_state(stage_state& s);
 /// After the replica sync: tied parameters' gradients become the sum over their holders.
 void sum_tied_gradients(stage_state& s);
-/// Puts back the chunks' state from before an early optimizer step; what failed, or empty.
-std::string restore_before_update(stage_state& s);
+/// Puts back the chunks' state from before an early optimizer step; what failed, if anything.
+std::optional<std::string> restore_before_update(stage_state& s);
 /// Post-validation: the optimizer step right after the program.
 void step_early(stage_state& s);
-/// The optimizer step of a training step: (milliseconds it took, error text or empty).
-std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
-                                      double gradient_scale);
+/// The optimizer step of a training step: the milliseconds it took, or this stage's refusal.
+caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate,
+                             double gradient_scale);
 /// Checkpoints and snapshots hold CPU tensors whatever the stage's device.
 stages::stage::tensor_map on_cpu(stages::stage::tensor_map all);
 

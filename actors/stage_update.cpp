@@ -1,11 +1,13 @@
 // What a stage does after its program that needs no actor: the replica sync, tied gradients,
 // BMUF blocks, the early optimizer step and its confirmation (actors/stage_state.hpp).
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include "actors/pipeline_errc.hpp"
 #include "actors/stage_state.hpp"
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
@@ -169,10 +171,10 @@ void sum_tied_gradients(stage_state& s) {
 
 // ZeRO, after the optimizer step: every parameter takes its owner's value. When a broadcast
 // fails, the chunks go back to `before` (owned_only: owned_state()'s copies, else state()'s)
-// and the error is returned; empty on success.
-std::string gather_parameters(stage_state& s, uint64_t step,
-                              const std::vector<stages::stage::tensor_map>& before,
-                              bool owned_only) {
+// and what failed is returned.
+std::optional<std::string> gather_parameters(stage_state& s, uint64_t step,
+                                             const std::vector<stages::stage::tensor_map>& before,
+                                             bool owned_only) {
   try {
     for (auto& chunk : s.chunks) {
       auto layout = chunk->shards();
@@ -181,7 +183,7 @@ std::string gather_parameters(stage_state& s, uint64_t step,
           s.options.sync->broadcast_from_owners(parameters, layout.owner);
         });
     }
-    return std::string{};
+    return std::nullopt;
   } catch (const std::exception& e) {
     for (std::size_t c = 0; c < before.size(); ++c) {
       owned_only ? s.chunks[c]->load_owned_state(before[c]) : s.chunks[c]->load_state(before[c]);
@@ -209,9 +211,9 @@ void gather_optimizer_state(stage_state& s) {
                     s.options.sync->rank() == 0 ? " here" : "");
 }
 
-// Puts back the chunks' state from before an early optimizer step; what failed, or empty.
-std::string restore_before_update(stage_state& s) {
-  std::string error;
+// Puts back the chunks' state from before an early optimizer step; what failed, if anything.
+std::optional<std::string> restore_before_update(stage_state& s) {
+  std::optional<std::string> error;
   try {
     for (std::size_t c = 0; c < s.before_update.size(); ++c) {
       s.chunks[c]->load_state(s.before_update[c]);
@@ -249,35 +251,50 @@ void step_early(stage_state& s) {
     log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
                       s.options.index, s.plan.step, e.what());
     s.stepped_early = s.plan.step;
-    if (auto error = restore_before_update(s); !error.empty()) {
-      log::get()->error("{}", error);
+    if (auto error = restore_before_update(s)) {
+      log::get()->error("{}", *error);
     }
   }
   s.early_ms = ms_since(start);
 }
 
-// The optimizer step of a training step: (milliseconds it took, error text or empty).
-std::pair<double, std::string> update(stage_state& s, uint64_t step, double learning_rate,
-                                      double gradient_scale) {
+// The optimizer step of a training step: the milliseconds it took, or this stage's refusal
+// (stage_failure, with the stage and the step).
+caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate,
+                             double gradient_scale) {
   auto start = clock_type::now();
+  auto refused = [&](std::string sentence) {
+    return make_pipeline_error(
+      error_details{error_kind::stage_failure, s.options.index, std::nullopt, step},
+      std::move(sentence));
+  };
+  auto done = [&](std::optional<std::string> error) -> caf::expected<double> {
+    if (error) {
+      return refused(std::move(*error));
+    }
+    return ms_since(start);
+  };
   if (s.stepped_early != 0) {
     bool same = s.stepped_early == step && gradient_scale == 1.0 &&
                 (learning_rate < 0 || learning_rate == s.early_learning_rate);
     if (same) {
-      auto error = sharded(s) ? gather_parameters(s, step, s.before_update, false) : std::string{};
+      auto error = sharded(s) ? gather_parameters(s, step, s.before_update, false) : std::nullopt;
       s.before_update.clear();
       s.early_buffers.clear();
       s.stepped_early = 0;
-      return {s.early_ms + ms_since(start), error};
+      if (error) {
+        return refused(std::move(*error));
+      }
+      return s.early_ms + ms_since(start);
     }
     if (s.plan.step != step) {
-      return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                              ": its early optimizer step cannot be redone, step ",
-                                              s.plan.step, " already runs on its parameters")};
+      return refused(detail::concat("stage ", s.options.index, ", step ", step,
+                                    ": its early optimizer step cannot be redone, step ",
+                                    s.plan.step, " already runs on its parameters"));
     }
     // Clipping scaled the gradients (or another rate came): the step from the state before.
-    if (auto error = restore_before_update(s); !error.empty()) {
-      return {ms_since(start), error};
+    if (auto error = restore_before_update(s)) {
+      return refused(std::move(*error));
     }
   }
   // A block's last step: the state before it, restored if the block sync fails (sharded: what
@@ -297,19 +314,18 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
       chunk->optimizer_step(gradient_scale);
     }
   } catch (const std::exception& e) {
-    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                            ": optimizer step failed: ", e.what())};
+    return refused(detail::concat("stage ", s.options.index, ", step ", step,
+                                  ": optimizer step failed: ", e.what()));
   }
   if (sharded(s)) {
-    auto error = gather_parameters(s, step, before, true);
-    return {ms_since(start), error};
+    return done(gather_parameters(s, step, before, true));
   }
   if (!s.bmuf()) {
-    return {ms_since(start), std::string{}};
+    return done(std::nullopt);
   }
   if (!block_end) {
     ++s.block_position;
-    return {ms_since(start), std::string{}};
+    return done(std::nullopt);
   }
   try {
     ++s.block_position;
@@ -319,10 +335,10 @@ std::pair<double, std::string> update(stage_state& s, uint64_t step, double lear
     for (std::size_t c = 0; c < before.size(); ++c) {
       s.chunks[c]->load_state(before[c]);
     }
-    return {ms_since(start), detail::concat("stage ", s.options.index, ", step ", step,
-                                            ": BMUF block sync failed: ", e.what())};
+    return refused(detail::concat("stage ", s.options.index, ", step ", step,
+                                  ": BMUF block sync failed: ", e.what()));
   }
-  return {ms_since(start), std::string{}};
+  return done(std::nullopt);
 }
 
 // Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be

@@ -372,7 +372,7 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
       }
     }
     self->send(h->actor, connect_atom::value, std::move(neighbours));
-    h->proxy = std::move(proxy);
+    h->proxy = caf::actor_cast<node_report_listener>(proxy);
     self->monitor(h->proxy);
   } catch (const std::exception& e) {
     return detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what());
@@ -393,7 +393,7 @@ void receive_plan(node_actor* self, uint32_t index, const std::string& text) {
   try {
     h->plan = step_plan_from_json(text, targets);
   } catch (const std::exception& e) {
-    self->send(h->proxy, rfailed_atom::value, index, uint64_t{0},
+    self->send(h->proxy, failed_atom::value, index, uint64_t{0},
                error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
                detail::concat("node ", self->state.label, ": ", e.what()));
     return;
@@ -438,13 +438,13 @@ void report_done(node_actor* self, stage_report& report) {
                             t);
     }
   } catch (const std::exception& e) {
-    self->send(h->proxy, rfailed_atom::value, index, report.step,
+    self->send(h->proxy, failed_atom::value, index, report.step,
                error_kind_to_wire(error_kind::other), int32_t{-1}, std::string{},
                detail::concat("stage ", index, " on node ", self->state.label,
                               " could not send its outputs: ", e.what()));
     return;
   }
-  self->send(h->proxy, rdone_atom::value, index, to_json(report));
+  self->send(h->proxy, done_atom::value, index, to_json(report));
 }
 
 void report_failure(node_actor* self, uint64_t step, const failure& why) {
@@ -457,34 +457,11 @@ void report_failure(node_actor* self, uint64_t step, const failure& why) {
         text += detail::concat(" (stage ", j, " is on node ", h->peers.stages[j].node, ")");
       }
     }
-    self->send(h->proxy, rfailed_atom::value,
+    self->send(h->proxy, failed_atom::value,
                static_cast<uint32_t>(h->chunks.front()->config().index), step,
                error_kind_to_wire(why.details.kind), why.details.microbatch.value_or(-1),
                why.details.node, text);
   }
-}
-
-caf::result<bool> relay_abort(node_actor* self, uint32_t index, uint64_t step) {
-  auto* h = find_stage(self, index);
-  if (h == nullptr || !allowed(self, "abort")) {
-    return caf::make_error(caf::sec::runtime_error, missing_stage(self, index));
-  }
-  h->pending = false;
-  if (h->ties) {
-    // A stage waiting in the tied-gradient sum for a holder that failed stops waiting.
-    h->ties->cancel(step, index);
-  }
-  auto rp = self->make_response_promise<bool>();
-  auto deadline = h->deadline;
-  self->request(h->actor, deadline, abort_atom::value, step)
-    .then([=](bool ok) mutable { rp.deliver(ok); },
-          [=](caf::error& e) mutable {
-            rp.deliver(caf::make_error(caf::sec::runtime_error,
-                                       detail::concat("stage ", index, " on node ",
-                                                      self->state.label, ", asked to abort, ",
-                                                      request_error(self->system(), e, deadline))));
-          });
-  return rp;
 }
 
 // What a relay answers when its request to the node's stage failed: the stage's refusal as it
@@ -495,40 +472,65 @@ caf::error relayed(node_actor* self, uint32_t index, const char* asked, const ca
     return e;
   }
   return actors::make_pipeline_error(
-    e == caf::sec::request_timeout ? error_kind::timeout : error_kind::stage_failure,
+    error_details{e == caf::sec::request_timeout ? error_kind::timeout : error_kind::stage_failure,
+                  index, std::nullopt, std::nullopt, self->state.label},
     detail::concat("stage ", index, " on node ", self->state.label, ", asked to ", asked, ", ",
                    request_error(self->system(), e, deadline)));
 }
 
-caf::result<double> relay_update(node_actor* self, uint32_t index, uint64_t step, double lr,
-                                 double scale) {
+// The stage protocol's request `xs` to the node's stage `index` (the node's `permission` to
+// take it checked first), its reply passed back; `asked` says what in a refusal.
+template <class Reply, class... Ts>
+caf::result<Reply> relay(node_actor* self, uint32_t index, const char* permission,
+                         const char* asked, Ts... xs) {
   auto* h = find_stage(self, index);
-  if (h == nullptr || !allowed(self, "update")) {
+  if (h == nullptr || !allowed(self, permission)) {
     return no_stage(self, index);
   }
-  auto rp = self->make_response_promise<double>();
+  auto rp = self->make_response_promise<Reply>();
   auto deadline = h->deadline;
-  self->request(h->actor, deadline, update_atom::value, step, lr, scale)
-    .then([=](double ms) mutable { rp.deliver(ms); },
-          [=](caf::error& e) mutable {
-            rp.deliver(relayed(self, index, "step its optimizer", e, deadline));
-          });
+  self->request(h->actor, deadline, xs...)
+    .then([=](Reply reply) mutable { rp.deliver(std::move(reply)); },
+          [=](caf::error& e) mutable { rp.deliver(relayed(self, index, asked, e, deadline)); });
   return rp;
 }
 
-caf::result<bool> relay_block(node_actor* self, uint32_t index) {
-  auto* h = find_stage(self, index);
-  if (h == nullptr || !allowed(self, "block")) {
-    return no_stage(self, index);
-  }
-  auto rp = self->make_response_promise<bool>();
-  auto deadline = h->deadline;
-  self->request(h->actor, deadline, block_atom::value)
-    .then([=](bool) mutable { rp.deliver(true); },
-          [=](caf::error& e) mutable {
-            rp.deliver(relayed(self, index, "gather its replicas' state", e, deadline));
-          });
-  return rp;
+// The stage protocol as the node takes it for its stages (node_stage_actor, nodes/protocol.hpp):
+// a behaviour of that interface, so that a handler of another message or reply does not build.
+caf::message_handler stage_relays(node_actor* self) {
+  node_stage_actor::behavior_type relays{
+    [=](plan_atom, uint32_t index, const std::string& text) { receive_plan(self, index, text); },
+    [=](abort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
+      auto* h = find_stage(self, index);
+      if (h == nullptr || !allowed(self, "abort")) {
+        return no_stage(self, index);
+      }
+      h->pending = false;
+      if (h->ties) {
+        // A stage waiting in the tied-gradient sum for a holder that failed stops waiting.
+        h->ties->cancel(step, index);
+      }
+      return relay<bool>(self, index, "abort", "abort", abort_atom::value, step);
+    },
+    [=](update_atom, uint32_t index, uint64_t step, double lr,
+        double scale) -> caf::result<double> {
+      return relay<double>(self, index, "update", "step its optimizer", update_atom::value, step,
+                           lr, scale);
+    },
+    [=](save_atom, uint32_t index, uint64_t id, uint64_t keep_as) -> caf::result<bool> {
+      if (auto refused = send_state(self, index, id, keep_as)) {
+        return refused;
+      }
+      return true;
+    },
+    [=](load_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
+      return load_state_frame(self, index, id);
+    },
+    [=](block_atom, uint32_t index) -> caf::result<bool> {
+      return relay<bool>(self, index, "block", "gather its replicas' state", block_atom::value);
+    },
+  };
+  return caf::message_handler{relays.unbox().as_behavior_impl()};
 }
 
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
@@ -568,7 +570,6 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) -> std::string {
       return wire_stage(self, index, text, proxy);
     },
-    [=](rplan_atom, uint32_t index, const std::string& text) { receive_plan(self, index, text); },
     [=](target_atom, uint32_t index, uint64_t step, int32_t microbatch, torch::Tensor& t) {
       receive_target(self, index, step, microbatch, t);
     },
@@ -577,16 +578,10 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](link_failed_atom, uint32_t index, uint64_t step, int32_t microbatch,
         const std::string& node, const std::string& message) {
       if (auto* h = find_stage(self, index); h != nullptr && allowed(self, "link")) {
-        self->send(h->proxy, rfailed_atom::value, index, step,
+        self->send(h->proxy, failed_atom::value, index, step,
                    error_kind_to_wire(error_kind::node_lost), microbatch, node, message);
       }
     },
-    [=](rabort_atom, uint32_t index, uint64_t step) -> caf::result<bool> {
-      return relay_abort(self, index, step);
-    },
-    [=](rupdate_atom, uint32_t index, uint64_t step, double lr,
-        double scale) -> caf::result<double> { return relay_update(self, index, step, lr, scale); },
-    [=](rblock_atom, uint32_t index) -> caf::result<bool> { return relay_block(self, index); },
     [=](label_atom, std::string& label) {
       if (self->state.label.empty()) {
         self->state.label = std::move(label);
@@ -598,7 +593,7 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       }
     },
   };
-  return control.or_else(state_handlers(self));
+  return control.or_else(stage_relays(self)).or_else(state_handlers(self));
 }
 
 } // namespace

@@ -37,7 +37,9 @@ std::string missing_stage(node_actor* self, uint32_t index) {
 }
 
 caf::error no_stage(node_actor* self, uint32_t index) {
-  return actors::make_pipeline_error(error_kind::other, missing_stage(self, index));
+  return actors::make_pipeline_error(
+    error_details{error_kind::other, index, std::nullopt, std::nullopt, self->state.label},
+    missing_stage(self, index));
 }
 
 namespace {
@@ -64,12 +66,16 @@ torch::Tensor as_frame(const std::shared_ptr<const stages::packed_bytes>& bytes)
                           torch::kUInt8);
 }
 
+} // namespace
+
 // Stage `index`'s state as a state frame to the scheduler; for snapshot `keep_as` (> 0), packed
 // into the buffer kept if the driver says the snapshot arrived whole.
-std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as) {
+caf::error send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as) {
   auto* h = find_stage(self, index);
   if (h == nullptr || !allowed(self, "save")) {
-    return missing_stage(self, index);
+    return actors::make_pipeline_error(
+      error_details{error_kind::io, index, std::nullopt, std::nullopt, self->state.label},
+      missing_stage(self, index));
   }
   auto& s = self->state;
   if (s.sending.valid()) {
@@ -89,13 +95,17 @@ std::string send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t k
     }
     stages::pack_tensors_into(all, *bytes);
   } catch (const std::exception& e) {
-    return detail::concat("stage ", index, " on node ", s.label, ": ", e.what());
+    return actors::make_pipeline_error(
+      error_details{kind_of(e, error_kind::io), index, std::nullopt, std::nullopt, s.label},
+      detail::concat("stage ", index, " on node ", s.label, ": ", e.what()));
   }
   // The scheduler's request for it ends at its deadline, naming this stage, if it does not come.
   send_beside(s, as_frame(bytes), bytes, h->peers.scheduler.host, h->peers.scheduler.port, index,
               id, spdlog::level::err, detail::concat("stage ", index, " could not send its state"));
-  return {};
+  return caf::error{};
 }
+
+namespace {
 
 // Sends the node's kept snapshot `number` of stage `index` to the node whose data port is
 // host:port, which holds it as a copy (hold_atom): the node's own stage's, for the neighbour that
@@ -227,11 +237,19 @@ void restore_awaited(node_actor* self, uint32_t index, uint64_t number) {
 
 } // namespace
 
+caf::result<bool> load_state_frame(node_actor* self, uint32_t index, uint64_t id) {
+  auto* h = find_stage(self, index);
+  if (h == nullptr || !allowed(self, "load")) {
+    return no_stage(self, index);
+  }
+  auto rp = self->make_response_promise<bool>();
+  h->loads.emplace(id, rp);
+  self->send(self, state_atom::value, index, id);
+  return rp;
+}
+
 caf::message_handler state_handlers(node_actor* self) {
   return {
-    [=](rsave_atom, uint32_t index, uint64_t id, uint64_t keep_as) -> caf::result<bool> {
-      return actors::done_or_refused(error_kind::io, send_state(self, index, id, keep_as));
-    },
     [=](keep_atom, uint32_t index, uint64_t number, std::string& note) {
       return allowed(self, "keep") && self->state.keep_for.count() > 0 &&
              self->state.snapshots.keep(index, number, std::move(note));
@@ -260,16 +278,6 @@ caf::message_handler state_handlers(node_actor* self) {
         s.snapshots.clear();
         memory::release_free_heap();
       }
-    },
-    [=](rload_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
-      auto* h = find_stage(self, index);
-      if (h == nullptr || !allowed(self, "load")) {
-        return no_stage(self, index);
-      }
-      auto rp = self->make_response_promise<bool>();
-      h->loads.emplace(id, rp);
-      self->send(self, state_atom::value, index, id);
-      return rp;
     },
     [=](state_atom, uint32_t index, uint64_t id, torch::Tensor& blob) {
       if ((id & copy_bit) != 0) {

@@ -33,7 +33,7 @@ struct hosted {
   // The actor's chunks: chunk c is virtual stage virtual_stage_of(placement, count, index, c).
   std::vector<std::shared_ptr<stages::stage>> chunks;
   chunk_placement placement = chunk_placement::looped;
-  caf::actor proxy;
+  node_report_listener proxy;
   peer_table peers;
   // Parameters tied to other stages: the group summing their gradients, and where the other
   // holders are (filled when the stage is wired).
@@ -85,8 +85,14 @@ std::string missing_stage(node_actor* self, uint32_t index);
 // No stage `index` here (or the node does not take the request now), as a refusal.
 caf::error no_stage(node_actor* self, uint32_t index);
 
-// The handlers of state frames: rsave, keep, kept, rrestore, expire, rload and the frames
-// themselves (nodes/node_state.cpp).
+// Stage `index`'s state as state frame `id` to the scheduler (the stage protocol's save, as a
+// node takes it); the refusal, or none.
+caf::error send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as);
+// The stage protocol's load as a node takes it: answered once state frame `id` came and loaded.
+caf::result<bool> load_state_frame(node_actor* self, uint32_t index, uint64_t id);
+
+// The handlers of kept snapshots and state frames: keep, copy, hold, kept, rrestore, expire and
+// the frames themselves (nodes/node_state.cpp).
 caf::message_handler state_handlers(node_actor* self);
 
 } // namespace actorpipe::nodes

@@ -16,12 +16,8 @@
 /// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
 ///   where the other stages and the scheduler receive frames; the proxy gets the reports and is
 ///   monitored (the stage is dropped when it goes).
-/// - (rplan_atom, uint32 stage, std::string plan): run a step; the first stage's inputs come as
-///   activation frames, the last stage's targets as target frames.
-/// - (rabort_atom, uint32 stage, uint64 step) -> bool
-/// - (rupdate_atom, uint32 stage, uint64 step, double lr, double scale) -> double optimizer_ms
-/// - (rsave_atom, uint32 stage, uint64 id, uint64 keep_as) -> true, after sending a state
-///   frame; for a snapshot (keep_as > 0: its number) packed into the stage's pending buffer
+/// - the stage protocol's messages for one of the node's stages (node_stage_actor below: the
+///   stage's atom, its index, then the message in wire form)
 /// - (keep_atom, uint32 stage, uint64 number, std::string note) -> bool: snapshot `number` came
 ///   whole to the driver: the node keeps it, with the driver's note, in place of the one before
 ///   (false: the pending state is another's, or the node keeps none). Kept after the stage went,
@@ -40,20 +36,10 @@
 ///   that started again, or placed anew after a loss) loads kept snapshot `number` of its index,
 ///   its own or a copy it holds; a copy on its way (its note here, or its bytes) is loaded, and
 ///   the request answered, once it came
-/// - (rblock_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
-///   optimizer: its state gathered on rank 0's stage for a checkpoint)
-/// - (rload_atom, uint32 stage, uint64 id) -> true, once the state frame id came and loaded
-///   These four fail through CAF's error channel: a refusal of category `actorpipe`
-///   (actors/pipeline_errc.hpp: the error_kind and the sentence), as the stage protocol's
-///   replies do.
 /// - (release_atom, uint32 stage): drop the stage.
 /// - (heartbeat_atom) -> bool: answered at once by the node actor, beside its stages' work; a
 ///   node that leaves it unanswered past node_placement::heartbeat_timeout counts as lost.
-/// proxy (scheduler side):
-/// - (rdone_atom, uint32 stage, std::string report), then output frames when forward-only
-/// - (rfailed_atom, uint32 stage, uint64 step, uint8 kind, int32 microbatch, std::string node,
-///   std::string message): the step failed; kind is an error_kind (error_kind_to_wire),
-///   microbatch -1 when none, node the node concerned when it is not the stage's own.
+/// proxy (scheduler side): a stage's report and failure (node_report_listener below).
 #pragma once
 
 #include <array>
@@ -62,6 +48,8 @@
 
 #include <caf/atom.hpp>
 #include <caf/fwd.hpp>
+#include <caf/replies_to.hpp>
+#include <caf/typed_actor.hpp>
 #include <nlohmann/json_fwd.hpp>
 
 #include <actorpipe/options.hpp>
@@ -77,12 +65,6 @@ using auth_atom = caf::atom_constant<caf::atom("auth")>;
 using build_atom = caf::atom_constant<caf::atom("build")>;
 using model_atom = caf::atom_constant<caf::atom("model")>;
 using wire_atom = caf::atom_constant<caf::atom("wire")>;
-using rplan_atom = caf::atom_constant<caf::atom("rplan")>;
-using rabort_atom = caf::atom_constant<caf::atom("rabort")>;
-using rupdate_atom = caf::atom_constant<caf::atom("rupdate")>;
-using rsave_atom = caf::atom_constant<caf::atom("rsave")>;
-using rblock_atom = caf::atom_constant<caf::atom("rblock")>;
-using rload_atom = caf::atom_constant<caf::atom("rload")>;
 using release_atom = caf::atom_constant<caf::atom("release")>;
 using keep_atom = caf::atom_constant<caf::atom("keep")>;
 using kept_atom = caf::atom_constant<caf::atom("kept")>;
@@ -90,8 +72,6 @@ using copy_atom = caf::atom_constant<caf::atom("copy")>;
 using hold_atom = caf::atom_constant<caf::atom("hold")>;
 using rrestore_atom = caf::atom_constant<caf::atom("rrestore")>;
 using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
-using rdone_atom = caf::atom_constant<caf::atom("rdone")>;
-using rfailed_atom = caf::atom_constant<caf::atom("rfailed")>;
 /// A node announcing itself to a driver's join listener (nodes/join.hpp).
 using join_atom = caf::atom_constant<caf::atom("join")>;
 /// Local only (hub reader threads -> actors): frames that are not activations or gradients.
@@ -100,6 +80,41 @@ using output_atom = caf::atom_constant<caf::atom("output")>;
 using state_atom = caf::atom_constant<caf::atom("state")>;
 /// Local only: the node's kept snapshots go when no stage came for their keep time.
 using expire_atom = caf::atom_constant<caf::atom("expire")>;
+
+/// The stage protocol (actors/messages.hpp) as a node takes it for one of its stages, declared
+/// once: the proxy's requests compile against it and the node's handlers are a behaviour of it
+/// (a message or reply of another type does not build on either side). Each message is the
+/// stage's own, with the stage's index first and what does not cross as a CAF value in wire form:
+/// - (plan_atom, uint32 stage, std::string plan): run a step (the plan as JSON, to_json); the
+///   first stage's inputs come as activation frames, the last stage's targets as target frames.
+/// - (abort_atom, uint32 stage, uint64 step) -> bool
+/// - (update_atom, uint32 stage, uint64 step, double lr, double scale) -> double optimizer_ms
+/// - (save_atom, uint32 stage, uint64 id, uint64 keep_as) -> true, after sending the state as
+///   frame `id`; for a snapshot (keep_as > 0: its number) packed into the stage's pending buffer
+/// - (load_atom, uint32 stage, uint64 id) -> true, once the state frame `id` came and loaded
+/// - (block_atom, uint32 stage) -> true: the stage's end_block (replicas with a sharded
+///   optimizer: its state gathered on rank 0's stage for a checkpoint)
+/// A request that fails is answered with a refusal of category `actorpipe`
+/// (actors/pipeline_errc.hpp: the error_kind, the sentence and the failure's fields), as the
+/// stage protocol's replies are.
+using node_stage_actor = caf::typed_actor<
+  caf::reacts_to<actors::plan_atom, uint32_t, std::string>,
+  caf::replies_to<actors::abort_atom, uint32_t, uint64_t>::with<bool>,
+  caf::replies_to<actors::update_atom, uint32_t, uint64_t, double, double>::with<double>,
+  caf::replies_to<actors::save_atom, uint32_t, uint64_t, uint64_t>::with<bool>,
+  caf::replies_to<actors::load_atom, uint32_t, uint64_t>::with<bool>,
+  caf::replies_to<actors::block_atom, uint32_t>::with<bool>>;
+
+/// What a node tells a stage's proxy, the stage listener's messages (actors/messages.hpp) in
+/// wire form:
+/// - (done_atom, uint32 stage, std::string report), then output frames when forward-only
+/// - (failed_atom, uint32 stage, uint64 step, uint8 kind, int32 microbatch, std::string node,
+///   std::string message): the step failed; kind is an error_kind (error_kind_to_wire),
+///   microbatch -1 when none, node the node concerned when it is not the stage's own.
+using node_report_listener =
+  caf::typed_actor<caf::reacts_to<actors::done_atom, uint32_t, std::string>,
+                   caf::reacts_to<actors::failed_atom, uint32_t, uint64_t, uint8_t, int32_t,
+                                  std::string, std::string>>;
 
 /// What a node needs to build stage actor `index` of `count`, holding `chunks` parts of the
 /// model (chunk c is virtual stage virtual_stage_of(placement, count, index, c), as in process).
@@ -177,8 +192,7 @@ inline uint8_t error_kind_to_wire(error_kind kind) {
   return static_cast<uint8_t>(kind);
 }
 inline error_kind error_kind_from_wire(uint8_t value) {
-  return value <= static_cast<uint8_t>(error_kind::out_of_memory) ? static_cast<error_kind>(value)
-                                                                  : error_kind::other;
+  return error_kind_from_number(value).value_or(error_kind::other);
 }
 
 /// Control over TLS: the identity CAF's OpenSSL module presents and the CA it checks peers

@@ -5,6 +5,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -28,11 +29,9 @@ namespace {
 
 using namespace actorpipe::actors;
 
-/// A stage on a node as the scheduler sees it: the stage protocol, plus what the node and the
-/// hub's reader threads send back (reports, failures, output and state frames).
-using remote_stage_actor = stage_actor::extend<
-  caf::reacts_to<rdone_atom, uint32_t, std::string>,
-  caf::reacts_to<rfailed_atom, uint32_t, uint64_t, uint8_t, int32_t, std::string, std::string>,
+/// A stage on a node as the scheduler sees it: the stage protocol, plus what the node
+/// (node_report_listener) and the hub's reader threads send back (output and state frames).
+using remote_stage_actor = stage_actor::extend_with<node_report_listener>::extend<
   caf::reacts_to<output_atom, uint64_t, int32_t, torch::Tensor>,
   caf::reacts_to<state_atom, uint32_t, uint64_t, torch::Tensor>,
   // From the stage's heartbeat (nodes/heartbeat.hpp): whether the node answers, and if not why.
@@ -81,6 +80,8 @@ struct save_request {
 
 struct proxy_state {
   caf::actor node;
+  // The same node as the stage protocol's peer (node_stage_actor): what this proxy asks it.
+  node_stage_actor stages;
   std::string label;
   uint32_t index = 0;
   endpoint data;
@@ -109,6 +110,17 @@ struct proxy_state {
 
 using proxy_actor = remote_stage_actor::stateful_pointer<proxy_state>;
 
+// The node's "host:port" (its label is "node host:port").
+std::string address_of(const proxy_state& s) {
+  return s.label.substr(s.label.find(' ') + 1);
+}
+
+// A refusal in the name of this stage on this node: `kind`, the stage, the node, `sentence`.
+caf::error refusal(const proxy_state& s, error_kind kind, std::string sentence) {
+  return actors::make_pipeline_error(
+    error_details{kind, s.index, std::nullopt, std::nullopt, address_of(s)}, std::move(sentence));
+}
+
 // Fails `step` on the scheduler: a failure of this stage, on this proxy's node unless `why`
 // names another.
 void fail_step(proxy_actor self, uint64_t step, failure why) {
@@ -117,7 +129,7 @@ void fail_step(proxy_actor self, uint64_t step, failure why) {
   why.details.stage = s.index;
   why.details.step = step;
   if (why.details.node.empty()) {
-    why.details.node = s.label.substr(s.label.find(' ') + 1);
+    why.details.node = address_of(s);
   }
   self->send(s.scheduler, failed_atom::value, step, std::move(why));
 }
@@ -164,21 +176,20 @@ void finish_save(proxy_actor self, uint64_t id) {
       request.promise.deliver(true);
     }
   } catch (const std::exception& e) {
-    request.fail(actors::make_pipeline_error(error_kind::io, e.what()));
+    request.fail(refusal(s, kind_of(e, error_kind::io), e.what()));
   }
 }
 
 // A refusal from the node's stage passes as it is; a request the node did not answer fails as a
-// timeout, any other failure as a node that is gone, each with the sentence saying so
-// (actors::carried_sentence).
+// timeout, any other failure as a node that is gone, each with the sentence saying so.
 caf::error forwarded(proxy_actor self, const char* action, const caf::error& e) {
   if (actors::is_pipeline_error(e)) {
     return e;
   }
-  return caf::make_error(
-    e == caf::sec::request_timeout ? caf::sec::request_timeout : caf::sec::request_receiver_down,
-    detail::concat("stage ", self->state.index, " on ", self->state.label, ", asked to ", action,
-                   ", ", actors::request_error(self->system(), e, self->state.timeout)));
+  const auto& st = self->state;
+  return refusal(st, e == caf::sec::request_timeout ? error_kind::timeout : error_kind::node_lost,
+                 detail::concat("stage ", st.index, " on ", st.label, ", asked to ", action, ", ",
+                                actors::request_error(self->system(), e, st.timeout)));
 }
 
 // Answers every save and fetch in flight with `error`.
@@ -200,7 +211,7 @@ void heard(proxy_actor self, bool answers, const std::string& why) {
   if (st.running) {
     fail_step(self, st.step, failure{{error_kind::node_lost}, why});
   }
-  auto error = caf::make_error(caf::sec::request_receiver_down, why);
+  auto error = refusal(st, error_kind::node_lost, why);
   auto pending = std::move(st.pending);
   st.pending.clear();
   for (auto& [id, answer] : pending) {
@@ -209,53 +220,45 @@ void heard(proxy_actor self, bool answers, const std::string& why) {
   fail_saves(st, error);
 }
 
-// Asks the node to abort `step`; a silent node is not asked (it would hold the scheduler until the
-// deadline).
-caf::result<bool> ask_abort(proxy_actor self, uint64_t step) {
+// Asks the node for this stage (`xs`: a message of node_stage_actor) and answers with its reply,
+// a refusal as it is, or a refusal naming the stage, the node and `action` (a request it did not
+// answer: a timeout; any other failure: a lost node). A silent node (its heartbeat missed) is
+// not asked, and a request in flight when it falls silent is answered at once: with
+// `if_silent`, or with the node's loss.
+template <class Reply, class... Ts>
+caf::result<Reply> ask_node(proxy_actor self, const char* action, std::optional<Reply> if_silent,
+                            Ts... xs) {
   auto& st = self->state;
-  st.running = false;
+  auto silent = [=](const caf::error& why) -> caf::result<Reply> {
+    if (if_silent) {
+      return *if_silent;
+    }
+    return why;
+  };
   if (st.silent) {
-    return false;
+    return silent(refusal(st, error_kind::node_lost,
+                          detail::concat("stage ", st.index, " on ", st.label, " cannot ", action,
+                                         ": its node is silent")));
   }
-  auto rp = self->make_response_promise<bool>();
+  auto rp = self->make_response_promise<Reply>();
   auto id = ++st.next_pending;
-  st.pending[id] = [rp](const caf::error&) mutable { rp.deliver(false); };
-  self->request(st.node, st.timeout, rabort_atom::value, st.index, step)
+  st.pending[id] = [rp, if_silent](const caf::error& e) mutable {
+    if (if_silent) {
+      rp.deliver(*if_silent);
+    } else {
+      rp.deliver(e);
+    }
+  };
+  self->request(st.stages, st.timeout, xs...)
     .then(
-      [=](bool ok) mutable {
+      [=](Reply reply) mutable {
         if (self->state.pending.erase(id) > 0) {
-          rp.deliver(ok);
+          rp.deliver(std::move(reply));
         }
       },
       [=](caf::error& e) mutable {
         if (self->state.pending.erase(id) > 0) {
-          rp.deliver(std::move(e));
-        }
-      });
-  return rp;
-}
-
-// Asks the node to step the stage's optimizers.
-caf::result<double> ask_update(proxy_actor self, uint64_t step, double lr, double scale) {
-  auto& st = self->state;
-  if (st.silent) {
-    return caf::make_error(caf::sec::request_receiver_down,
-                           detail::concat("stage ", st.index, " on ", st.label,
-                                          " cannot step its optimizer: its node is silent"));
-  }
-  auto rp = self->make_response_promise<double>();
-  auto id = ++st.next_pending;
-  st.pending[id] = [rp](const caf::error& e) mutable { rp.deliver(e); };
-  self->request(st.node, st.timeout, rupdate_atom::value, st.index, step, lr, scale)
-    .then(
-      [=](double ms) mutable {
-        if (self->state.pending.erase(id) > 0) {
-          rp.deliver(ms);
-        }
-      },
-      [=](caf::error& e) mutable {
-        if (self->state.pending.erase(id) > 0) {
-          rp.deliver(forwarded(self, "step its optimizer", e));
+          rp.deliver(forwarded(self, action, e));
         }
       });
   return rp;
@@ -276,8 +279,8 @@ void node_down(proxy_actor self, const caf::down_msg& msg) {
                       detail::concat(what, " while the scheduler waited for stage ", st.index,
                                      " to finish its program of step ", st.step)});
   }
-  fail_saves(st, caf::make_error(caf::sec::request_receiver_down, what));
-  self->quit(caf::make_error(caf::sec::runtime_error, what));
+  fail_saves(st, refusal(st, error_kind::node_lost, what));
+  self->quit(refusal(st, error_kind::node_lost, what));
 }
 
 // Files `request` under a fresh id and asks the node for the stage's state frame; finish_save
@@ -287,7 +290,7 @@ void ask_for_state(proxy_actor self, save_request request) {
   auto id = ++st.next_id;
   auto keep_as = request.keep_as;
   st.saves[id] = std::move(request);
-  self->request(st.node, st.timeout, rsave_atom::value, st.index, id, keep_as)
+  self->request(st.stages, st.timeout, save_atom::value, st.index, id, keep_as)
     .then(
       [=](bool) {
         auto it = self->state.saves.find(id);
@@ -331,9 +334,7 @@ void send_plan(proxy_actor self, const step_plan& plan) {
                                      " on ", st.label, " failed: ", e.what())});
     return;
   }
-  // The node checks who sends (a typed actor may not send() to a dynamically typed one).
-  caf::unsafe_send_as(self, st.node, rplan_atom::value, st.index,
-                      to_json(plan, plan.targets.size()));
+  self->send(st.stages, plan_atom::value, st.index, to_json(plan, plan.targets.size()));
 }
 
 // The node's report of the running step (as JSON).
@@ -363,14 +364,10 @@ caf::result<bool> send_state(proxy_actor self, const tensor_map& all) {
     st.hub->send(st.data.host, st.data.port,
                  comm::describe(comm::frame_kind::state, st.index, id, 0, 0, blob), blob);
   } catch (const std::exception& e) {
-    return actors::make_pipeline_error(
-      error_kind::io, detail::concat("stage ", st.index, " on ", st.label, ": ", e.what()));
+    return refusal(st, error_kind::io,
+                   detail::concat("stage ", st.index, " on ", st.label, ": ", e.what()));
   }
-  auto rp = self->make_response_promise<bool>();
-  self->request(st.node, st.timeout, rload_atom::value, st.index, id)
-    .then([=](bool) mutable { rp.deliver(true); },
-          [=](caf::error& e) mutable { rp.deliver(forwarded(self, "load its state", e)); });
-  return rp;
+  return ask_node<bool>(self, "load its state", std::nullopt, load_atom::value, st.index, id);
 }
 
 remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor node,
@@ -380,6 +377,7 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
                                                  std::chrono::milliseconds timeout) {
   auto& s = self->state;
   s.node = std::move(node);
+  s.stages = caf::actor_cast<node_stage_actor>(s.node);
   s.label = std::move(label);
   s.index = index;
   s.data = std::move(data);
@@ -390,12 +388,12 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
   self->set_down_handler([=](caf::down_msg& msg) { node_down(self, msg); });
   return {
     [=](plan_atom, step_plan& plan) { send_plan(self, plan); },
-    [=](rdone_atom, uint32_t, const std::string& text) { took_report(self, text); },
+    [=](done_atom, uint32_t, const std::string& text) { took_report(self, text); },
     [=](output_atom, uint64_t step, int32_t microbatch, torch::Tensor& t) {
       self->state.outputs[{step, microbatch}] = std::move(t);
       maybe_report(self);
     },
-    [=](rfailed_atom, uint32_t, uint64_t step, uint8_t kind, int32_t microbatch,
+    [=](failed_atom, uint32_t, uint64_t step, uint8_t kind, int32_t microbatch,
         const std::string& node, const std::string& message) {
       auto& st = self->state;
       if (st.running && (step == st.step || step == 0)) {
@@ -408,17 +406,19 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       }
     },
     [=](heartbeat_atom, bool answers, const std::string& why) { heard(self, answers, why); },
-    [=](abort_atom, uint64_t step) -> caf::result<bool> { return ask_abort(self, step); },
+    [=](abort_atom, uint64_t step) -> caf::result<bool> {
+      // A silent node is not asked: it would hold the scheduler until the deadline.
+      self->state.running = false;
+      return ask_node<bool>(self, "abort", false, abort_atom::value, self->state.index, step);
+    },
     [=](update_atom, uint64_t step, double lr, double scale) -> caf::result<double> {
-      return ask_update(self, step, lr, scale);
+      return ask_node<double>(self, "step its optimizer", std::nullopt, update_atom::value,
+                              self->state.index, step, lr, scale);
     },
     [=](block_atom) -> caf::result<bool> {
       // Replicas on nodes with a sharded optimizer (the pipeline constructor refuses BMUF there).
-      auto rp = self->make_response_promise<bool>();
-      self->request(self->state.node, self->state.timeout, rblock_atom::value, self->state.index)
-        .then([=](bool) mutable { rp.deliver(true); },
-              [=](caf::error& e) mutable { rp.deliver(forwarded(self, "gather its state", e)); });
-      return rp;
+      return ask_node<bool>(self, "gather its state", std::nullopt, block_atom::value,
+                            self->state.index);
     },
     [=](save_atom, const std::string& path) -> caf::result<bool> {
       save_request request;

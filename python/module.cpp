@@ -20,12 +20,22 @@ py::object optional_of(const std::optional<T>& value) {
 }
 
 // As python/actorpipe/_errors.py's PipelineError, which carries the engine's fields.
+py::object python_error(const py::object& type, const std::string& message,
+                        const error_details& d) {
+  auto node = d.node.empty() ? py::none() : py::cast(d.node);
+  return type(message, to_string(d.kind), optional_of(d.stage), optional_of(d.microbatch),
+              optional_of(d.step), node);
+}
+
 void raise_pipeline_error(const pipeline_error& e) {
   try {
     auto type = py::module_::import("actorpipe._errors").attr("PipelineError");
-    auto node = e.node().empty() ? py::none() : py::cast(e.node());
-    auto error = type(e.what(), to_string(e.kind()), optional_of(e.stage()),
-                      optional_of(e.microbatch()), optional_of(e.step()), node);
+    auto error = python_error(type, e.what(), e.details());
+    py::list failures;
+    for (const auto& part : e.failures()) {
+      failures.append(python_error(type, part.message, part.details));
+    }
+    error.attr("failures") = failures;
     PyErr_SetObject(type.ptr(), error.ptr());
   } catch (const py::error_already_set&) {
     PyErr_SetString(PyExc_RuntimeError, e.what());

@@ -88,13 +88,19 @@ failure request_failure(scheduler_actor_type self, std::size_t stage, uint64_t s
                         const caf::error& err, std::chrono::milliseconds timeout,
                         const std::string& what) {
   const auto& nodes = self->state.options.nodes;
-  auto node = stage < nodes.size() ? nodes[stage] : std::string{};
-  auto kind = request_error_kind(err);
-  if (kind == error_kind::stage_lost && !node.empty()) {
-    kind = error_kind::node_lost;
+  // The refusal's own fields (actors/pipeline_errc.hpp), completed by what the scheduler knows.
+  auto details = is_pipeline_error(err) ? details_of_pipeline_error(err)
+                                        : error_details{request_error_kind(err)};
+  details.stage = details.stage.value_or(stage);
+  details.step = details.step.value_or(step);
+  if (details.node.empty() && stage < nodes.size()) {
+    details.node = nodes[stage];
+  }
+  if (details.kind == error_kind::stage_lost && !details.node.empty()) {
+    details.kind = error_kind::node_lost;
   }
   auto sentence = carried_sentence(err);
-  return failure{{kind, stage, std::nullopt, step, node},
+  return failure{std::move(details),
                  sentence ? *sentence
                           : detail::concat("stage ", stage, ", step ", step, ", asked to ", what,
                                            ", ", request_error(self->system(), err, timeout))};
@@ -195,27 +201,55 @@ const schedule& schedule_for(scheduler_state& s, std::size_t microbatches, bool 
   return it->second;
 }
 
+// The error of a state request that failed on several stages or one (`otherwise`: the kind of a
+// failure that says none): one stage's as it is; several in stage order, their sentences joined,
+// with the fields of the most telling (a stage that did not answer, or a lost node, over what
+// the files say) and each one's own in failures().
+pipeline_error state_request_error(std::vector<failure> failures, error_kind otherwise) {
+  for (auto& f : failures) {
+    if (f.details.kind == error_kind::other) {
+      f.details.kind = otherwise;
+    }
+  }
+  std::sort(failures.begin(), failures.end(),
+            [](const failure& a, const failure& b) { return a.details.stage < b.details.stage; });
+  if (failures.size() == 1) {
+    return pipeline_error(failures.front().message, failures.front().details);
+  }
+  auto telling = std::find_if(failures.begin(), failures.end(), [](const failure& f) {
+    auto k = f.details.kind;
+    return k == error_kind::timeout || k == error_kind::node_lost || k == error_kind::stage_lost;
+  });
+  const auto& lead = telling != failures.end() ? *telling : failures.front();
+  std::string message;
+  std::vector<failure_part> parts;
+  for (const auto& f : failures) {
+    message += (message.empty() ? "" : "; ") + f.message;
+    parts.push_back({f.details, f.message});
+  }
+  return pipeline_error(message, lead.details, std::move(parts));
+}
+
 // Save, load, fetch or end a BMUF block: every stage acts on its own state; errors are collected,
 // then reported together.
 void run_state_request(scheduler_actor_type self) {
   auto& s = self->state;
   auto request = s.current;
   auto pending = std::make_shared<std::size_t>(s.stages.size());
-  auto errors = std::make_shared<std::string>();
-  // A stage that did not answer, or a lost node, says so over what the files would say.
-  auto kind = std::make_shared<error_kind>(
-    request->kind == request_kind::end_block ? error_kind::replica_failure : error_kind::io);
+  auto failures = std::make_shared<std::vector<failure>>();
   auto fetched = std::make_shared<std::map<std::string, torch::Tensor>>();
-  auto one_done = [=](const std::string& error) {
-    if (!error.empty()) {
-      *errors += (errors->empty() ? "" : "; ") + error;
+  auto one_done = [=](std::optional<failure> why) {
+    if (why) {
+      failures->push_back(std::move(*why));
     }
     if (--*pending != 0) {
       return;
     }
     step_outcome outcome;
-    if (!errors->empty()) {
-      outcome.error = std::make_exception_ptr(pipeline_error(*errors, error_details{*kind}));
+    if (!failures->empty()) {
+      outcome.error = std::make_exception_ptr(state_request_error(
+        std::move(*failures),
+        request->kind == request_kind::end_block ? error_kind::replica_failure : error_kind::io));
     } else if (request->kind == request_kind::fetch) {
       outcome.state = fetched;
     }
@@ -233,10 +267,7 @@ void run_state_request(scheduler_actor_type self) {
                                  : request->kind == request_kind::save ? "save its state"
                                  : request->kind == request_kind::load ? "load its state"
                                                                        : "end its block");
-      if (why.details.kind != error_kind::other) {
-        *kind = why.details.kind;
-      }
-      one_done(why.message);
+      one_done(std::move(why));
     };
     if (request->kind == request_kind::fetch) {
       self->request(s.stages[i], s.options.step_timeout, fetch_atom::value, request->keep_as)
@@ -245,19 +276,19 @@ void run_state_request(scheduler_actor_type self) {
             if (state) {
               fetched->insert(state->begin(), state->end());
             }
-            one_done({});
+            one_done(std::nullopt);
           },
           on_error);
     } else if (request->kind == request_kind::end_block) {
       self->request(s.stages[i], s.options.step_timeout, block_atom::value)
-        .then([=](bool) { one_done({}); }, on_error);
+        .then([=](bool) { one_done(std::nullopt); }, on_error);
     } else if (request->kind == request_kind::save) {
       auto path = stages::stage_file(request->path, i);
       self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
-        .then([=](bool) { one_done({}); }, on_error);
+        .then([=](bool) { one_done(std::nullopt); }, on_error);
     } else {
       self->request(s.stages[i], s.options.step_timeout, load_atom::value, request->state)
-        .then([=](bool) { one_done({}); }, on_error);
+        .then([=](bool) { one_done(std::nullopt); }, on_error);
     }
   }
   if (request->background) {

@@ -1,13 +1,16 @@
 #include "stages/checkpoint.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iterator>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
@@ -218,13 +221,44 @@ tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what) {
   return result;
 }
 
+namespace {
+
+std::string megabytes(uintmax_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / 1e6 << " MB";
+  return out.str();
+}
+
+// Why writing `size` bytes to `path` failed (`error`: errno then): disk_full where its file
+// system had no room (ENOSPC, or less space left than the file needs), io otherwise.
+pipeline_error write_failure(const std::string& path, std::size_t size, int error) {
+  auto folder = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  auto space = std::filesystem::space(folder.empty() ? "." : folder, ec);
+  if (error == ENOSPC || (!ec && space.available < size)) {
+    return pipeline_error(
+      detail::concat("cannot write '", path, "' (", megabytes(size), "): its disk is full (",
+                     ec ? std::string("space left unknown") : megabytes(space.available) + " free",
+                     "); free space or write elsewhere"),
+      error_details{error_kind::disk_full});
+  }
+  return pipeline_error(detail::concat("cannot write '", path, "'",
+                                       error != 0 ? ": " + std::string(std::strerror(error)) : ""),
+                        error_details{error_kind::io});
+}
+
+} // namespace
+
 void write_bytes(const std::string& path, const char* data, std::size_t size) {
+  errno = 0;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(data, static_cast<std::streamsize>(size));
   out.flush();
+  if (out) {
+    out.close(); // a file system may report a full disk only now
+  }
   if (!out) {
-    throw pipeline_error(detail::concat("cannot write '", path, "'"),
-                         error_details{error_kind::io});
+    throw write_failure(path, size, errno);
   }
 }
 

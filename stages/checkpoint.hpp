@@ -71,7 +71,8 @@ void pack_tensors_into(const tensor_map& tensors, packed_bytes& out);
 /// throws pipeline_error (io) naming `what` and the problem.
 tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what);
 
-/// Writes `size` bytes to `path` (replacing it); throws pipeline_error (io) naming the file.
+/// Writes `size` bytes to `path` (replacing it); throws pipeline_error naming the file: kind
+/// disk_full, with its size and the space left, where its file system has no room; io otherwise.
 void write_bytes(const std::string& path, const char* data, std::size_t size);
 
 /// The key a stage's state carries when it holds only its replica's part of a sharded optimizer
@@ -83,8 +84,8 @@ inline constexpr const char* partial_state_key = "optimizer/:sharded";
 std::string partial_state_error(const tensor_map& tensors);
 
 /// Writes `tensors` to `path` in libtorch's pickle format (readable by torch.load in Python).
-/// Throws pipeline_error (io) naming the file when it cannot be written, invalid_argument for a
-/// state that holds part of a sharded optimizer state.
+/// Throws pipeline_error (io, or disk_full: write_bytes) naming the file when it cannot be
+/// written, invalid_argument for a state that holds part of a sharded optimizer state.
 void save_tensors(const std::string& path, const tensor_map& tensors);
 
 /// Reads a file written by save_tensors. Throws pipeline_error (io) naming the file and the

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "logging/log.hpp"
+#include "stages/checkpoint.hpp"
 
 namespace actorpipe {
 namespace fs = std::filesystem;
@@ -21,15 +22,9 @@ namespace {
 
 constexpr const char* manifest_format = "actorpipe-checkpoint-1";
 
-// Writes `text` to `file`; an io error naming it when that fails.
+// Writes `text` to `file`; an error naming it when that fails (disk_full where there is no room).
 void write_text(const fs::path& file, const std::string& text) {
-  std::ofstream out(file);
-  out << text;
-  out.flush();
-  if (!out) {
-    throw pipeline_error(detail::concat("cannot write '", file.string(), "'"),
-                         error_details{error_kind::io});
-  }
+  stages::write_bytes(file.string(), text.data(), text.size());
 }
 
 // Test hook: ACTORPIPE_FAULT=checkpoint-before-rename kills the process (SIGKILL, as kill -9)
@@ -69,16 +64,23 @@ std::string write_checkpoint(pipeline& pipe, const std::string& root,
   std::error_code ec;
   fs::create_directories(root, ec);
   fs::remove_all(tmp, ec);
-  pipe.save_state(tmp.string());
-  nlohmann::json j{{"format", manifest_format},   {"model", manifest.model},
-                   {"bounds", manifest.bounds},   {"step", manifest.step},
-                   {"epoch", manifest.epoch},     {"batch_in_epoch", manifest.batch_in_epoch},
-                   {"seed", manifest.seed},       {"batch_size", manifest.batch_size},
-                   {"dataset", manifest.dataset}, {"stage_files", pipe.stages()}};
-  if (!manifest.settings.empty()) {
-    write_text(tmp / "run.toml", manifest.settings);
+  try {
+    pipe.save_state(tmp.string());
+    nlohmann::json j{{"format", manifest_format},   {"model", manifest.model},
+                     {"bounds", manifest.bounds},   {"step", manifest.step},
+                     {"epoch", manifest.epoch},     {"batch_in_epoch", manifest.batch_in_epoch},
+                     {"seed", manifest.seed},       {"batch_size", manifest.batch_size},
+                     {"dataset", manifest.dataset}, {"stage_files", pipe.stages()}};
+    if (!manifest.settings.empty()) {
+      write_text(tmp / "run.toml", manifest.settings);
+    }
+    write_text(tmp / "manifest.json", j.dump(2) + "\n");
+  } catch (...) {
+    // What the failed write took goes back to a disk that may be full; the checkpoints written
+    // before stay as they were.
+    fs::remove_all(tmp, ec);
+    throw;
   }
-  write_text(tmp / "manifest.json", j.dump(2) + "\n");
   maybe_die("checkpoint-before-rename");
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);

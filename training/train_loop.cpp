@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -140,15 +141,6 @@ std::optional<recovery_report> rejoin(pipeline& pipe, const train_options& o) {
 }
 std::optional<recovery_report> rejoin(replicated_pipeline& pipe, const train_options&) {
   return pipe.rejoin_nodes(); // a replica that left comes back, or its nodes stand by
-}
-// The failures a recovery answers: a node lost or silent; with replicas also a replica whose
-// partner stage went (its gradients' all-reduce failed).
-bool recoverable(const pipeline&, error_kind kind) {
-  return kind == error_kind::node_lost || kind == error_kind::timeout;
-}
-bool recoverable(const replicated_pipeline&, error_kind kind) {
-  return kind == error_kind::node_lost || kind == error_kind::timeout ||
-         kind == error_kind::replica_failure;
 }
 
 // A resumed run with settings other than the checkpoint's goes on (a longer run, another stage
@@ -374,7 +366,10 @@ public:
         }
         return std::move(report_);
       } catch (const pipeline_error& e) {
-        if (!o_.recover_lost_nodes || !recoverable(pipe_, e.kind())) {
+        // What the run does about it is the kinds' table's (error_kinds, errors.hpp).
+        constexpr bool replicated = std::is_same_v<Pipe, replicated_pipeline>;
+        if (!o_.recover_lost_nodes ||
+            reaction_to(e.kind(), replicated) != fault_reaction::recover) {
           throw;
         }
         // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.

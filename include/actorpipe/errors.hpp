@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace actorpipe {
 namespace detail {
@@ -67,7 +68,10 @@ public:
     : std::invalid_argument(detail::printable(message)) {}
 };
 
-/// What went wrong in a failed step or request, as a pipeline_error reports it.
+/// What went wrong in a failed step or request, as a pipeline_error reports it. A kind is one
+/// enumerator here and one row of error_kinds below (its name and what a run does about it); the
+/// numbers it travels as (a CAF error's code, a node's wire byte) are its position, read back by
+/// error_kind_from_number. docs/architecture.md, "Where to add", has the steps.
 enum class error_kind : uint8_t {
   /// Not classified further (the message says what).
   other,
@@ -91,31 +95,84 @@ enum class error_kind : uint8_t {
   /// A stage's device ran out of memory (the message names the stage, the micro-batch and what
   /// was asked for); the step failed and changed nothing.
   out_of_memory,
+  /// A file system had no room for a file being written (a checkpoint's stage file or manifest:
+  /// the message names the file, its size and the space left); the checkpoints written before
+  /// are as they were.
+  disk_full,
 };
+
+/// What a training run (train(), `actorpipe train`) does when a step or checkpoint fails with a
+/// kind. An application's own loop may ask the same (reaction_to).
+enum class fault_reaction : uint8_t {
+  /// The run ends with the error; parameters and the checkpoints written before are as they were.
+  give_up,
+  /// With train_options::recover_lost_nodes: the nodes are counted, a lost one is replaced by a
+  /// spare or the model re-cut over those left, the newest snapshot (or a surviving replica's
+  /// live state) is restored and the steps since are run again (pipeline::recover).
+  recover,
+};
+
+/// One kind: its name, and the reaction of a run of one pipeline and of replicas in this process.
+struct error_kind_row {
+  error_kind kind;
+  const char* name;
+  fault_reaction alone;
+  fault_reaction replicated;
+};
+
+/// Every kind, in the enum's order (tests/nodes/error_kinds_test.cpp fails for a kind without a
+/// row). A frozen node is found by its timeout; replicas also recover from a replica whose
+/// partner stage went (its gradients' all-reduce failed).
+inline constexpr error_kind_row error_kinds[] = {
+  {error_kind::other, "other", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::timeout, "timeout", fault_reaction::recover, fault_reaction::recover},
+  {error_kind::shape_mismatch, "shape_mismatch", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::stage_failure, "stage_failure", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::stage_lost, "stage_lost", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::node_lost, "node_lost", fault_reaction::recover, fault_reaction::recover},
+  {error_kind::replica_failure, "replica_failure", fault_reaction::give_up,
+   fault_reaction::recover},
+  {error_kind::io, "io", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::out_of_memory, "out_of_memory", fault_reaction::give_up, fault_reaction::give_up},
+  {error_kind::disk_full, "disk_full", fault_reaction::give_up, fault_reaction::give_up},
+};
+
+inline constexpr std::size_t error_kind_count = sizeof(error_kinds) / sizeof(error_kinds[0]);
+
+namespace detail {
+constexpr bool rows_in_enum_order() {
+  for (std::size_t i = 0; i < error_kind_count; ++i) {
+    if (static_cast<std::size_t>(error_kinds[i].kind) != i) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(rows_in_enum_order(), "error_kinds: one row per error_kind, in the enum's order");
+} // namespace detail
+
+/// The kind at position `number` (a CAF error's code less one, a node's wire byte); nothing for
+/// a number this build does not know (a newer peer's kind).
+inline std::optional<error_kind> error_kind_from_number(std::size_t number) {
+  return number < error_kind_count ? std::optional<error_kind>(error_kinds[number].kind)
+                                   : std::nullopt;
+}
+
+/// The row of `kind` (other's for a value without one).
+inline const error_kind_row& row_of(error_kind kind) {
+  auto at = static_cast<std::size_t>(kind);
+  return error_kinds[at < error_kind_count ? at : 0];
+}
 
 /// "timeout", "shape_mismatch", ... (the enumerator's name).
 inline const char* to_string(error_kind kind) {
-  switch (kind) {
-  case error_kind::timeout:
-    return "timeout";
-  case error_kind::shape_mismatch:
-    return "shape_mismatch";
-  case error_kind::stage_failure:
-    return "stage_failure";
-  case error_kind::stage_lost:
-    return "stage_lost";
-  case error_kind::node_lost:
-    return "node_lost";
-  case error_kind::replica_failure:
-    return "replica_failure";
-  case error_kind::io:
-    return "io";
-  case error_kind::out_of_memory:
-    return "out_of_memory";
-  case error_kind::other:
-    break;
-  }
-  return "other";
+  return row_of(kind).name;
+}
+
+/// What a run does about a failure of `kind` (`replicated`: replicas in this process).
+inline fault_reaction reaction_to(error_kind kind, bool replicated) {
+  const auto& row = row_of(kind);
+  return replicated ? row.replicated : row.alone;
 }
 
 /// Where and how a step failed; every field the failure does not concern stays empty.
@@ -138,6 +195,13 @@ struct error_details {
   std::string node;
 };
 
+/// One failure among several that a request ended with (a save that failed on two stages): its
+/// fields and its sentence.
+struct failure_part {
+  error_details details;
+  std::string message;
+};
+
 /// Thrown (or carried by a failed step) when a pipeline step fails at run time: a stage could
 /// not take its input, a wait ran past its deadline, a stage died. The message names the stage,
 /// the micro-batch and the action; details() carries the same as fields. A failed step leaves
@@ -148,6 +212,11 @@ public:
     : std::runtime_error(detail::printable(message)), details_(std::move(details)) {}
   explicit pipeline_error(const char* message, error_details details = {})
     : std::runtime_error(detail::printable(message)), details_(std::move(details)) {}
+  /// Several stages failed: the message joins theirs, `details` are the most telling one's.
+  pipeline_error(const std::string& message, error_details details,
+                 std::vector<failure_part> failures)
+    : std::runtime_error(detail::printable(message)), details_(std::move(details)),
+      failures_(std::move(failures)) {}
 
   const error_details& details() const noexcept { return details_; }
   error_kind kind() const noexcept { return details_.kind; }
@@ -155,10 +224,21 @@ public:
   std::optional<int32_t> microbatch() const noexcept { return details_.microbatch; }
   std::optional<uint64_t> step() const noexcept { return details_.step; }
   const std::string& node() const noexcept { return details_.node; }
+  /// When several stages failed (a save, a load, a state fetch): each one's failure, in stage
+  /// order, with its own fields; empty when one did.
+  const std::vector<failure_part>& failures() const noexcept { return failures_; }
 
 private:
   error_details details_;
+  std::vector<failure_part> failures_;
 };
+
+/// The kind `e` carries when it is a pipeline_error, else `otherwise`: a handler that reports a
+/// failure in its own words keeps its kind (a full disk stays disk_full).
+inline error_kind kind_of(const std::exception& e, error_kind otherwise) {
+  const auto* failure = dynamic_cast<const pipeline_error*>(&e);
+  return failure != nullptr ? failure->kind() : otherwise;
+}
 
 namespace detail {
 

@@ -1,4 +1,5 @@
-# docs/architecture.md names every public header and every atom of the actor protocols.
+# docs/architecture.md names every public header, every atom of the actor protocols and the stage
+# protocol's replies as actors/messages.hpp declares them.
 # Usage: cmake -DSOURCE_DIR=<tree> -P check_docs.cmake
 file(READ ${SOURCE_DIR}/docs/architecture.md doc)
 set(missing)
@@ -20,6 +21,26 @@ foreach(file ${protocol_headers})
       list(APPEND missing "message ${atom}")
     endif()
   endforeach()
+endforeach()
+# The stage protocol's replies as the table shows them: `atom -> type` for every replies_to.
+file(STRINGS ${SOURCE_DIR}/actors/messages.hpp replies REGEX "replies_to<[a-z_]+_atom")
+foreach(line ${replies})
+  string(REGEX REPLACE ".*replies_to<([a-z_]+)_atom.*" "\\1" atom "${line}")
+  string(REGEX REPLACE ".*>::with<(.*)$" "\\1" type "${line}")
+  string(REGEX REPLACE "[,; \t]+$" "" type "${type}")
+  # The interface's own closing brackets: as many '>' at the end as are not opened in the type.
+  string(REGEX MATCHALL "<" opened "${type}")
+  string(REGEX MATCHALL ">" closed "${type}")
+  list(LENGTH opened opened)
+  list(LENGTH closed closed)
+  math(EXPR extra "${closed} - ${opened}")
+  string(LENGTH "${type}" length)
+  math(EXPR length "${length} - ${extra}")
+  string(SUBSTRING "${type}" 0 ${length} type)
+  string(FIND "${doc}" "`${atom} -> ${type}`" at)
+  if(at EQUAL -1)
+    list(APPEND missing "reply `${atom} -> ${type}` (actors/messages.hpp)")
+  endif()
 endforeach()
 if(missing)
   string(REPLACE ";" ", " missing "${missing}")

@@ -296,11 +296,11 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
              comm::describe(comm::frame_kind::activation, 0, 1, mb, 0, x), x);
   }
   std::this_thread::sleep_for(200ms);
-  self->send(scheduler.node, nodes::rplan_atom::value, uint32_t{0}, nodes::to_json(plan, 0));
+  self->send(scheduler.node, actors::plan_atom::value, uint32_t{0}, nodes::to_json(plan, 0));
   std::this_thread::sleep_for(100ms);
   auto start = std::chrono::steady_clock::now();
   std::string abort_error;
-  self->request(scheduler.node, 10s, nodes::rabort_atom::value, uint32_t{0}, uint64_t{1})
+  self->request(scheduler.node, 10s, actors::abort_atom::value, uint32_t{0}, uint64_t{1})
     .receive([&](bool) { abort_error = "the busy stage confirmed the abort"; },
              [&](caf::error& e) { abort_error = scheduler.render(e); });
   CHECK_MESSAGE(abort_error.find("stage 0 on node " + n.address() + ", asked to abort") !=
@@ -309,7 +309,7 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
   CHECK_MESSAGE(abort_error.find("100 ms") != std::string::npos, abort_error);
   std::string update_error;
   caf::error refusal;
-  self->request(scheduler.node, 10s, nodes::rupdate_atom::value, uint32_t{0}, uint64_t{1}, 0.1, 1.0)
+  self->request(scheduler.node, 10s, actors::update_atom::value, uint32_t{0}, uint64_t{1}, 0.1, 1.0)
     .receive([&](double) { update_error = "the busy stage stepped its optimizer"; },
              [&](caf::error& e) {
                refusal = e;

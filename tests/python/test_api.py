@@ -116,6 +116,25 @@ class ErrorsTest(unittest.TestCase):
                 torch.testing.assert_close(value, before[name])
             p.train_step(x, y)  # the pipeline goes on
 
+    def test_a_save_on_a_full_disk_raises_disk_full_with_each_stage(self):
+        if not os.path.exists("/dev/full"):
+            self.skipTest("no /dev/full on this machine")
+        folder = tempfile.mkdtemp(prefix="actorpipe-python-test-")
+        try:
+            for stage in range(2):
+                os.symlink("/dev/full", os.path.join(folder, "stage-%d.pt" % stage))
+            with pipe() as p:
+                p.train_step(*batch(0))
+                with self.assertRaises(actorpipe.PipelineError) as caught:
+                    p._p.save_state(folder)
+            e = caught.exception
+            self.assertEqual(e.kind, "disk_full")
+            self.assertEqual([f.stage for f in e.failures], [0, 1])
+            self.assertEqual({f.kind for f in e.failures}, {"disk_full"})
+            self.assertIn("disk is full", str(e))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def test_a_failed_async_step_raises_from_its_future(self):
         x, y = batch(0)
         with pipe() as p:
