@@ -82,9 +82,8 @@ layer_list resnet50() {
   return make_model("resnet50", o);
 }
 
-double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
-                const torch::Tensor& y, int steps,
-                precision_mode precision = precision_mode::fp32) {
+// Moves every layer of `layers` to `device`; their parameters, for plain libtorch's optimizer.
+std::vector<torch::Tensor> parameters_on(layer_list& layers, c10::Device device) {
   std::vector<torch::Tensor> parameters;
   for (auto& l : layers) {
     if (auto m = l.module()) {
@@ -94,7 +93,13 @@ double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
       }
     }
   }
-  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(0.05));
+  return parameters;
+}
+
+double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
+                const torch::Tensor& y, int steps,
+                precision_mode precision = precision_mode::fp32) {
+  torch::optim::SGD optimizer(parameters_on(layers, device), torch::optim::SGDOptions(0.05));
   auto xd = x.to(device);
   auto yd = y.to(device);
   auto loss = builtin_loss(y.is_floating_point() ? "mse" : "cross_entropy");
@@ -122,16 +127,7 @@ double plain_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
 // the same kernels a pipeline of the same micro-batches runs, with no engine around them.
 double plain_accumulating_ms(layer_list layers, c10::Device device, const torch::Tensor& x,
                              const torch::Tensor& y, std::size_t m, int steps) {
-  std::vector<torch::Tensor> parameters;
-  for (auto& l : layers) {
-    if (auto module = l.module()) {
-      module->to(device);
-      for (auto& p : module->parameters()) {
-        parameters.push_back(p);
-      }
-    }
-  }
-  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(0.05));
+  torch::optim::SGD optimizer(parameters_on(layers, device), torch::optim::SGDOptions(0.05));
   auto xs = torch::tensor_split(x.to(device), static_cast<int64_t>(m), 0);
   auto ys = torch::tensor_split(y.to(device), static_cast<int64_t>(m), 0);
   auto loss = builtin_loss("mse");

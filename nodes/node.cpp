@@ -471,9 +471,8 @@ caf::error relayed(node_actor* self, uint32_t index, const char* asked, const ca
   if (actors::is_pipeline_error(e)) {
     return e;
   }
-  return actors::make_pipeline_error(
-    error_details{e == caf::sec::request_timeout ? error_kind::timeout : error_kind::stage_failure,
-                  index, std::nullopt, std::nullopt, self->state.label},
+  return stage_refusal(
+    self, index, e == caf::sec::request_timeout ? error_kind::timeout : error_kind::stage_failure,
     detail::concat("stage ", index, " on node ", self->state.label, ", asked to ", asked, ", ",
                    request_error(self->system(), e, deadline)));
 }

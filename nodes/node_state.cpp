@@ -36,10 +36,13 @@ std::string missing_stage(node_actor* self, uint32_t index) {
   return detail::concat("node ", self->state.label, " hosts no stage ", index);
 }
 
-caf::error no_stage(node_actor* self, uint32_t index) {
+caf::error stage_refusal(node_actor* self, uint32_t index, error_kind kind, std::string sentence) {
   return actors::make_pipeline_error(
-    error_details{error_kind::other, index, std::nullopt, std::nullopt, self->state.label},
-    missing_stage(self, index));
+    error_details{kind, index, std::nullopt, std::nullopt, self->state.label}, std::move(sentence));
+}
+
+caf::error no_stage(node_actor* self, uint32_t index) {
+  return stage_refusal(self, index, error_kind::other, missing_stage(self, index));
 }
 
 namespace {
@@ -73,9 +76,7 @@ torch::Tensor as_frame(const std::shared_ptr<const stages::packed_bytes>& bytes)
 caf::error send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t keep_as) {
   auto* h = find_stage(self, index);
   if (h == nullptr || !allowed(self, "save")) {
-    return actors::make_pipeline_error(
-      error_details{error_kind::io, index, std::nullopt, std::nullopt, self->state.label},
-      missing_stage(self, index));
+    return stage_refusal(self, index, error_kind::io, missing_stage(self, index));
   }
   auto& s = self->state;
   if (s.sending.valid()) {
@@ -95,9 +96,8 @@ caf::error send_state(node_actor* self, uint32_t index, uint64_t id, uint64_t ke
     }
     stages::pack_tensors_into(all, *bytes);
   } catch (const std::exception& e) {
-    return actors::make_pipeline_error(
-      error_details{kind_of(e, error_kind::io), index, std::nullopt, std::nullopt, s.label},
-      detail::concat("stage ", index, " on node ", s.label, ": ", e.what()));
+    return stage_refusal(self, index, kind_of(e, error_kind::io),
+                         detail::concat("stage ", index, " on node ", s.label, ": ", e.what()));
   }
   // The scheduler's request for it ends at its deadline, naming this stage, if it does not come.
   send_beside(s, as_frame(bytes), bytes, h->peers.scheduler.host, h->peers.scheduler.port, index,
@@ -155,8 +155,8 @@ void finish_load(node_actor* self, uint32_t index, uint64_t id) {
         chunk->load_state(all);
       }
     } catch (const std::exception& e) {
-      outcome = actors::make_pipeline_error(
-        error_kind::io,
+      outcome = stage_refusal(
+        self, index, kind_of(e, error_kind::io),
         detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
     }
   }
@@ -182,8 +182,8 @@ caf::error load_kept(node_actor* self, uint32_t index, uint64_t number) {
       chunk->load_state(all);
     }
   } catch (const std::exception& e) {
-    return actors::make_pipeline_error(
-      error_kind::io,
+    return stage_refusal(
+      self, index, kind_of(e, error_kind::io),
       detail::concat("stage ", index, " on node ", self->state.label, ": ", e.what()));
   }
   memory::release_free_heap();
@@ -206,9 +206,10 @@ caf::result<bool> restore_kept(node_actor* self, uint32_t index, uint64_t number
     auto rp = self->make_response_promise<bool>();
     auto [it, fresh] = s.awaiting_copies.emplace(std::pair(index, number), rp);
     if (!fresh) { // the one before waited past its driver's deadline
-      it->second.deliver(actors::make_pipeline_error(
-        error_kind::io, detail::concat("stage ", index, " on node ", s.label,
-                                       ": a newer restore of snapshot ", number, " came")));
+      it->second.deliver(
+        stage_refusal(self, index, error_kind::io,
+                      detail::concat("stage ", index, " on node ", s.label,
+                                     ": a newer restore of snapshot ", number, " came")));
       it->second = rp;
     }
     return rp;

@@ -82,6 +82,8 @@ bool allowed(node_actor* self, const char* what);
 std::string refused(node_actor* self);
 hosted* find_stage(node_actor* self, uint32_t index);
 std::string missing_stage(node_actor* self, uint32_t index);
+// A refusal in the name of stage `index` on this node: `kind`, the stage, the node, `sentence`.
+caf::error stage_refusal(node_actor* self, uint32_t index, error_kind kind, std::string sentence);
 // No stage `index` here (or the node does not take the request now), as a refusal.
 caf::error no_stage(node_actor* self, uint32_t index);
 

@@ -1,15 +1,8 @@
 /// \file
-/// The scheduler side of distributed nodes: one local proxy actor per remote stage, speaking
-/// the stage actor's protocol (actors/stage_actor.hpp) to the scheduler, so the scheduler does
-/// not know where its stages live.
-///
-/// A proxy sends the first stage's inputs and the last stage's targets as frames to its node,
-/// then the plan over CAF; it turns the node's reports back into stage reports (waiting for the
-/// output frames of forward-only passes), forwards abort, update, save and load with deadlines,
-/// and writes the state frames of a save to the checkpoint file here. When its node is lost
-/// (the CAF connection drops: a killed process, a cut link), it fails the running step with a
-/// message naming the node and the stage, then terminates, which the scheduler sees as a dead
-/// stage.
+/// The scheduler side of distributed nodes: reaching and authenticating nodes, having each build
+/// its stages and wiring them, one local proxy actor per remote stage (nodes/stage_proxy.hpp:
+/// it speaks the stage actor's protocol to the scheduler, so the scheduler does not know where
+/// its stages live), and asking nodes whether they answer.
 #pragma once
 
 #include <chrono>

@@ -1,6 +1,6 @@
 // train(): the training loop over a pipeline or in-process replicas (training_run), with what
 // it does around steps: resuming from a checkpoint, checkpoints and snapshots on schedule,
-// recovery from a lost node, per-epoch metrics.
+// per-epoch metrics; what it does about a failed step is run_faults.hpp's.
 #include <actorpipe/training.hpp>
 
 #include <algorithm>
@@ -20,20 +20,17 @@
 
 #include "training/batches_ahead.hpp"
 #include "training/progress.hpp"
+#include "training/run_faults.hpp"
 #include "training/stragglers.hpp"
 
 namespace actorpipe {
 namespace {
 
-// "a, b, c" or "none": what a recovery lists.
-template <class T>
-std::string join(const std::vector<T>& xs) {
-  std::string text;
-  for (const auto& x : xs) {
-    text += (text.empty() ? "" : ", ") + detail::concat(x);
-  }
-  return text.empty() ? std::string("none") : text;
-}
+using training::failed_at;
+using training::join;
+using training::print_step_line;
+using training::recover_from;
+using training::start_point;
 
 // Appends one row per epoch: CSV (with a header when the file is new) or JSON lines.
 class metrics_writer {
@@ -82,13 +79,6 @@ private:
   std::ofstream out_;
 };
 
-// Where a run starts: at the beginning, or where a checkpoint of the same run stopped.
-struct start_point {
-  uint64_t step = 0;
-  int64_t epoch = 0;
-  int64_t batch = 0;
-};
-
 // One loop trains a pipeline, or replicas in this process (replicated_pipeline) that split each
 // batch among themselves: what differs between the two.
 pipeline& lead_of(pipeline& pipe) {
@@ -125,22 +115,6 @@ std::future<step_result> submit(replicated_pipeline& pipe, const torch::Tensor& 
     done.set_exception(std::current_exception());
   }
   return done.get_future();
-}
-recovery_report recover(pipeline& pipe, const train_options& o, const pipeline_error& failure) {
-  // The node the step found lost is not asked again (a frozen one would cost another timeout).
-  auto found = failure.kind() == error_kind::node_lost && !failure.node().empty()
-                 ? std::vector<std::string>{failure.node()}
-                 : std::vector<std::string>{};
-  return pipe.recover(o.repartition, found);
-}
-recovery_report recover(replicated_pipeline& pipe, const train_options&, const pipeline_error&) {
-  return pipe.recover();
-}
-std::optional<recovery_report> rejoin(pipeline& pipe, const train_options& o) {
-  return pipe.rejoin_nodes(o.repartition);
-}
-std::optional<recovery_report> rejoin(replicated_pipeline& pipe, const train_options&) {
-  return pipe.rejoin_nodes(); // a replica that left comes back, or its nodes stand by
 }
 
 // A resumed run with settings other than the checkpoint's goes on (a longer run, another stage
@@ -227,103 +201,6 @@ start_point resume(Pipe& pipe, const batch_source& data, const train_options& o,
   return {m.step, m.epoch, m.batch_in_epoch};
 }
 
-// A run of few, slow steps (train_options::log_steps): a line per step on stdout.
-void print_step_line(uint64_t step, int64_t total, const step_result& r) {
-  std::cout << "step " << step << "/" << total << "  loss " << std::setprecision(9) << r.loss
-            << "  time " << std::setprecision(4) << r.wall_ms / 1000.0 << " s\n"
-            << std::flush;
-}
-
-// Where the data is when a recovery goes on: `done` steps were complete when the next failed, at
-// position `now` (`after`: the position after it).
-struct failed_at {
-  uint64_t done = 0;
-  start_point now;
-  start_point after;
-  // The run's steps in all, for the step line of a failed step that completed on a replica.
-  int64_t total = 0;
-};
-
-// A lost node: the pipeline recovers (at most o.max_recoveries times in a run), and the run
-// forgets what it did after the snapshot it goes back to. A recovery from a surviving replica's
-// live state goes on where the data is (that state becomes a snapshot there): before the failed
-// step, or after it when it had completed on that replica (its loss is then reported).
-template <class Pipe>
-start_point recover_from(Pipe& pipe, const pipeline_error& failure, const train_options& o,
-                         const failed_at& where, std::map<uint64_t, start_point>& snapshots,
-                         train_report& report) {
-  const auto done = where.done;
-  if (report.recoveries.size() >= o.max_recoveries) {
-    throw pipeline_error(detail::concat(failure.what(),
-                                        " (no recovery left: ", report.recoveries.size(),
-                                        " of at most ", o.max_recoveries, " done)"),
-                         failure.details());
-  }
-  std::cerr << "actorpipe: step " << done + 1 << " failed (" << to_string(failure.kind())
-            << (failure.node().empty() ? std::string{} : ", node " + failure.node())
-            << "): " << failure.what() << "\n"
-            << std::flush;
-  auto r = recover(pipe, o, failure);
-  if (r.from_replica >= 0) {
-    snapshots[r.snapshot] = r.failed_step ? where.after : where.now;
-    if (r.failed_step) {
-      report.steps.emplace_back(done + 1, r.failed_step->loss);
-      report.step_ms.push_back(r.failed_step->wall_ms);
-      if (o.log_steps && o.rank == 0) { // its line, as every completed step's (the lead's)
-        print_step_line(done + 1, where.total, *r.failed_step);
-      }
-      if (o.keep_results) {
-        report.results.push_back(*r.failed_step);
-      }
-    }
-  }
-  // Where in the data the snapshot it restored was taken.
-  auto at = snapshots.find(r.snapshot);
-  ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
-                  ", which this run did not take");
-  const auto& snapshot_at = at->second;
-  std::size_t kept = 0;
-  while (kept < report.steps.size() && report.steps[kept].first <= snapshot_at.step) {
-    ++kept;
-  }
-  std::vector<uint64_t> replayed;
-  for (std::size_t i = kept; i < report.steps.size(); ++i) {
-    replayed.push_back(report.steps[i].first);
-  }
-  report.replayed_steps.insert(report.replayed_steps.end(), replayed.begin(), replayed.end());
-  report.steps.resize(kept);
-  report.step_ms.resize(std::min(kept, report.step_ms.size()));
-  if (o.keep_results) {
-    report.results.resize(std::min(kept, report.results.size()));
-  }
-  // An epoch not finished at the snapshot's position is run (and evaluated) again.
-  report.epochs.erase(
-    std::remove_if(report.epochs.begin(), report.epochs.end(),
-                   [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
-    report.epochs.end());
-  std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
-            << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
-            << join(r.lost) << ", spares used " << join(r.spares_used)
-            << (r.replicas_left.empty()
-                  ? std::string{}
-                  : detail::concat(", replicas left (no spare) ", join(r.replicas_left)))
-            << "; now "
-            << (r.replicas > 1 || !r.replicas_left.empty()
-                  ? detail::concat(r.replicas, " replica", r.replicas == 1 ? "" : "s", " of ")
-                  : std::string{})
-            << r.nodes.size() / r.replicas << " stages on " << join(r.nodes) << ", cut "
-            << partition{r.bounds}.to_string() << "; restored "
-            << (r.from_replica >= 0 ? detail::concat("the live state of replica ", r.from_replica)
-                : r.snapshot == 0
-                  ? std::string("the run's starting state")
-                  : detail::concat("snapshot ", r.snapshot, r.from_nodes ? " from the nodes" : ""))
-            << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
-            << (replayed.size() == 1 ? "" : "s") << "\n"
-            << std::flush;
-  report.recoveries.push_back(std::move(r));
-  return snapshot_at;
-}
-
 // The training loop of one pipeline, or of replicas in this process: epochs of steps (or a
 // stream's steps), the learning-rate schedule, checkpoints, snapshots, evaluation at each
 // epoch's end, and recovery from a lost node, in named steps.
@@ -366,10 +243,7 @@ public:
         }
         return std::move(report_);
       } catch (const pipeline_error& e) {
-        // What the run does about it is the kinds' table's (error_kinds, errors.hpp).
-        constexpr bool replicated = std::is_same_v<Pipe, replicated_pipeline>;
-        if (!o_.recover_lost_nodes ||
-            reaction_to(e.kind(), replicated) != fault_reaction::recover) {
+        if (!training::recovers_from(o_, e, std::is_same_v<Pipe, replicated_pipeline>)) {
           throw;
         }
         // Replay from the snapshot: the steps taken since it are forgotten, as in a resumed run.
@@ -647,26 +521,10 @@ private:
     if (!o_.recover_lost_nodes) {
       return;
     }
-    auto r = rejoin(pipe_, o_);
-    if (!r) {
-      return;
+    if (auto r = training::take_back_nodes(pipe_, o_, step_, lead_)) {
+      snapshots_[r->snapshot] = position_;
+      report_.rejoins.push_back(std::move(*r));
     }
-    snapshots_[r->snapshot] = position_;
-    if (lead_) {
-      auto who = (r->rejoined.empty() ? std::string{} : join(r->rejoined) + " answered again") +
-                 (r->rejoined.empty() || r->joined.empty() ? "" : ", ") +
-                 (r->joined.empty() ? std::string{} : join(r->joined) + " joined");
-      std::cerr << "actorpipe: after step " << step_ << ", " << who << ": now "
-                << (r->replicas > 1 ? std::to_string(r->replicas) + " replicas, " : std::string{})
-                << r->nodes.size() << " stages on " << join(r->nodes) << ", cut "
-                << partition{r->bounds}.to_string() << " (" << std::setprecision(3) << r->seconds
-                << " s)"
-                << (r->spares_used.empty() ? std::string{}
-                                           : "; standing by as spares: " + join(r->spares_used))
-                << "\n"
-                << std::flush;
-    }
-    report_.rejoins.push_back(std::move(*r));
   }
 
   // An epoch's result: its mean loss, the evaluation (rank 0), metrics, the ranks' barrier and,
