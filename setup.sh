@@ -77,7 +77,9 @@ sanitize() {
     echo "== $t ($kind)"
     local start=$SECONDS
     # The PyTorch oracle checks numerics in a Python child process; the Release build runs it.
-    "$dir/tests/$t" --test-case-exclude="PyTorch is the oracle*"
+    # CUDA graphs' auto rule decides by the host's time per action (under 2 ms), which a
+    # sanitizer's slowdown changes; the Release build runs that case, graph_book_test the rule.
+    "$dir/tests/$t" --test-case-exclude="PyTorch is the oracle*,CUDA graphs: auto captures*"
     echo "== $t ($kind): $((SECONDS - start)) s"
   done
 }
