@@ -37,6 +37,21 @@ inline caf::error make_pipeline_error(error_kind kind, std::string sentence) {
   return make_pipeline_error(error_details{kind}, std::move(sentence));
 }
 
+/// A stage's refusal: `kind`, the stage, the node hosting it ("": in process), `sentence`.
+inline caf::error make_stage_refusal(error_kind kind, std::size_t stage, std::string node,
+                                     std::string sentence) {
+  return make_pipeline_error(
+    error_details{kind, stage, std::nullopt, std::nullopt, std::move(node)}, std::move(sentence));
+}
+
+/// The reply of a request whose work says only why it refused: `true`, unless `refused`.
+inline caf::result<bool> done_unless(caf::error refused) {
+  if (refused) {
+    return refused;
+  }
+  return true;
+}
+
 inline bool is_pipeline_error(const caf::error& e) {
   return e && e.category() == pipeline_errors;
 }

@@ -582,20 +582,20 @@ void abort_step(stage_actor_type self, uint64_t step) {
 // carried (else `otherwise`), this stage, and `sentence`.
 caf::error refusal(const stage_state& s, const std::exception& e, error_kind otherwise,
                    std::string sentence) {
-  error_details d{kind_of(e, otherwise), s.options.index};
-  if (const auto* pe = dynamic_cast<const pipeline_error*>(&e)) {
-    d.microbatch = pe->microbatch();
-    d.step = pe->step();
+  const auto* pe = dynamic_cast<const pipeline_error*>(&e);
+  if (pe == nullptr) {
+    return make_stage_refusal(otherwise, s.options.index, "", std::move(sentence));
   }
-  return make_pipeline_error(d, std::move(sentence));
+  return make_pipeline_error(
+    error_details{pe->kind(), s.options.index, pe->microbatch(), pe->step()}, std::move(sentence));
 }
 
 // BMUF: ends the running block now (or says why not).
 caf::error end_block_now(stage_state& s) {
   set_threads(s);
   auto refused = [&](const std::string& sentence) {
-    return make_pipeline_error(error_details{error_kind::replica_failure, s.options.index},
-                               detail::concat("stage ", s.options.index, ": ", sentence));
+    return make_stage_refusal(error_kind::replica_failure, s.options.index, "",
+                              detail::concat("stage ", s.options.index, ": ", sentence));
   };
   if (sharded(s)) {
     // Every rank takes the same steps and gathers, so all skip together when nothing has stepped
@@ -729,12 +729,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       rest(self);
       return promise;
     },
-    [=](block_atom) -> caf::result<bool> {
-      if (auto refused = end_block_now(self->state)) {
-        return refused;
-      }
-      return true;
-    },
+    [=](block_atom) -> caf::result<bool> { return done_unless(end_block_now(self->state)); },
     [=](save_atom, const std::string& path) -> caf::result<bool> {
       set_threads(self->state);
       try {
@@ -755,10 +750,7 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       }
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
-      if (auto refused = load_state(self->state, *all)) {
-        return refused;
-      }
-      return true;
+      return done_unless(load_state(self->state, *all));
     },
   };
 }

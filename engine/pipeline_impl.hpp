@@ -1,5 +1,6 @@
 // pipeline::impl and engine::impl, which engine/pipeline.cpp (building and stepping) and
-// engine/pipeline_recovery.cpp (snapshots and recovery on nodes) share. Private to engine/.
+// engine/recovery/pipeline_recovery.cpp (snapshots and recovery on nodes) share. Private to
+// engine/; a set of replicas drives each replica's impl through recovery::placed_stages.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@
 #include "comm/tensor_hub.hpp"
 #include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
+#include "engine/recovery/membership.hpp"
 #include "logging/log.hpp"
 #include "nodes/join.hpp"
 #include "nodes/protocol.hpp"
@@ -101,28 +103,15 @@ struct pipeline::impl {
   // Training and forward steps submitted: the scheduler's step counter, which a recovered
   // pipeline continues.
   std::atomic<uint64_t> steps{0};
-  // The newest snapshot (null: the state the stages were built with), and its number.
-  std::shared_ptr<const stages::tensor_map> snapshot;
-  uint64_t snapshot_number = 0;
-  uint64_t snapshots_taken = 0;
-  // A snapshot still arriving (snapshot_in_background), and its number.
-  std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>> pending_snapshot;
-  uint64_t pending_number = 0;
-  std::string pending_note;
-  // Stages on nodes: the nodes and cut as built, the nodes recover() lost since, and whether they
-  // answer again, asked beside the steps (pipeline::rejoin_nodes).
-  std::vector<std::string> given_nodes;
-  partition given_cut;
-  std::vector<std::string> lost_nodes;
-  std::future<std::vector<bool>> lost_answering;
-  std::chrono::steady_clock::time_point lost_asked_at{};
-  // placement.accept_joins: nodes that announce themselves; taken as lost ones that came back.
-  std::unique_ptr<nodes::join_listener> joins;
-  std::vector<std::string> joined_nodes;
+  // The snapshots a recovery restores from, and the nodes beyond those the stages are on now.
+  recovery::snapshots snapshots;
+  recovery::membership members;
 
   impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
 
   ~impl() { stop_actors(); }
+
+  caf::actor_system& system() const { return sys->internals().system; }
 
   void stop_actors() {
     for (auto& a : stage_actors) {
@@ -228,8 +217,7 @@ struct pipeline::impl {
   // The same for a snapshot that has arrived, without waiting (before each step: so the nodes
   // keep it as soon as it is whole).
   void settle_if_arrived() {
-    if (pending_snapshot.valid() &&
-        pending_snapshot.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    if (snapshots.arrived()) {
       settle_snapshot();
     }
   }

@@ -13,6 +13,7 @@
 #include "comm/replica_group.hpp"
 #include "engine/futures.hpp"
 #include "engine/pipeline_impl.hpp"
+#include "engine/recovery/membership.hpp"
 #include "nodes/join.hpp"
 
 namespace actorpipe {
@@ -90,6 +91,7 @@ replicated_pipeline::replicated_pipeline(engine& sys, const model_factory& make_
                                return std::make_unique<pipeline>(sys, std::move(models[r]), cut, o);
                              });
   deadline_ = options.step_timeout + std::chrono::seconds(30);
+  members_ = std::make_unique<recovery::membership>();
 }
 
 replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model, partition cut,
@@ -118,14 +120,17 @@ replicated_pipeline::replicated_pipeline(engine& sys, const remote_model& model,
     return std::make_unique<pipeline>(sys, model, cut, o);
   });
   deadline_ = options.step_timeout + std::chrono::seconds(30);
+  members_ = std::make_unique<recovery::membership>();
+  members_->given = all;
+  members_->given_cut = cut;
   if (!joins_at.empty()) {
-    joins_ = std::make_unique<nodes::join_listener>(
+    members_->joins = std::make_unique<nodes::join_listener>(
       sys.internals().system, joins_at, options.placement.secret, options.placement.tls.enabled());
   }
 }
 
 std::string replicated_pipeline::join_address() const {
-  return joins_ ? joins_->address() : std::string{};
+  return members_->join_address();
 }
 
 replicated_pipeline::~replicated_pipeline() {

@@ -517,10 +517,7 @@ caf::message_handler stage_relays(node_actor* self) {
                            lr, scale);
     },
     [=](save_atom, uint32_t index, uint64_t id, uint64_t keep_as) -> caf::result<bool> {
-      if (auto refused = send_state(self, index, id, keep_as)) {
-        return refused;
-      }
-      return true;
+      return actors::done_unless(send_state(self, index, id, keep_as));
     },
     [=](load_atom, uint32_t index, uint64_t id) -> caf::result<bool> {
       return load_state_frame(self, index, id);

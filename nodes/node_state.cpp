@@ -37,8 +37,7 @@ std::string missing_stage(node_actor* self, uint32_t index) {
 }
 
 caf::error stage_refusal(node_actor* self, uint32_t index, error_kind kind, std::string sentence) {
-  return actors::make_pipeline_error(
-    error_details{kind, index, std::nullopt, std::nullopt, self->state.label}, std::move(sentence));
+  return actors::make_stage_refusal(kind, index, self->state.label, std::move(sentence));
 }
 
 caf::error no_stage(node_actor* self, uint32_t index) {

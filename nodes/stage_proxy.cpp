@@ -79,8 +79,7 @@ std::string address_of(const proxy_state& s) {
 
 // A refusal in the name of this stage on this node: `kind`, the stage, the node, `sentence`.
 caf::error refusal(const proxy_state& s, error_kind kind, std::string sentence) {
-  return actors::make_pipeline_error(
-    error_details{kind, s.index, std::nullopt, std::nullopt, address_of(s)}, std::move(sentence));
+  return actors::make_stage_refusal(kind, s.index, address_of(s), std::move(sentence));
 }
 
 // Fails `step` on the scheduler: a failure of this stage, on this proxy's node unless `why`

@@ -30,6 +30,11 @@
 
 namespace actorpipe {
 
+namespace recovery {
+class access;
+class placed_stages;
+} // namespace recovery
+
 /// Owns the actor system that runs stage and scheduler actors. Create one per process and keep
 /// it alive longer than its pipelines.
 class engine {
@@ -238,10 +243,11 @@ public:
   std::vector<std::pair<std::string, torch::Tensor>> named_gradients() const;
 
   struct impl;
+  /// The engine's own: a set of replicas' recovery drives each replica's pipeline through it
+  /// (only engine/ can make the key).
+  recovery::placed_stages placed(const recovery::access& key);
 
 private:
-  // Its recover() re-places every replica's stages and meets the replicas again.
-  friend class replicated_pipeline;
   std::unique_ptr<impl> impl_;
 };
 

@@ -22,8 +22,8 @@
 
 namespace actorpipe {
 
-namespace nodes {
-class join_listener;
+namespace recovery {
+struct membership;
 }
 
 /// `defaults` with what torchrun-style variables say: RANK, WORLD_SIZE, MASTER_ADDR,
@@ -162,15 +162,10 @@ private:
   std::vector<std::exception_ptr> last_outcomes_;
   std::vector<std::optional<step_result>> last_results_;
   // Replicas that left in a recovery, stopped, each with the nodes it had: they may come back
-  // (rejoin_nodes). The nodes lost, and the question whether they answer again.
+  // (rejoin_nodes).
   std::vector<std::pair<std::unique_ptr<pipeline>, std::vector<std::string>>> left_;
-  std::vector<std::string> lost_;
-  std::future<std::vector<bool>> lost_answering_;
-  std::chrono::steady_clock::time_point lost_asked_at_{};
-  // placement.accept_joins: nodes that announce themselves, asked with the lost ones (joined_
-  // lists those not yet taken).
-  std::unique_ptr<nodes::join_listener> joins_;
-  std::vector<std::string> joined_;
+  // The nodes lost and those that joined (placement.accept_joins), asked whether they answer.
+  std::unique_ptr<recovery::membership> members_;
 
   // recover()'s second half: the replicas `whole` (old ranks) go on, on `layouts`, meet again
   // and restore `state` (snapshot `number`; `taken` snapshots numbered so far).

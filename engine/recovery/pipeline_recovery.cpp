@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <future>
+#include <iterator>
 #include <map>
 #include <optional>
 
@@ -14,9 +15,10 @@
 #include <actorpipe/memory.hpp>
 #include <actorpipe/replicas.hpp>
 
-#include "engine/census.hpp"
 #include "engine/futures.hpp"
 #include "engine/pipeline_impl.hpp"
+#include "engine/recovery/membership.hpp"
+#include "engine/recovery/placed_stages.hpp"
 #include "logging/log.hpp"
 #include "nodes/remote_stages.hpp"
 
@@ -40,31 +42,31 @@ pipeline::impl::submit_fetch(bool background, uint64_t keep_as) {
 }
 
 void pipeline::impl::settle_snapshot() {
-  if (!pending_snapshot.valid()) {
+  if (!snapshots.pending.valid()) {
     return;
   }
-  auto number = pending_number;
+  auto number = snapshots.pending_number;
   try {
-    install_snapshot(wait(pending_snapshot, "snapshot"), number, pending_note);
+    install_snapshot(wait(snapshots.pending, "snapshot"), number, snapshots.pending_note);
   } catch (const std::exception& e) {
     // A node lost while its state was on the way: the step after it fails too, and recover()
     // restores the newest snapshot that did arrive.
     log::get()->warn("snapshot {} did not arrive ({}); {} stays the newest", number, e.what(),
-                     snapshot_number == 0 ? std::string("the starting state")
-                                          : detail::concat("snapshot ", snapshot_number));
+                     snapshots.number == 0 ? std::string("the starting state")
+                                           : detail::concat("snapshot ", snapshots.number));
     memory::release_free_heap(); // whatever of it did arrive
   }
-  pending_snapshot = {};
+  snapshots.pending = {};
 }
 
 void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
                                       uint64_t number, const std::string& note) {
-  snapshot = std::make_shared<const stages::tensor_map>(std::move(*state));
-  snapshot_number = number;
+  snapshots.newest = std::make_shared<const stages::tensor_map>(std::move(*state));
+  snapshots.number = number;
   if (remote) {
     // Complete here: every node keeps its stages' copy, tagged with the cut it was taken on,
     // and, but for replicas (the other replicas' same stages are as good), its neighbour's.
-    nodes::keep_snapshot(sys->internals().system, stage_nodes(),
+    nodes::keep_snapshot(system(), stage_nodes(),
                          replicas ? std::vector<nodes::endpoint>{} : stage_data, number,
                          nlohmann::json{{"bounds", cut.bounds}, {"note", note}}.dump());
   }
@@ -84,19 +86,19 @@ std::vector<caf::actor> pipeline::impl::stage_nodes() const {
 uint64_t pipeline::snapshot(const std::string& note) {
   auto& self = *impl_;
   self.settle_snapshot();
-  auto number = ++self.snapshots_taken;
+  auto number = ++self.snapshots.taken;
   auto future = self.submit_fetch(false, number);
   self.install_snapshot(self.wait(future, "snapshot"), number, note);
-  return self.snapshot_number;
+  return self.snapshots.number;
 }
 
 uint64_t pipeline::snapshot_in_background(const std::string& note) {
   auto& self = *impl_;
   self.settle_snapshot();
-  self.pending_number = ++self.snapshots_taken;
-  self.pending_note = note;
-  self.pending_snapshot = self.submit_fetch(true, self.pending_number);
-  return self.pending_number;
+  self.snapshots.pending_number = ++self.snapshots.taken;
+  self.snapshots.pending_note = note;
+  self.snapshots.pending = self.submit_fetch(true, self.snapshots.pending_number);
+  return self.snapshots.pending_number;
 }
 
 namespace {
@@ -185,8 +187,8 @@ kept_snapshot pipeline::kept_on_nodes() {
   ACTORPIPE_CHECK(self.remote, "kept_on_nodes: the stages of this pipeline are in this process; "
                                "nodes keep snapshots of the stages they host");
   const auto& addresses = self.options.placement.nodes;
-  auto kept = nodes::kept_by(self.sys->internals().system, self.stage_nodes(),
-                             self.options.placement.connect_timeout);
+  auto kept =
+    nodes::kept_by(self.system(), self.stage_nodes(), self.options.placement.connect_timeout);
   auto whole = newest_whole(kept, addresses, self.options.chunks);
   if (!whole) {
     throw pipeline_error(detail::concat("the nodes do not keep one snapshot of every stage whole (",
@@ -212,10 +214,10 @@ void pipeline::restore_from_nodes(const kept_snapshot& kept) {
                      kept.number, placement.nodes.size(), fmt::join(placement.nodes, ", "),
                      self.cut.to_string());
   }
-  nodes::restore_kept(self.sys->internals().system, self.stage_nodes(), placement.nodes,
-                      kept.number, self.options.step_timeout);
-  self.snapshots_taken = std::max(self.snapshots_taken, kept.number);
-  auto spread = spread_over(placement.nodes, self.given_nodes);
+  nodes::restore_kept(self.system(), self.stage_nodes(), placement.nodes, kept.number,
+                      self.options.step_timeout);
+  self.snapshots.taken = std::max(self.snapshots.taken, kept.number);
+  auto spread = spread_over(placement.nodes, self.members.given);
   if (spread != placement.nodes) {
     // A part came from a neighbour's copy (its own node keeps nothing: it restarted, or another
     // took its address): the stage actors sharing a node go to the given nodes without one.
@@ -225,20 +227,20 @@ void pipeline::restore_from_nodes(const kept_snapshot& kept) {
                      self.cut.to_string());
   } else {
     // What a later recover() restores: the state now (the nodes keep theirs still).
-    self.snapshot = self.fetch_now("restore_from_nodes");
-    self.snapshot_number = kept.number;
+    self.snapshots.newest = self.fetch_now("restore_from_nodes");
+    self.snapshots.number = kept.number;
   }
-  for (const auto& n : self.given_nodes) {
-    if (!among(placement.nodes, n) && !among(self.lost_nodes, n)) {
-      self.lost_nodes.push_back(n); // asked again between steps (rejoin_nodes)
-    }
-  }
+  // The given nodes left without a stage are asked again between steps (rejoin_nodes).
+  std::vector<std::string> unplaced;
+  std::copy_if(self.members.given.begin(), self.members.given.end(), std::back_inserter(unplaced),
+               [&](const std::string& n) { return !among(placement.nodes, n); });
+  self.members.lose(unplaced);
 }
 
 uint64_t pipeline::newest_snapshot() {
   auto& self = *impl_;
   self.settle_snapshot();
-  return self.snapshot_number;
+  return self.snapshots.number;
 }
 
 recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition,
@@ -252,7 +254,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   auto started = std::chrono::steady_clock::now();
   // A snapshot still on its way arrives (or fails) before the newest is chosen.
   self.settle_snapshot();
-  auto& actor_system = self.sys->internals().system;
+  auto& actor_system = self.system();
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
   self.stop_actors();
   auto& placement = self.options.placement;
@@ -260,11 +262,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   recovery_report report;
   report.lost = census.lost;
   report.spares_used = census.spares_used;
-  for (const auto& n : census.lost) {
-    if (!among(self.lost_nodes, n)) {
-      self.lost_nodes.push_back(n);
-    }
-  }
+  self.members.lose(census.lost);
   auto placed = census.placed(placement.nodes);
   if (placed.empty()) {
     throw pipeline_error(
@@ -287,19 +285,19 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   placement.nodes = placed;
   self.place_on_nodes();
   std::string why = same_cut ? "" : "the model is cut anew over the nodes left";
-  report.from_nodes = same_cut && self.restore_from_kept(before, self.snapshot_number, why);
+  report.from_nodes = same_cut && self.restore_from_kept(before, self.snapshots.number, why);
   if (!report.from_nodes) {
-    if (self.snapshot_number > 0) {
-      log::get()->info("pipeline: restoring snapshot {} from the driver: {}", self.snapshot_number,
+    if (self.snapshots.number > 0) {
+      log::get()->info("pipeline: restoring snapshot {} from the driver: {}", self.snapshots.number,
                        why);
     }
-    self.restore(self.snapshot, self.snapshot_number, "recover");
+    self.restore(self.snapshots.newest, self.snapshots.number, "recover");
   }
   // The failed pipeline's actors, the local model built again, the snapshot's frames.
   memory::release_free_heap();
   report.nodes = placed;
   report.bounds = cut.bounds;
-  report.snapshot = self.snapshot_number;
+  report.snapshot = self.snapshots.number;
   report.seconds =
     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   log::get()->info("pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
@@ -321,7 +319,7 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
     why = "another placement";
     return false;
   }
-  auto& actor_system = sys->internals().system;
+  auto& actor_system = system();
   auto actors = stage_nodes();
   auto kept = nodes::kept_by(actor_system, actors, options.placement.connect_timeout);
   const auto bounds = nlohmann::json(cut.bounds);
@@ -378,42 +376,21 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
 std::optional<recovery_report>
 pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   auto& self = *impl_;
-  recovery::take_joined(self.joins.get(), self.options.placement.nodes,
-                        self.options.placement.spares, self.lost_nodes, self.joined_nodes);
-  if (!self.remote || self.replicas || self.lost_nodes.empty()) {
-    return std::nullopt;
-  }
-  auto answers =
-    recovery::poll_answering(self.sys->internals().system, self.lost_nodes, self.options.placement,
-                             self.lost_answering, self.lost_asked_at);
-  if (!answers) {
-    return std::nullopt;
-  }
-  const auto& alive = *answers;
-  auto started = std::chrono::steady_clock::now();
   auto& placement = self.options.placement;
-  recovery_report report;
-  std::vector<std::string> still_lost, back;
-  for (std::size_t i = 0; i < self.lost_nodes.size(); ++i) {
-    const auto& n = self.lost_nodes[i];
-    if (among(placement.nodes, n)) {
-      continue; // a spare of the run took stages since
-    }
-    if (i >= alive.size() || !alive[i]) {
-      still_lost.push_back(n);
-      continue;
-    }
-    back.push_back(n);
-    recovery::count_answered(n, self.joined_nodes, report);
-  }
-  self.lost_nodes = still_lost;
-  if (back.empty()) {
+  self.members.take_joined(placement.nodes, placement.spares);
+  if (!self.remote || self.replicas) {
     return std::nullopt;
   }
-  const auto given = self.given_nodes.size();
+  recovery_report report;
+  auto back = self.members.answered(self.system(), placement, placement.nodes, report);
+  if (!back || back->empty()) {
+    return std::nullopt;
+  }
+  auto started = std::chrono::steady_clock::now();
+  const auto given = self.members.given.size();
   if (placement.nodes.size() >= given) {
     // A spare holds its stages: it stands by for the next loss.
-    for (const auto& n : back) {
+    for (const auto& n : *back) {
       if (!among(placement.spares, n)) {
         placement.spares.push_back(n);
       }
@@ -422,7 +399,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   } else {
     // Cut anew onto fewer nodes: the stages go over the nodes as built again, from the state now.
     auto nodes = placement.nodes;
-    for (const auto& n : back) {
+    for (const auto& n : *back) {
       if (nodes.size() < given) {
         nodes.push_back(n);
       } else if (!among(placement.spares, n)) {
@@ -430,7 +407,7 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
       }
     }
     auto parts = nodes.size() * self.options.chunks;
-    auto cut = nodes.size() == given ? self.given_cut
+    auto cut = nodes.size() == given ? self.members.given_cut
                : repartition         ? repartition(parts)
                                      : partition_by_params(self.layers, parts);
     ACTORPIPE_CHECK(cut.stages() == parts, "rejoin_nodes: the repartition gave ", cut.stages(),
@@ -439,11 +416,11 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
   }
   report.nodes = placement.nodes;
   report.bounds = self.cut.bounds;
-  report.snapshot = self.snapshot_number;
+  report.snapshot = self.snapshots.number;
   report.seconds =
     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   log::get()->info("pipeline: {} back in {:.2f} s: now {} stages on {}, cut {}, spares {}",
-                   fmt::join(back, ", "), report.seconds, placement.nodes.size(),
+                   fmt::join(*back, ", "), report.seconds, placement.nodes.size(),
                    fmt::join(placement.nodes, ", "), self.cut.to_string(),
                    list_or_none(placement.spares));
   return report;
@@ -454,13 +431,13 @@ void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, pa
   // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
   // keep the newest snapshot train() noted.
   settle_snapshot();
-  snapshot = fetch_now(what);
-  snapshot_number = ++snapshots_taken;
+  snapshots.newest = fetch_now(what);
+  snapshots.number = ++snapshots.taken;
   stop_actors();
   cut = std::move(new_cut);
   options.placement.nodes = std::move(new_nodes);
   place_on_nodes();
-  restore(snapshot, snapshot_number, what);
+  restore(snapshots.newest, snapshots.number, what);
   memory::release_free_heap();
 }
 
@@ -475,7 +452,70 @@ uint64_t pipeline::repartition(const partition& cut) {
   self.place_again_from_now(self.options.placement.nodes, cut, "repartition");
   log::get()->info("pipeline: cut anew into {} on {}", self.cut.to_string(),
                    fmt::join(self.options.placement.nodes, ", "));
-  return self.snapshot_number;
+  return self.snapshots.number;
 }
 
+} // namespace actorpipe
+
+namespace actorpipe {
+
+recovery::placed_stages pipeline::placed(const recovery::access&) {
+  return recovery::placed_stages(*impl_);
+}
+
+namespace recovery {
+
+bool placed_stages::on_nodes() const {
+  return p_->remote.has_value();
+}
+
+const pipeline_options& placed_stages::options() const {
+  return p_->options;
+}
+
+const std::map<std::string, caf::actor>& placed_stages::reached() const {
+  return p_->nodes;
+}
+
+const std::vector<std::size_t>& placed_stages::bounds() const {
+  return p_->cut.bounds;
+}
+
+caf::actor_system& placed_stages::system() const {
+  return p_->system();
+}
+
+recovery::snapshots& placed_stages::settled_snapshots() {
+  p_->settle_snapshot();
+  return p_->snapshots;
+}
+
+std::shared_ptr<const stages::tensor_map> placed_stages::fetch(const char* what) {
+  return p_->fetch_now(what);
+}
+
+void placed_stages::stop(bool leave_replicas) {
+  p_->stop_actors();
+  if (leave_replicas) {
+    p_->replicas.reset();
+  }
+}
+
+void placed_stages::move_to(std::vector<std::string> nodes, std::size_t rank, std::size_t world) {
+  p_->options.data_parallel.rank = rank;
+  p_->options.data_parallel.replicas = world;
+  p_->options.placement.nodes = std::move(nodes);
+}
+
+void placed_stages::start(const std::shared_ptr<const stages::tensor_map>& state, uint64_t number) {
+  p_->meet_replicas();
+  p_->place_on_nodes();
+  p_->restore(state, number, "recover");
+}
+
+void placed_stages::set_spares(std::vector<std::string> spares) {
+  p_->options.placement.spares = std::move(spares);
+}
+
+} // namespace recovery
 } // namespace actorpipe

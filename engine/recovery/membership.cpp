@@ -1,4 +1,4 @@
-#include "engine/census.hpp"
+#include "engine/recovery/membership.hpp"
 
 #include <algorithm>
 
@@ -50,6 +50,37 @@ node_census take_census(caf::actor_system& sys, const std::vector<std::string>& 
   return census;
 }
 
+membership::membership() = default;
+membership::~membership() = default;
+membership::membership(membership&&) noexcept = default;
+membership& membership::operator=(membership&&) noexcept = default;
+
+void membership::lose(const std::vector<std::string>& nodes) {
+  for (const auto& n : nodes) {
+    if (!among(lost, n)) {
+      lost.push_back(n);
+    }
+  }
+}
+
+void membership::take_joined(const std::vector<std::string>& in_use,
+                             const std::vector<std::string>& spares) {
+  if (!joins) {
+    return;
+  }
+  for (auto& n : joins->take()) {
+    if (!among(in_use, n) && !among(spares, n) && !among(lost, n)) {
+      lost.push_back(n);
+      joined.push_back(n);
+    }
+  }
+}
+
+namespace {
+
+// The answers to whether the nodes of `lost` answer, in its order as it was asked; nothing while
+// none are there (yet), the question started when none is on its way and the last is a second
+// old.
 std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
                                                 const std::vector<std::string>& lost,
                                                 const node_placement& placement,
@@ -71,29 +102,44 @@ std::optional<std::vector<bool>> poll_answering(caf::actor_system& sys,
   return answering.get();
 }
 
-void take_joined(nodes::join_listener* joins, const std::vector<std::string>& in_use,
-                 const std::vector<std::string>& spares, std::vector<std::string>& lost,
-                 std::vector<std::string>& joined) {
-  if (joins == nullptr) {
-    return;
+} // namespace
+
+std::optional<std::vector<std::string>> membership::answered(caf::actor_system& sys,
+                                                             const node_placement& placement,
+                                                             const std::vector<std::string>& in_use,
+                                                             recovery_report& report) {
+  if (lost.empty()) {
+    return std::nullopt;
   }
-  for (auto& n : joins->take()) {
-    if (!among(in_use, n) && !among(spares, n) && !among(lost, n)) {
-      lost.push_back(n);
-      joined.push_back(n);
+  auto alive = poll_answering(sys, lost, placement, answering, asked_at);
+  if (!alive) {
+    return std::nullopt;
+  }
+  std::vector<std::string> still_lost, back;
+  for (std::size_t i = 0; i < lost.size(); ++i) {
+    const auto& n = lost[i];
+    if (among(in_use, n)) {
+      continue;
+    }
+    if (i >= alive->size() || !(*alive)[i]) {
+      still_lost.push_back(n);
+      continue;
+    }
+    back.push_back(n);
+    auto j = std::find(joined.begin(), joined.end(), n);
+    if (j == joined.end()) {
+      report.rejoined.push_back(n);
+    } else {
+      report.joined.push_back(n);
+      joined.erase(j);
     }
   }
+  lost = std::move(still_lost);
+  return back;
 }
 
-void count_answered(const std::string& node, std::vector<std::string>& joined,
-                    recovery_report& report) {
-  auto j = std::find(joined.begin(), joined.end(), node);
-  if (j == joined.end()) {
-    report.rejoined.push_back(node);
-  } else {
-    report.joined.push_back(node);
-    joined.erase(j);
-  }
+std::string membership::join_address() const {
+  return joins ? joins->address() : std::string{};
 }
 
 } // namespace actorpipe::recovery

@@ -1,5 +1,5 @@
 // replicated_pipeline::recover() and rejoin_nodes(): each replica's stages placed again through
-// its pipeline::impl, as pipeline::recover() places one pipeline's (docs/distributed.md).
+// recovery::placed_stages, as pipeline::recover() places one pipeline's (docs/distributed.md).
 #include <actorpipe/replicas.hpp>
 
 #include <algorithm>
@@ -14,9 +14,9 @@
 
 #include <actorpipe/memory.hpp>
 
-#include "engine/census.hpp"
 #include "engine/futures.hpp"
-#include "engine/pipeline_impl.hpp"
+#include "engine/recovery/membership.hpp"
+#include "engine/recovery/placed_stages.hpp"
 #include "logging/log.hpp"
 #include "nodes/remote_stages.hpp"
 
@@ -26,6 +26,7 @@ namespace {
 using recovery::among;
 using recovery::list_or_none;
 using recovery::node_census;
+using recovery::placed;
 using recovery::take_census;
 
 // Every replica's nodes, replica after replica (each its stage actors' nodes, in stage order).
@@ -154,12 +155,11 @@ live_choice live_source(caf::actor_system& sys, const std::vector<std::vector<st
   return choice;
 }
 
-// The state of replica `source`'s stages now (pipeline::impl `r`), or null when it does not
-// come (then the snapshot serves, with a warning).
-template <class Impl>
-std::shared_ptr<const stages::tensor_map> fetch_live(Impl& r, int64_t source) {
+// The state of replica `source`'s stages now (`r`), or null when it does not come (then the
+// snapshot serves, with a warning).
+std::shared_ptr<const stages::tensor_map> fetch_live(recovery::placed_stages r, int64_t source) {
   try {
-    return r.fetch_now("recover");
+    return r.fetch("recover");
   } catch (const std::exception& e) {
     log::get()->warn("recover: the state of replica {} did not come ({}); restoring the newest "
                      "snapshot instead",
@@ -170,36 +170,35 @@ std::shared_ptr<const stages::tensor_map> fetch_live(Impl& r, int64_t source) {
 
 } // namespace
 
-// replicated_pipeline::recover() lives here: it re-places each replica's stages through its
-// pipeline::impl, as pipeline::recover() does one pipeline's.
 recovery_report replicated_pipeline::recover() {
-  auto& first = *replicas_.front()->impl_;
-  ACTORPIPE_CHECK(first.remote, "recover: these replicas' stages are in this process; recover() "
-                                "places stages on nodes again");
+  auto first = placed(*replicas_.front());
+  ACTORPIPE_CHECK(first.on_nodes(), "recover: these replicas' stages are in this process; "
+                                    "recover() places stages on nodes again");
   auto started = std::chrono::steady_clock::now();
   // Replica 0 keeps the snapshots (a snapshot still on its way arrives, or fails, first).
-  first.settle_snapshot();
-  auto state = first.snapshot;
-  auto number = first.snapshot_number;
-  auto taken = first.snapshots_taken;
-  const auto placement = first.options.placement;
+  const auto& kept = first.settled_snapshots();
+  auto state = kept.newest;
+  auto number = kept.number;
+  auto taken = kept.taken;
+  const auto placement = first.options().placement;
   std::vector<std::string> all;
   std::map<std::string, caf::actor> known;
   std::vector<std::vector<std::string>> replica_nodes;
   for (auto& p : replicas_) {
-    auto& r = *p->impl_;
-    all.insert(all.end(), r.options.placement.nodes.begin(), r.options.placement.nodes.end());
-    known.insert(r.nodes.begin(), r.nodes.end());
-    replica_nodes.push_back(r.options.placement.nodes);
+    auto r = placed(*p);
+    const auto& nodes = r.options().placement.nodes;
+    all.insert(all.end(), nodes.begin(), nodes.end());
+    known.insert(r.reached().begin(), r.reached().end());
+    replica_nodes.push_back(nodes);
   }
-  auto& actor_system = first.sys->internals().system;
+  auto& actor_system = first.system();
   recovery_report report;
   // A replica that kept its nodes holds the last completed step's state: taken before its
   // stages stop, it spares the steps since the newest snapshot.
-  auto source = live_source(actor_system, replica_nodes, known, last_outcomes_, first.options);
+  auto source = live_source(actor_system, replica_nodes, known, last_outcomes_, first.options());
   if (source.replica >= 0) {
     auto r = static_cast<std::size_t>(source.replica);
-    if (auto live = fetch_live(*replicas_[r]->impl_, source.replica)) {
+    if (auto live = fetch_live(placed(*replicas_[r]), source.replica)) {
       state = std::move(live);
       number = ++taken;
       report.from_replica = source.replica;
@@ -211,15 +210,11 @@ recovery_report replicated_pipeline::recover() {
   for (auto& p : replicas_) {
     // The failed step's proxies go first: a node drops the stages of a proxy that went (the
     // census's questions come after that on each node's connection).
-    p->impl_->stop_actors();
+    placed(*p).stop();
   }
   auto census = take_census(actor_system, all, known, placement);
   report.lost = census.lost;
-  for (const auto& n : census.lost) {
-    if (!among(lost_, n)) {
-      lost_.push_back(n); // asked again between steps (rejoin_nodes)
-    }
-  }
+  members_->lose(census.lost); // asked again between steps (rejoin_nodes)
   auto [whole, layouts] = whole_replicas(replica_nodes, census, report);
   if (whole.empty()) {
     throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
@@ -245,14 +240,14 @@ void replicated_pipeline::rejoin(
   const std::vector<std::size_t>& whole, const std::vector<std::vector<std::string>>& layouts,
   const std::shared_ptr<const std::map<std::string, torch::Tensor>>& state, uint64_t number,
   uint64_t taken) {
-  const auto dp = replicas_.front()->impl_->options.data_parallel;
-  const auto placement = replicas_.front()->impl_->options.placement;
+  const auto dp = placed(*replicas_.front()).options().data_parallel;
+  const auto placement = placed(*replicas_.front()).options().placement;
   // Every driver's rendezvous goes before any meets again (rank 0's serves the store that the
   // next rank 0 serves anew), all at once: each waits at its end for the others'.
   std::vector<std::future<void>> leaving;
   for (auto& p : replicas_) {
-    leaving.push_back(
-      std::async(std::launch::async, [&group = p->impl_->replicas] { group.reset(); }));
+    leaving.push_back(std::async(std::launch::async,
+                                 [r = placed(*p)]() mutable { r.stop(/*leave_replicas=*/true); }));
   }
   for (auto& f : leaving) {
     f.get(); // each bounded by data_parallel.timeout; the destructor throws nothing
@@ -263,7 +258,7 @@ void replicated_pipeline::rejoin(
       continue;
     }
     // Stopped, with the nodes it had: it comes back when they all answer (rejoin_nodes).
-    auto nodes = replicas_[r]->impl_->options.placement.nodes;
+    auto nodes = placed(*replicas_[r]).options().placement.nodes;
     left_.emplace_back(std::move(replicas_[r]), std::move(nodes));
   }
   for (auto r : whole) {
@@ -274,23 +269,18 @@ void replicated_pipeline::rejoin(
   last_results_.clear();
   const auto world = replicas_.size();
   for (std::size_t k = 0; k < world; ++k) {
-    auto& r = *replicas_[k]->impl_;
-    r.options.data_parallel.rank = k;
-    r.options.data_parallel.replicas = world;
-    r.options.placement.nodes = layouts[k];
+    placed(*replicas_[k]).move_to(layouts[k], k, world);
   }
-  auto& lead = *replicas_.front()->impl_;
-  lead.snapshot = state;
-  lead.snapshot_number = number;
-  lead.snapshots_taken = std::max(lead.snapshots_taken, taken);
+  auto& lead = placed(*replicas_.front()).settled_snapshots();
+  lead.newest = state;
+  lead.number = number;
+  lead.taken = std::max(lead.taken, taken);
   // Each replica on a thread of its own: each waits for the others at the rendezvous and at its
   // stages' first collective.
   std::vector<std::future<bool>> placing;
   for (auto& p : replicas_) {
-    placing.push_back(std::async(std::launch::async, [&r = *p->impl_, &state, number] {
-      r.meet_replicas();
-      r.place_on_nodes();
-      r.restore(state, number, "recover");
+    placing.push_back(std::async(std::launch::async, [r = placed(*p), &state, number]() mutable {
+      r.start(state, number);
       return true;
     }));
   }
@@ -300,45 +290,25 @@ void replicated_pipeline::rejoin(
 }
 
 std::optional<recovery_report> replicated_pipeline::rejoin_nodes() {
-  auto& first = *replicas_.front()->impl_;
-  if (!first.remote) {
+  auto first = placed(*replicas_.front());
+  if (!first.on_nodes()) {
     return std::nullopt;
   }
-  if (joins_) {
-    recovery::take_joined(joins_.get(), nodes_of(replicas_), first.options.placement.spares, lost_,
-                          joined_);
-  }
-  if (lost_.empty()) {
-    return std::nullopt;
-  }
-  auto answers = recovery::poll_answering(first.sys->internals().system, lost_,
-                                          first.options.placement, lost_answering_, lost_asked_at_);
-  if (!answers) {
-    return std::nullopt;
-  }
-  const auto& alive = *answers;
-  auto started = std::chrono::steady_clock::now();
+  auto in_use = nodes_of(replicas_);
+  members_->take_joined(in_use, first.options().placement.spares);
   recovery_report report;
-  std::vector<std::string> still_lost;
-  for (std::size_t i = 0; i < lost_.size(); ++i) {
-    if (i < alive.size() && alive[i]) {
-      recovery::count_answered(lost_[i], joined_, report);
-    } else {
-      still_lost.push_back(lost_[i]);
-    }
-  }
-  if (report.rejoined.empty() && report.joined.empty()) {
+  auto back = members_->answered(first.system(), first.options().placement, in_use, report);
+  if (!back || back->empty()) {
     return std::nullopt;
   }
-  lost_ = std::move(still_lost);
-  return take_back(std::move(report), started);
+  return take_back(std::move(report), std::chrono::steady_clock::now());
 }
 
 recovery_report replicated_pipeline::take_back(recovery_report report,
                                                std::chrono::steady_clock::time_point started) {
   // The nodes the replicas hold; a spare standing by may go back to the replica it came from.
   auto in_use = nodes_of(replicas_);
-  auto spares = replicas_.front()->impl_->options.placement.spares;
+  auto spares = placed(*replicas_.front()).options().placement.spares;
   spares.erase(std::remove_if(spares.begin(), spares.end(),
                               [&](const std::string& n) { return among(in_use, n); }),
                spares.end());
@@ -354,7 +324,7 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
   std::vector<std::size_t> coming;
   std::vector<std::vector<std::string>> coming_layouts;
   for (std::size_t k = 0; k < left_.size(); ++k) {
-    if (auto layout = fill_places(left_[k].second, lost_, in_use, spares)) {
+    if (auto layout = fill_places(left_[k].second, members_->lost, in_use, spares)) {
       coming.push_back(k);
       in_use.insert(in_use.end(), layout->begin(), layout->end());
       coming_layouts.push_back(std::move(*layout));
@@ -365,18 +335,18 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
       report.spares_used.push_back(n); // standing by
     }
   }
-  auto& first = *replicas_.front()->impl_;
-  auto number = first.snapshot_number;
+  auto first = placed(*replicas_.front());
+  auto number = first.settled_snapshots().number;
   if (!coming.empty()) {
     // The state now, replica 0's: every replica holds it after a completed step.
-    first.settle_snapshot();
-    auto state = first.fetch_now("rejoin_nodes");
-    auto taken = first.snapshots_taken + 1;
+    auto state = first.fetch("rejoin_nodes");
+    auto taken = first.settled_snapshots().taken + 1;
     number = taken;
     std::vector<std::vector<std::string>> layouts;
     for (auto& p : replicas_) {
-      layouts.push_back(p->impl_->options.placement.nodes);
-      p->impl_->stop_actors(); // they meet again with the replicas that come back
+      auto r = placed(*p);
+      layouts.push_back(r.options().placement.nodes);
+      r.stop(); // they meet again with the replicas that come back
     }
     for (std::size_t c = 0; c < coming.size(); ++c) {
       layouts.push_back(coming_layouts[c]);
@@ -390,20 +360,20 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
     rejoin(whole, layouts, state, number, taken);
   }
   for (auto& p : replicas_) {
-    p->impl_->options.placement.spares = spares; // the next recovery's census asks them
+    placed(*p).set_spares(spares); // the next recovery's census asks them
   }
   describe_world(report, number, started);
   log::get()->info("replicas: {} back in {:.2f} s: now {} replicas on {}, spares {}",
                    fmt::join(back, ", "), report.seconds, report.replicas,
                    fmt::join(report.nodes, ", "),
-                   list_or_none(replicas_.front()->impl_->options.placement.spares));
+                   list_or_none(placed(*replicas_.front()).options().placement.spares));
   return report;
 }
 
 void replicated_pipeline::describe_world(recovery_report& report, uint64_t number,
                                          std::chrono::steady_clock::time_point started) const {
   report.nodes = nodes_of(replicas_);
-  report.bounds = replicas_.front()->impl_->cut.bounds;
+  report.bounds = placed(*replicas_.front()).bounds();
   report.snapshot = number;
   report.replicas = replicas_.size();
   report.seconds =
