@@ -97,6 +97,9 @@ inline failure failure_of(const std::exception& e, std::size_t stage, uint64_t s
 struct step_plan {
   uint64_t step = 0;
   bool train = true;
+  /// The step's micro-batches, as the scheduler planned them: the programs' actions run
+  /// micro-batches 0 to microbatches - 1 (a forward pass of a small batch takes fewer).
+  int32_t microbatches = 0;
   /// The step's start on the steady clock (nanoseconds since its epoch): action times are
   /// reported relative to it.
   int64_t origin_ns = 0;

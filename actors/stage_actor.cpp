@@ -435,11 +435,7 @@ void start_plan(stage_actor_type self, step_plan plan) {
   s.report.stats.stage = s.options.index;
   s.report.stats.overlapped = follows;
   if (s.chunks.back()->is_last() && !plan.train) {
-    std::size_t m = 0;
-    for (const auto& a : plan.program) {
-      m = std::max(m, static_cast<std::size_t>(a.microbatch) + 1);
-    }
-    s.report.outputs.resize(m);
+    s.report.outputs.resize(static_cast<std::size_t>(plan.microbatches));
   }
   for (std::size_t position = 0; position < plan.inputs.size(); ++position) {
     s.activations[key{plan.step, static_cast<int32_t>(position), 0}] =
@@ -454,10 +450,7 @@ void start_plan(stage_actor_type self, step_plan plan) {
                                   : 1.0;
   }
   s.split_actions = split_backwards(s.plan.program);
-  s.microbatches = 0;
-  for (const auto& a : s.plan.program) {
-    s.microbatches = std::max(s.microbatches, a.microbatch + 1);
-  }
+  s.microbatches = s.plan.microbatches;
   s.next_action = 0;
   s.live = 0;
   s.peak_live = 0;
@@ -498,7 +491,7 @@ bool stale(const stage_state& s, uint64_t step) {
 // synchronised batch norm where the options ask for them.
 void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
             stage_listener_actor scheduler, stage_actor_options options) {
-  s.device = stages::make_device_context(chunks.front()->config().device);
+  s.device = stages::make_device_context(options.device);
   s.chunks = std::move(chunks);
   for (std::size_t c = 1; c < s.chunks.size(); ++c) {
     s.chunks[c]->count_stash_with(*s.chunks.front()); // the stage's stash, not each chunk's
@@ -760,6 +753,11 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
 local_stage_actor spawn_stage(caf::actor_system& sys,
                               std::vector<std::shared_ptr<stages::stage>> chunks,
                               stage_listener_actor scheduler, stage_actor_options options) {
+  for (const auto& chunk : chunks) {
+    ACTORPIPE_CHECK(chunk->config().device == options.device, "stage ", options.index,
+                    ": a chunk built on ", chunk->config().device.str(),
+                    " for a stage actor set to compute on ", options.device.str());
+  }
   return sys.spawn<caf::detached>(stage_behavior, std::move(chunks), std::move(scheduler),
                                   std::move(options));
 }

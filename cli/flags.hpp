@@ -21,7 +21,6 @@ using training::build_model;
 using training::choose_plan;
 using training::model_args;
 using training::model_setup;
-using training::pipeline_options_for;
 using training::plan_choice;
 using training::planning_args;
 using training::threads_per_stage;

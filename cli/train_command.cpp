@@ -686,15 +686,10 @@ int run_train(const train_args& given) {
   // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
   // parameter, SGD with momentum 1.
   a.plan.optimizer_state = optimizer_of(a).state_tensors();
-  auto choice = choose_plan(setup.layers, setup.sample(), a.plan);
+  auto plan = training::plan_run(setup.layers, setup.sample(), a.plan, a.pipeline);
+  const auto& choice = plan.choice;
+  auto& po = plan.options;
   check_flags_apply(a, setup, choice);
-  auto po = pipeline_options_for(choice, a.plan, a.pipeline);
-  po.devices = a.plan.devices;
-  if (a.plan.layout_auto() && po.devices.size() > choice.stages()) {
-    // The devices of the stages the planner chose, in order.
-    po.devices.erase(po.devices.begin() + static_cast<std::ptrdiff_t>(choice.stages()),
-                     po.devices.end());
-  }
   po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
   make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
 

@@ -85,7 +85,7 @@ struct train_args {
   /// --overlap-steps, --precision, data_parallel's --dp-timeout, --dp-backend, --buffers and
   /// --batch-norm, and the nodes' placement (--nodes, --spare-nodes, --accept-joins, TLS,
   /// --connect-timeout, --heartbeat-timeout); run_train() adds the plan's fields
-  /// (pipeline_options_for), the devices, the replicas and the secret.
+  /// and devices (training::plan_run), the replicas and the secret.
   pipeline_options pipeline;
   std::string secret_file;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from

@@ -60,6 +60,9 @@ json encode(std::size_t v) {
 json encode(int64_t v) {
   return v;
 }
+json encode(int32_t v) {
+  return v;
+}
 json encode(double v) {
   return v;
 }
@@ -178,6 +181,7 @@ constexpr auto hook_fields = [](auto& h, auto&& f) { visit_hook_spec(h, f); };
 constexpr auto plan_fields = [](auto& p, auto&& f) {
   f("step", p.step);
   f("train", p.train);
+  f("microbatches", p.microbatches);
   f("loss_scales", p.loss_scales);
   f("samples", p.samples);
   f("learning_rate", p.learning_rate);
@@ -420,10 +424,13 @@ actors::step_plan step_plan_from_json(const std::string& text, std::size_t& targ
   const char* what = "step plan";
   json j;
   auto plan = read_message<actors::step_plan>(text, what, plan_fields, j);
+  ACTORPIPE_CHECK(plan.microbatches >= 1 && plan.microbatches < (1 << 30), what, ": ",
+                  plan.microbatches, " micro-batches");
   for (const auto& a : field<std::vector<std::array<int64_t, 3>>>(j, "program", what)) {
-    ACTORPIPE_CHECK(a[0] >= 0 && a[0] <= 2 && a[1] >= 0 && a[1] < (1 << 30) && a[2] >= 0 &&
+    ACTORPIPE_CHECK(a[0] >= 0 && a[0] <= 2 && a[1] >= 0 && a[1] < plan.microbatches && a[2] >= 0 &&
                       a[2] < 1024,
-                    what, ": malformed action [", a[0], ", ", a[1], ", ", a[2], "]");
+                    what, ": malformed action [", a[0], ", ", a[1], ", ", a[2], "] (",
+                    plan.microbatches, " micro-batches)");
     plan.program.push_back(
       {static_cast<action_kind>(a[0]), static_cast<int32_t>(a[1]), static_cast<int32_t>(a[2])});
   }

@@ -50,19 +50,26 @@ loss_function scripted_loss(const std::string& bytes) {
   };
 }
 
+// The planner's settings from the Python module's: a setting the caller left as it is keeps the
+// planner's default (pipeline_config takes its defaults from planning_args).
 training::planning_args planning_of(const pipeline_config& c) {
+  const training::planning_args defaults;
   training::planning_args a;
   a.stages = c.stages;
   a.stages_given = c.stages > 0;
-  a.microbatches = c.microbatches > 0 ? c.microbatches : (c.stages == 0 ? 0 : 4);
-  a.microbatches_given = c.microbatches > 0;
+  if (c.microbatches > 0) {
+    a.microbatches = c.microbatches;
+    a.microbatches_given = true;
+  }
   a.schedule = c.schedule;
   a.schedule_given = c.schedule != "auto";
   a.partition = c.partition;
-  a.partition_given = c.partition != "uniform";
+  a.partition_given = c.partition != defaults.partition;
   a.chunks = c.chunks;
   a.threads = c.threads;
   a.cold_memory = !c.warm_memory;
+  a.recompute = c.recompute;
+  a.recompute_given = true;
   a.devices = training::parse_devices(c.devices, a, "devices");
   return a;
 }
@@ -79,11 +86,9 @@ torch::Tensor planning_batch(const pipeline_config& c, const training::planning_
   return torch::zeros({static_cast<int64_t>(std::max<std::size_t>(1, a.microbatches))});
 }
 
-pipeline_options options_for(const pipeline_config& c, const training::plan_choice& choice,
-                             const training::planning_args& a) {
-  auto po = training::pipeline_options_for(choice, a);
-  po.devices = a.devices;
-  po.recompute = parse_recompute_mode(c.recompute);
+// The settings the plan is set into (training::plan_run): all but the planner's.
+pipeline_options base_options(const pipeline_config& c) {
+  pipeline_options po;
   po.precision = parse_precision(c.precision);
   po.max_grad_norm = c.max_grad_norm;
   po.wait_timeout = c.wait_timeout;
@@ -140,8 +145,9 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   auto a = planning_of(c);
   ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
                                                    "give a stage count with replicas > 1");
-  auto choice = training::choose_plan(layers, planning_batch(c, a), a);
-  auto po = options_for(c, choice, a);
+  auto plan = training::plan_run(layers, planning_batch(c, a), a, base_options(c));
+  const auto& choice = plan.choice;
+  auto& po = plan.options;
   layout_.stages = choice.stages();
   layout_.bounds = choice.cut.bounds;
   layout_.schedule = choice.schedule_name;

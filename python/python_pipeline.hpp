@@ -14,28 +14,32 @@
 #include <utility>
 #include <vector>
 
+#include <actorpipe/exported.hpp>
 #include <actorpipe/pipeline.hpp>
 #include <actorpipe/replicas.hpp>
+
+#include "training/planning.hpp"
 
 namespace actorpipe::python {
 
 /// Everything `actorpipe.Pipeline(...)` takes, as plain values (python/actorpipe/__init__.py
-/// checks types and turns Python objects into these).
+/// checks types and turns Python objects into these). Each default is the library's own (the
+/// planner's settings, pipeline_options), which the Python signature reads in turn.
 struct pipeline_config {
   /// The bytes of a model file: a PT2 archive (torch.export.save) or a TorchScript file of an
   /// nn.Sequential; `model_name` names it in messages.
   std::string model;
   std::string model_name = "model";
   /// A PT2 archive's cut into layers (exported_options::segments).
-  std::string segments = "auto";
+  std::string segments = exported_options{}.segments;
   /// Stage actors; 0: chosen by the planner from `example`.
-  std::size_t stages = 2;
-  /// 0: the planner's choice (stages == 0 or schedule "auto"), else 4.
+  std::size_t stages = training::planning_args{}.stages;
+  /// 0: not given (the planner's default, or its choice with stages == 0 or schedule "auto").
   std::size_t microbatches = 0;
-  std::string schedule = "1f1b";
-  std::size_t chunks = 1;
+  std::string schedule = training::planning_args{}.schedule;
+  std::size_t chunks = training::planning_args{}.chunks;
   /// "uniform", "params", "time" or "cut:I,J".
-  std::string partition = "uniform";
+  std::string partition = training::planning_args{}.partition;
   optimizer_spec optimizer;
   /// A built-in loss ("mse", "cross_entropy"), or the bytes of a scripted module whose
   /// forward(output, target) returns the loss (`loss_module`; stages in this process only).
@@ -43,20 +47,20 @@ struct pipeline_config {
   std::string loss_module;
   /// One device per stage ("cpu", "cuda:0", ...); empty: every stage on the CPU.
   std::vector<std::string> devices;
-  std::size_t threads = 0;
-  bool warm_memory = true;
-  std::string recompute = "never";
-  std::string precision = "fp32";
-  double max_grad_norm = 0;
+  std::size_t threads = training::planning_args{}.threads;
+  bool warm_memory = !training::planning_args{}.cold_memory;
+  std::string recompute = training::planning_args{}.recompute;
+  std::string precision = to_string(pipeline_options{}.precision);
+  double max_grad_norm = pipeline_options{}.max_grad_norm;
   hook_specs hooks;
   /// Stage actors on `actorpipe node` processes ("host:port", replica after replica).
   std::vector<std::string> nodes;
   std::string secret;
   std::size_t replicas = 1;
   /// data_parallel_options::shard by name: "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2).
-  std::string shard = "none";
-  std::chrono::milliseconds wait_timeout{60000};
-  std::chrono::milliseconds step_timeout{600000};
+  std::string shard = to_string(data_parallel_options{}.shard);
+  std::chrono::milliseconds wait_timeout = pipeline_options{}.wait_timeout;
+  std::chrono::milliseconds step_timeout = pipeline_options{}.step_timeout;
   /// A batch like the ones to come, for the planner (stages == 0, schedule "auto", partition
   /// "time").
   torch::Tensor example;

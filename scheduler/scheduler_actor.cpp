@@ -315,6 +315,7 @@ void send_plans(scheduler_actor_type self, step_request& request, uint64_t step,
     step_plan plan;
     plan.step = step;
     plan.train = request.train();
+    plan.microbatches = static_cast<int32_t>(request.inputs.size());
     plan.origin_ns = origin;
     plan.program = programs[i];
     plan.learning_rate = request.learning_rate;

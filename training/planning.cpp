@@ -715,7 +715,20 @@ pipeline_options pipeline_options_for(const plan_choice& choice, const planning_
   po.threads_per_stage = choice.threads > 0 ? choice.threads : args.threads;
   po.recompute = choice.recompute;
   po.warm_memory = !args.cold_memory;
+  po.devices = args.devices;
+  if (args.layout_auto() && po.devices.size() > choice.stages()) {
+    // The planner placed fewer stages than there are devices: the first ones, in order.
+    po.devices.resize(choice.stages(), po.devices.front());
+  }
   return po;
+}
+
+run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, const planning_args& args,
+                  pipeline_options base) {
+  run_plan plan;
+  plan.choice = choose_plan(layers, batch, args);
+  plan.options = pipeline_options_for(plan.choice, args, std::move(base));
+  return plan;
 }
 
 } // namespace actorpipe::training

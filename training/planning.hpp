@@ -261,10 +261,22 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
                         const planning_args& args, bool always_profile = false);
 
 /// `base` (the caller's settings: timeouts, clipping, placement) with the choice's fields set
-/// (micro-batches, schedule, chunks, recomputation) and the flags' threads per stage and memory;
-/// loss and optimizer are the caller's.
+/// (micro-batches, schedule, chunks, recomputation), the flags' threads per stage and memory,
+/// and the devices of the chosen stages (args.devices, in order); loss and optimizer are the
+/// caller's.
 pipeline_options pipeline_options_for(const plan_choice& choice, const planning_args& args,
                                       pipeline_options base = {});
+
+/// A run's plan, built once: what the planner chose, and the pipeline options that carry it.
+struct run_plan {
+  plan_choice choice;
+  pipeline_options options;
+};
+
+/// Plans a run (choose_plan) and sets the plan into the caller's settings `base`
+/// (pipeline_options_for): the one place where `actorpipe train` and the Python module plan.
+run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, const planning_args& args,
+                  pipeline_options base = {});
 
 /// The threads each stage gets for `stages` stage actors and the --threads flag.
 std::size_t threads_per_stage(std::size_t stages, std::size_t flag);

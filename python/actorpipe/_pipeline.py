@@ -18,6 +18,8 @@ _OPTIMIZERS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"}, "adam": {"
 _LOSSES = ("mse", "cross_entropy")
 _FORMAT = 1
 _live = weakref.WeakSet()
+# The engine's defaults (a Config as made), which Pipeline's signature shows: none restated here.
+_DEFAULT = _actorpipe.Config()
 # torch.export's programs reach the engine on PyTorch 2.x; 1.13 scripts nn.Sequentials.
 _EXPORT = hasattr(torch, "export") and hasattr(torch.export, "ExportedProgram")
 
@@ -206,7 +208,8 @@ class Pipeline:
       else "modules"), "modules" (each top-level submodule), "modules:K", "markers", "nodes".
     stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
       the planner profiles the layers on `example` and runs the fastest layout it simulates.
-    microbatches: per step (default 4; with stages="auto" or schedule="auto" the planner's).
+    microbatches: per step (None: the planner's default, as `actorpipe train`'s; with
+      stages="auto" the planner's choice).
     schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zb-v",
         "v-half", "v-min", "dualpipe-v" or "auto".
     chunks: model chunks per stage (interleaved, interleaved-zb; the V schedules take 2 by
@@ -235,12 +238,16 @@ class Pipeline:
       partition="time".
     """
 
-    def __init__(self, model, *, stages=2, microbatches=None, schedule="1f1b", chunks=1,
-                 partition="uniform", optimizer=("sgd", {"lr": 0.05}), loss="mse", devices=None,
-                 threads=0, recompute="never", precision="fp32", max_grad_norm=0.0,
-                 after_forward=None, after_backward=None, nodes=None, secret="", replicas=1,
-                 shard="none", wait_timeout=60.0, step_timeout=600.0, warm_memory=True,
-                 example=None, segments="auto"):
+    def __init__(self, model, *, stages=_DEFAULT.stages, microbatches=None,
+                 schedule=_DEFAULT.schedule, chunks=_DEFAULT.chunks, partition=_DEFAULT.partition,
+                 optimizer=(_DEFAULT.optimizer, {"lr": _DEFAULT.lr}), loss=_DEFAULT.loss,
+                 devices=None,
+                 threads=_DEFAULT.threads, recompute=_DEFAULT.recompute,
+                 precision=_DEFAULT.precision, max_grad_norm=_DEFAULT.max_grad_norm,
+                 after_forward=None, after_backward=None, nodes=None, secret="",
+                 replicas=_DEFAULT.replicas, shard=_DEFAULT.shard,
+                 wait_timeout=_DEFAULT.wait_timeout, step_timeout=_DEFAULT.step_timeout,
+                 warm_memory=_DEFAULT.warm_memory, example=None, segments=_DEFAULT.segments):
         auto = stages == "auto"
         if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")

@@ -55,6 +55,7 @@ struct two_stage_fixture {
     step_plan plan;
     plan.step = step;
     plan.train = false;
+    plan.microbatches = 1;
     plan.program = {{action_kind::forward, 0}};
     self->send(stage, plan_atom::value, std::move(plan));
   }

@@ -289,6 +289,7 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
   actors::step_plan plan;
   plan.step = 1;
   plan.train = false;
+  plan.microbatches = 3;
   for (int32_t mb = 0; mb < 3; ++mb) {
     plan.program.push_back({action_kind::forward, mb});
     auto x = torch::randn({16, 3, 224, 224});

@@ -211,6 +211,7 @@ TEST_CASE("a step plan crosses to a node whole: every field it carries beside it
   actors::step_plan sent;
   sent.step = 7;
   sent.train = false;
+  sent.microbatches = 4;
   sent.program = {{action_kind::forward, 3, 1}, {action_kind::weight, 2, 0}};
   sent.loss_scales = {0.5, 0.25};
   sent.samples = 9;
@@ -221,6 +222,7 @@ TEST_CASE("a step plan crosses to a node whole: every field it carries beside it
   CHECK(targets == 2);
   CHECK(back.step == 7);
   CHECK_FALSE(back.train);
+  CHECK(back.microbatches == 4);
   CHECK((back.program == sent.program));
   CHECK(back.loss_scales == sent.loss_scales);
   CHECK(back.samples == 9);
@@ -233,6 +235,16 @@ TEST_CASE("a step plan crosses to a node whole: every field it carries beside it
     FAIL("a malformed plan was accepted");
   } catch (const std::exception& e) {
     CHECK(std::string(e.what()).find("field 'loss_scales' is malformed") != std::string::npos);
+  }
+  // An action beyond the plan's micro-batches is refused, naming both.
+  auto beyond = sent;
+  beyond.microbatches = 3;
+  try {
+    nodes::step_plan_from_json(nodes::to_json(beyond, 2), targets);
+    FAIL("an action beyond the plan's micro-batches was accepted");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("malformed action [0, 3, 1] (3 micro-batches)") !=
+          std::string::npos);
   }
 }
 

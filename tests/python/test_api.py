@@ -252,6 +252,27 @@ class PlannerTest(unittest.TestCase):
             loss = p.train_step(x, y)
         self.assertTrue(loss == loss)
 
+    def test_stages_auto_takes_the_first_of_more_devices_than_it_places(self):
+        x, y = batch(0, n=16)
+        with actorpipe.Pipeline(model(), stages="auto", example=x, devices=["cpu"] * 5) as p:
+            self.assertLess(p.stats()["layout"]["stages"], 5)  # the cores bound it
+            loss = p.train_step(x, y)
+        self.assertTrue(loss == loss)
+
+    def test_the_signature_restates_none_of_the_engines_defaults(self):
+        import inspect
+        made = actorpipe._actorpipe.Config()
+        shared = [(name, parameter.default) for name, parameter
+                  in inspect.signature(actorpipe.Pipeline.__init__).parameters.items()
+                  if hasattr(made, name) and parameter.default is not inspect.Parameter.empty
+                  and parameter.default is not None]
+        self.assertGreaterEqual(len(shared), 10)
+        for name, default in shared:
+            if name == "optimizer":  # (name, its settings)
+                self.assertEqual(default, (made.optimizer, {"lr": made.lr}))
+            else:
+                self.assertEqual(default, getattr(made, name), name)
+
 
 @unittest.skipUnless(os.environ.get("ACTORPIPE_CLI"), "needs ACTORPIPE_CLI (the program)")
 class NodesTest(unittest.TestCase):
