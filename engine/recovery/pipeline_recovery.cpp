@@ -490,6 +490,10 @@ recovery::snapshots& placed_stages::settled_snapshots() {
   return p_->snapshots;
 }
 
+recovery::snapshots& placed_stages::kept_snapshots() {
+  return p_->snapshots;
+}
+
 std::shared_ptr<const stages::tensor_map> placed_stages::fetch(const char* what) {
   return p_->fetch_now(what);
 }

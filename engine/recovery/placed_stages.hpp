@@ -40,6 +40,8 @@ public:
   // The snapshots it keeps (replica 0's are the replicas'), after the one still arriving came
   // or failed.
   recovery::snapshots& settled_snapshots();
+  // The same, as they are (a snapshot still arriving is left to arrive).
+  recovery::snapshots& kept_snapshots();
   // Every stage's state now (`what` names the caller in errors).
   std::shared_ptr<const stages::tensor_map> fetch(const char* what);
 

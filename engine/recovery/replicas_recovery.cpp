@@ -271,7 +271,7 @@ void replicated_pipeline::rejoin(
   for (std::size_t k = 0; k < world; ++k) {
     placed(*replicas_[k]).move_to(layouts[k], k, world);
   }
-  auto& lead = placed(*replicas_.front()).settled_snapshots();
+  auto& lead = placed(*replicas_.front()).kept_snapshots();
   lead.newest = state;
   lead.number = number;
   lead.taken = std::max(lead.taken, taken);
@@ -336,11 +336,12 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
     }
   }
   auto first = placed(*replicas_.front());
-  auto number = first.settled_snapshots().number;
+  auto number = first.kept_snapshots().number;
   if (!coming.empty()) {
-    // The state now, replica 0's: every replica holds it after a completed step.
-    auto state = first.fetch("rejoin_nodes");
+    // The state now, replica 0's: every replica holds it after a completed step (a snapshot
+    // still arriving comes first).
     auto taken = first.settled_snapshots().taken + 1;
+    auto state = first.fetch("rejoin_nodes");
     number = taken;
     std::vector<std::vector<std::string>> layouts;
     for (auto& p : replicas_) {
