@@ -22,7 +22,6 @@
 #include "comm/replica_group.hpp"
 #include "comm/tie_group.hpp"
 #include "logging/log.hpp"
-#include "stages/checkpoint.hpp"
 #include "stages/device.hpp"
 #include "stages/stage.hpp"
 
@@ -155,77 +154,93 @@ bool recompute(const stage_state& s, const action& a) {
   return false;
 }
 
+// The last stage's forward in training: its loss, read once the program has run (add_losses:
+// on a GPU, reading waits for the device).
+void run_forward_loss(stage_state& s, stages::stage& st, const action& a, const bundle& input,
+                      bool recomputed) {
+  auto position = static_cast<std::size_t>(a.microbatch);
+  // The plain loss by reference (no copy of the function per micro-batch).
+  loss_function with_inputs;
+  if (s.options.loss_with_inputs) {
+    with_inputs = [&s, position](const torch::Tensor& output, const torch::Tensor& target) {
+      return s.options.loss_with_inputs(output, target, s.plan.loss_inputs.at(position));
+    };
+  }
+  const auto& loss = s.options.loss_with_inputs ? with_inputs : s.options.loss;
+  s.losses.push_back(st.forward_loss(a.microbatch, input, s.plan.targets.at(position), loss,
+                                     s.plan.loss_scales.at(position), recomputed));
+  s.loss_positions.push_back(position);
+}
+
+// A forward whose input is there; returns the bytes it sent.
+int64_t run_forward(stage_actor_type self, stages::stage& st, const action& a) {
+  auto& s = self->state;
+  const key k{s.plan.step, a.microbatch, a.chunk};
+  auto input = std::move(s.activations[k]);
+  s.activations.erase(k);
+  s.device->adopt(input);
+  if (s.plan.train) {
+    s.peak_live = std::max(s.peak_live, ++s.live);
+  }
+  bool recomputed = s.plan.train && recompute(s, a);
+  s.report.stats.recomputed += recomputed ? 1 : 0;
+  if (s.plan.train && st.is_last()) {
+    run_forward_loss(s, st, a, input, recomputed);
+    return 0;
+  }
+  auto output = st.forward(a.microbatch, input, recomputed);
+  if (s.options.hooks.after_forward) {
+    run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
+  }
+  if (st.is_last()) {
+    s.report.outputs.at(static_cast<std::size_t>(a.microbatch)) = output.single(
+      detail::concat("stage ", s.options.index, ": the pipeline's output (forward-only)"));
+    return 0;
+  }
+  auto bytes = static_cast<int64_t>(output.nbytes());
+  output.set_ready(s.device->record(st.replayed_last()));
+  send_to_virtual(self, s.virtual_index(a.chunk) + 1, forward_atom::value, a.microbatch,
+                  std::move(output));
+  return bytes;
+}
+
+// A backward (whole, or the input half of a split one) whose gradient is there; returns the
+// bytes it sent.
+int64_t run_backward(stage_actor_type self, stages::stage& st, const action& a, bool split) {
+  auto& s = self->state;
+  bundle grad;
+  if (!st.is_last()) {
+    const key k{s.plan.step, a.microbatch, a.chunk};
+    grad = std::move(s.gradients[k]);
+    s.gradients.erase(k);
+    s.device->adopt(grad);
+  }
+  auto input_grad = split ? st.backward_input(a.microbatch, grad) : st.backward(a.microbatch, grad);
+  if (!split) {
+    --s.live;
+  }
+  if (st.is_first()) {
+    return 0;
+  }
+  if (s.options.hooks.after_backward) {
+    run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
+  }
+  auto bytes = static_cast<int64_t>(input_grad.nbytes());
+  input_grad.set_ready(s.device->record(st.replayed_last()));
+  send_to_virtual(self, s.virtual_index(a.chunk) - 1, backward_atom::value, a.microbatch,
+                  std::move(input_grad));
+  return bytes;
+}
+
 // Runs one action whose input is there; returns the bytes it sent.
 int64_t run_action(stage_actor_type self, const action& a) {
   auto& s = self->state;
   auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
-  const key k{s.plan.step, a.microbatch, a.chunk};
-  auto virtual_stage = s.virtual_index(a.chunk);
-  auto position = static_cast<std::size_t>(a.microbatch);
-  bool split = s.split_actions.at(s.next_action);
   switch (a.kind) {
-  case action_kind::forward: {
-    auto input = std::move(s.activations[k]);
-    s.activations.erase(k);
-    s.device->adopt(input);
-    if (s.plan.train) {
-      s.peak_live = std::max(s.peak_live, ++s.live);
-    }
-    bool recomputed = s.plan.train && recompute(s, a);
-    s.report.stats.recomputed += recomputed ? 1 : 0;
-    if (s.plan.train && st.is_last()) {
-      // The plain loss by reference (no copy of the function per micro-batch).
-      loss_function with_inputs;
-      if (s.options.loss_with_inputs) {
-        with_inputs = [&s, position](const torch::Tensor& output, const torch::Tensor& target) {
-          return s.options.loss_with_inputs(output, target, s.plan.loss_inputs.at(position));
-        };
-      }
-      const auto& loss = s.options.loss_with_inputs ? with_inputs : s.options.loss;
-      // Read once the program has run (add_losses): on a GPU, reading waits for the device.
-      s.losses.push_back(st.forward_loss(a.microbatch, input, s.plan.targets.at(position), loss,
-                                         s.plan.loss_scales.at(position), recomputed));
-      s.loss_positions.push_back(position);
-      return 0;
-    }
-    auto output = st.forward(a.microbatch, input, recomputed);
-    if (s.options.hooks.after_forward) {
-      run_hook(s, a, s.options.hooks.after_forward, output, "after_forward");
-    }
-    if (st.is_last()) {
-      s.report.outputs.at(position) = output.single(
-        detail::concat("stage ", s.options.index, ": the pipeline's output (forward-only)"));
-      return 0;
-    }
-    auto bytes = static_cast<int64_t>(output.nbytes());
-    output.set_ready(s.device->record(st.replayed_last()));
-    send_to_virtual(self, virtual_stage + 1, forward_atom::value, a.microbatch, std::move(output));
-    return bytes;
-  }
-  case action_kind::backward: {
-    bundle grad;
-    if (!st.is_last()) {
-      grad = std::move(s.gradients[k]);
-      s.gradients.erase(k);
-      s.device->adopt(grad);
-    }
-    auto input_grad =
-      split ? st.backward_input(a.microbatch, grad) : st.backward(a.microbatch, grad);
-    if (!split) {
-      --s.live;
-    }
-    if (st.is_first()) {
-      return 0;
-    }
-    if (s.options.hooks.after_backward) {
-      run_hook(s, a, s.options.hooks.after_backward, input_grad, "after_backward");
-    }
-    auto bytes = static_cast<int64_t>(input_grad.nbytes());
-    input_grad.set_ready(s.device->record(st.replayed_last()));
-    send_to_virtual(self, virtual_stage - 1, backward_atom::value, a.microbatch,
-                    std::move(input_grad));
-    return bytes;
-  }
+  case action_kind::forward:
+    return run_forward(self, st, a);
+  case action_kind::backward:
+    return run_backward(self, st, a, s.split_actions.at(s.next_action));
   case action_kind::weight:
     st.backward_weight(a.microbatch);
     --s.live;
@@ -237,6 +252,109 @@ int64_t run_action(stage_actor_type self, const action& a) {
 void start_queued(stage_actor_type self);
 void say_graph_notes(stage_state& s);
 
+// Whether the input of `a` is there (a weight pass's is the stage's own).
+bool input_is_there(const stage_state& s, const action& a) {
+  const key k{s.plan.step, a.microbatch, a.chunk};
+  switch (a.kind) {
+  case action_kind::forward:
+    return s.activations.count(k) == 1;
+  case action_kind::backward:
+    return s.chunks.at(static_cast<std::size_t>(a.chunk))->is_last() || s.gradients.count(k) == 1;
+  case action_kind::weight:
+    return true;
+  }
+  return true;
+}
+
+// Runs `a` and records it in the report (times, bytes); false when it failed the step.
+bool run_recorded(stage_actor_type self, const action& a, clock_type::time_point origin) {
+  auto& s = self->state;
+  auto start = clock_type::now();
+  int64_t bytes = 0;
+  s.device->select(static_cast<std::size_t>(a.chunk));
+  int first_mark = s.options.device_timing ? s.device->mark() : -1;
+  try {
+    bytes = run_action(self, a);
+  } catch (const std::exception& e) {
+    fail(self, e, a.microbatch);
+    return false;
+  }
+  if (s.options.device_timing) {
+    s.action_marks.emplace_back(first_mark, s.device->mark());
+  }
+  auto end = clock_type::now();
+  auto took = std::chrono::duration<double, std::milli>(end - start).count();
+  if (log::get()->should_log(spdlog::level::trace)) {
+    log::get()->trace("stage {}, step {}: {} took {:.3f} ms, sent {} bytes", s.options.index,
+                      s.plan.step, to_string(a), took, bytes);
+  }
+  (a.kind == action_kind::forward ? s.report.stats.forward_ms : s.report.stats.backward_ms) += took;
+  if (s.options.cuda_graphs == cuda_graph_mode::automatic) {
+    s.chunks.at(static_cast<std::size_t>(a.chunk))->observe_action_ms(took);
+  }
+  s.report.stats.actions.push_back(
+    {a, std::chrono::duration<double, std::milli>(start - origin).count(),
+     std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
+  return true;
+}
+
+// The report's memory figures and, with device timing, each action's time on the device.
+// Waits for the stream: the report's loss and outputs are read by other threads.
+void complete_report(stage_state& s) {
+  s.report.stats.peak_stash =
+    static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
+  // The chunks count their stash together (set_up): the stage's peak.
+  s.report.stats.peak_stash_bytes = s.chunks.front()->peak_stash_bytes();
+  s.report.stats.peak_working_bytes =
+    s.device->is_cuda() ? -1 : s.chunks.front()->peak_working_bytes();
+  // A GPU's peak is the process's: this stage's when it is alone there.
+  if (s.device->is_cuda() && stages::cuda::stages_on(s.device->device()) == 1) {
+    s.report.stats.device_peak_bytes = stages::cuda::peak_allocated_bytes(s.device->device());
+  }
+  s.device->synchronize();
+  for (std::size_t i = 0; i < s.action_marks.size(); ++i) {
+    auto& record = s.report.stats.actions.at(i);
+    record.device_start_ms = s.device->at_ms(s.action_marks[i].first);
+    record.device_end_ms = s.device->at_ms(s.action_marks[i].second);
+  }
+}
+
+// The whole program has run: the report goes to the scheduler, then the early optimizer step
+// and, with overlapping steps, the next plan.
+void finish_program(stage_actor_type self, clock_type::time_point origin) {
+  auto& s = self->state;
+  s.device->end_chunks();
+  if (s.options.cuda_graphs != cuda_graph_mode::off) {
+    say_graph_notes(s);
+  }
+  if (s.plan.train) {
+    try {
+      end_training_program(s, origin);
+    } catch (const std::exception& e) {
+      fail(self, e);
+      return;
+    }
+  }
+  s.active = false;
+  complete_report(s);
+  // One early step at a time: with overlapping steps the one before may be unconfirmed yet.
+  bool early = s.plan.train && s.plan.optimistic && !s.bmuf() && s.stepped_early == 0;
+  s.report.stats.early_update = early;
+  self->send(s.scheduler, done_atom::value, std::move(s.report));
+  if (early) {
+    step_early(s);
+  }
+  if (s.plan.train && s.plan.overlapped) {
+    // The next step may start on the parameters of an early step that nothing validates (no
+    // clipping: the update can only confirm it, or a failure undo both steps); otherwise the
+    // update steps or confirms first.
+    // Sharded, the parameters are whole only after the update's broadcast.
+    s.awaiting_update =
+      sharded(s) || !(s.stepped_early == s.plan.step && !s.options.report_gradient_norm);
+    start_queued(self);
+  }
+}
+
 // Runs the program as far as its inputs allow.
 void advance(stage_actor_type self) {
   auto& s = self->state;
@@ -247,93 +365,19 @@ void advance(stage_actor_type self) {
   auto origin = clock_type::time_point(std::chrono::nanoseconds(s.plan.origin_ns));
   while (s.active && s.next_action < s.plan.program.size()) {
     const auto a = s.plan.program[s.next_action];
-    const key k{s.plan.step, a.microbatch, a.chunk};
-    const auto& st = *s.chunks.at(static_cast<std::size_t>(a.chunk));
-    bool has_input = a.kind == action_kind::forward    ? s.activations.count(k) == 1
-                     : a.kind == action_kind::backward ? st.is_last() || s.gradients.count(k) == 1
-                                                       : true;
-    if (!has_input) {
+    if (!input_is_there(s, a)) {
       s.waiting = true;
       s.wait_start = clock_type::now();
       s.deadline.arm(self, s.options.wait_timeout, timeout_atom::value);
       return;
     }
-    auto start = clock_type::now();
-    int64_t bytes = 0;
-    s.device->select(static_cast<std::size_t>(a.chunk));
-    int first_mark = s.options.device_timing ? s.device->mark() : -1;
-    try {
-      bytes = run_action(self, a);
-    } catch (const std::exception& e) {
-      fail(self, e, a.microbatch);
+    if (!run_recorded(self, a, origin)) {
       return;
     }
-    if (s.options.device_timing) {
-      s.action_marks.emplace_back(first_mark, s.device->mark());
-    }
-    auto end = clock_type::now();
-    auto took = std::chrono::duration<double, std::milli>(end - start).count();
-    if (log::get()->should_log(spdlog::level::trace)) {
-      log::get()->trace("stage {}, step {}: {} took {:.3f} ms, sent {} bytes", s.options.index,
-                        s.plan.step, to_string(a), took, bytes);
-    }
-    (a.kind == action_kind::forward ? s.report.stats.forward_ms : s.report.stats.backward_ms) +=
-      took;
-    if (s.options.cuda_graphs == cuda_graph_mode::automatic) {
-      s.chunks.at(static_cast<std::size_t>(a.chunk))->observe_action_ms(took);
-    }
-    s.report.stats.actions.push_back(
-      {a, std::chrono::duration<double, std::milli>(start - origin).count(),
-       std::chrono::duration<double, std::milli>(end - origin).count(), bytes});
     ++s.next_action;
   }
   if (s.active) {
-    s.device->end_chunks();
-    if (s.options.cuda_graphs != cuda_graph_mode::off) {
-      say_graph_notes(s);
-    }
-    if (s.plan.train) {
-      try {
-        end_training_program(s, origin);
-      } catch (const std::exception& e) {
-        fail(self, e);
-        return;
-      }
-    }
-    s.active = false;
-    s.report.stats.peak_stash =
-      static_cast<double>(s.peak_live) / static_cast<double>(s.chunks.size());
-    // The chunks count their stash together (set_up): the stage's peak.
-    s.report.stats.peak_stash_bytes = s.chunks.front()->peak_stash_bytes();
-    s.report.stats.peak_working_bytes =
-      s.device->is_cuda() ? -1 : s.chunks.front()->peak_working_bytes();
-    // A GPU's peak is the process's: this stage's when it is alone there.
-    if (s.device->is_cuda() && stages::cuda::stages_on(s.device->device()) == 1) {
-      s.report.stats.device_peak_bytes = stages::cuda::peak_allocated_bytes(s.device->device());
-    }
-    // The report's loss and outputs are read by other threads: the stream is done first.
-    s.device->synchronize();
-    for (std::size_t i = 0; i < s.action_marks.size(); ++i) {
-      auto& record = s.report.stats.actions.at(i);
-      record.device_start_ms = s.device->at_ms(s.action_marks[i].first);
-      record.device_end_ms = s.device->at_ms(s.action_marks[i].second);
-    }
-    // One early step at a time: with overlapping steps the one before may be unconfirmed yet.
-    bool early = s.plan.train && s.plan.optimistic && !s.bmuf() && s.stepped_early == 0;
-    s.report.stats.early_update = early;
-    self->send(s.scheduler, done_atom::value, std::move(s.report));
-    if (early) {
-      step_early(s);
-    }
-    if (s.plan.train && s.plan.overlapped) {
-      // The next step may start on the parameters of an early step that nothing validates (no
-      // clipping: the update can only confirm it, or a failure undo both steps); otherwise the
-      // update steps or confirms first.
-      // Sharded, the parameters are whole only after the update's broadcast.
-      s.awaiting_update =
-        sharded(s) || !(s.stepped_early == s.plan.step && !s.options.report_gradient_norm);
-      start_queued(self);
-    }
+    finish_program(self, origin);
   }
 }
 
@@ -397,15 +441,12 @@ void set_threads(stage_state& s) {
   }
 }
 
-// Starts a step's plan: its inputs join those that came before it, and the program runs as far
-// as they allow.
-void start_plan(stage_actor_type self, step_plan plan) {
-  auto& s = self->state;
-  set_threads(s);
-  // Overlapping steps: the step before may still wait for its confirmation.
+// A step before `plan` stepped the optimizer early and neither an update nor an abort came for
+// it (overlapping steps excepted, whose step before may still wait): it did not complete, and
+// its early step is undone. Returns whether the step before is still unconfirmed and overlaps.
+bool settle_step_before(stage_state& s, const step_plan& plan) {
   bool follows = s.plan.overlapped && s.stepped_early == s.plan.step;
   if (s.stepped_early != 0 && s.stepped_early < plan.step && !follows) {
-    // Neither an update nor an abort came for it: the step did not complete.
     log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
                      "optimizer step is undone",
                      s.options.index, s.stepped_early);
@@ -413,8 +454,11 @@ void start_plan(stage_actor_type self, step_plan plan) {
       log::get()->error("{}", *error);
     }
   }
-  drop_older_than(s.activations, plan.step);
-  drop_older_than(s.gradients, plan.step);
+  return follows;
+}
+
+// A fresh report, timeline and peak for the step of `plan`.
+void begin_report(stage_state& s, const step_plan& plan, bool follows) {
   s.report = stage_report{};
   s.losses.clear();
   s.loss_positions.clear();
@@ -428,14 +472,25 @@ void start_plan(stage_actor_type self, step_plan plan) {
   if (s.device->is_cuda()) {
     stages::cuda::reset_peak_allocated(s.device->device());
   }
-  if (s.options.chunk_streams) {
-    s.device->begin_chunks(s.chunks.size());
-  }
   s.report.step = plan.step;
   s.report.stats.stage = s.options.index;
   s.report.stats.overlapped = follows;
   if (s.chunks.back()->is_last() && !plan.train) {
     s.report.outputs.resize(static_cast<std::size_t>(plan.microbatches));
+  }
+}
+
+// Starts a step's plan: its inputs join those that came before it, and the program runs as far
+// as they allow.
+void start_plan(stage_actor_type self, step_plan plan) {
+  auto& s = self->state;
+  set_threads(s);
+  bool follows = settle_step_before(s, plan);
+  drop_older_than(s.activations, plan.step);
+  drop_older_than(s.gradients, plan.step);
+  begin_report(s, plan, follows);
+  if (s.options.chunk_streams) {
+    s.device->begin_chunks(s.chunks.size());
   }
   for (std::size_t position = 0; position < plan.inputs.size(); ++position) {
     s.activations[key{plan.step, static_cast<int32_t>(position), 0}] =
@@ -571,89 +626,6 @@ void abort_step(stage_actor_type self, uint64_t step) {
   start_queued(self);
 }
 
-// This stage's refusal of a request whose work threw `e`: the kind and fields a pipeline_error
-// carried (else `otherwise`), this stage, and `sentence`.
-caf::error refusal(const stage_state& s, const std::exception& e, error_kind otherwise,
-                   std::string sentence) {
-  const auto* pe = dynamic_cast<const pipeline_error*>(&e);
-  if (pe == nullptr) {
-    return make_stage_refusal(otherwise, s.options.index, "", std::move(sentence));
-  }
-  return make_pipeline_error(
-    error_details{pe->kind(), s.options.index, pe->microbatch(), pe->step()}, std::move(sentence));
-}
-
-// BMUF: ends the running block now (or says why not).
-caf::error end_block_now(stage_state& s) {
-  set_threads(s);
-  auto refused = [&](const std::string& sentence) {
-    return make_stage_refusal(error_kind::replica_failure, s.options.index, "",
-                              detail::concat("stage ", s.options.index, ": ", sentence));
-  };
-  if (sharded(s)) {
-    // Every rank takes the same steps and gathers, so all skip together when nothing has stepped
-    // since the last gather (train() ends a run's last epoch, and checkpoints it, on rank 0 only).
-    bool current = std::all_of(s.chunks.begin(), s.chunks.end(),
-                               [](const auto& chunk) { return chunk->holds_gathered_state(); });
-    if (current) {
-      return caf::error{};
-    }
-    try {
-      gather_optimizer_state(s);
-      s.device->synchronize();
-    } catch (const std::exception& e) {
-      return refused(detail::concat("gathering the sharded optimizer state failed: ", e.what()));
-    }
-    return caf::error{};
-  }
-  if (!s.bmuf()) {
-    return refused("ending a block needs BMUF replicas");
-  }
-  if (s.warmed_up && s.block_position == 0) {
-    return caf::error{};
-  }
-  try {
-    end_block(s);
-    s.device->synchronize();
-  } catch (const std::exception& e) {
-    return refused(detail::concat("BMUF block sync failed: ", e.what()));
-  }
-  return caf::error{};
-}
-
-// Every chunk's parameters, buffers and optimizer state, on the CPU.
-// Sharded: rank 0's, with the other replicas' optimizer state gathered since its last step.
-tensor_map state_on_cpu(stage_state& s) {
-  tensor_map all;
-  for (auto& chunk : s.chunks) {
-    all.merge(chunk->checkpoint_state());
-  }
-  return on_cpu(std::move(all));
-}
-
-// Loads every chunk's state from `all` (and BMUF's block state); the refusal, of the kind the
-// stage found (a tensor of another shape: shape_mismatch), or none.
-caf::error load_state(stage_state& s, const tensor_map& all) {
-  set_threads(s);
-  try {
-    for (auto& chunk : s.chunks) {
-      chunk->load_state(all);
-    }
-  } catch (const std::exception& e) {
-    return refusal(s, e, error_kind::io, e.what()); // the stage's words name it
-  }
-  if (s.bmuf()) {
-    // A block starts from the loaded parameters (and block momenta), with no warm-up.
-    for (auto& chunk : s.chunks) {
-      chunk->load_blocks(all);
-    }
-    s.warmed_up = true;
-    s.block_position = 0;
-  }
-  s.device->synchronize();
-  return caf::error{};
-}
-
 stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
                                                std::vector<std::shared_ptr<stages::stage>> chunks,
                                                stage_listener_actor scheduler,
@@ -722,27 +694,24 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       rest(self);
       return promise;
     },
-    [=](block_atom) -> caf::result<bool> { return done_unless(end_block_now(self->state)); },
+    [=](block_atom) -> caf::result<bool> {
+      set_threads(self->state);
+      return done_unless(end_block_now(self->state));
+    },
     [=](save_atom, const std::string& path) -> caf::result<bool> {
       set_threads(self->state);
-      try {
-        stages::save_tensors(path, state_on_cpu(self->state));
-      } catch (const std::exception& e) {
-        return refusal(self->state, e, error_kind::io,
-                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
-      }
-      return true;
+      return done_unless(save_state(self->state, path));
     },
     [=](fetch_atom, uint64_t) -> caf::result<std::shared_ptr<const tensor_map>> {
       set_threads(self->state);
-      try {
-        return std::make_shared<const tensor_map>(state_on_cpu(self->state));
-      } catch (const std::exception& e) {
-        return refusal(self->state, e, error_kind::io,
-                       detail::concat("stage ", self->state.options.index, ": ", e.what()));
+      auto state = fetch_state(self->state);
+      if (!state) {
+        return std::move(state.error());
       }
+      return std::move(*state);
     },
     [=](load_atom, const std::shared_ptr<const tensor_map>& all) -> caf::result<bool> {
+      set_threads(self->state);
       return done_unless(load_state(self->state, *all));
     },
   };

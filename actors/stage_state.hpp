@@ -1,7 +1,8 @@
 // A stage actor's state, and the work after its program that does not need the actor itself:
 // the replica sync, tied gradients, BMUF blocks and the optimizer step (early or confirmed).
-// Shared by actors/stage_actor.cpp (the behaviour: plans, actions, messages) and
-// actors/stage_update.cpp. Private to actors/.
+// Shared by actors/stage_actor.cpp (the behaviour: plans, actions, messages),
+// actors/stage_update.cpp and actors/stage_requests.cpp (block, save, fetch, load). Private to
+// actors/.
 #pragma once
 
 #include <chrono>
@@ -150,6 +151,19 @@ void step_early(stage_state& s);
 /// The optimizer step of a training step: the milliseconds it took, or this stage's refusal.
 caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate,
                              double gradient_scale);
+
+// actors/stage_requests.cpp (each on the stage's thread, its settings set):
+
+/// BMUF: ends the running block now; ZeRO: gathers the sharded optimizer state (for a
+/// checkpoint). This stage's refusal, or none.
+caf::error end_block_now(stage_state& s);
+/// Saves every chunk's state (parameters, buffers, optimizer state; on the CPU) to `path`.
+caf::error save_state(stage_state& s, const std::string& path);
+/// Every chunk's state on the CPU, for a snapshot.
+caf::expected<std::shared_ptr<const stages::stage::tensor_map>> fetch_state(stage_state& s);
+/// Loads every chunk's state from `all` (and BMUF's block state); the refusal is of the kind
+/// the stage found (a tensor of another shape: shape_mismatch).
+caf::error load_state(stage_state& s, const stages::stage::tensor_map& all);
 /// Checkpoints and snapshots hold CPU tensors whatever the stage's device.
 stages::stage::tensor_map on_cpu(stages::stage::tensor_map all);
 

@@ -343,11 +343,4 @@ caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate
 
 // Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
 // read onto any devices (on the CPU the same tensors: no copy).
-stages::stage::tensor_map on_cpu(stages::stage::tensor_map all) {
-  for (auto& entry : all) {
-    entry.second = entry.second.cpu();
-  }
-  return all;
-}
-
 } // namespace actorpipe::actors::stage_parts

@@ -5,16 +5,11 @@
 #include "cli/flags.hpp"
 
 namespace actorpipe::cli {
+namespace {
 
-CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
-  auto* cmd = app.add_subcommand(
-    "bench", "Sweep the number of micro-batches (splits) on the PyTorch RPC pipeline tutorial's "
-             "scenario (ResNet-50 in two stages, batch 120 of 3x128x128 random images, MSE, SGD) "
-             "and compare with the ideal pipeline and with plain libtorch in the same process");
-  o.model.data = "synthetic";
-  o.plan.schedule = "1f1b";
-  add_model_flags(cmd, o.model);
-  add_pipeline_flags(cmd, o.plan);
+// What the sweep measures side by side: splits, partitions, memory, precision, recomputation,
+// updates and schedules.
+void add_side_by_side_flags(CLI::App* cmd, bench::sweep_options& o) {
   cmd->add_option("--splits", o.splits, "Micro-batch counts to sweep, e.g. 1,2,4,8,16,32")
     ->delimiter(',')
     ->capture_default_str();
@@ -54,16 +49,10 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
                  "Pipelines' schedules side by side, e.g. 1f1b,zb-h1 (default: --schedule)")
     ->delimiter(',')
     ->excludes("--schedule");
-  cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
-    ->capture_default_str();
-  cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();
-  cmd->add_flag("!--no-baselines", o.baselines, "Skip plain libtorch");
-  cmd->add_flag("!--no-accumulated", o.accumulated,
-                "Skip plain libtorch accumulating gradients over each split's micro-batches");
-  cmd->add_flag("!--no-progress", o.progress, "No progress bar");
-  cmd->add_option("--json", o.json, "Write the rows as JSON");
-  cmd->add_option("--csv", o.csv, "Write the rows as CSV");
-  cmd->add_option("--plot", o.plot, "Plot step time and efficiency against splits (SVG)");
+}
+
+// --replicas: the replicas x stages grid instead of the split sweep.
+void add_replica_flags(CLI::App* cmd, bench::sweep_options& o) {
   cmd
     ->add_option("--replicas", o.replicas,
                  "Data parallelism: measure replicas x stages instead of the split sweep, e.g. "
@@ -88,6 +77,31 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
     ->capture_default_str();
   cmd->add_option("--trace", o.trace,
                   "With --replicas: Chrome trace of the largest configuration's last step");
+}
+
+} // namespace
+
+CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
+  auto* cmd = app.add_subcommand(
+    "bench", "Sweep the number of micro-batches (splits) on the PyTorch RPC pipeline tutorial's "
+             "scenario (ResNet-50 in two stages, batch 120 of 3x128x128 random images, MSE, SGD) "
+             "and compare with the ideal pipeline and with plain libtorch in the same process");
+  o.model.data = "synthetic";
+  o.plan.schedule = "1f1b";
+  add_model_flags(cmd, o.model);
+  add_pipeline_flags(cmd, o.plan);
+  add_side_by_side_flags(cmd, o);
+  cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
+    ->capture_default_str();
+  cmd->add_option("--lr", o.lr, "SGD learning rate")->capture_default_str();
+  cmd->add_flag("!--no-baselines", o.baselines, "Skip plain libtorch");
+  cmd->add_flag("!--no-accumulated", o.accumulated,
+                "Skip plain libtorch accumulating gradients over each split's micro-batches");
+  cmd->add_flag("!--no-progress", o.progress, "No progress bar");
+  cmd->add_option("--json", o.json, "Write the rows as JSON");
+  cmd->add_option("--csv", o.csv, "Write the rows as CSV");
+  cmd->add_option("--plot", o.plot, "Plot step time and efficiency against splits (SVG)");
+  add_replica_flags(cmd, o);
   return cmd;
 }
 

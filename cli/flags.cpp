@@ -8,6 +8,36 @@
 #include <CLI/CLI.hpp>
 
 namespace actorpipe::cli {
+namespace {
+
+// --model gpt's sizes.
+void add_gpt_flags(CLI::App* cmd, model_args& m) {
+  cmd->add_option("--layers", m.layers, "gpt: transformer blocks (0: 4)")->capture_default_str();
+  cmd->add_option("--heads", m.heads, "gpt: attention heads (0: 4)")->capture_default_str();
+  cmd->add_option("--width", m.width, "gpt: embedding width, a multiple of --heads (0: 128)")
+    ->capture_default_str();
+  cmd->add_option("--context", m.context, "gpt: tokens per sequence (0: 64)")
+    ->capture_default_str();
+  cmd->add_option("--dropout", m.dropout, "gpt: dropout probability")->capture_default_str();
+}
+
+// Images: synthetic ones' side, and an image folder's.
+void add_image_flags(CLI::App* cmd, model_args& m) {
+  cmd
+    ->add_option("--image", m.image,
+                 "Synthetic data and images:DIR: the images' side (an image folder's are resized "
+                 "and cropped to it)")
+    ->capture_default_str();
+  cmd->add_option("--channels", m.channels, "images:DIR: 3 (RGB) or 1 (grey)")
+    ->capture_default_str();
+  cmd
+    ->add_option("--bad-images", m.bad_images,
+                 "images:DIR: a file that is not a readable image stops the run (fail) or is "
+                 "left out with a warning naming it (skip)")
+    ->capture_default_str();
+}
+
+} // namespace
 
 void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd
@@ -44,25 +74,8 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
                  "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "
                  "synthetic)")
     ->capture_default_str();
-  cmd->add_option("--layers", m.layers, "gpt: transformer blocks (0: 4)")->capture_default_str();
-  cmd->add_option("--heads", m.heads, "gpt: attention heads (0: 4)")->capture_default_str();
-  cmd->add_option("--width", m.width, "gpt: embedding width, a multiple of --heads (0: 128)")
-    ->capture_default_str();
-  cmd->add_option("--context", m.context, "gpt: tokens per sequence (0: 64)")
-    ->capture_default_str();
-  cmd->add_option("--dropout", m.dropout, "gpt: dropout probability")->capture_default_str();
-  cmd
-    ->add_option("--image", m.image,
-                 "Synthetic data and images:DIR: the images' side (an image folder's are resized "
-                 "and cropped to it)")
-    ->capture_default_str();
-  cmd->add_option("--channels", m.channels, "images:DIR: 3 (RGB) or 1 (grey)")
-    ->capture_default_str();
-  cmd
-    ->add_option("--bad-images", m.bad_images,
-                 "images:DIR: a file that is not a readable image stops the run (fail) or is "
-                 "left out with a warning naming it (skip)")
-    ->capture_default_str();
+  add_gpt_flags(cmd, m);
+  add_image_flags(cmd, m);
   cmd
     ->add_option(
       "--classes", m.classes,
@@ -208,7 +221,10 @@ CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,
     ->default_str(std::to_string(field.count()));
 }
 
-void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
+namespace {
+
+// The pipeline's layout: stages, micro-batches, chunks, schedule and cut.
+void add_layout_flags(CLI::App* cmd, planning_args& a) {
   cmd
     ->add_option_function<std::string>(
       "--stages",
@@ -246,6 +262,10 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
       "parameters), time (balance profiled time) or cut:I,J (stages start at layers I, J); "
       "with --stages auto the fastest of uniform, params and time unless given")
     ->capture_default_str();
+}
+
+// What the planner may use (memory caps, threads) and how it profiles.
+void add_planner_flags(CLI::App* cmd, planning_args& a) {
   cmd
     ->add_option_function<std::string>(
       "--max-stash", [&a](const std::string& v) { parse_stash_cap(v, a); },
@@ -279,6 +299,13 @@ void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
   cmd->add_flag("--cold-memory", a.cold_memory,
                 "Stage threads give freed tensor buffers back to the system (libtorch's "
                 "allocator) instead of keeping them warm for the next micro-batch");
+}
+
+} // namespace
+
+void add_pipeline_flags(CLI::App* cmd, planning_args& a) {
+  add_layout_flags(cmd, a);
+  add_planner_flags(cmd, a);
   cmd->parse_complete_callback([cmd, &a] {
     a.stages_given = cmd->count("--stages") > 0;
     a.schedule_given = cmd->count("--schedule") > 0;

@@ -1,10 +1,13 @@
 #include "cli/launch_command.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -67,12 +70,9 @@ int exit_code(int status) {
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
 }
 
-} // namespace
-
-int run_launch(const launch_args& a) {
-  ACTORPIPE_CHECK(!a.command.empty(), "launch: no command given (e.g. -- train --stages 2)");
-  ACTORPIPE_CHECK(a.command.front() != "launch", "launch: cannot launch `launch` itself");
-  auto port = a.master_port > 0 ? static_cast<int>(a.master_port) : free_port(a.master_addr);
+// Starts a.nproc copies of this program running a.command, each with its rank in the
+// environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them).
+std::vector<pid_t> start_ranks(const launch_args& a, int port) {
   std::vector<std::string> argv_text{"/proc/self/exe"};
   argv_text.insert(argv_text.end(), a.command.begin(), a.command.end());
   std::vector<char*> argv;
@@ -80,9 +80,6 @@ int run_launch(const launch_args& a) {
     argv.push_back(s.data());
   }
   argv.push_back(nullptr);
-  std::cerr << "actorpipe launch: " << a.nproc << " ranks, rendezvous " << a.master_addr << ':'
-            << port << '\n';
-
   std::vector<pid_t> pids;
   for (std::size_t rank = 0; rank < a.nproc; ++rank) {
     pid_t pid = ::fork();
@@ -99,8 +96,20 @@ int run_launch(const launch_args& a) {
     }
     pids.push_back(pid);
   }
+  return pids;
+}
 
-  // Wait for all; the first failure stops the rest (after a grace period, by force).
+void signal_running(const std::vector<pid_t>& pids, const std::vector<bool>& done, int signal) {
+  for (std::size_t r = 0; r < pids.size(); ++r) {
+    if (!done[r]) {
+      ::kill(pids[r], signal);
+    }
+  }
+}
+
+// Waits for every rank; the first failure stops the rest (after `grace_seconds`, by force).
+// Returns the first failed rank's exit code, or 0.
+int wait_for_ranks(const std::vector<pid_t>& pids, double grace_seconds) {
   int result = 0;
   std::size_t running = pids.size();
   std::vector<bool> done(pids.size(), false);
@@ -110,45 +119,45 @@ int run_launch(const launch_args& a) {
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
-      for (std::size_t r = 0; r < pids.size(); ++r) {
-        if (pids[r] != pid || done[r]) {
-          continue;
-        }
-        done[r] = true;
-        --running;
-        auto code = exit_code(status);
-        if (code != 0 && result == 0) {
-          result = code;
-          std::cerr << "actorpipe launch: rank " << r << " exited with code " << code;
-          if (running > 0) {
-            std::cerr << "; stopping the other ranks";
-          }
-          std::cerr << '\n';
-        }
+      auto it = std::find(pids.begin(), pids.end(), pid);
+      auto r = static_cast<std::size_t>(it - pids.begin());
+      if (it == pids.end() || done[r]) {
+        continue;
+      }
+      done[r] = true;
+      --running;
+      auto code = exit_code(status);
+      if (code != 0 && result == 0) {
+        result = code;
+        std::cerr << "actorpipe launch: rank " << r << " exited with code " << code
+                  << (running > 0 ? "; stopping the other ranks" : "") << '\n';
       }
       continue;
     }
     if (result != 0 && !stopping) {
       stopping = true;
-      for (std::size_t r = 0; r < pids.size(); ++r) {
-        if (!done[r]) {
-          ::kill(pids[r], SIGTERM);
-        }
-      }
+      signal_running(pids, done, SIGTERM);
       stop_deadline = std::chrono::steady_clock::now() +
-                      std::chrono::milliseconds(static_cast<int64_t>(a.grace_seconds * 1000));
+                      std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
-      for (std::size_t r = 0; r < pids.size(); ++r) {
-        if (!done[r]) {
-          ::kill(pids[r], SIGKILL);
-        }
-      }
+      signal_running(pids, done, SIGKILL);
       stop_deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return result;
+}
+
+} // namespace
+
+int run_launch(const launch_args& a) {
+  ACTORPIPE_CHECK(!a.command.empty(), "launch: no command given (e.g. -- train --stages 2)");
+  ACTORPIPE_CHECK(a.command.front() != "launch", "launch: cannot launch `launch` itself");
+  auto port = a.master_port > 0 ? static_cast<int>(a.master_port) : free_port(a.master_addr);
+  std::cerr << "actorpipe launch: " << a.nproc << " ranks, rendezvous " << a.master_addr << ':'
+            << port << '\n';
+  return wait_for_ranks(start_ranks(a, port), a.grace_seconds);
 }
 
 } // namespace actorpipe::cli

@@ -61,6 +61,36 @@ std::pair<double, double> parse_link(const std::string& link) {
   return {gbps, latency};
 }
 
+// A projection's table: each device count's layout as `layout_of` picks it, or why none.
+template <class Layout, class Missing>
+void print_projection_table(const model_setup& setup, const training::projection& projected,
+                            const Layout& layout_of, const Missing& missing) {
+  double one = 0;
+  for (const auto& r : projected.rows) {
+    if (r.devices == 1 && r.found) {
+      one = r.best.step_ms;
+    }
+  }
+  std::printf("  %7s %6s %8s %5s %-14s %11s %7s %8s %9s %9s %10s %8s %9s\n", "devices", "stages",
+              "replicas", "m", "schedule", "step ms", "bubble", "send ms", "reduce ms", "update ms",
+              "samples/s", "speedup", "ranked in");
+  for (const auto& r : projected.rows) {
+    const layout* l = layout_of(r);
+    if (l == nullptr) {
+      missing(r);
+      continue;
+    }
+    std::printf(
+      "  %7zu %6zu %8zu %5zu %-14s %11.1f %6.1f%% %8.3f %9.2f %9.2f %10.1f %7.2fx %6.1f ms"
+      "\n",
+      r.devices, l->stages, l->replicas, l->microbatches,
+      (to_string(l->schedule) + (l->chunks > 1 ? " x" + std::to_string(l->chunks) : "")).c_str(),
+      l->step_ms, 100 * l->bubble, l->send_ms, l->allreduce_ms, l->update_ms,
+      static_cast<double>(setup.batch) / (l->step_ms / 1000), one > 0 ? one / l->step_ms : 0.0,
+      r.ranking_ms);
+  }
+}
+
 int run_projection(const plan_args& a) {
   auto setup = build_model(a.model);
   training::projection_args p;
@@ -69,7 +99,6 @@ int run_projection(const plan_args& a) {
     std::tie(p.link_gbps, p.link_latency_ms) = parse_link(a.link);
   }
   auto projected = training::project(setup.layers, setup.sample(), a.plan, p);
-  const auto& rows = projected.rows;
   std::printf(
     "projection: %s, batch %lld, %zu layers; each device computes as one stage here at "
     "%zu thread(s) (costs profiled on micro-batches of %lld); link %s\n",
@@ -78,53 +107,51 @@ int run_projection(const plan_args& a) {
     a.link.empty()
       ? "none (transfers free)"
       : detail::concat(p.link_gbps, " GB/s, ", p.link_latency_ms, " ms per message").c_str());
-  auto header = [] {
-    std::printf("  %7s %6s %8s %5s %-14s %11s %7s %8s %9s %9s %10s %8s %9s\n", "devices", "stages",
-                "replicas", "m", "schedule", "step ms", "bubble", "send ms", "reduce ms",
-                "update ms", "samples/s", "speedup", "ranked in");
-  };
-  double one = 0;
-  for (const auto& r : rows) {
-    if (r.devices == 1 && r.found) {
-      one = r.best.step_ms;
-    }
-  }
-  auto print = [&](const training::projection_row& r, const layout& l) {
-    std::printf(
-      "  %7zu %6zu %8zu %5zu %-14s %11.1f %6.1f%% %8.3f %9.2f %9.2f %10.1f %7.2fx %6.1f ms"
-      "\n",
-      r.devices, l.stages, l.replicas, l.microbatches,
-      (to_string(l.schedule) + (l.chunks > 1 ? " x" + std::to_string(l.chunks) : "")).c_str(),
-      l.step_ms, 100 * l.bubble, l.send_ms, l.allreduce_ms, l.update_ms,
-      static_cast<double>(setup.batch) / (l.step_ms / 1000), one > 0 ? one / l.step_ms : 0.0,
-      r.ranking_ms);
-  };
+  using row = training::projection_row;
   std::printf("the fastest layout of each device count:\n");
-  header();
-  for (const auto& r : rows) {
-    if (r.found) {
-      print(r, r.best);
-    } else {
+  print_projection_table(
+    setup, projected, [](const row& r) { return r.found ? &r.best : nullptr; },
+    [](const row& r) {
       std::printf("  %7zu  no layout fits (at most one stage per layer, one replica per sample, "
                   "within --max-stash)\n",
                   r.devices);
-    }
-  }
+    });
   std::printf("a pipeline only (every device a stage):\n");
-  header();
-  for (const auto& r : rows) {
-    if (r.pipeline_found) {
-      print(r, r.pipeline);
-    } else {
+  print_projection_table(
+    setup, projected, [](const row& r) { return r.pipeline_found ? &r.pipeline : nullptr; },
+    [&](const row& r) {
       std::printf("  %7zu  no pipeline: %s has %zu layers\n", r.devices, setup.name.c_str(),
                   setup.layers.size());
-    }
-  }
+    });
   std::printf("each row: the fastest layout of stages x replicas == devices (every schedule, "
               "time-balanced cuts), each replica's batch in micro-batches of the profiled size (m "
               "per replica); reduce: the gradient all-reduce between replicas after the step; "
               "update: the optimizer step; ranked in: the planner's time for the row\n");
   return 0;
+}
+
+// The plan's parts (virtual stages): their layers, parameters, costs and sends, each cost at
+// `scale` times the profiled micro-batch.
+void print_parts(const model_setup& setup, const training::plan_choice& choice, double scale) {
+  const auto& cut = choice.cut;
+  std::printf("  %-5s %-24s %12s %12s %12s %14s\n", "part", "layers", "parameters", "forward ms",
+              "backward ms", "sends (bytes)");
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
+    double f = 0;
+    double b = 0;
+    int64_t params = 0;
+    for (auto i = cut.begin(k); i < cut.end(k); ++i) {
+      f += choice.profile[i].forward_ms * scale;
+      b += choice.profile[i].backward_ms * scale;
+      params += choice.profile[i].parameters;
+    }
+    auto sends = k + 1 < cut.stages()
+                   ? static_cast<double>(choice.profile[cut.end(k) - 1].output_bytes) * scale
+                   : 0.0;
+    auto names = setup.layers[cut.begin(k)].name() + ".." + setup.layers[cut.end(k) - 1].name();
+    std::printf("  %-5zu %-24s %12lld %12.1f %12.1f %14.0f\n", k, names.c_str(),
+                static_cast<long long>(params), f, b, sends);
+  }
 }
 
 } // namespace
@@ -190,24 +217,7 @@ int run_plan(const plan_args& given) {
               "rounds (interquartile range / median): %.1f%%\n",
               static_cast<long long>(choice.profiled_samples),
               100 * profile_spread(choice.profile));
-  std::printf("  %-5s %-24s %12s %12s %12s %14s\n", "part", "layers", "parameters", "forward ms",
-              "backward ms", "sends (bytes)");
-  for (std::size_t k = 0; k < cut.stages(); ++k) {
-    double f = 0;
-    double b = 0;
-    int64_t params = 0;
-    for (auto i = cut.begin(k); i < cut.end(k); ++i) {
-      f += choice.profile[i].forward_ms * scale;
-      b += choice.profile[i].backward_ms * scale;
-      params += choice.profile[i].parameters;
-    }
-    auto sends = k + 1 < cut.stages()
-                   ? static_cast<double>(choice.profile[cut.end(k) - 1].output_bytes) * scale
-                   : 0.0;
-    auto names = setup.layers[cut.begin(k)].name() + ".." + setup.layers[cut.end(k) - 1].name();
-    std::printf("  %-5zu %-24s %12lld %12.1f %12.1f %14.0f\n", k, names.c_str(),
-                static_cast<long long>(params), f, b, sends);
-  }
+  print_parts(setup, choice, scale);
   auto plan = choice.custom.empty()
                 ? make_schedule(choice.kind, p, choice.microbatches, choice.chunks)
                 : choice.custom;

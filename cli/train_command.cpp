@@ -660,58 +660,28 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   return dp;
 }
 
-} // namespace
+// --stages auto and --threads auto plan one pipeline on this machine's cores.
+void check_layout_auto_applies(const train_args& a) {
+  if (!a.plan.layout_auto()) {
+    return;
+  }
+  const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
+  ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(), what,
+                  " plans stages on this machine's cores: with --nodes (one stage per node) "
+                  "give --stages");
+  ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
+                  what,
+                  " plans one pipeline on this machine's cores: with replicas (--replicas, "
+                  "--world-size) give --stages and --threads");
+}
 
-int run_train(const train_args& given) {
-  auto a = given;
-  ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
-  training::check_model_fits_data(a.model);
-  std::optional<text_corpus> corpus;
-  if (a.model.data == "text") {
-    corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
-    a.model.vocabulary = corpus->vocabulary();
-  }
-  auto setup = build_model(a.model);
-  if (a.plan.layout_auto()) {
-    const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
-    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(), what,
-                    " plans stages on this machine's cores: with --nodes (one stage per node) "
-                    "give --stages");
-    ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
-                    what,
-                    " plans one pipeline on this machine's cores: with replicas (--replicas, "
-                    "--world-size) give --stages and --threads");
-  }
-  a.plan.devices = training::parse_devices(a.devices, a.plan);
-  // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
-  // parameter, SGD with momentum 1.
-  a.plan.optimizer_state = optimizer_of(a).state_tensors();
-  auto plan = training::plan_run(setup.layers, setup.sample(), a.plan, a.pipeline);
-  const auto& choice = plan.choice;
-  auto& po = plan.options;
-  check_flags_apply(a, setup, choice);
-  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
-  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
-
-  po.data_parallel = data_parallel_for(a, setup, choice);
-  auto& dp = po.data_parallel;
-  auto run_rank = [&](const model_setup& model, pipeline_options o) {
-    return run_training(a, model, choice, std::move(o), corpus ? &*corpus : nullptr);
-  };
-  if (a.replicas == 1) {
-    return run_rank(setup, std::move(po));
-  }
-  if (!a.pipeline.placement.nodes.empty()) {
-    // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
-    // stages at a store served here (--master-addr/-port) and recovers them together.
-    po.data_parallel.replicas = a.replicas;
-    po.data_parallel.rank = 0;
-    po.data_parallel.local = nullptr;
-    return run_rank(setup, std::move(po));
-  }
-  // Replicas of stages in this process: one thread each, meeting at an in-process store.
-  dp.replicas = a.replicas;
-  dp.local = make_local_rendezvous();
+// Replicas of stages in this process (--replicas): one thread each, meeting at an in-process
+// store; the worst exit code, or the first error.
+template <class RunRank>
+int run_local_replicas(const train_args& a, const model_setup& setup, pipeline_options po,
+                       const RunRank& run_rank) {
+  po.data_parallel.replicas = a.replicas;
+  po.data_parallel.local = make_local_rendezvous();
   // Each replica owns its modules; built one after another (they seed the global generator).
   std::vector<model_setup> models{setup};
   for (std::size_t r = 1; r < a.replicas; ++r) {
@@ -737,6 +707,47 @@ int run_train(const train_args& given) {
     std::rethrow_exception(error);
   }
   return code;
+}
+
+} // namespace
+
+int run_train(const train_args& given) {
+  auto a = given;
+  ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
+  training::check_model_fits_data(a.model);
+  std::optional<text_corpus> corpus;
+  if (a.model.data == "text") {
+    corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
+    a.model.vocabulary = corpus->vocabulary();
+  }
+  auto setup = build_model(a.model);
+  check_layout_auto_applies(a);
+  a.plan.devices = training::parse_devices(a.devices, a.plan);
+  // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
+  // parameter, SGD with momentum 1.
+  a.plan.optimizer_state = optimizer_of(a).state_tensors();
+  auto plan = training::plan_run(setup.layers, setup.sample(), a.plan, a.pipeline);
+  const auto& choice = plan.choice;
+  auto& po = plan.options;
+  check_flags_apply(a, setup, choice);
+  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
+  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
+  po.data_parallel = data_parallel_for(a, setup, choice);
+  auto run_rank = [&](const model_setup& model, pipeline_options o) {
+    return run_training(a, model, choice, std::move(o), corpus ? &*corpus : nullptr);
+  };
+  if (a.replicas == 1) {
+    return run_rank(setup, std::move(po));
+  }
+  if (!a.pipeline.placement.nodes.empty()) {
+    // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
+    // stages at a store served here (--master-addr/-port) and recovers them together.
+    po.data_parallel.replicas = a.replicas;
+    po.data_parallel.rank = 0;
+    po.data_parallel.local = nullptr;
+    return run_rank(setup, std::move(po));
+  }
+  return run_local_replicas(a, setup, std::move(po), run_rank);
 }
 
 } // namespace actorpipe::cli

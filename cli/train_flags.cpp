@@ -192,15 +192,8 @@ void add_replica_sync_flags(CLI::App* cmd, train_args& a) {
       "--sync bmuf: steps each replica trains alone before all take rank 0's parameters");
 }
 
-} // namespace
-
-CLI::App* add_train_command(CLI::App& app, train_args& a) {
-  auto* cmd = app.add_subcommand(
-    "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
-             "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
-             "(random images, one-hot targets, MSE loss, SGD)");
-  add_model_flags(cmd, a.model);
-  add_pipeline_flags(cmd, a.plan);
+// Where the data comes from and how it is visited.
+void add_data_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
   opt("--data-dir", a.data_dir,
       "Folder with Fashion-MNIST's IDX files (default: /usr/share/datasets/fashion-mnist)");
@@ -209,12 +202,24 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "(/usr/share/games/fortunes); the last tenth of each file is held out for validation");
   opt("--sample", a.sample,
       "--data text: characters of text the trained model writes at the end (0: none)");
-  opt("--steps", a.steps,
-      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
-      "data; Fashion-MNIST: all --epochs)");
-  opt("--epochs", a.epochs,
-      "Fashion-MNIST, text and tensor files: epochs (0: 1 for Fashion-MNIST and a file, 4 for "
-      "text); with it (or --holdout) --data tensors:PATH is a data set visited epoch by epoch");
+  cmd
+    ->add_option("--loss", a.loss,
+                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
+                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
+                 "mse")
+    ->check(CLI::IsMember({"mse", "cross_entropy"}));
+  cmd->add_flag("--shuffle", a.shuffle,
+                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
+                "every pass instead of in order");
+  opt("--holdout", a.holdout,
+      "--data tensors:PATH: hold this fraction of the file out (drawn from --seed) and "
+      "evaluate it after each epoch: its loss, and top-1 for class targets (e.g. 0.1)")
+    ->check(CLI::Range(0.0, 0.99));
+}
+
+// The optimizer and its learning rate's schedule.
+void add_optimizer_flags(CLI::App* cmd, train_args& a) {
+  auto opt = option_adder(cmd);
   opt("--lr", a.optimizer.lr,
       "Learning rate (fashion-mnist and text: peak of the cosine schedule; gpt trains with Adam "
       "at 3e-3 unless given)")
@@ -222,12 +227,6 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
   opt("--momentum", a.optimizer.momentum,
       "SGD momentum (not given: 0.9 for fashion-mnist, 0 for synthetic and tensor files)")
     ->check(at_least(0));
-  cmd
-    ->add_option("--loss", a.loss,
-                 "--data tensors:PATH: mse, or cross_entropy (outputs (N, ..., C) of class scores "
-                 "against class indices (N, ...)); default cross_entropy for int64 targets, else "
-                 "mse")
-    ->check(CLI::IsMember({"mse", "cross_entropy"}));
   cmd
     ->add_option("--optimizer", a.optimizer.name, "sgd, adam or adamw (default: sgd; adam for gpt)")
     ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
@@ -241,31 +240,44 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Fashion-MNIST, text and a tensor file's epochs: the learning rate the cosine schedule "
       "ends at (torch's eta_min, "
       "e.g. a hundredth of --lr)");
+  opt("--warmup", a.train.warmup_steps,
+      "Fashion-MNIST, text and a tensor file's epochs: linear warm-up steps of the cosine "
+      "schedule (a tensor file: 0, and a constant --lr unless this or --min-lr is given)");
+  opt("--max-grad-norm", a.pipeline.max_grad_norm,
+      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off")
+    ->check(at_least(0));
+}
+
+} // namespace
+
+CLI::App* add_train_command(CLI::App& app, train_args& a) {
+  auto* cmd = app.add_subcommand(
+    "train", "Train a built-in model pipelined across stage actors: a CNN on Fashion-MNIST by "
+             "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
+             "(random images, one-hot targets, MSE loss, SGD)");
+  add_model_flags(cmd, a.model);
+  add_pipeline_flags(cmd, a.plan);
+  add_data_flags(cmd, a);
+  auto opt = option_adder(cmd);
+  opt("--steps", a.steps,
+      "Steps (batches) to train in all, counting those before a --resume (0: 3 for synthetic "
+      "data; Fashion-MNIST: all --epochs)");
+  opt("--epochs", a.epochs,
+      "Fashion-MNIST, text and tensor files: epochs (0: 1 for Fashion-MNIST and a file, 4 for "
+      "text); with it (or --holdout) --data tensors:PATH is a data set visited epoch by epoch");
+  add_optimizer_flags(cmd, a);
   cmd->add_flag("--overlap-steps", a.pipeline.overlap_steps,
                 "Overlap consecutive steps: each stage starts the next step as soon as it is done "
                 "with the one before (its optimizer steps early), the same parameters as without "
                 "(stages in this process; docs/schedules.md#overlapping-steps)");
-  cmd->add_flag("--shuffle", a.shuffle,
-                "--data tensors:PATH: visit the file in a new random order (from --seed) on "
-                "every pass instead of in order");
-  opt("--holdout", a.holdout,
-      "--data tensors:PATH: hold this fraction of the file out (drawn from --seed) and "
-      "evaluate it after each epoch: its loss, and top-1 for class targets (e.g. 0.1)")
-    ->check(CLI::Range(0.0, 0.99));
   opt("--export", a.export_path,
       "After training, write the trained model file back with its new weights: a PT2 archive "
       "(--model PATH.pt2), which torch.export.load(PATH).module() runs, or TorchScript (--model "
       "PATH.pt), which torch.jit.load runs");
-  opt("--warmup", a.train.warmup_steps,
-      "Fashion-MNIST, text and a tensor file's epochs: linear warm-up steps of the cosine "
-      "schedule (a tensor file: 0, and a constant --lr unless this or --min-lr is given)");
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
   add_replica_sync_flags(cmd, a);
-  opt("--max-grad-norm", a.pipeline.max_grad_norm,
-      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off")
-    ->check(at_least(0));
   cmd
     ->add_flag("--print-config", a.print_config,
                "Print every flag's value as TOML (defaults included) and exit: that text, given to "
@@ -324,23 +336,28 @@ void check_node_flags_apply(const train_args& a) {
                   ") must be >= 1");
 }
 
-} // namespace
-
-bool tensor_data_set(const train_args& a) {
-  return !training::tensor_file_of(a.model.data).empty() && a.given &&
-         (a.given("--epochs") || a.given("--holdout"));
+// The flags that do not apply to --data synthetic, and those only it and images:DIR take.
+void check_synthetic_flags_apply(const train_args& a, bool images) {
+  auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
+  if (a.model.data == "synthetic") {
+    const char* stream = "does not apply to --data synthetic, an endless stream of generated "
+                         "batches: say how long to train with --steps";
+    refuse("--epochs", stream);
+    refuse("--data-dir", "does not apply to --data synthetic (no files are read)");
+    refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
+    refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
+    refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
+    refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
+  } else if (!images) {
+    refuse("--image", "sets the side of synthetic images and of images:DIR; this data comes in "
+                      "its own shape");
+    refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
+  }
 }
 
-// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
-void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
+// The flags of one kind of data, refused for the others.
+void check_data_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
-  check_node_flags_apply(a);
-  bool on_gpus = std::any_of(a.plan.devices.begin(), a.plan.devices.end(),
-                             [](const c10::Device& d) { return d.is_cuda(); });
-  if (!on_gpus && a.pipeline.cuda_graphs != cuda_graph_mode::off) {
-    refuse("--cuda-graphs", "applies to stages on GPUs (--devices cuda:N): every stage of this "
-                            "run computes on the CPU");
-  }
   const bool tensors = !training::tensor_file_of(a.model.data).empty();
   const bool images = !training::image_folder_of(a.model.data).empty();
   if (images) {
@@ -373,16 +390,6 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--holdout", "applies to --data tensors:PATH (the other data sets have their own "
                         "held-out part)");
   }
-  if (setup.model_file.empty()) {
-    refuse("--export", "writes a model file back: it needs --model PATH.pt2 (or PATH.pt)");
-    refuse("--segments", "cuts a PT2 archive into layers: it needs --model PATH.pt2");
-  } else {
-    if (!is_exported(setup.layers)) {
-      refuse("--segments", "cuts a PT2 archive into layers; a TorchScript model's layers are "
-                           "its Sequential's children");
-    }
-    refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
-  }
   if (a.model.data != "fashion-mnist" && !images) {
     refuse("--augment", "applies to Fashion-MNIST's images (random crops and flips)");
   }
@@ -393,6 +400,22 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     refuse("--data-dir", "is Fashion-MNIST's folder: give --data text its text with --text-file");
     refuse("--train-samples", "applies to Fashion-MNIST (text: give a shorter --text-file)");
     refuse("--test-samples", "applies to Fashion-MNIST (text holds out a tenth of every file)");
+  }
+  check_synthetic_flags_apply(a, images);
+}
+
+// The flags of a model file, of the built-in ResNets' batch norm, or of gpt's sizes.
+void check_model_flags_apply(const train_args& a, const model_setup& setup) {
+  auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
+  if (setup.model_file.empty()) {
+    refuse("--export", "writes a model file back: it needs --model PATH.pt2 (or PATH.pt)");
+    refuse("--segments", "cuts a PT2 archive into layers: it needs --model PATH.pt2");
+  } else {
+    if (!is_exported(setup.layers)) {
+      refuse("--segments", "cuts a PT2 archive into layers; a TorchScript model's layers are "
+                           "its Sequential's children");
+    }
+    refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
   }
   if (training::model_name(a.model) != "gpt") {
     for (const char* flag : {"--layers", "--heads", "--width", "--context", "--dropout"}) {
@@ -405,20 +428,27 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
     }
     refuse("--deferred-bn", "applies to the ResNets' batch norm; gpt has LayerNorm");
   }
-  if (a.model.data == "synthetic") {
-    const char* stream = "does not apply to --data synthetic, an endless stream of generated "
-                         "batches: say how long to train with --steps";
-    refuse("--epochs", stream);
-    refuse("--data-dir", "does not apply to --data synthetic (no files are read)");
-    refuse("--train-samples", "does not apply to --data synthetic (no data set to cut short)");
-    refuse("--test-samples", "does not apply to --data synthetic (it has no test set)");
-    refuse("--warmup", "does not apply to --data synthetic, which trains at a constant --lr");
-    refuse("--min-lr", "does not apply to --data synthetic, which trains at a constant --lr");
-  } else if (!images) {
-    refuse("--image", "sets the side of synthetic images and of images:DIR; this data comes in "
-                      "its own shape");
-    refuse("--classes", "sets the synthetic data's classes (or tokens); real data has its own");
+}
+
+} // namespace
+
+bool tensor_data_set(const train_args& a) {
+  return !training::tensor_file_of(a.model.data).empty() && a.given &&
+         (a.given("--epochs") || a.given("--holdout"));
+}
+
+// Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
+void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
+  check_node_flags_apply(a);
+  bool on_gpus = std::any_of(a.plan.devices.begin(), a.plan.devices.end(),
+                             [](const c10::Device& d) { return d.is_cuda(); });
+  if (!on_gpus && a.pipeline.cuda_graphs != cuda_graph_mode::off) {
+    refuse_if_given(a, "--cuda-graphs",
+                    "applies to stages on GPUs (--devices cuda:N): every stage of this run "
+                    "computes on the CPU");
   }
+  check_data_flags_apply(a);
+  check_model_flags_apply(a, setup);
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
                   "--steps and --max-steps both give the steps of the run in all: give one");
   ACTORPIPE_CHECK(!choice.custom.empty() || !interleaves(choice.kind) || choice.chunks > 1,

@@ -165,6 +165,62 @@ scheduler::scheduler_options scheduler_options_of(const pipeline_options& option
   return so;
 }
 
+// Intra-op threads per stage: as given, else this process's cores shared by its stages (and
+// the replicas in it).
+std::size_t threads_per_stage(const pipeline_options& options, std::size_t stage_count) {
+  if (options.threads_per_stage != 0) {
+    return options.threads_per_stage;
+  }
+  const auto& dp = options.data_parallel;
+  auto cores = std::max(1u, std::thread::hardware_concurrency());
+  auto local_replicas = dp.local ? std::max<std::size_t>(1, dp.replicas) : 1;
+  return std::max<std::size_t>(1, cores / (stage_count * local_replicas));
+}
+
+// The virtual stages in model order, each on the device of the actor holding it.
+std::vector<std::shared_ptr<stages::stage>> make_virtual_stages(const layer_list& layers,
+                                                                const partition& cut,
+                                                                const pipeline_options& options,
+                                                                std::size_t stage_count) {
+  auto placement = options.chunk_layout();
+  std::vector<std::shared_ptr<stages::stage>> made;
+  for (std::size_t k = 0; k < cut.stages(); ++k) {
+    auto device = options.devices.empty()
+                    ? c10::Device(c10::kCPU)
+                    : options.devices[holder_of(placement, stage_count, k).stage];
+    made.push_back(
+      stages::make_stage(layers, cut, k, device, options.optimizer, options.precision));
+  }
+  return made;
+}
+
+// Parameters tied across stages: the group in which the actors holding them sum their
+// gradients every step; none when nothing is tied across stages.
+std::shared_ptr<comm::tie_group>
+tie_group_of(const std::vector<std::shared_ptr<stages::stage>>& virtual_stages,
+             const pipeline_options& options, std::size_t stage_count) {
+  std::set<std::size_t> holders;
+  for (std::size_t k = 0; k < virtual_stages.size(); ++k) {
+    if (!virtual_stages[k]->config().shared_ties.empty()) {
+      holders.insert(holder_of(options.chunk_layout(), stage_count, k).stage);
+    }
+  }
+  return holders.empty() ? nullptr : std::make_shared<comm::tie_group>(holders);
+}
+
+// With replicas, every replica starts from rank 0's parameters and buffers.
+void broadcast_from_rank_0(const std::vector<std::shared_ptr<stages::stage>>& chunks,
+                           comm::stage_sync& sync) {
+  for (const auto& chunk : chunks) {
+    chunk->with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>& buffers) {
+        auto all = parameters;
+        all.insert(all.end(), buffers.begin(), buffers.end());
+        sync.broadcast(all);
+      });
+  }
+}
+
 } // namespace
 
 pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_options options) {
@@ -178,13 +234,7 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
                   "remote_model (nodes build their stages themselves)");
   const auto& dp = options.data_parallel;
   auto bmuf = checked_bmuf(options, layers);
-  auto threads = options.threads_per_stage;
-  if (threads == 0) {
-    // Replicas in this process share its cores.
-    auto cores = std::max(1u, std::thread::hardware_concurrency());
-    auto local_replicas = dp.local ? std::max<std::size_t>(1, dp.replicas) : 1;
-    threads = std::max<std::size_t>(1, cores / (stage_count * local_replicas));
-  }
+  auto threads = threads_per_stage(options, stage_count);
   impl_ = std::make_unique<impl>(cut, options);
   auto& self = *impl_;
   self.layers = layers;
@@ -195,27 +245,13 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   self.scheduler =
     scheduler::spawn_scheduler(actor_system, scheduler_options_of(options, self.replicas.get()));
   // Virtual stage k (model order) lives on the actor and chunk the placement says.
-  auto placement = options.chunk_layout();
-  for (std::size_t k = 0; k < cut.stages(); ++k) {
-    auto device = options.devices.empty()
-                    ? c10::Device(c10::kCPU)
-                    : options.devices[holder_of(placement, stage_count, k).stage];
-    self.stages.push_back(
-      stages::make_stage(layers, cut, k, device, options.optimizer, options.precision));
-  }
-  // Parameters tied across stages: the actors holding them sum their gradients every step.
-  std::set<std::size_t> holders;
-  for (std::size_t k = 0; k < cut.stages(); ++k) {
-    if (!self.stages[k]->config().shared_ties.empty()) {
-      holders.insert(holder_of(placement, stage_count, k).stage);
-    }
-  }
-  auto ties = holders.empty() ? nullptr : std::make_shared<comm::tie_group>(holders);
+  self.stages = make_virtual_stages(layers, cut, options, stage_count);
+  auto ties = tie_group_of(self.stages, options, stage_count);
   std::vector<actors::local_stage_actor> local;
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
     for (std::size_t c = 0; c < options.chunks; ++c) {
-      chunks.push_back(self.stages[virtual_stage_of(placement, stage_count, i, c)]);
+      chunks.push_back(self.stages[virtual_stage_of(options.chunk_layout(), stage_count, i, c)]);
     }
     actors::stage_actor_options actor_options(
       stage_settings_for(options, i, stage_count, threads, bmuf));
@@ -224,16 +260,8 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
     actor_options.hooks = options.hooks;
     actor_options.ties = ties;
     if (self.replicas) {
-      // Every replica starts from rank 0's parameters and buffers.
       actor_options.sync = self.replicas->stage(i);
-      for (auto& chunk : chunks) {
-        chunk->with_tensors([&](const std::vector<torch::Tensor>& parameters,
-                                const std::vector<torch::Tensor>& buffers) {
-          auto all = parameters;
-          all.insert(all.end(), buffers.begin(), buffers.end());
-          actor_options.sync->broadcast(all);
-        });
-      }
+      broadcast_from_rank_0(chunks, *actor_options.sync);
     }
     local.push_back(actors::spawn_stage(actor_system, std::move(chunks), self.scheduler,
                                         std::move(actor_options)));

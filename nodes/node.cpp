@@ -122,16 +122,8 @@ const std::string& received(const node_state& s, const std::string& digest, cons
   return it->second;
 }
 
-std::string build(node_actor* self, const std::string& text) {
-  auto& s = self->state;
-  auto spec = stage_spec_from_json(text);
-  const auto& settings = spec.settings;
-  auto index = static_cast<uint32_t>(settings.index);
-  stages::check_device(settings.device, detail::concat("node ", s.label, ": stage ", index));
-  if (settings.device.is_cuda()) {
-    s.hub->receive_into_pinned_memory();
-  }
-  release(self, index);
+// The model's layers as the spec names them: from its seed, or from a file this node was sent.
+layer_list spec_layers(const node_state& s, const stage_spec& spec) {
   layer_list layers;
   if (spec.model.file.empty()) {
     layers = make_seeded_model(spec.model.name, spec.model.options, spec.model.seed);
@@ -139,21 +131,18 @@ std::string build(node_actor* self, const std::string& text) {
     layers = load_model_file(received(s, spec.model.file, "model"), "the model " + spec.model.name,
                              exported_options{spec.model.segments});
   }
-  // Hooks arrive as TorchScript digests or built-in names.
-  auto hooks = spec.model.hooks;
-  for (auto* hook : {&hooks.after_forward, &hooks.after_backward}) {
-    if (!hook->torchscript.empty()) {
-      hook->torchscript = received(s, hook->torchscript, "hook");
-    }
-  }
   ACTORPIPE_CHECK(spec.bounds.front() == 0 && spec.bounds.back() == layers.size(), "partition of ",
                   spec.bounds.size() - 1, " stages does not cover ", spec.model.name, "'s ",
                   layers.size(), " layers");
+  return layers;
+}
+
+// Makes the stage's chunks into `h`; returns the actors holding parameters tied with them and
+// the chunks' layers in words ("3 layers 0..2").
+std::pair<std::set<std::size_t>, std::string> make_chunks(hosted& h, const stage_spec& spec,
+                                                          const layer_list& layers) {
+  const auto& settings = spec.settings;
   partition cut{spec.bounds};
-  // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
-  auto ties = tied_parameters(layers);
-  hosted h;
-  h.placement = settings.placement;
   std::set<std::size_t> tie_holders;
   std::string layer_ranges;
   for (std::size_t c = 0; c < settings.chunks; ++c) {
@@ -170,28 +159,72 @@ std::string build(node_actor* self, const std::string& text) {
     layer_ranges += detail::concat(layer_ranges.empty() ? "" : ", ", end - begin, " layers ", begin,
                                    "..", end - 1);
   }
-  bool tied = std::any_of(h.chunks.begin(), h.chunks.end(),
-                          [](const auto& st) { return !st->config().shared_ties.empty(); });
-  // The settings whole, as a stage in the driver's process gets them; then what does not cross
-  // processes as a value: the loss and hooks, built here from their descriptions.
-  stage_actor_options options(settings);
+  return {std::move(tie_holders), std::move(layer_ranges)};
+}
+
+// The stage actor's options: the settings whole, as a stage in the driver's process gets them;
+// then what does not cross processes as a value: the loss and hooks, built here from their
+// descriptions (a hook's TorchScript arrives as a digest), and the replicas' group.
+stage_actor_options stage_options(const node_state& s, const stage_spec& spec) {
+  auto hooks = spec.model.hooks;
+  for (auto* hook : {&hooks.after_forward, &hooks.after_backward}) {
+    if (!hook->torchscript.empty()) {
+      hook->torchscript = received(s, hook->torchscript, "hook");
+    }
+  }
+  stage_actor_options options(spec.settings);
   options.loss = builtin_loss(spec.model.loss);
   options.hooks = make_hooks(hooks);
   if (spec.data_parallel.replicas > 1) {
     // Gradients averaged with the same stage of the other replicas, on their nodes. Every
     // replica builds the model from the same seed or bytes: they start equal without a
     // broadcast (their drivers agreed on the model).
-    options.sync = comm::join_stage_group(spec.data_parallel, settings.index, spec.group_prefix,
-                                          settings.device);
+    options.sync = comm::join_stage_group(spec.data_parallel, spec.settings.index,
+                                          spec.group_prefix, spec.settings.device);
   }
+  return options;
+}
+
+// Parameters tied with other stages: the group summing their gradients, sending through this
+// node's hub; returns the ties' names.
+std::vector<std::string> join_ties(const node_state& s, hosted& h,
+                                   const std::vector<tied_parameter>& ties,
+                                   const std::set<std::size_t>& tie_holders) {
+  std::vector<std::string> tie_names;
+  h.tie_peers = std::make_shared<std::vector<endpoint>>();
+  for (const auto& t : ties) {
+    tie_names.push_back(t.name);
+  }
+  h.ties =
+    std::make_shared<comm::tie_group>(tie_holders, tie_sender(s.hub, h.tie_peers, tie_names));
+  return tie_names;
+}
+
+// Builds the stage a driver describes in `text` and hosts it; returns the settings the stage
+// actor was given, as the node read them (the driver checks them against what it sent), and
+// where the node's hub takes tensors.
+std::string build(node_actor* self, const std::string& text) {
+  auto& s = self->state;
+  auto spec = stage_spec_from_json(text);
+  const auto& settings = spec.settings;
+  auto index = static_cast<uint32_t>(settings.index);
+  stages::check_device(settings.device, detail::concat("node ", s.label, ": stage ", index));
+  if (settings.device.is_cuda()) {
+    s.hub->receive_into_pinned_memory();
+  }
+  release(self, index);
+  auto layers = spec_layers(s, spec);
+  // Before make_stage, which gives a later holder a copy (the tie is then no longer visible).
+  auto ties = tied_parameters(layers);
+  hosted h;
+  h.placement = settings.placement;
+  auto [tie_holders, layer_ranges] = make_chunks(h, spec, layers);
+  bool tied = std::any_of(h.chunks.begin(), h.chunks.end(),
+                          [](const auto& st) { return !st->config().shared_ties.empty(); });
+  auto options = stage_options(s, spec);
   std::vector<std::string> tie_names;
   if (tied) {
-    h.tie_peers = std::make_shared<std::vector<endpoint>>();
-    for (const auto& t : ties) {
-      tie_names.push_back(t.name);
-    }
-    h.ties =
-      std::make_shared<comm::tie_group>(tie_holders, tie_sender(s.hub, h.tie_peers, tie_names));
+    tie_names = join_ties(s, h, ties, tie_holders);
     options.ties = h.ties;
   }
   h.deadline = options.wait_timeout;
@@ -212,8 +245,6 @@ std::string build(node_actor* self, const std::string& text) {
   log::get()->info("node {}: built stage {} of {} ({} of {}, seed {}) on {}", s.label,
                    settings.index, settings.count, layer_ranges, spec.model.name, spec.model.seed,
                    settings.device.str());
-  // The settings the stage actor was given, as the node read them: the driver checks them
-  // against what it sent.
   return nlohmann::json{
     {"data_host", s.hub->host()},
     {"data_port", s.hub->port()},

@@ -90,6 +90,23 @@ void route_frame(nodes::routes& route, comm::frame&& f) {
   throw comm::frame_error(detail::concat("a node takes no ", comm::to_string(h.kind), " frames"));
 }
 
+// The node's tensor hub, listening on its data port; every frame goes to the node's routes.
+std::shared_ptr<comm::tensor_hub> start_hub(const node_options& options,
+                                            std::shared_ptr<nodes::routes> route) {
+  comm::hub_options hub_options;
+  hub_options.host = options.host;
+  hub_options.port = options.data_port;
+  hub_options.secret = options.secret;
+  // Checks the TLS files (invalid_argument naming the one that fails) before CAF reads them.
+  hub_options.tls = options.tls;
+  try {
+    return std::make_shared<comm::tensor_hub>(
+      hub_options, [route](comm::frame&& f) { route_frame(*route, std::move(f)); });
+  } catch (const comm::comm_error& e) {
+    throw pipeline_error(e.what());
+  }
+}
+
 } // namespace
 
 node::node(node_options options) : impl_(std::make_unique<impl>()) {
@@ -99,19 +116,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>()) {
                   "node: refusing to listen on ", options.host,
                   " without a secret or TLS: give --secret-file or --tls-cert/--tls-key/--tls-ca "
                   "(or listen on 127.0.0.1)");
-  comm::hub_options hub_options;
-  hub_options.host = options.host;
-  hub_options.port = options.data_port;
-  hub_options.secret = options.secret;
-  // Checks the TLS files (invalid_argument naming the one that fails) before CAF reads them.
-  hub_options.tls = options.tls;
   auto route = self.route;
-  try {
-    self.hub = std::make_shared<comm::tensor_hub>(
-      hub_options, [route](comm::frame&& f) { route_frame(*route, std::move(f)); });
-  } catch (const comm::comm_error& e) {
-    throw pipeline_error(e.what());
-  }
+  self.hub = start_hub(options, route);
   self.config.load<caf::io::middleman>();
   if (options.tls.enabled()) {
     self.config.load<caf::openssl::manager>();

@@ -98,65 +98,78 @@ simulation run_simulation(const schedule& s, std::size_t microbatches,
                           bool timeline);
 } // namespace
 
+namespace {
+
+// Which (micro-batch, chunk) a stage has forwarded, backed up or weighted so far, and how many:
+// flat flags (sets of pairs made validating a 64 x 512 ZB-V plan cost 45 ms).
+struct seen {
+  std::vector<char> flags;
+  std::size_t size = 0;
+  bool count(std::size_t k) const { return flags[k] != 0; }
+  bool insert(std::size_t k) {
+    if (flags[k] != 0) {
+      return false;
+    }
+    flags[k] = 1;
+    ++size;
+    return true;
+  }
+};
+
+// Stage `st`'s program runs every micro-batch's chunks once, each backward after its forward
+// and each weight pass after its backward; backwards and weight passes only when training.
+void validate_program(const stage_program& program, std::size_t st, std::size_t microbatches,
+                      std::size_t v, bool training) {
+  seen forwarded{std::vector<char>(microbatches * v, 0)};
+  seen backed{forwarded};
+  seen weighted{forwarded};
+  for (std::size_t i = 0; i < program.size(); ++i) {
+    const auto& a = program[i];
+    auto where = [&] {
+      return detail::concat("stage ", st, ", action ", i, " (", to_string(a), ")");
+    };
+    ACTORPIPE_CHECK(a.microbatch >= 0 && static_cast<std::size_t>(a.microbatch) < microbatches,
+                    where(), ": micro-batch out of range 0..", microbatches - 1);
+    ACTORPIPE_CHECK(a.chunk >= 0, where(), ": negative chunk");
+    auto key = static_cast<std::size_t>(a.microbatch) * v + static_cast<std::size_t>(a.chunk);
+    switch (a.kind) {
+    case action_kind::forward:
+      ACTORPIPE_CHECK(forwarded.insert(key), where(), ": micro-batch ", a.microbatch,
+                      " is forwarded twice");
+      break;
+    case action_kind::backward:
+      ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a backward");
+      ACTORPIPE_CHECK(forwarded.count(key) == 1, where(), ": backward of micro-batch ",
+                      a.microbatch, " before its forward");
+      ACTORPIPE_CHECK(backed.insert(key), where(), ": micro-batch ", a.microbatch,
+                      " is backed up twice");
+      break;
+    case action_kind::weight:
+      ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a weight action");
+      ACTORPIPE_CHECK(backed.count(key) == 1, where(), ": weight gradient of micro-batch ",
+                      a.microbatch, " before its backward");
+      ACTORPIPE_CHECK(weighted.insert(key), where(), ": micro-batch ", a.microbatch,
+                      " has two weight actions");
+      break;
+    }
+  }
+  auto expected = microbatches * v;
+  ACTORPIPE_CHECK(forwarded.size == expected, "stage ", st, " forwards ", forwarded.size, " of ",
+                  expected, " micro-batch chunks");
+  ACTORPIPE_CHECK(!training || backed.size == expected, "stage ", st, " backs up ", backed.size,
+                  " of ", expected, " micro-batch chunks");
+}
+
+} // namespace
+
 void validate(const schedule& s, std::size_t microbatches, bool training) {
   auto p = s.size();
   ACTORPIPE_CHECK(p >= 1, "a schedule needs at least one stage");
   auto v = chunks_of(s);
-  // Which (micro-batch, chunk) a stage has forwarded, backed up and weighted so far, and how
-  // many: flat flags (sets of pairs made validating a 64 x 512 ZB-V plan cost 45 ms).
-  struct seen {
-    std::vector<char> flags;
-    std::size_t size = 0;
-    bool count(std::size_t k) const { return flags[k] != 0; }
-    bool insert(std::size_t k) {
-      if (flags[k] != 0) {
-        return false;
-      }
-      flags[k] = 1;
-      ++size;
-      return true;
-    }
-  };
   for (std::size_t st = 0; st < p; ++st) {
-    seen forwarded{std::vector<char>(microbatches * v, 0)};
-    seen backed{forwarded};
-    seen weighted{forwarded};
-    for (std::size_t i = 0; i < s[st].size(); ++i) {
-      const auto& a = s[st][i];
-      auto where = [&] {
-        return detail::concat("stage ", st, ", action ", i, " (", to_string(a), ")");
-      };
-      ACTORPIPE_CHECK(a.microbatch >= 0 && static_cast<std::size_t>(a.microbatch) < microbatches,
-                      where(), ": micro-batch out of range 0..", microbatches - 1);
-      ACTORPIPE_CHECK(a.chunk >= 0, where(), ": negative chunk");
-      auto key = static_cast<std::size_t>(a.microbatch) * v + static_cast<std::size_t>(a.chunk);
-      switch (a.kind) {
-      case action_kind::forward:
-        ACTORPIPE_CHECK(forwarded.insert(key), where(), ": micro-batch ", a.microbatch,
-                        " is forwarded twice");
-        break;
-      case action_kind::backward:
-        ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a backward");
-        ACTORPIPE_CHECK(forwarded.count(key) == 1, where(), ": backward of micro-batch ",
-                        a.microbatch, " before its forward");
-        ACTORPIPE_CHECK(backed.insert(key), where(), ": micro-batch ", a.microbatch,
-                        " is backed up twice");
-        break;
-      case action_kind::weight:
-        ACTORPIPE_CHECK(training, where(), ": a forward-only schedule has a weight action");
-        ACTORPIPE_CHECK(backed.count(key) == 1, where(), ": weight gradient of micro-batch ",
-                        a.microbatch, " before its backward");
-        ACTORPIPE_CHECK(weighted.insert(key), where(), ": micro-batch ", a.microbatch,
-                        " has two weight actions");
-        break;
-      }
-    }
-    auto expected = microbatches * v;
-    ACTORPIPE_CHECK(forwarded.size == expected, "stage ", st, " forwards ", forwarded.size, " of ",
-                    expected, " micro-batch chunks");
-    ACTORPIPE_CHECK(!training || backed.size == expected, "stage ", st, " backs up ", backed.size,
-                    " of ", expected, " micro-batch chunks");
+    validate_program(s[st], st, microbatches, v, training);
   }
+  // Every action's input comes: the simulation refuses a schedule that deadlocks.
   run_simulation(s, microbatches, {action_costs{}}, 0, /*timeline=*/false);
 }
 

@@ -230,6 +230,53 @@ pipeline_error state_request_error(std::vector<failure> failures, error_kind oth
   return pipeline_error(message, lead.details, std::move(parts));
 }
 
+// What a stage was asked to do with its state, for its refusal: "stage 2 failed to ...".
+const char* state_verb(request_kind kind) {
+  switch (kind) {
+  case request_kind::fetch:
+    return "send its state";
+  case request_kind::save:
+    return "save its state";
+  case request_kind::load:
+    return "load its state";
+  default:
+    return "end its block";
+  }
+}
+
+// Asks stage `i` to act on its state as `request` says; `fetched` takes a fetched state.
+template <class OnDone, class OnError>
+void ask_stage_state(scheduler_actor_type self, std::size_t i, const step_request& request,
+                     std::shared_ptr<tensor_map> fetched, OnDone one_done, OnError on_error) {
+  auto& s = self->state;
+  auto done = [=](bool) { one_done(std::nullopt); };
+  switch (request.kind) {
+  case request_kind::fetch:
+    self->request(s.stages[i], s.options.step_timeout, fetch_atom::value, request.keep_as)
+      .then(
+        [=](std::shared_ptr<const tensor_map>& state) {
+          if (state) {
+            fetched->insert(state->begin(), state->end());
+          }
+          one_done(std::nullopt);
+        },
+        on_error);
+    return;
+  case request_kind::end_block:
+    self->request(s.stages[i], s.options.step_timeout, block_atom::value).then(done, on_error);
+    return;
+  case request_kind::save:
+    self
+      ->request(s.stages[i], s.options.step_timeout, save_atom::value,
+                stages::stage_file(request.path, i))
+      .then(done, on_error);
+    return;
+  default:
+    self->request(s.stages[i], s.options.step_timeout, load_atom::value, request.state)
+      .then(done, on_error);
+  }
+}
+
 // Save, load, fetch or end a BMUF block: every stage acts on its own state; errors are collected,
 // then reported together.
 void run_state_request(scheduler_actor_type self) {
@@ -237,7 +284,7 @@ void run_state_request(scheduler_actor_type self) {
   auto request = s.current;
   auto pending = std::make_shared<std::size_t>(s.stages.size());
   auto failures = std::make_shared<std::vector<failure>>();
-  auto fetched = std::make_shared<std::map<std::string, torch::Tensor>>();
+  auto fetched = std::make_shared<tensor_map>();
   auto one_done = [=](std::optional<failure> why) {
     if (why) {
       failures->push_back(std::move(*why));
@@ -262,34 +309,10 @@ void run_state_request(scheduler_actor_type self) {
   };
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     auto on_error = [=](const caf::error& err) {
-      auto why = request_failure(self, i, self->state.step, err, self->state.options.step_timeout,
-                                 request->kind == request_kind::fetch  ? "send its state"
-                                 : request->kind == request_kind::save ? "save its state"
-                                 : request->kind == request_kind::load ? "load its state"
-                                                                       : "end its block");
-      one_done(std::move(why));
+      one_done(request_failure(self, i, self->state.step, err, self->state.options.step_timeout,
+                               state_verb(request->kind)));
     };
-    if (request->kind == request_kind::fetch) {
-      self->request(s.stages[i], s.options.step_timeout, fetch_atom::value, request->keep_as)
-        .then(
-          [=](std::shared_ptr<const tensor_map>& state) {
-            if (state) {
-              fetched->insert(state->begin(), state->end());
-            }
-            one_done(std::nullopt);
-          },
-          on_error);
-    } else if (request->kind == request_kind::end_block) {
-      self->request(s.stages[i], s.options.step_timeout, block_atom::value)
-        .then([=](bool) { one_done(std::nullopt); }, on_error);
-    } else if (request->kind == request_kind::save) {
-      auto path = stages::stage_file(request->path, i);
-      self->request(s.stages[i], s.options.step_timeout, save_atom::value, path)
-        .then([=](bool) { one_done(std::nullopt); }, on_error);
-    } else {
-      self->request(s.stages[i], s.options.step_timeout, load_atom::value, request->state)
-        .then([=](bool) { one_done(std::nullopt); }, on_error);
-    }
+    ask_stage_state(self, i, *request, fetched, one_done, on_error);
   }
   if (request->background) {
     // Every stage has the fetch in its mailbox before anything the next request sends it, so
@@ -434,58 +457,72 @@ void start_next(scheduler_actor_type self) {
   send_ahead(self);
 }
 
+// The step's result from the stages' reports: the last stage's loss and outputs, every stage's
+// figures.
+step_outcome outcome_of_step(scheduler_state& s) {
+  step_outcome outcome;
+  outcome.result.step = s.step;
+  auto last = last_stage(s);
+  outcome.result.loss = s.reports[last].loss;
+  outcome.result.grad_norm = s.grad_norm;
+  outcome.result.wall_ms =
+    std::chrono::duration<double, std::milli>(clock_type::now() - s.started).count();
+  outcome.result.placement = s.options.placement;
+  for (auto& r : s.reports) {
+    outcome.result.stages.push_back(r.stats);
+  }
+  outcome.outputs = std::move(s.reports[last].outputs);
+  log::get()->debug("step {} ({}) done in {:.1f} ms, loss {}", s.step,
+                    s.current->train() ? "train" : "forward", outcome.result.wall_ms,
+                    outcome.result.loss);
+  return outcome;
+}
+
+// Clipping: the scale of the gradients from the global norm over every stage's report (1 when
+// not clipping); none when the norm is not finite, and the step has failed.
+std::optional<double> gradient_scale_of(scheduler_actor_type self) {
+  auto& s = self->state;
+  if (s.options.max_grad_norm <= 0) {
+    return 1.0;
+  }
+  double sum = 0;
+  for (const auto& r : s.reports) {
+    sum += r.gradient_square_sum;
+  }
+  s.grad_norm = std::sqrt(sum);
+  if (!std::isfinite(s.grad_norm)) {
+    // Stepping would write NaNs into every parameter: the step fails, and the stages' early
+    // optimizer steps are undone with it.
+    fail(self, failure{{error_kind::stage_failure, std::nullopt, std::nullopt, s.step},
+                       detail::concat("step ", s.step, ": the global gradient norm is ",
+                                      std::isnan(s.grad_norm) ? "NaN" : "infinite",
+                                      " (a NaN or an infinity in the gradients); no parameter "
+                                      "changed")});
+    return std::nullopt;
+  }
+  auto scale = std::min(1.0, s.options.max_grad_norm / (s.grad_norm + 1e-6));
+  s.last_clipped = scale < 1.0;
+  return scale;
+}
+
 void on_all_reported(scheduler_actor_type self) {
   auto& s = self->state;
-  auto make_outcome = [&] {
-    step_outcome outcome;
-    outcome.result.step = s.step;
-    auto last = last_stage(s);
-    outcome.result.loss = s.reports[last].loss;
-    outcome.result.grad_norm = s.grad_norm;
-    outcome.result.wall_ms =
-      std::chrono::duration<double, std::milli>(clock_type::now() - s.started).count();
-    outcome.result.placement = s.options.placement;
-    for (auto& r : s.reports) {
-      outcome.result.stages.push_back(r.stats);
-    }
-    outcome.outputs = std::move(s.reports[last].outputs);
-    log::get()->debug("step {} ({}) done in {:.1f} ms, loss {}", s.step,
-                      s.current->train() ? "train" : "forward", outcome.result.wall_ms,
-                      outcome.result.loss);
-    return outcome;
-  };
   if (!s.current->train()) {
-    finish(self, make_outcome());
+    finish(self, outcome_of_step(s));
     return;
   }
   // Every stage has its gradients: only now may any optimizer step, so that a failed step
   // changes no parameter anywhere.
   auto step = s.step;
-  double gradient_scale = 1.0;
-  if (s.options.max_grad_norm > 0) {
-    double sum = 0;
-    for (const auto& r : s.reports) {
-      sum += r.gradient_square_sum;
-    }
-    s.grad_norm = std::sqrt(sum);
-    if (!std::isfinite(s.grad_norm)) {
-      // Stepping would write NaNs into every parameter: the step fails, and the stages' early
-      // optimizer steps are undone with it.
-      fail(self, failure{{error_kind::stage_failure, std::nullopt, std::nullopt, step},
-                         detail::concat("step ", step, ": the global gradient norm is ",
-                                        std::isnan(s.grad_norm) ? "NaN" : "infinite",
-                                        " (a NaN or an infinity in the gradients); no parameter "
-                                        "changed")});
-      return;
-    }
-    gradient_scale = std::min(1.0, s.options.max_grad_norm / (s.grad_norm + 1e-6));
-    s.last_clipped = gradient_scale < 1.0;
+  auto gradient_scale = gradient_scale_of(self);
+  if (!gradient_scale) {
+    return;
   }
   for (std::size_t i = 0; i < s.stages.size(); ++i) {
     self
       // No timer per request: the step's deadline covers the optimizer steps too.
       ->request(s.stages[i], caf::infinite, update_atom::value, step, s.current->learning_rate,
-                gradient_scale)
+                *gradient_scale)
       .then(
         [=](double optimizer_ms) {
           auto& st = self->state;
@@ -494,7 +531,7 @@ void on_all_reported(scheduler_actor_type self) {
           }
           st.reports[i].stats.optimizer_ms = optimizer_ms;
           if (++st.updated == st.stages.size()) {
-            finish(self, make_outcome());
+            finish(self, outcome_of_step(st));
           }
           linger(self, st.options.linger);
         },

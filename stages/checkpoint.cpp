@@ -133,90 +133,122 @@ void pack_tensors_into(const tensor_map& tensors, packed_bytes& out) {
   }
 }
 
-tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what) {
-  auto fail = [&](const std::string& why) -> pipeline_error {
+namespace {
+
+// Reads a packed frame front to back; each refusal names the frame (`what`) and the field.
+struct pack_reader {
+  const char* base;
+  std::size_t size;
+  const std::string& what;
+  std::size_t at = 0;
+
+  pipeline_error fail(const std::string& why) const {
     return pipeline_error(detail::concat(what, " is not packed state: ", why),
                           error_details{error_kind::io});
-  };
-  if (!bytes.defined() || bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 ||
-      !bytes.is_contiguous()) {
-    throw fail("not a contiguous uint8 tensor");
   }
-  const auto* base = static_cast<const char*>(bytes.data_ptr());
-  const auto size = static_cast<std::size_t>(bytes.numel());
-  if (reinterpret_cast<std::uintptr_t>(base) % pack_alignment != 0) {
-    throw fail("its buffer is not 64-byte aligned");
-  }
-  std::size_t at = 0;
-  auto take = [&](void* p, std::size_t n, const char* field) {
+  void take(void* p, std::size_t n, const char* field) {
     if (n > size - at) {
       throw fail(detail::concat("truncated in ", field, " at byte ", at, " of ", size));
     }
     std::memcpy(p, base + at, n);
     at += n;
-  };
+  }
+};
+
+// One tensor's header in a frame: its name, dtype, shape and payload size, checked.
+struct packed_header {
+  std::string name;
+  c10::ScalarType type;
+  std::vector<int64_t> shape;
+  uint64_t payload = 0;
+};
+
+// The element count of `shape`, saturated past 2^40 (which the caller refuses).
+uint64_t element_count(const std::vector<int64_t>& shape) {
+  constexpr uint64_t most = uint64_t{1} << 40;
+  uint64_t elements = 1;
+  for (auto d : shape) {
+    auto n = static_cast<uint64_t>(d);
+    if (n == 0) {
+      return 0;
+    }
+    elements = elements > most / n ? most + 1 : elements * n;
+  }
+  return elements;
+}
+
+packed_header read_header(pack_reader& in, uint32_t i) {
+  packed_header h;
+  uint32_t length = 0;
+  in.take(&length, 4, "a name's length");
+  if (length > in.size - in.at || length > 4096) {
+    throw in.fail(detail::concat("tensor ", i, "'s name of ", length, " bytes"));
+  }
+  h.name.assign(in.base + in.at, length);
+  in.at += length;
+  uint8_t dtype = 0;
+  uint8_t ndim = 0;
+  in.take(&dtype, 1, "a dtype");
+  in.take(&ndim, 1, "a dimension count");
+  if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
+      !packable(static_cast<c10::ScalarType>(dtype)) || ndim > 8) {
+    throw in.fail(
+      detail::concat("'", h.name, "' has dtype ", int{dtype}, " and ", int{ndim}, " dimensions"));
+  }
+  h.type = static_cast<c10::ScalarType>(dtype);
+  h.shape.resize(ndim);
+  for (auto& d : h.shape) {
+    in.take(&d, 8, "a dimension");
+    if (d < 0 || d > (int64_t{1} << 40)) {
+      throw in.fail(detail::concat("'", h.name, "' has a dimension of ", d));
+    }
+  }
+  auto elements = element_count(h.shape);
+  in.take(&h.payload, 8, "a payload size");
+  if (elements > (uint64_t{1} << 40) ||
+      h.payload != elements * static_cast<uint64_t>(c10::elementSize(h.type))) {
+    throw in.fail(detail::concat("'", h.name, "' has ", h.payload, " bytes for shape ",
+                                 c10::IntArrayRef(h.shape)));
+  }
+  return h;
+}
+
+} // namespace
+
+tensor_map unpack_tensors(const torch::Tensor& bytes, const std::string& what) {
+  pack_reader in{nullptr, 0, what};
+  if (!bytes.defined() || bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 ||
+      !bytes.is_contiguous()) {
+    throw in.fail("not a contiguous uint8 tensor");
+  }
+  in.base = static_cast<const char*>(bytes.data_ptr());
+  in.size = static_cast<std::size_t>(bytes.numel());
+  if (reinterpret_cast<std::uintptr_t>(in.base) % pack_alignment != 0) {
+    throw in.fail("its buffer is not 64-byte aligned");
+  }
   char magic[4];
-  take(magic, 4, "the magic");
+  in.take(magic, 4, "the magic");
   if (std::memcmp(magic, pack_magic, 4) != 0) {
-    throw fail("wrong magic");
+    throw in.fail("wrong magic");
   }
   uint32_t count = 0;
-  take(&count, 4, "the count");
+  in.take(&count, 4, "the count");
   tensor_map result;
   for (uint32_t i = 0; i < count; ++i) {
-    uint32_t length = 0;
-    take(&length, 4, "a name's length");
-    if (length > size - at || length > 4096) {
-      throw fail(detail::concat("tensor ", i, "'s name of ", length, " bytes"));
-    }
-    std::string name(base + at, length);
-    at += length;
-    uint8_t dtype = 0;
-    uint8_t ndim = 0;
-    take(&dtype, 1, "a dtype");
-    take(&ndim, 1, "a dimension count");
-    if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
-        !packable(static_cast<c10::ScalarType>(dtype)) || ndim > 8) {
-      throw fail(
-        detail::concat("'", name, "' has dtype ", int{dtype}, " and ", int{ndim}, " dimensions"));
-    }
-    auto type = static_cast<c10::ScalarType>(dtype);
-    std::vector<int64_t> shape(ndim);
-    uint64_t elements = 1;
-    for (auto& d : shape) {
-      take(&d, 8, "a dimension");
-      if (d < 0 || d > (int64_t{1} << 40)) {
-        throw fail(detail::concat("'", name, "' has a dimension of ", d));
-      }
-    }
-    constexpr uint64_t most = uint64_t{1} << 40;
-    bool zero = false;
-    for (auto d : shape) {
-      auto n = static_cast<uint64_t>(d);
-      zero = zero || n == 0;
-      // Past 2^40 elements it is refused below: saturate instead of overflowing.
-      elements = n != 0 && elements > most / n ? most + 1 : elements * std::max<uint64_t>(n, 1);
-    }
-    elements = zero ? 0 : elements;
-    uint64_t payload = 0;
-    take(&payload, 8, "a payload size");
-    if (elements > (uint64_t{1} << 40) ||
-        payload != elements * static_cast<uint64_t>(c10::elementSize(type))) {
-      throw fail(
-        detail::concat("'", name, "' has ", payload, " bytes for shape ", c10::IntArrayRef(shape)));
-    }
-    at = std::min(aligned(at), size);
-    if (payload > size - at) {
-      throw fail(detail::concat("'", name, "' is truncated"));
+    auto h = read_header(in, i);
+    in.at = std::min(aligned(in.at), in.size);
+    if (h.payload > in.size - in.at) {
+      throw in.fail(detail::concat("'", h.name, "' is truncated"));
     }
     // A view of the frame's buffer, which it keeps alive.
     auto keep = bytes;
-    result[name] = torch::from_blob(
-      const_cast<char*>(base + at), shape, [keep](void*) {}, torch::TensorOptions().dtype(type));
-    at += payload;
+    result[h.name] = torch::from_blob(
+      const_cast<char*>(in.base + in.at), h.shape, [keep](void*) {},
+      torch::TensorOptions().dtype(h.type));
+    in.at += h.payload;
   }
-  if (at != size) {
-    throw fail(detail::concat(size - at, " bytes after the last tensor"));
+  if (in.at != in.size) {
+    throw in.fail(detail::concat(in.size - in.at, " bytes after the last tensor"));
   }
   return result;
 }

@@ -208,42 +208,36 @@ void set_memory_caps(layout_space& space, const planning_args& a) {
   }
 }
 
-} // namespace
-
-model_setup build_model(const model_args& m) {
-  model_setup setup;
-  setup.name = model_name(m);
-  check_model_fits_data(m);
-  if (is_model_file(setup.name)) {
-    ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
-    std::ifstream in(setup.name, std::ios::binary | std::ios::ate);
-    auto size = in.good() ? static_cast<std::streamoff>(in.tellg()) : -1;
-    ACTORPIPE_CHECK(in.good() && size >= 0, "--model ", setup.name,
-                    ": cannot read the file (a model file is a PT2 archive, model.pt2, or a "
-                    "TorchScript file, model.pt)");
-    setup.model_file.resize(static_cast<std::size_t>(size));
-    in.seekg(0);
-    in.read(setup.model_file.data(), static_cast<std::streamsize>(setup.model_file.size()));
-    ACTORPIPE_CHECK(in.good(), "--model ", setup.name, ": cannot read the file");
-    setup.segments = m.segments;
-    setup.layers = load_model_file(setup.model_file, "--model " + setup.name, {setup.segments});
-    setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
-    take_example(setup, m);
-    scan_images(setup, m);
-    if (!setup.images.classes.empty()) {
-      setup.options.in_channels = m.channels;
-      setup.options.image_size = m.image;
-    }
-    return setup;
-  }
-  bool resnet = setup.name.rfind("resnet", 0) == 0;
-  bool gpt = setup.name == "gpt";
+// --model naming a file: its bytes, kept (nodes and fresh() build from them), and its layers.
+model_setup model_from_file(model_setup setup, const model_args& m) {
   ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
-  ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
-  // Synthetic data: the ResNets take RGB images of --image pixels and 1000 classes, as on
-  // ImageNet. Fashion-MNIST: 1x28x28 images of 10 classes, the ResNets with a small-image stem.
-  // An image folder: --channels x --image x --image images of its classes, the ResNets with the
-  // small-image stem up to 64 pixels.
+  std::ifstream in(setup.name, std::ios::binary | std::ios::ate);
+  auto size = in.good() ? static_cast<std::streamoff>(in.tellg()) : -1;
+  ACTORPIPE_CHECK(in.good() && size >= 0, "--model ", setup.name,
+                  ": cannot read the file (a model file is a PT2 archive, model.pt2, or a "
+                  "TorchScript file, model.pt)");
+  setup.model_file.resize(static_cast<std::size_t>(size));
+  in.seekg(0);
+  in.read(setup.model_file.data(), static_cast<std::streamsize>(setup.model_file.size()));
+  ACTORPIPE_CHECK(in.good(), "--model ", setup.name, ": cannot read the file");
+  setup.segments = m.segments;
+  setup.layers = load_model_file(setup.model_file, "--model " + setup.name, {setup.segments});
+  setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
+  take_example(setup, m);
+  scan_images(setup, m);
+  if (!setup.images.classes.empty()) {
+    setup.options.in_channels = m.channels;
+    setup.options.image_size = m.image;
+  }
+  return setup;
+}
+
+// The built-in model's images and classes as the data has them. Synthetic data: the ResNets
+// take RGB images of --image pixels and 1000 classes, as on ImageNet. Fashion-MNIST: 1x28x28
+// images of 10 classes, the ResNets with a small-image stem. An image folder: --channels x
+// --image x --image images of its classes, the ResNets with the small-image stem up to 64
+// pixels.
+void shape_to_data(model_setup& setup, const model_args& m, bool resnet) {
   const bool fashion = m.data == "fashion-mnist";
   setup.options.in_channels = resnet && !fashion ? 3 : 1;
   setup.options.image_size = resnet && !fashion ? m.image : 28;
@@ -257,6 +251,22 @@ model_setup build_model(const model_args& m) {
     setup.options.num_classes = static_cast<int64_t>(setup.images.classes.size());
     setup.options.small_stem = resnet && m.image <= 64;
   }
+}
+
+} // namespace
+
+model_setup build_model(const model_args& m) {
+  model_setup setup;
+  setup.name = model_name(m);
+  check_model_fits_data(m);
+  if (is_model_file(setup.name)) {
+    return model_from_file(std::move(setup), m);
+  }
+  bool resnet = setup.name.rfind("resnet", 0) == 0;
+  bool gpt = setup.name == "gpt";
+  ACTORPIPE_CHECK(m.batch >= 0, "--batch (", m.batch, ") must be >= 1");
+  ACTORPIPE_CHECK(m.image >= 1, "--image (", m.image, ") must be >= 1");
+  shape_to_data(setup, m, resnet);
   setup.batch = m.batch > 0 ? m.batch : gpt ? 32 : (m.data == "synthetic" ? 120 : 64);
   setup.options.deferred_batch_norm = m.deferred_batch_norm;
   ACTORPIPE_CHECK(!m.block_layers || resnet,

@@ -168,6 +168,37 @@ std::shared_ptr<const stages::tensor_map> fetch_live(recovery::placed_stages r, 
   }
 }
 
+// Where the replicas were placed: every node, the actors of those reached, each replica's nodes.
+struct replica_places {
+  std::vector<std::string> all;
+  std::map<std::string, caf::actor> known;
+  std::vector<std::vector<std::string>> replica_nodes;
+};
+
+replica_places places_of(const std::vector<std::unique_ptr<pipeline>>& replicas) {
+  replica_places places;
+  for (const auto& p : replicas) {
+    auto r = recovery::placed(*p);
+    const auto& nodes = r.options().placement.nodes;
+    places.all.insert(places.all.end(), nodes.begin(), nodes.end());
+    places.known.insert(r.reached().begin(), r.reached().end());
+    places.replica_nodes.push_back(nodes);
+  }
+  return places;
+}
+
+void log_recovery(const recovery_report& report, uint64_t number) {
+  auto restored =
+    report.from_replica >= 0
+      ? fmt::format("the live state of replica {} (snapshot {})", report.from_replica, number)
+      : fmt::format("snapshot {}", number);
+  log::get()->info("replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, "
+                   "now {} replicas on {}, restored {}",
+                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
+                   list_or_none(report.replicas_left), report.replicas,
+                   fmt::join(report.nodes, ", "), restored);
+}
+
 } // namespace
 
 recovery_report replicated_pipeline::recover() {
@@ -181,21 +212,13 @@ recovery_report replicated_pipeline::recover() {
   auto number = kept.number;
   auto taken = kept.taken;
   const auto placement = first.options().placement;
-  std::vector<std::string> all;
-  std::map<std::string, caf::actor> known;
-  std::vector<std::vector<std::string>> replica_nodes;
-  for (auto& p : replicas_) {
-    auto r = placed(*p);
-    const auto& nodes = r.options().placement.nodes;
-    all.insert(all.end(), nodes.begin(), nodes.end());
-    known.insert(r.reached().begin(), r.reached().end());
-    replica_nodes.push_back(nodes);
-  }
+  auto places = places_of(replicas_);
   auto& actor_system = first.system();
   recovery_report report;
   // A replica that kept its nodes holds the last completed step's state: taken before its
   // stages stop, it spares the steps since the newest snapshot.
-  auto source = live_source(actor_system, replica_nodes, known, last_outcomes_, first.options());
+  auto source =
+    live_source(actor_system, places.replica_nodes, places.known, last_outcomes_, first.options());
   if (source.replica >= 0) {
     auto r = static_cast<std::size_t>(source.replica);
     if (auto live = fetch_live(placed(*replicas_[r]), source.replica)) {
@@ -212,10 +235,10 @@ recovery_report replicated_pipeline::recover() {
     // census's questions come after that on each node's connection).
     placed(*p).stop();
   }
-  auto census = take_census(actor_system, all, known, placement);
+  auto census = take_census(actor_system, places.all, places.known, placement);
   report.lost = census.lost;
   members_->lose(census.lost); // asked again between steps (rejoin_nodes)
-  auto [whole, layouts] = whole_replicas(replica_nodes, census, report);
+  auto [whole, layouts] = whole_replicas(places.replica_nodes, census, report);
   if (whole.empty()) {
     throw pipeline_error(detail::concat("recover: no replica is left whole (lost ",
                                         list_or_none(census.lost), "; ", census.spares.size(),
@@ -224,15 +247,7 @@ recovery_report replicated_pipeline::recover() {
   }
   rejoin(whole, layouts, state, number, taken);
   describe_world(report, number, started);
-  auto restored =
-    report.from_replica >= 0
-      ? fmt::format("the live state of replica {} (snapshot {})", report.from_replica, number)
-      : fmt::format("snapshot {}", number);
-  log::get()->info("replicas: recovered in {:.2f} s: lost {}, spares used {}, replicas left {}, "
-                   "now {} replicas on {}, restored {}",
-                   report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
-                   list_or_none(report.replicas_left), report.replicas,
-                   fmt::join(report.nodes, ", "), restored);
+  log_recovery(report, number);
   return report;
 }
 
