@@ -450,9 +450,7 @@ bool settle_step_before(stage_state& s, const step_plan& plan) {
     log::get()->warn("stage {}: step {} was neither confirmed nor aborted; its early "
                      "optimizer step is undone",
                      s.options.index, s.stepped_early);
-    if (auto error = restore_before_update(s)) {
-      log::get()->error("{}", *error);
-    }
+    undo_early_step(s);
   }
   return follows;
 }
@@ -604,9 +602,7 @@ void abort_step(stage_actor_type self, uint64_t step) {
   std::vector<std::vector<torch::Tensor>> buffers;
   if (s.stepped_early != 0 && s.stepped_early <= step) {
     buffers = std::move(s.early_buffers);
-    if (auto error = restore_before_update(s)) {
-      log::get()->error("{}", *error);
-    }
+    undo_early_step(s);
   }
   if (step == s.plan.step) {
     s.active = false;
@@ -624,6 +620,44 @@ void abort_step(stage_actor_type self, uint64_t step) {
   // The parameters are as before the step once this replies (on a GPU: the stream is done).
   s.device->synchronize();
   start_queued(self);
+}
+
+// An activation or gradient from a neighbour: kept for its action, which runs now if it is the
+// running step's turn (one of a step already done, or an older one, is dropped).
+void take_input(stage_actor_type self, std::map<key, bundle>& inputs, const key& k, bundle b) {
+  auto& s = self->state;
+  auto step = std::get<0>(k);
+  if (stale(s, step)) {
+    return;
+  }
+  inputs[k] = std::move(b);
+  if (s.active && step == s.plan.step) {
+    advance(self);
+  }
+  rest(self);
+}
+
+// The optimizer step the scheduler asks for once every stage has its gradients; replied before
+// the actor lingers for the next step's plan.
+caf::result<double> answer_update(stage_actor_type self, uint64_t step, double learning_rate,
+                                  double gradient_scale) {
+  auto& s = self->state;
+  set_threads(s);
+  auto promise = self->make_response_promise<double>();
+  auto ms = update(s, step, learning_rate, gradient_scale);
+  // The caller may read the parameters once this replies (on a GPU: from another stream).
+  s.device->synchronize();
+  if (ms) {
+    promise.deliver(*ms);
+  } else {
+    promise.deliver(ms.error());
+  }
+  if (s.awaiting_update && step == s.plan.step) {
+    s.awaiting_update = false;
+    start_queued(self);
+  }
+  rest(self);
+  return promise;
 }
 
 stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
@@ -647,52 +681,18 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
       rest(self);
     },
     [=](forward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& x) {
-      auto& s = self->state;
-      if (stale(s, step)) {
-        return;
-      }
-      s.activations[key{step, microbatch, chunk}] = std::move(x);
-      if (s.active && step == s.plan.step) {
-        advance(self);
-      }
-      rest(self);
+      take_input(self, self->state.activations, key{step, microbatch, chunk}, std::move(x));
     },
     [=](backward_atom, uint64_t step, int32_t microbatch, int32_t chunk, bundle& g) {
-      auto& s = self->state;
-      if (stale(s, step)) {
-        return;
-      }
-      s.gradients[key{step, microbatch, chunk}] = std::move(g);
-      if (s.active && step == s.plan.step) {
-        advance(self);
-      }
-      rest(self);
+      take_input(self, self->state.gradients, key{step, microbatch, chunk}, std::move(g));
     },
     [=](timeout_atom) { waited_too_long(self); },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {
       abort_step(self, step);
       return true;
     },
-    [=](update_atom, uint64_t step, double learning_rate,
-        double gradient_scale) -> caf::result<double> {
-      // Replied before the actor lingers for the next step's plan.
-      auto& s = self->state;
-      set_threads(s);
-      auto promise = self->make_response_promise<double>();
-      auto ms = update(s, step, learning_rate, gradient_scale);
-      // The caller may read the parameters once this replies (on a GPU: from another stream).
-      s.device->synchronize();
-      if (ms) {
-        promise.deliver(*ms);
-      } else {
-        promise.deliver(ms.error());
-      }
-      if (s.awaiting_update && step == s.plan.step) {
-        s.awaiting_update = false;
-        start_queued(self);
-      }
-      rest(self);
-      return promise;
+    [=](update_atom, uint64_t step, double learning_rate, double gradient_scale) {
+      return answer_update(self, step, learning_rate, gradient_scale);
     },
     [=](block_atom) -> caf::result<bool> {
       set_threads(self->state);

@@ -144,8 +144,11 @@ inline bool sharded(const stage_state& s) {
 void gather_optimizer_state(stage_state& s);
 /// After the replica sync: tied parameters' gradients become the sum over their holders.
 void sum_tied_gradients(stage_state& s);
-/// Puts back the chunks' state from before an early optimizer step; what failed, if anything.
-std::optional<std::string> restore_before_update(stage_state& s);
+/// Puts back the chunks' state from before an early optimizer step; throws what failed (a
+/// pipeline_error of kind stage_failure naming the stage and step).
+void restore_before_update(stage_state& s);
+/// restore_before_update where no one waits for an answer: a failure is logged.
+void undo_early_step(stage_state& s) noexcept;
 /// Post-validation: the optimizer step right after the program.
 void step_early(stage_state& s);
 /// The optimizer step of a training step: the milliseconds it took, or this stage's refusal.
@@ -164,7 +167,8 @@ caf::expected<std::shared_ptr<const stages::stage::tensor_map>> fetch_state(stag
 /// Loads every chunk's state from `all` (and BMUF's block state); the refusal is of the kind
 /// the stage found (a tensor of another shape: shape_mismatch).
 caf::error load_state(stage_state& s, const stages::stage::tensor_map& all);
-/// Checkpoints and snapshots hold CPU tensors whatever the stage's device.
+/// Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
+/// read onto any devices (on the CPU the same tensors: no copy).
 stages::stage::tensor_map on_cpu(stages::stage::tensor_map all);
 
 } // namespace actorpipe::actors::stage_parts

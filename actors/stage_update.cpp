@@ -169,12 +169,22 @@ void sum_tied_gradients(stage_state& s) {
   }
 }
 
+namespace {
+
+// This stage's refusal of the optimizer step of `step`: stage_failure, with the stage and step.
+pipeline_error update_failure(const stage_state& s, uint64_t step, const std::string& sentence) {
+  return pipeline_error(
+    detail::concat("stage ", s.options.index, ", step ", step, ": ", sentence),
+    error_details{error_kind::stage_failure, s.options.index, std::nullopt, step});
+}
+
+} // namespace
+
 // ZeRO, after the optimizer step: every parameter takes its owner's value. When a broadcast
 // fails, the chunks go back to `before` (owned_only: owned_state()'s copies, else state()'s)
-// and what failed is returned.
-std::optional<std::string> gather_parameters(stage_state& s, uint64_t step,
-                                             const std::vector<stages::stage::tensor_map>& before,
-                                             bool owned_only) {
+// and this throws what failed.
+void gather_parameters(stage_state& s, uint64_t step,
+                       const std::vector<stages::stage::tensor_map>& before, bool owned_only) {
   try {
     for (auto& chunk : s.chunks) {
       auto layout = chunk->shards();
@@ -183,13 +193,13 @@ std::optional<std::string> gather_parameters(stage_state& s, uint64_t step,
           s.options.sync->broadcast_from_owners(parameters, layout.owner);
         });
     }
-    return std::nullopt;
   } catch (const std::exception& e) {
     for (std::size_t c = 0; c < before.size(); ++c) {
       owned_only ? s.chunks[c]->load_owned_state(before[c]) : s.chunks[c]->load_state(before[c]);
     }
-    return detail::concat("stage ", s.options.index, ", step ", step,
-                          ": the sharded optimizer step's parameter broadcast failed: ", e.what());
+    throw update_failure(
+      s, step,
+      detail::concat("the sharded optimizer step's parameter broadcast failed: ", e.what()));
   }
 }
 
@@ -211,21 +221,28 @@ void gather_optimizer_state(stage_state& s) {
                     s.options.sync->rank() == 0 ? " here" : "");
 }
 
-// Puts back the chunks' state from before an early optimizer step; what failed, if anything.
-std::optional<std::string> restore_before_update(stage_state& s) {
-  std::optional<std::string> error;
-  try {
-    for (std::size_t c = 0; c < s.before_update.size(); ++c) {
-      s.chunks[c]->load_state(s.before_update[c]);
-    }
-  } catch (const std::exception& e) {
-    error = detail::concat("stage ", s.options.index, ": undoing the early optimizer step of step ",
-                           s.stepped_early, " failed: ", e.what());
-  }
+void restore_before_update(stage_state& s) {
+  auto step = s.stepped_early;
+  auto before = std::move(s.before_update);
   s.before_update.clear();
   s.early_buffers.clear();
   s.stepped_early = 0;
-  return error;
+  try {
+    for (std::size_t c = 0; c < before.size(); ++c) {
+      s.chunks[c]->load_state(before[c]);
+    }
+  } catch (const std::exception& e) {
+    throw update_failure(s, step,
+                         detail::concat("undoing the early optimizer step failed: ", e.what()));
+  }
+}
+
+void undo_early_step(stage_state& s) noexcept {
+  try {
+    restore_before_update(s);
+  } catch (const std::exception& e) {
+    log::get()->error("{}", e.what());
+  }
 }
 
 // Post-validation: the optimizer step right after the program, while the other stages still
@@ -251,55 +268,46 @@ void step_early(stage_state& s) {
     log::get()->debug("stage {}: early optimizer step of step {} failed ({}); undone",
                       s.options.index, s.plan.step, e.what());
     s.stepped_early = s.plan.step;
-    if (auto error = restore_before_update(s)) {
-      log::get()->error("{}", *error);
-    }
+    undo_early_step(s);
   }
   s.early_ms = ms_since(start);
 }
 
-// The optimizer step of a training step: the milliseconds it took, or this stage's refusal
-// (stage_failure, with the stage and the step).
-caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate,
-                             double gradient_scale) {
-  auto start = clock_type::now();
-  auto refused = [&](std::string sentence) {
-    return make_pipeline_error(
-      error_details{error_kind::stage_failure, s.options.index, std::nullopt, step},
-      std::move(sentence));
-  };
-  auto done = [&](std::optional<std::string> error) -> caf::expected<double> {
-    if (error) {
-      return refused(std::move(*error));
+namespace {
+
+// The update of `step` after an early optimizer step: true when it confirms it (the same step
+// and rate, no clipping), which stays; otherwise the early step is undone, false. Throws what
+// fails.
+bool confirms_early_step(stage_state& s, uint64_t step, double learning_rate,
+                         double gradient_scale) {
+  bool same = s.stepped_early == step && gradient_scale == 1.0 &&
+              (learning_rate < 0 || learning_rate == s.early_learning_rate);
+  if (same) {
+    auto before = std::move(s.before_update);
+    s.before_update.clear();
+    s.early_buffers.clear();
+    s.stepped_early = 0;
+    if (sharded(s)) {
+      gather_parameters(s, step, before, false);
     }
-    return ms_since(start);
-  };
-  if (s.stepped_early != 0) {
-    bool same = s.stepped_early == step && gradient_scale == 1.0 &&
-                (learning_rate < 0 || learning_rate == s.early_learning_rate);
-    if (same) {
-      auto error = sharded(s) ? gather_parameters(s, step, s.before_update, false) : std::nullopt;
-      s.before_update.clear();
-      s.early_buffers.clear();
-      s.stepped_early = 0;
-      if (error) {
-        return refused(std::move(*error));
-      }
-      return s.early_ms + ms_since(start);
-    }
-    if (s.plan.step != step) {
-      return refused(detail::concat("stage ", s.options.index, ", step ", step,
-                                    ": its early optimizer step cannot be redone, step ",
-                                    s.plan.step, " already runs on its parameters"));
-    }
-    // Clipping scaled the gradients (or another rate came): the step from the state before.
-    if (auto error = restore_before_update(s)) {
-      return refused(std::move(*error));
-    }
+    return true;
   }
-  // A block's last step: the state before it, restored if the block sync fails (sharded: what
-  // the step changes here, restored if the parameters' broadcast fails).
-  bool block_end = s.bmuf() && ends_block(s);
+  if (s.plan.step != step) {
+    throw update_failure(s, step,
+                         detail::concat("its early optimizer step cannot be redone, step ",
+                                        s.plan.step, " already runs on its parameters"));
+  }
+  // Clipping scaled the gradients (or another rate came): the step from the state before.
+  restore_before_update(s);
+  return false;
+}
+
+// Every chunk's optimizer step; returns the state a failure after it restores: a block's last
+// step keeps the state before it (for the block sync), a sharded one what it changes here (for
+// the parameters' broadcast).
+std::vector<stages::stage::tensor_map> step_chunks(stage_state& s, uint64_t step,
+                                                   double learning_rate, double gradient_scale,
+                                                   bool block_end) {
   std::vector<stages::stage::tensor_map> before;
   try {
     for (auto& chunk : s.chunks) {
@@ -314,33 +322,53 @@ caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate
       chunk->optimizer_step(gradient_scale);
     }
   } catch (const std::exception& e) {
-    return refused(detail::concat("stage ", s.options.index, ", step ", step,
-                                  ": optimizer step failed: ", e.what()));
+    throw update_failure(s, step, detail::concat("optimizer step failed: ", e.what()));
   }
-  if (sharded(s)) {
-    return done(gather_parameters(s, step, before, true));
-  }
-  if (!s.bmuf()) {
-    return done(std::nullopt);
-  }
+  return before;
+}
+
+// BMUF after the optimizer step: the block goes on, or ends with its sync; a failed sync puts
+// the chunks back to `before` and throws.
+void advance_block(stage_state& s, uint64_t step, bool block_end,
+                   const std::vector<stages::stage::tensor_map>& before) {
+  ++s.block_position;
   if (!block_end) {
-    ++s.block_position;
-    return done(std::nullopt);
+    return;
   }
   try {
-    ++s.block_position;
     end_block(s);
   } catch (const std::exception& e) {
     --s.block_position;
     for (std::size_t c = 0; c < before.size(); ++c) {
       s.chunks[c]->load_state(before[c]);
     }
-    return refused(detail::concat("stage ", s.options.index, ", step ", step,
-                                  ": BMUF block sync failed: ", e.what()));
+    throw update_failure(s, step, detail::concat("BMUF block sync failed: ", e.what()));
   }
-  return done(std::nullopt);
 }
 
-// Checkpoints and snapshots hold CPU tensors whatever the stage's device, so that they can be
-// read onto any devices (on the CPU the same tensors: no copy).
+} // namespace
+
+caf::expected<double> update(stage_state& s, uint64_t step, double learning_rate,
+                             double gradient_scale) {
+  auto start = clock_type::now();
+  try {
+    if (s.stepped_early != 0 && confirms_early_step(s, step, learning_rate, gradient_scale)) {
+      return s.early_ms + ms_since(start);
+    }
+    bool block_end = s.bmuf() && ends_block(s);
+    auto before = step_chunks(s, step, learning_rate, gradient_scale, block_end);
+    if (sharded(s)) {
+      gather_parameters(s, step, before, true);
+    } else if (s.bmuf()) {
+      advance_block(s, step, block_end, before);
+    }
+  } catch (const pipeline_error& e) {
+    return make_pipeline_error(e.details(), e.what());
+  } catch (const std::exception& e) {
+    auto why = update_failure(s, step, e.what());
+    return make_pipeline_error(why.details(), why.what());
+  }
+  return ms_since(start);
+}
+
 } // namespace actorpipe::actors::stage_parts

@@ -589,6 +589,41 @@ shard_mode shard_for(const train_args& a, std::size_t replicas) {
 
 // The replicas' options from the flags and the environment (torchrun's RANK, WORLD_SIZE, ...),
 // each checked against the others and the model.
+// --batch-norm sync and --sync bmuf: what they need, and BMUF's settings into `dp`.
+void check_replica_sync(const train_args& a, const model_setup& setup, data_parallel_options& dp) {
+  if (dp.sync_batch_norm) {
+    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
+                    "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
+    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(),
+                    "--batch-norm sync: replicas of stages on nodes (--nodes) do "
+                    "not synchronise their batch norms yet");
+    ACTORPIPE_CHECK(setup.model_file.empty(),
+                    "--batch-norm sync applies to the built-in ResNets' batch norm (a model file's "
+                    "BatchNorm normalises each replica's micro-batch by itself)");
+    ACTORPIPE_CHECK(count_batch_norms(setup.layers) > 0, "--batch-norm sync: --model ", setup.name,
+                    " has no batch norm to synchronise (the ResNets have)");
+  }
+  if (a.sync == "bmuf") {
+    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
+                    "--sync bmuf keeps replicas together: give --replicas or --world-size > 1");
+    ACTORPIPE_CHECK(!dp.sync_batch_norm, "--sync bmuf cannot be combined with --batch-norm sync "
+                                         "(BMUF replicas do not communicate within a block)");
+    ACTORPIPE_CHECK(a.bmuf.block_steps >= 1, "--block-steps (", a.bmuf.block_steps,
+                    ") must be >= 1");
+    ACTORPIPE_CHECK(a.bmuf.block_lr > 0, "--block-lr (", a.bmuf.block_lr, ") must be > 0");
+    ACTORPIPE_CHECK(a.bmuf.block_momentum < 1, "--block-momentum (", a.bmuf.block_momentum,
+                    ") must be below 1");
+    ACTORPIPE_CHECK(a.bmuf.warmup_steps >= 0, "--bmuf-warmup (", a.bmuf.warmup_steps,
+                    ") must be >= 0");
+    dp.bmuf = a.bmuf;
+  } else {
+    for (const char* flag : {"--block-steps", "--block-lr", "--block-momentum", "--block-nesterov",
+                             "--reset-momentum", "--bmuf-warmup"}) {
+      ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " applies to --sync bmuf");
+    }
+  }
+}
+
 data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup,
                                         const plan_choice& choice) {
   auto dp = data_parallel_from_env(a.pipeline.data_parallel);
@@ -622,37 +657,7 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
                   "recovers them together");
   ACTORPIPE_CHECK(a.replicas == 1 || dp.replicas == 1,
                   "--replicas (in this process) and --world-size (processes) cannot be combined");
-  if (dp.sync_batch_norm) {
-    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
-                    "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(),
-                    "--batch-norm sync: replicas of stages on nodes (--nodes) do "
-                    "not synchronise their batch norms yet");
-    ACTORPIPE_CHECK(setup.model_file.empty(),
-                    "--batch-norm sync applies to the built-in ResNets' batch norm (a model file's "
-                    "BatchNorm normalises each replica's micro-batch by itself)");
-    ACTORPIPE_CHECK(count_batch_norms(setup.layers) > 0, "--batch-norm sync: --model ", setup.name,
-                    " has no batch norm to synchronise (the ResNets have)");
-  }
-  if (a.sync == "bmuf") {
-    ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
-                    "--sync bmuf keeps replicas together: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(!dp.sync_batch_norm, "--sync bmuf cannot be combined with --batch-norm sync "
-                                         "(BMUF replicas do not communicate within a block)");
-    ACTORPIPE_CHECK(a.bmuf.block_steps >= 1, "--block-steps (", a.bmuf.block_steps,
-                    ") must be >= 1");
-    ACTORPIPE_CHECK(a.bmuf.block_lr > 0, "--block-lr (", a.bmuf.block_lr, ") must be > 0");
-    ACTORPIPE_CHECK(a.bmuf.block_momentum < 1, "--block-momentum (", a.bmuf.block_momentum,
-                    ") must be below 1");
-    ACTORPIPE_CHECK(a.bmuf.warmup_steps >= 0, "--bmuf-warmup (", a.bmuf.warmup_steps,
-                    ") must be >= 0");
-    dp.bmuf = a.bmuf;
-  } else {
-    for (const char* flag : {"--block-steps", "--block-lr", "--block-momentum", "--block-nesterov",
-                             "--reset-momentum", "--bmuf-warmup"}) {
-      ACTORPIPE_CHECK(!a.given || !a.given(flag), flag, " applies to --sync bmuf");
-    }
-  }
+  check_replica_sync(a, setup, dp);
   dp.shard = shard_for(a, std::max(a.replicas, dp.replicas));
   ACTORPIPE_CHECK(setup.batch % static_cast<int64_t>(std::max(a.replicas, dp.replicas)) == 0,
                   "--batch (", setup.batch, ") must be a multiple of the ",

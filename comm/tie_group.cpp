@@ -82,6 +82,33 @@ void tie_group::cancel(uint64_t step, std::size_t member) {
   changed_.notify_all();
 }
 
+namespace {
+
+// A member's failure to sum the tied gradients of `step`: another member failed it, or the
+// round was abandoned (a later step began).
+pipeline_error abandoned(std::size_t member, uint64_t step, std::optional<std::size_t> by) {
+  auto why =
+    by ? detail::concat("stage ", *by, " failed the step") : std::string("the step was abandoned");
+  return pipeline_error(
+    detail::concat("stage ", member, ": summing tied gradients of step ", step, ": ", why),
+    error_details{error_kind::stage_failure, member});
+}
+
+// "stage 1, stage 3": the members whose part has not come.
+std::string
+missing_parts(const std::set<std::size_t>& members,
+              const std::map<std::size_t, std::map<std::string, torch::Tensor>>& parts) {
+  std::string missing;
+  for (auto m : members) {
+    if (parts.count(m) == 0) {
+      missing += detail::concat(missing.empty() ? "" : ", ", "stage ", m);
+    }
+  }
+  return missing;
+}
+
+} // namespace
+
 void tie_group::sum(uint64_t step, std::size_t member,
                     std::map<std::string, torch::Tensor>& gradients,
                     std::chrono::milliseconds timeout) {
@@ -90,12 +117,7 @@ void tie_group::sum(uint64_t step, std::size_t member,
   std::unique_lock<std::mutex> lock{mutex_};
   start(step);
   auto failed = [&] {
-    auto why = cancelled_by_ && step_ == step
-                 ? detail::concat("stage ", *cancelled_by_, " failed the step")
-                 : std::string("the step was abandoned");
-    return pipeline_error(
-      detail::concat("stage ", member, ": summing tied gradients of step ", step, ": ", why),
-      error_details{error_kind::stage_failure, member});
+    return abandoned(member, step, step_ == step ? cancelled_by_ : std::nullopt);
   };
   if (step < step_ || cancelled_by_) {
     throw failed();
@@ -126,12 +148,7 @@ void tie_group::sum(uint64_t step, std::size_t member,
   }
   auto ready = [&] { return step_ != step || cancelled_by_ || parts_.size() == members_.size(); };
   if (!changed_.wait_until(lock, deadline, ready)) {
-    std::string missing;
-    for (auto m : members_) {
-      if (parts_.count(m) == 0) {
-        missing += detail::concat(missing.empty() ? "" : ", ", "stage ", m);
-      }
-    }
+    auto missing = missing_parts(members_, parts_);
     auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count();
     // Leave the round: the others may still come and must not wait for this member forever.
     cancelled_by_ = member;

@@ -149,6 +149,82 @@ endpoint build_stage(caf::scoped_actor& self, const caf::actor& node, const std:
   return {reply.at("data_host").get<std::string>(), reply.at("data_port").get<uint16_t>(), ""};
 }
 
+// The placement's nodes, each reached and authenticated once: a handle per address, and per
+// stage its node's handle and its name ("node HOST:PORT", for messages).
+struct placed_nodes {
+  std::map<std::string, caf::actor> handles;
+  std::vector<caf::actor> nodes;
+  std::vector<std::string> names;
+};
+
+placed_nodes reach_placed(caf::actor_system& sys, caf::scoped_actor& self,
+                          const node_placement& placement) {
+  placed_nodes placed;
+  for (const auto& address : placement.nodes) {
+    auto [host, port] = parse_host_port(address, "node");
+    auto label = detail::concat("node ", host, ":", port);
+    placed.names.push_back(label);
+    auto it = placed.handles.find(address);
+    if (it == placed.handles.end()) {
+      it = placed.handles.emplace(address, authenticated(sys, self, placement, host, port, label))
+             .first;
+    }
+    placed.nodes.push_back(it->second);
+  }
+  return placed;
+}
+
+// What a node builds stage `i` of `count` from: the model as sent, the cut, the stage's settings
+// and its replicas' group.
+stage_spec spec_of_stage(const remote_model& described, const partition& cut,
+                         const pipeline_options& options, std::size_t i, std::size_t count,
+                         std::size_t threads, const std::string& group_prefix) {
+  stage_spec spec;
+  spec.model = described;
+  spec.bounds = cut.bounds;
+  spec.settings = stage_settings_for(options, i, count, threads, options.data_parallel.bmuf);
+  if (options.data_parallel.replicas > 1) {
+    spec.data_parallel = options.data_parallel;
+    spec.data_parallel.local = nullptr;
+    spec.group_prefix = group_prefix;
+  }
+  return spec;
+}
+
+// The built stages' proxies, wired to their nodes (each node learns the peer table and its
+// proxy), then their heartbeats.
+void wire_proxies(caf::actor_system& sys, caf::scoped_actor& self, const placed_nodes& placed,
+                  const node_placement& placement, const peer_table& peers,
+                  const stage_listener_actor& scheduler,
+                  const std::shared_ptr<proxy_routes>& routes, const pipeline_options& options,
+                  remote_stages& result) {
+  auto count = peers.stages.size();
+  auto table = to_json(peers);
+  for (std::size_t i = 0; i < count; ++i) {
+    result.proxies.push_back(spawn_proxy(sys, placed.nodes[i], placed.names[i],
+                                         static_cast<uint32_t>(i), peers.stages[i], scheduler,
+                                         result.hub, options.wait_timeout));
+  }
+  {
+    std::lock_guard<std::mutex> lock(routes->mutex);
+    for (const auto& proxy : result.proxies) {
+      routes->proxies.push_back(caf::actor_cast<caf::weak_actor_ptr>(proxy));
+    }
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    auto error = ask(self, placed.nodes[i], placed.names[i], placement.connect_timeout, "wire",
+                     wire_atom::value, static_cast<uint32_t>(i), table,
+                     caf::actor_cast<caf::actor>(result.proxies[i]));
+    if (!error.empty()) {
+      throw pipeline_error(error);
+    }
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    start_heartbeat(sys, placed.nodes[i], placement.nodes[i], static_cast<uint32_t>(i),
+                    caf::actor_cast<caf::actor>(result.proxies[i]), placement.heartbeat_timeout);
+  }
+}
+
 } // namespace
 
 caf::actor reach(caf::actor_system& sys, const std::string& host, uint16_t port, bool tls,
@@ -185,30 +261,17 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
                   " nodes given for ", count, " stages");
   auto timeout = placement.connect_timeout;
   caf::scoped_actor self{sys};
-  std::map<std::string, caf::actor> handles;
-  std::vector<caf::actor> nodes;
-  // "node HOST:PORT" per stage, for messages.
-  std::vector<std::string> names;
   remote_stages result;
   // The hub first: it checks the TLS files (invalid_argument naming the one that fails).
   auto routes = std::make_shared<proxy_routes>();
   result.hub = scheduler_hub(placement, routes);
-  for (const auto& address : placement.nodes) {
-    auto [host, port] = parse_host_port(address, "node");
-    auto label = detail::concat("node ", host, ":", port);
-    names.push_back(label);
-    auto it = handles.find(address);
-    if (it == handles.end()) {
-      it = handles.emplace(address, authenticated(sys, self, placement, host, port, label)).first;
-    }
-    nodes.push_back(it->second);
-  }
-  auto described = send_models(self, handles, model, timeout);
+  auto placed = reach_placed(sys, self, placement);
+  auto described = send_models(self, placed.handles, model, timeout);
   std::size_t built = 0;
   auto release_all = [&] {
     for (std::size_t i = 0; i < built; ++i) {
       // From the authenticated scoped actor: a node refuses anonymous senders.
-      self->send(nodes[i], release_atom::value, static_cast<uint32_t>(i));
+      self->send(placed.nodes[i], release_atom::value, static_cast<uint32_t>(i));
     }
     for (auto& proxy : result.proxies) {
       caf::anon_send_exit(proxy, caf::exit_reason::user_shutdown);
@@ -217,46 +280,15 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
   try {
     peer_table peers;
     for (std::size_t i = 0; i < count; ++i) {
-      stage_spec spec;
-      spec.model = described;
-      spec.bounds = cut.bounds;
-      spec.settings = stage_settings_for(options, i, count, threads, options.data_parallel.bmuf);
-      if (options.data_parallel.replicas > 1) {
-        spec.data_parallel = options.data_parallel;
-        spec.data_parallel.local = nullptr;
-        spec.group_prefix = group_prefix;
-      }
-      auto data = build_stage(self, nodes[i], names[i], i, spec, timeout);
+      auto spec = spec_of_stage(described, cut, options, i, count, threads, group_prefix);
+      auto data = build_stage(self, placed.nodes[i], placed.names[i], i, spec, timeout);
       ++built;
       data.node = placement.nodes[i];
       peers.stages.push_back(std::move(data));
     }
     peers.scheduler = {result.hub->host(), result.hub->port(), "scheduler"};
     result.data = peers.stages;
-    auto table = to_json(peers);
-    for (std::size_t i = 0; i < count; ++i) {
-      result.proxies.push_back(spawn_proxy(sys, nodes[i], names[i], static_cast<uint32_t>(i),
-                                           peers.stages[i], scheduler, result.hub,
-                                           options.wait_timeout));
-    }
-    {
-      std::lock_guard<std::mutex> lock(routes->mutex);
-      for (const auto& proxy : result.proxies) {
-        routes->proxies.push_back(caf::actor_cast<caf::weak_actor_ptr>(proxy));
-      }
-    }
-    for (std::size_t i = 0; i < count; ++i) {
-      auto error =
-        ask(self, nodes[i], names[i], timeout, "wire", wire_atom::value, static_cast<uint32_t>(i),
-            table, caf::actor_cast<caf::actor>(result.proxies[i]));
-      if (!error.empty()) {
-        throw pipeline_error(error);
-      }
-    }
-    for (std::size_t i = 0; i < count; ++i) {
-      start_heartbeat(sys, nodes[i], placement.nodes[i], static_cast<uint32_t>(i),
-                      caf::actor_cast<caf::actor>(result.proxies[i]), placement.heartbeat_timeout);
-    }
+    wire_proxies(sys, self, placed, placement, peers, scheduler, routes, options, result);
   } catch (const nlohmann::json::exception& e) {
     release_all();
     throw pipeline_error(detail::concat("a node sent a malformed reply: ", e.what()));
@@ -264,7 +296,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     release_all();
     throw;
   }
-  result.nodes = std::move(handles);
+  result.nodes = std::move(placed.handles);
   log::get()->info("pipeline: {} stages on nodes {}; frames back to {}:{}", count,
                    fmt::join(placement.nodes, ", "), result.hub->host(), result.hub->port());
   return result;

@@ -331,6 +331,43 @@ caf::result<bool> send_state(proxy_actor self, const tensor_map& all) {
   return ask_node<bool>(self, "load its state", std::nullopt, load_atom::value, st.index, id);
 }
 
+// The node's stage failed the step: the failure as the node sent it, naming the node.
+void node_failed(proxy_actor self, uint64_t step, uint8_t kind, int32_t microbatch,
+                 const std::string& node, const std::string& message) {
+  auto& st = self->state;
+  if (!st.running || (step != st.step && step != 0)) {
+    return;
+  }
+  failure why{{error_kind_from_wire(kind)}, detail::concat(message, " [", st.label, "]")};
+  if (microbatch >= 0) {
+    why.details.microbatch = microbatch;
+  }
+  why.details.node = node;
+  fail_step(self, st.step, std::move(why));
+}
+
+// A save (to `path`) or a fetch (kept as snapshot `keep_as`) of the stage's state: the node
+// sends it over the hub, and the promise is kept once it is here.
+caf::result<bool> save_through_node(proxy_actor self, const std::string& path) {
+  save_request request;
+  request.path = path;
+  request.promise = self->make_response_promise<bool>();
+  auto rp = request.promise;
+  ask_for_state(self, std::move(request));
+  return rp;
+}
+
+caf::result<std::shared_ptr<const tensor_map>> fetch_through_node(proxy_actor self,
+                                                                  uint64_t keep_as) {
+  save_request request;
+  request.fetch = true;
+  request.keep_as = keep_as;
+  request.fetch_promise = self->make_response_promise<std::shared_ptr<const tensor_map>>();
+  auto rp = request.fetch_promise;
+  ask_for_state(self, std::move(request));
+  return rp;
+}
+
 remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor node,
                                                  std::string label, uint32_t index, endpoint data,
                                                  stage_listener_actor scheduler,
@@ -355,17 +392,8 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       maybe_report(self);
     },
     [=](failed_atom, uint32_t, uint64_t step, uint8_t kind, int32_t microbatch,
-        const std::string& node, const std::string& message) {
-      auto& st = self->state;
-      if (st.running && (step == st.step || step == 0)) {
-        failure why{{error_kind_from_wire(kind)}, detail::concat(message, " [", st.label, "]")};
-        if (microbatch >= 0) {
-          why.details.microbatch = microbatch;
-        }
-        why.details.node = node;
-        fail_step(self, st.step, std::move(why));
-      }
-    },
+        const std::string& node,
+        const std::string& message) { node_failed(self, step, kind, microbatch, node, message); },
     [=](heartbeat_atom, bool answers, const std::string& why) { heard(self, answers, why); },
     [=](abort_atom, uint64_t step) -> caf::result<bool> {
       // A silent node is not asked: it would hold the scheduler until the deadline.
@@ -381,23 +409,8 @@ remote_stage_actor::behavior_type proxy_behavior(proxy_actor self, caf::actor no
       return ask_node<bool>(self, "gather its state", std::nullopt, block_atom::value,
                             self->state.index);
     },
-    [=](save_atom, const std::string& path) -> caf::result<bool> {
-      save_request request;
-      request.path = path;
-      request.promise = self->make_response_promise<bool>();
-      auto rp = request.promise;
-      ask_for_state(self, std::move(request));
-      return rp;
-    },
-    [=](fetch_atom, uint64_t keep_as) -> caf::result<std::shared_ptr<const tensor_map>> {
-      save_request request;
-      request.fetch = true;
-      request.keep_as = keep_as;
-      request.fetch_promise = self->make_response_promise<std::shared_ptr<const tensor_map>>();
-      auto rp = request.fetch_promise;
-      ask_for_state(self, std::move(request));
-      return rp;
-    },
+    [=](save_atom, const std::string& path) { return save_through_node(self, path); },
+    [=](fetch_atom, uint64_t keep_as) { return fetch_through_node(self, keep_as); },
     [=](state_atom, uint32_t, uint64_t id, torch::Tensor& blob) {
       auto it = self->state.saves.find(id);
       if (it != self->state.saves.end()) {

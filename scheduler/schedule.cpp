@@ -264,103 +264,133 @@ double action_cost(action_kind kind, bool split, const action_costs& c) {
     from.chunk > 0 ? detail::concat(" chunk ", from.chunk) : "", ", which never sends it"));
 }
 
+// One simulated step of a schedule: each stage runs its program in order, an action once its
+// input has arrived (simulate()).
+class step_simulator {
+public:
+  step_simulator(const schedule& s, std::size_t microbatches,
+                 const std::vector<action_costs>& costs, double send_latency)
+    : s_(s), costs_(costs), virtual_stages_(s.size() * chunks_of(s)),
+      max_microbatch_(microbatch_bound(s, microbatches)),
+      // By virtual stage, then kind, then micro-batch: a stage's consecutive actions read and
+      // write neighbouring entries.
+      finished_(3 * max_microbatch_ * virtual_stages_, -1.0), links_(s, send_latency) {
+    ACTORPIPE_CHECK(costs.size() == 1 || costs.size() == virtual_stages_,
+                    "simulate: ", costs.size(), " costs given for ", virtual_stages_,
+                    " virtual stages");
+    for (const auto& program : s) {
+      split_.push_back(split_backwards(program));
+    }
+  }
+
+  // Runs every stage as far as its inputs allow until none moves; with `timeline`, records each
+  // action's start and end. Throws when a stage is left waiting (deadlock()).
+  simulation run(bool timeline) {
+    auto p = s_.size();
+    simulation result;
+    result.busy.assign(p, 0);
+    result.timeline.assign(p, {});
+    for (std::size_t st = 0; timeline && st < p; ++st) {
+      result.timeline[st].reserve(s_[st].size());
+    }
+    std::vector<std::size_t> pc(p, 0);
+    std::vector<double> clock(p, 0);
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (std::size_t st = 0; st < p; ++st) {
+        moved = run_stage(st, pc[st], clock[st], timeline, result) || moved;
+      }
+    }
+    for (std::size_t st = 0; st < p; ++st) {
+      if (pc[st] < s_[st].size()) {
+        deadlock(s_, st, pc[st]);
+      }
+      result.makespan = std::max(result.makespan, clock[st]);
+    }
+    for (std::size_t st = 0; st < p; ++st) {
+      result.bubble.push_back(result.makespan > 0 ? 1 - result.busy[st] / result.makespan : 0);
+      result.peak_stash.push_back(peak_stash_of(s_[st], split_[st], chunks_of(s_)));
+    }
+    return result;
+  }
+
+private:
+  // Runs stage `st` from action `pc` while inputs are there; whether it ran any.
+  bool run_stage(std::size_t st, std::size_t& pc, double& clock, bool timeline,
+                 simulation& result) {
+    bool moved = false;
+    while (pc < s_[st].size()) {
+      const auto& a = s_[st][pc];
+      auto ready = input_ready(st, a);
+      if (ready < 0) {
+        break;
+      }
+      auto vs = s_.virtual_stage(st, static_cast<std::size_t>(a.chunk));
+      auto start = std::max(clock, ready);
+      auto end = start + action_cost(a.kind, split_[st][pc], cost_at(vs));
+      slot(a.kind, a.microbatch, vs) = delivered(st, a, vs, end);
+      if (timeline) {
+        result.timeline[st].push_back({a, start, end});
+      }
+      result.busy[st] += end - start;
+      clock = end;
+      ++pc;
+      moved = true;
+    }
+    return moved;
+  }
+
+  const action_costs& cost_at(std::size_t vs) const {
+    return costs_.size() == 1 ? costs_[0] : costs_[vs];
+  }
+
+  // When the output of each (kind, micro-batch, virtual stage) is at the virtual stage that takes
+  // it, -1 until known: a flat table (a map of 131,072 actions made a 64 x 512 interleaved plan
+  // cost 96 ms).
+  double& slot(action_kind kind, int32_t microbatch, std::size_t vs) {
+    return finished_[(vs * 3 + static_cast<std::size_t>(kind)) * max_microbatch_ +
+                     static_cast<std::size_t>(microbatch)];
+  }
+
+  // The time an action's cross-stage input is there, or -1 while it is not known yet.
+  double input_ready(std::size_t st, const action& a) {
+    auto vs = s_.virtual_stage(st, static_cast<std::size_t>(a.chunk));
+    if (a.kind == action_kind::forward) {
+      return vs == 0 ? 0 : slot(action_kind::forward, a.microbatch, vs - 1);
+    }
+    if (a.kind == action_kind::backward && vs + 1 < virtual_stages_) {
+      return slot(action_kind::backward, a.microbatch, vs + 1);
+    }
+    return 0; // the last virtual stage's backward and every W depend on the stage's own order
+  }
+
+  // When action `a` of stage `st`, ending at `end`, has its output at the virtual stage that
+  // takes it (a W's and the last stage's outputs go nowhere).
+  double delivered(std::size_t st, const action& a, std::size_t vs, double end) {
+    if (a.kind == action_kind::forward && vs + 1 < virtual_stages_) {
+      return links_.arrival(st, vs + 1, end, cost_at(vs).send);
+    }
+    if (a.kind == action_kind::backward && vs > 0) {
+      return links_.arrival(st, vs - 1, end, cost_at(vs - 1).send);
+    }
+    return end;
+  }
+
+  const schedule& s_;
+  const std::vector<action_costs>& costs_;
+  std::size_t virtual_stages_;
+  std::size_t max_microbatch_;
+  std::vector<double> finished_;
+  link_queue links_;
+  std::vector<std::vector<bool>> split_;
+};
+
 // simulate(), with or without the timeline (validate needs only whether every action runs:
 // writing 196,608 timeline entries into fresh pages was most of validating a 64 x 512 ZB-V plan).
 simulation run_simulation(const schedule& s, std::size_t microbatches,
                           const std::vector<action_costs>& costs, double send_latency,
                           bool timeline) {
-  auto p = s.size();
-  auto v = chunks_of(s);
-  auto virtual_stages = p * v;
-  std::vector<std::vector<bool>> split;
-  for (const auto& program : s) {
-    split.push_back(split_backwards(program));
-  }
-  ACTORPIPE_CHECK(costs.size() == 1 || costs.size() == virtual_stages, "simulate: ", costs.size(),
-                  " costs given for ", virtual_stages, " virtual stages");
-  auto cost_at = [&](std::size_t vs) -> const action_costs& {
-    return costs.size() == 1 ? costs[0] : costs[vs];
-  };
-  // Action `i` of stage `st`'s program on virtual stage `vs`.
-  auto cost_of = [&](std::size_t st, std::size_t i, std::size_t vs) {
-    return action_cost(s[st][i].kind, split[st][i], cost_at(vs));
-  };
-  // When the output of each (kind, micro-batch, virtual stage) is at the virtual stage that takes
-  // it, -1 until known: a flat table (a map of 131,072 actions made a 64 x 512 interleaved plan
-  // cost 96 ms).
-  auto max_microbatch = microbatch_bound(s, microbatches);
-  // By virtual stage, then kind, then micro-batch: a stage's consecutive actions read and write
-  // neighbouring entries.
-  std::vector<double> finished(3 * max_microbatch * virtual_stages, -1.0);
-  auto slot = [&](action_kind kind, int32_t microbatch, std::size_t vs) -> double& {
-    return finished[(vs * 3 + static_cast<std::size_t>(kind)) * max_microbatch +
-                    static_cast<std::size_t>(microbatch)];
-  };
-  simulation result;
-  result.busy.assign(p, 0);
-  result.timeline.assign(p, {});
-  for (std::size_t st = 0; timeline && st < p; ++st) {
-    result.timeline[st].reserve(s[st].size());
-  }
-  std::vector<std::size_t> pc(p, 0);
-  std::vector<double> clock(p, 0);
-  // The time an action's cross-stage input is there, or -1 while it is not known yet.
-  auto input_ready = [&](std::size_t st, const action& a) -> double {
-    auto vs = s.virtual_stage(st, static_cast<std::size_t>(a.chunk));
-    if (a.kind == action_kind::forward) {
-      return vs == 0 ? 0 : slot(action_kind::forward, a.microbatch, vs - 1);
-    }
-    if (a.kind == action_kind::backward && vs + 1 < virtual_stages) {
-      return slot(action_kind::backward, a.microbatch, vs + 1);
-    }
-    return 0; // the last virtual stage's backward and every W depend on the stage's own order
-  };
-  link_queue links(s, send_latency);
-  // When action `a` of stage `st`, ending at `end`, has its output at the virtual stage that
-  // takes it (a W's and the last stage's outputs go nowhere).
-  auto delivered = [&](std::size_t st, const action& a, std::size_t vs, double end) {
-    if (a.kind == action_kind::forward && vs + 1 < virtual_stages) {
-      return links.arrival(st, vs + 1, end, cost_at(vs).send);
-    }
-    if (a.kind == action_kind::backward && vs > 0) {
-      return links.arrival(st, vs - 1, end, cost_at(vs - 1).send);
-    }
-    return end;
-  };
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (std::size_t st = 0; st < p; ++st) {
-      while (pc[st] < s[st].size()) {
-        const auto& a = s[st][pc[st]];
-        auto ready = input_ready(st, a);
-        if (ready < 0) {
-          break;
-        }
-        auto vs = s.virtual_stage(st, static_cast<std::size_t>(a.chunk));
-        auto start = std::max(clock[st], ready);
-        auto end = start + cost_of(st, pc[st], vs);
-        slot(a.kind, a.microbatch, vs) = delivered(st, a, vs, end);
-        if (timeline) {
-          result.timeline[st].push_back({a, start, end});
-        }
-        result.busy[st] += end - start;
-        clock[st] = end;
-        ++pc[st];
-        moved = true;
-      }
-    }
-  }
-  for (std::size_t st = 0; st < p; ++st) {
-    if (pc[st] < s[st].size()) {
-      deadlock(s, st, pc[st]);
-    }
-    result.makespan = std::max(result.makespan, clock[st]);
-  }
-  for (std::size_t st = 0; st < p; ++st) {
-    result.bubble.push_back(result.makespan > 0 ? 1 - result.busy[st] / result.makespan : 0);
-    result.peak_stash.push_back(peak_stash_of(s[st], split[st], v));
-  }
-  return result;
+  return step_simulator(s, microbatches, costs, send_latency).run(timeline);
 }
 
 } // namespace

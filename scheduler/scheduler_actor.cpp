@@ -545,29 +545,69 @@ void on_all_reported(scheduler_actor_type self) {
   }
 }
 
+// A stage actor went: the pipeline is broken, and the running step fails with it.
+void on_stage_down(scheduler_actor_type self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    if (s.stages[i].address() != msg.source) {
+      continue;
+    }
+    auto on_node = i < s.options.nodes.size() && !s.options.nodes[i].empty();
+    s.broken =
+      failure{{on_node ? error_kind::node_lost : error_kind::stage_lost, i, std::nullopt,
+               std::nullopt, on_node ? s.options.nodes[i] : ""},
+              detail::concat("stage ", i, " terminated (", self->system().render(msg.reason),
+                             "); the pipeline cannot run further steps")};
+    if (s.current) {
+      auto why = *s.broken;
+      why.message = detail::concat("step ", s.step, ": ", why.message);
+      fail(self, std::move(why));
+    }
+    return;
+  }
+}
+
+// A stage's report of its program; the optimizer steps once every stage has reported.
+void on_report(scheduler_actor_type self, stage_report& report) {
+  auto& s = self->state;
+  if (s.ahead && report.step == s.step + 1) {
+    // Overlapping steps: kept until the step before is done.
+    s.ahead->reports[report.stats.stage] = std::move(report);
+    ++s.ahead->reported;
+    return;
+  }
+  if (!s.current || report.step != s.step || s.aborting) {
+    return;
+  }
+  auto index = report.stats.stage;
+  s.reports[index] = std::move(report);
+  if (++s.reported == s.stages.size()) {
+    s.last_reporter = index;
+    on_all_reported(self);
+  }
+  linger(self, s.options.linger);
+}
+
+// The step's deadline fired: the step fails, unless it ended meanwhile.
+void on_step_deadline(scheduler_actor_type self) {
+  auto& s = self->state;
+  bool stepping = s.current && (s.current->kind == request_kind::train ||
+                                s.current->kind == request_kind::forward);
+  if (!s.deadline.expired(self, stepping, s.started, s.options.step_timeout,
+                          step_timeout_atom::value)) {
+    return;
+  }
+  fail(self, failure{{error_kind::timeout, std::nullopt, std::nullopt, s.step},
+                     detail::concat("step ", s.step, " did not finish within ",
+                                    s.options.step_timeout.count(), " ms (", s.reported, " of ",
+                                    s.stages.size(), " stages reported)")});
+}
+
 scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self,
                                                        scheduler_options options) {
   self->state.options = options;
   self->state.step = options.first_step;
-  self->set_down_handler([=](caf::down_msg& msg) {
-    auto& s = self->state;
-    for (std::size_t i = 0; i < s.stages.size(); ++i) {
-      if (s.stages[i].address() == msg.source) {
-        auto on_node = i < s.options.nodes.size() && !s.options.nodes[i].empty();
-        s.broken =
-          failure{{on_node ? error_kind::node_lost : error_kind::stage_lost, i, std::nullopt,
-                   std::nullopt, on_node ? s.options.nodes[i] : ""},
-                  detail::concat("stage ", i, " terminated (", self->system().render(msg.reason),
-                                 "); the pipeline cannot run further steps")};
-        if (s.current) {
-          auto why = *s.broken;
-          why.message = detail::concat("step ", s.step, ": ", why.message);
-          fail(self, std::move(why));
-        }
-        return;
-      }
-    }
-  });
+  self->set_down_handler([=](caf::down_msg& msg) { on_stage_down(self, msg); });
   return {
     [=](connect_atom, std::vector<stage_actor>& stages) {
       for (auto& stage : stages) {
@@ -581,25 +621,7 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
       send_ahead(self);
       linger(self, self->state.options.linger);
     },
-    [=](done_atom, stage_report& report) {
-      auto& s = self->state;
-      if (s.ahead && report.step == s.step + 1) {
-        // Overlapping steps: kept until the step before is done.
-        s.ahead->reports[report.stats.stage] = std::move(report);
-        ++s.ahead->reported;
-        return;
-      }
-      if (!s.current || report.step != s.step || s.aborting) {
-        return;
-      }
-      auto index = report.stats.stage;
-      s.reports[index] = std::move(report);
-      if (++s.reported == s.stages.size()) {
-        s.last_reporter = index;
-        on_all_reported(self);
-      }
-      linger(self, s.options.linger);
-    },
+    [=](done_atom, stage_report& report) { on_report(self, report); },
     [=](failed_atom, uint64_t step, failure& why) {
       auto& s = self->state;
       if (s.current && step == s.step) {
@@ -609,19 +631,7 @@ scheduler_self_actor::behavior_type scheduler_behavior(scheduler_actor_type self
         s.ahead->failed = std::move(why);
       }
     },
-    [=](step_timeout_atom) {
-      auto& s = self->state;
-      bool stepping = s.current && (s.current->kind == request_kind::train ||
-                                    s.current->kind == request_kind::forward);
-      if (!s.deadline.expired(self, stepping, s.started, s.options.step_timeout,
-                              step_timeout_atom::value)) {
-        return;
-      }
-      fail(self, failure{{error_kind::timeout, std::nullopt, std::nullopt, s.step},
-                         detail::concat("step ", s.step, " did not finish within ",
-                                        s.options.step_timeout.count(), " ms (", s.reported, " of ",
-                                        s.stages.size(), " stages reported)")});
-    },
+    [=](step_timeout_atom) { on_step_deadline(self); },
   };
 }
 

@@ -252,6 +252,85 @@ std::vector<layer_profile> profiles_of(const layer_list& layers, const std::vect
   return result;
 }
 
+// Every layer in training mode; a copy of their buffers, which profiling changes.
+std::vector<torch::Tensor> train_and_save_buffers(const layer_list& layers) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> saved;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      m->train(true);
+      for (auto& b : m->buffers()) {
+        saved.push_back(b.clone());
+      }
+    }
+  }
+  return saved;
+}
+
+// The layers as they were before profiling: no gradients, their buffers back.
+void restore_layers(const layer_list& layers, const std::vector<torch::Tensor>& saved) {
+  torch::NoGradGuard no_grad;
+  std::size_t i = 0;
+  for (const auto& l : layers) {
+    if (auto m = l.module()) {
+      for (auto& param : m->parameters()) {
+        param.mutable_grad().reset();
+      }
+      for (auto& b : m->buffers()) {
+        b.copy_(saved[i++]);
+      }
+    }
+  }
+}
+
+// The fused backward, last layer first, each from its own output gradient.
+void time_fused_backward(std::vector<layer_run>& runs, bool timed, c10::Device device) {
+  for (std::size_t k = runs.size(); k-- > 0;) {
+    auto& r = runs[k];
+    backward_working_set working{device, r.kept};
+    auto t0 = clock::now();
+    if (!r.roots.empty()) {
+      torch::autograd::backward(r.roots, r.gradients);
+    }
+    auto t1 = done_on(device);
+    if (timed) {
+      r.backward.push_back(ms_between(t0, t1));
+      r.backward_work.push_back(static_cast<double>(working.bytes()));
+    }
+  }
+}
+
+// The backward split as a stage runs B and W (stage::backward_input, backward_weight): W is the
+// weight pass on what B kept where it applies, else a second walk of the graph.
+void time_split_backward(const layer_list& layers, std::vector<layer_run>& runs, bool timed,
+                         c10::Device device) {
+  for (std::size_t k = layers.size(); k-- > 0;) {
+    auto& r = runs[k];
+    auto params = trainable(layers[k]);
+    double input_ms = 0; // nothing to time: a layer without input gradients or weights
+    double weight_ms = 0;
+    int64_t kept = 0;
+    std::shared_ptr<stages::weight_pass> pass;
+    if (!r.roots.empty() && !r.inputs_with_grad.empty()) {
+      auto t0 = clock::now();
+      pass = stages::weight_pass::prepare(r.roots, r.inputs_with_grad, params);
+      stages::input_backward(r.roots, r.inputs_with_grad, r.gradients, pass.get());
+      input_ms = ms_between(t0, done_on(device));
+      kept = pass ? pass->kept_bytes() : 0;
+    }
+    if (!r.roots.empty() && !params.empty()) {
+      auto t0 = clock::now();
+      stages::weight_backward(r.roots, r.gradients, params, pass.get());
+      weight_ms = ms_between(t0, done_on(device));
+    }
+    if (timed) {
+      r.input_backward.push_back(input_ms);
+      r.weight_backward.push_back(weight_ms);
+      r.weight_kept.push_back(static_cast<double>(kept));
+    }
+  }
+}
+
 } // namespace
 
 std::vector<layer_profile> profile_layers(const layer_list& layers, const torch::Tensor& sample,
@@ -259,18 +338,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
   ACTORPIPE_CHECK(options.repeats >= 1, "profile repeats (", options.repeats, ") must be >= 1");
   ACTORPIPE_CHECK(options.warmup >= 0, "profile warm-up passes (", options.warmup,
                   ") must be >= 0");
-  std::vector<torch::Tensor> saved_buffers;
-  {
-    torch::NoGradGuard no_grad;
-    for (const auto& l : layers) {
-      if (auto m = l.module()) {
-        m->train(true);
-        for (auto& b : m->buffers()) {
-          saved_buffers.push_back(b.clone());
-        }
-      }
-    }
-  }
+  auto saved_buffers = train_and_save_buffers(layers);
   const auto device = options.device;
   on_device placed(layers, device);
   std::vector<layer_run> runs(layers.size());
@@ -279,50 +347,10 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
   for (int round = 0; round < options.warmup + options.repeats; ++round) {
     bool timed = round >= options.warmup;
     forward_all(layers, input, runs, timed, device);
-    // Fused backward, last layer first, each from its own output gradient.
-    for (std::size_t k = layers.size(); k-- > 0;) {
-      auto& r = runs[k];
-      backward_working_set working{device, r.kept};
-      auto t0 = clock::now();
-      if (!r.roots.empty()) {
-        torch::autograd::backward(r.roots, r.gradients);
-      }
-      auto t1 = done_on(device);
-      if (timed) {
-        r.backward.push_back(ms_between(t0, t1));
-        r.backward_work.push_back(static_cast<double>(working.bytes()));
-      }
-    }
-    if (!options.split_backward) {
-      continue;
-    }
-    forward_all(layers, input, runs, /*timed=*/false, device);
-    for (std::size_t k = layers.size(); k-- > 0;) {
-      auto& r = runs[k];
-      auto params = trainable(layers[k]);
-      double input_ms = 0; // nothing to time: a layer without input gradients or weights
-      double weight_ms = 0;
-      int64_t kept = 0;
-      // As a stage runs B and W (stage::backward_input, backward_weight): W is the weight pass
-      // on what B kept where it applies, else a second walk of the graph.
-      std::shared_ptr<stages::weight_pass> pass;
-      if (!r.roots.empty() && !r.inputs_with_grad.empty()) {
-        auto t0 = clock::now();
-        pass = stages::weight_pass::prepare(r.roots, r.inputs_with_grad, params);
-        stages::input_backward(r.roots, r.inputs_with_grad, r.gradients, pass.get());
-        input_ms = ms_between(t0, done_on(device));
-        kept = pass ? pass->kept_bytes() : 0;
-      }
-      if (!r.roots.empty() && !params.empty()) {
-        auto t0 = clock::now();
-        stages::weight_backward(r.roots, r.gradients, params, pass.get());
-        weight_ms = ms_between(t0, done_on(device));
-      }
-      if (timed) {
-        r.input_backward.push_back(input_ms);
-        r.weight_backward.push_back(weight_ms);
-        r.weight_kept.push_back(static_cast<double>(kept));
-      }
+    time_fused_backward(runs, timed, device);
+    if (options.split_backward) {
+      forward_all(layers, input, runs, /*timed=*/false, device);
+      time_split_backward(layers, runs, timed, device);
     }
   }
   auto result = profiles_of(layers, runs, input, device);
@@ -334,18 +362,7 @@ std::vector<layer_profile> profile_layers(const layer_list& layers, const torch:
     stages::cuda::release_blas_workspaces(device);
   }
   runs.clear();
-  torch::NoGradGuard no_grad;
-  std::size_t i = 0;
-  for (const auto& l : layers) {
-    if (auto m = l.module()) {
-      for (auto& param : m->parameters()) {
-        param.mutable_grad().reset();
-      }
-      for (auto& b : m->buffers()) {
-        b.copy_(saved_buffers[i++]);
-      }
-    }
-  }
+  restore_layers(layers, saved_buffers);
   return result;
 }
 

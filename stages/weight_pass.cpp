@@ -136,21 +136,20 @@ users_of_parameters(const std::unordered_map<Node*, reach>& seen,
   return users;
 }
 
-} // namespace
-
-weight_pass::weight_pass() = default;
-weight_pass::~weight_pass() = default;
-
-std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>& roots,
-                                                  const std::vector<at::Tensor>& inputs,
-                                                  const std::vector<at::Tensor>& parameters) {
-  std::unordered_set<const Node*> input_nodes;
+// The nodes B's inputs' gradients end in.
+std::unordered_set<const Node*> input_nodes_of(const std::vector<at::Tensor>& inputs) {
+  std::unordered_set<const Node*> nodes;
   for (const auto& x : inputs) {
     if (auto node = torch::autograd::impl::gradient_edge(x).function) {
-      input_nodes.insert(node.get());
+      nodes.insert(node.get());
     }
   }
-  // Each parameter's gradient accumulator (the node its gradient ends in).
+  return nodes;
+}
+
+// Each parameter's gradient accumulator (the node its gradient ends in).
+std::unordered_map<const Node*, at::Tensor>
+accumulators_of(const std::vector<at::Tensor>& parameters) {
   std::unordered_map<const Node*, at::Tensor> parameter_of;
   for (const auto& p : parameters) {
     if (p.requires_grad()) {
@@ -159,51 +158,79 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       }
     }
   }
+  return parameter_of;
+}
+
+// What a node on the input path sends towards weights: whether it does, whether only to
+// parameters no other node uses (a norm's weight and bias), and the edges B keeps (`cut`: the
+// others, towards weights, are W's).
+struct weight_edges {
+  bool weights = false;
+  bool own_parameters_only = true;
+  std::vector<std::size_t> cut;
+};
+
+weight_edges weight_edges_of(Node* node, const graph_reach& graph,
+                             const std::unordered_set<const Node*>& input_nodes,
+                             const std::unordered_map<const Node*, at::Tensor>& parameter_of,
+                             std::unordered_map<const Node*, std::vector<const Node*>>& users) {
+  weight_edges edges;
+  for (std::size_t i = 0; i < node->num_outputs(); ++i) {
+    auto* child = node->next_edge(i).function.get();
+    if (child == nullptr) {
+      continue;
+    }
+    bool to_parameters = parameter_of.count(child) != 0;
+    edges.own_parameters_only =
+      edges.own_parameters_only && (!to_parameters || users[child].size() == 1);
+    if (!to_parameters && input_nodes.count(child) == 0) {
+      // Off the input path towards parameters (a weight's transpose in a linear, a weight
+      // computed from a parameter): B never runs it, W runs it once, as a walk would.
+      const auto& c = graph.seen.at(child);
+      to_parameters = !c.input && c.parameter;
+      edges.own_parameters_only = edges.own_parameters_only && !to_parameters;
+    }
+    if (to_parameters) {
+      edges.weights = true;
+    } else {
+      edges.cut.push_back(i);
+    }
+  }
+  return edges;
+}
+
+} // namespace
+
+weight_pass::weight_pass() = default;
+weight_pass::~weight_pass() = default;
+
+std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>& roots,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<at::Tensor>& parameters) {
+  auto input_nodes = input_nodes_of(inputs);
+  auto parameter_of = accumulators_of(parameters);
   if (input_nodes.empty()) {
     return nullptr;
   }
-  auto [seen, root_nodes] = walk_from(roots, input_nodes, parameter_of);
-  std::shared_ptr<weight_pass> pass(new weight_pass());
+  auto graph = walk_from(roots, input_nodes, parameter_of);
   // Hooks go on only once the whole graph is known to be covered.
-  for (auto* root : root_nodes) {
-    const auto& r = seen.at(root);
+  for (auto* root : graph.roots) {
+    const auto& r = graph.seen.at(root);
     if (r.parameter && !r.input) {
       return nullptr; // an output computed from parameters alone
     }
   }
-  auto users = users_of_parameters(seen, parameter_of);
-  for (auto& [node, r] : seen) {
+  std::shared_ptr<weight_pass> pass(new weight_pass());
+  auto users = users_of_parameters(graph.seen, parameter_of);
+  for (auto& [node, r] : graph.seen) {
     if (!r.input) {
       continue;
     }
-    bool weights = false;
-    // Only edges to parameters no other node uses (a norm's weight and bias).
-    bool own_parameters_only = true;
-    std::vector<std::size_t> cut;
-    for (std::size_t i = 0; i < node->num_outputs(); ++i) {
-      auto* child = node->next_edge(i).function.get();
-      if (child == nullptr) {
-        continue;
-      }
-      bool to_parameters = parameter_of.count(child) != 0;
-      own_parameters_only = own_parameters_only && (!to_parameters || users[child].size() == 1);
-      if (!to_parameters && input_nodes.count(child) == 0) {
-        // Off the input path towards parameters (a weight's transpose in a linear, a weight
-        // computed from a parameter): B never runs it, W runs it once, as a walk would.
-        const auto& c = seen.at(child);
-        to_parameters = !c.input && c.parameter;
-        own_parameters_only = own_parameters_only && !to_parameters;
-      }
-      if (to_parameters) {
-        weights = true;
-      } else {
-        cut.push_back(i);
-      }
-    }
-    if (!weights) {
+    auto edges = weight_edges_of(node, graph, input_nodes, parameter_of, users);
+    if (!edges.weights) {
       continue;
     }
-    if (own_parameters_only && computes_weights_in_b(*node)) {
+    if (edges.own_parameters_only && computes_weights_in_b(*node)) {
       for (const auto& e : node->next_edges()) {
         if (e.function && parameter_of.count(e.function.get()) != 0) {
           pass->in_b_.push_back(parameter_of.at(e.function.get()));
@@ -212,7 +239,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       continue;
     }
     auto slot = std::make_shared<variable_list>();
-    pass->captures_.push_back(capture{node->shared_from_this(), slot, std::move(cut)});
+    pass->captures_.push_back(capture{node->shared_from_this(), slot, std::move(edges.cut)});
   }
   for (auto& c : pass->captures_) {
     c.node->add_pre_hook(std::make_unique<keep_gradients>(c.gradients));

@@ -558,63 +558,56 @@ void check_fixed_layout_caps(const plan_choice& c, std::size_t stages, int64_t b
 
 } // namespace
 
-plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
-                        const planning_args& a, bool always_profile) {
+namespace {
+
+// A given layout (no --stages or --threads auto): the schedule as named, the cut, and the
+// profile where the cut or a memory cap needs one (or `always_profile`).
+plan_choice given_layout(plan_choice choice, const layer_list& layers, const torch::Tensor& batch,
+                         const planning_args& a, bool always_profile) {
   auto batch_size = batch.size(0);
-  bool automatic = a.automatic();
-  ACTORPIPE_CHECK(a.schedule == "auto" || a.stages == 0 || a.microbatches >= 1, "microbatches (",
-                  a.microbatches, ") must be >= 1 (0 only with --schedule auto or --stages auto)");
-  plan_choice choice;
-  choice.microbatches = a.microbatches;
-  choice.chunks = a.chunks;
-  choice.recompute = parse_recompute_mode(a.recompute);
+  auto threads = threads_per_stage(a.stages, a.threads);
+  choice.profiled_samples = largest_microbatch(batch_size, a.microbatches);
+  choice.schedule_name = a.schedule;
   if (a.schedule.rfind("file:", 0) == 0) {
-    ACTORPIPE_CHECK(!automatic, "--schedule ", a.schedule,
-                    " fixes stages, micro-batches and schedule: --stages auto and --threads auto "
-                    "do not apply");
+    choice.custom = load_schedule(a.schedule.substr(5));
+    choice.chunks = chunks_of(choice.custom);
+  } else {
+    choice.kind = parse_schedule_kind(a.schedule);
+    // The V schedules hold two chunks per stage by construction (--chunks 2 is implied).
+    if (a.chunks == 1) {
+      choice.chunks = chunks_for(choice.kind, a.chunks);
+    }
   }
-  if (!automatic) {
-    auto threads = threads_per_stage(a.stages, a.threads);
-    choice.profiled_samples = largest_microbatch(batch_size, a.microbatches);
-    if (a.schedule.rfind("file:", 0) == 0) {
-      choice.custom = load_schedule(a.schedule.substr(5));
-      choice.schedule_name = a.schedule;
-      choice.chunks = chunks_of(choice.custom);
-    } else {
-      choice.kind = parse_schedule_kind(a.schedule);
-      choice.schedule_name = a.schedule;
-      // The V schedules hold two chunks per stage by construction (--chunks 2 is implied).
-      if (a.chunks == 1) {
-        choice.chunks = chunks_for(choice.kind, a.chunks);
-      }
-    }
-    bool capped = a.max_memory_bytes > 0 || a.max_stash > 0 || a.max_stash_bytes > 0;
-    if (always_profile || a.partition == "time" || capped) {
-      bool split =
-        choice.custom.empty() ? splits_backward(choice.kind) : splits_backward(choice.custom);
-      choice.profile = profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory,
-                                  a.profile_repeats, split, std::min(cores(), a.stages * threads),
-                                  a.profile_device());
-    }
-    choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
-    if (capped) {
-      check_fixed_layout_caps(choice, a.stages, batch_size, a);
-    }
-    return choice;
+  bool capped = a.max_memory_bytes > 0 || a.max_stash > 0 || a.max_stash_bytes > 0;
+  if (always_profile || a.partition == "time" || capped) {
+    bool split =
+      choice.custom.empty() ? splits_backward(choice.kind) : splits_backward(choice.custom);
+    choice.profile =
+      profile_at(layers, batch, choice.profiled_samples, threads, !a.cold_memory, a.profile_repeats,
+                 split, std::min(cores(), a.stages * threads), a.profile_device());
   }
+  choice.cut = partition_by_spec(a.partition, layers, a.stages * choice.chunks, choice.profile);
+  if (capped) {
+    check_fixed_layout_caps(choice, a.stages, batch_size, a);
+  }
+  return choice;
+}
+
+// --stages or --threads auto: every layout ranked by simulated step, printed, and the fastest
+// taken with the profile it was ranked on.
+plan_choice ranked_layout(plan_choice choice, const layer_list& layers, const torch::Tensor& batch,
+                          const planning_args& a) {
+  auto batch_size = batch.size(0);
   auto space = layout_space_for(layers, batch_size, a);
   auto costs = measure_costs(layers, batch, space, a, /*progress=*/true);
   choice.ranking = rank_layouts(layers, costs, space);
-  std::printf(
-    "layouts ranked by simulated step (per-layer costs profiled at each thread count and "
-    "micro-batch size; profile spread %.1f%%):\n",
-    100 * [&] {
-      double spread = 0;
-      for (const auto& c : costs) {
-        spread = std::max(spread, profile_spread(c.layers));
-      }
-      return spread;
-    }());
+  double spread = 0;
+  for (const auto& c : costs) {
+    spread = std::max(spread, profile_spread(c.layers));
+  }
+  std::printf("layouts ranked by simulated step (per-layer costs profiled at each thread count and "
+              "micro-batch size; profile spread %.1f%%):\n",
+              100 * spread);
   print_ranking(choice.ranking);
   const auto& best = choice.ranking.front();
   if (!best.fits) {
@@ -643,6 +636,53 @@ plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
   return choice;
 }
 
+// The projection's space for `d` devices as `r` replicas of d / r stages, each replica's batch
+// in micro-batches of the profiled size (no extrapolation to sizes not measured).
+layout_space projected_space(const planning_args& a, const projection_args& p, int64_t batch_size,
+                             std::size_t d, std::size_t r, std::size_t threads, int64_t samples) {
+  auto replica_batch = batch_size / static_cast<int64_t>(r);
+  layout_space space;
+  space.batch = batch_size;
+  space.devices = d;
+  space.replica_counts = {r};
+  space.stage_counts = {d / r};
+  space.cores = 0; // a device each
+  space.thread_counts = {threads};
+  space.microbatch_counts = {static_cast<std::size_t>(std::max<int64_t>(
+    1, std::min<int64_t>(replica_batch / samples, static_cast<int64_t>(p.max_microbatches))))};
+  space.schedules = a.schedule == "auto" || !a.schedule_given
+                      ? layout_space{}.schedules
+                      : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
+  space.chunks = std::max<std::size_t>(2, a.chunks);
+  space.partitions = {a.partition_given ? a.partition : "time"};
+  set_memory_caps(space, a);
+  space.link_gbps = p.link_gbps;
+  space.link_latency_ms = p.link_latency_ms;
+  return space;
+}
+
+} // namespace
+
+plan_choice choose_plan(const layer_list& layers, const torch::Tensor& batch,
+                        const planning_args& a, bool always_profile) {
+  bool automatic = a.automatic();
+  ACTORPIPE_CHECK(a.schedule == "auto" || a.stages == 0 || a.microbatches >= 1, "microbatches (",
+                  a.microbatches, ") must be >= 1 (0 only with --schedule auto or --stages auto)");
+  plan_choice choice;
+  choice.microbatches = a.microbatches;
+  choice.chunks = a.chunks;
+  choice.recompute = parse_recompute_mode(a.recompute);
+  if (a.schedule.rfind("file:", 0) == 0) {
+    ACTORPIPE_CHECK(!automatic, "--schedule ", a.schedule,
+                    " fixes stages, micro-batches and schedule: --stages auto and --threads auto "
+                    "do not apply");
+  }
+  if (!automatic) {
+    return given_layout(std::move(choice), layers, batch, a, always_profile);
+  }
+  return ranked_layout(std::move(choice), layers, batch, a);
+}
+
 projection project(const layer_list& layers, const torch::Tensor& batch, const planning_args& a,
                    const projection_args& p) {
   ACTORPIPE_CHECK(!p.devices.empty(), "a projection needs device counts (--devices)");
@@ -667,33 +707,15 @@ projection project(const layer_list& layers, const torch::Tensor& batch, const p
     projection_row row;
     row.devices = d;
     auto started = std::chrono::steady_clock::now();
-    // Every stages x replicas == d; each replica's batch in micro-batches of the profiled size
-    // (no extrapolation to sizes not measured).
+    // Every stages x replicas == d.
     for (std::size_t r = 1; r <= d; ++r) {
-      auto replica_batch = batch_size / static_cast<int64_t>(r);
-      if (d % r != 0 || replica_batch < 1) {
+      if (d % r != 0 || batch_size / static_cast<int64_t>(r) < 1) {
         continue;
       }
-      layout_space space;
-      space.batch = batch_size;
-      space.devices = d;
-      space.replica_counts = {r};
-      space.stage_counts = {d / r};
-      space.cores = 0; // a device each
-      space.thread_counts = {threads};
-      space.microbatch_counts = {static_cast<std::size_t>(std::max<int64_t>(
-        1, std::min<int64_t>(replica_batch / samples, static_cast<int64_t>(p.max_microbatches))))};
-      space.schedules = a.schedule == "auto" || !a.schedule_given
-                          ? layout_space{}.schedules
-                          : std::vector<schedule_kind>{parse_schedule_kind(a.schedule)};
-      space.chunks = std::max<std::size_t>(2, a.chunks);
-      space.partitions = {a.partition_given ? a.partition : "time"};
-      set_memory_caps(space, a);
-      space.link_gbps = p.link_gbps;
-      space.link_latency_ms = p.link_latency_ms;
       std::vector<layout> ranking;
       try {
-        ranking = rank_layouts(layers, costs, space);
+        ranking =
+          rank_layouts(layers, costs, projected_space(a, p, batch_size, d, r, threads, samples));
       } catch (const invalid_argument&) {
         continue; // more stages than layers
       }

@@ -27,40 +27,29 @@ std::optional<recovery_report> rejoin(replicated_pipeline& pipe, const train_opt
 // A recovery from a surviving replica's live state goes on where the data is (that state becomes
 // a snapshot there): before the failed step, or after it when it had completed on that replica
 // (its loss is then reported).
-template <class Pipe>
-start_point recover_run(Pipe& pipe, const pipeline_error& failure, const train_options& o,
-                        const failed_at& where, std::map<uint64_t, start_point>& snapshots,
-                        train_report& report) {
-  const auto done = where.done;
-  if (report.recoveries.size() >= o.max_recoveries) {
-    throw pipeline_error(detail::concat(failure.what(),
-                                        " (no recovery left: ", report.recoveries.size(),
-                                        " of at most ", o.max_recoveries, " done)"),
-                         failure.details());
+void take_live_state(const recovery_report& r, const train_options& o, const failed_at& where,
+                     std::map<uint64_t, start_point>& snapshots, train_report& report) {
+  if (r.from_replica < 0) {
+    return;
   }
-  std::cerr << "actorpipe: step " << done + 1 << " failed (" << to_string(failure.kind())
-            << (failure.node().empty() ? std::string{} : ", node " + failure.node())
-            << "): " << failure.what() << "\n"
-            << std::flush;
-  auto r = recover(pipe, o, failure);
-  if (r.from_replica >= 0) {
-    snapshots[r.snapshot] = r.failed_step ? where.after : where.now;
-    if (r.failed_step) {
-      report.steps.emplace_back(done + 1, r.failed_step->loss);
-      report.step_ms.push_back(r.failed_step->wall_ms);
-      if (o.log_steps && o.rank == 0) { // its line, as every completed step's (the lead's)
-        print_step_line(done + 1, where.total, *r.failed_step);
-      }
-      if (o.keep_results) {
-        report.results.push_back(*r.failed_step);
-      }
-    }
+  snapshots[r.snapshot] = r.failed_step ? where.after : where.now;
+  if (!r.failed_step) {
+    return;
   }
-  // Where in the data the snapshot it restored was taken.
-  auto at = snapshots.find(r.snapshot);
-  ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
-                  ", which this run did not take");
-  const auto& snapshot_at = at->second;
+  report.steps.emplace_back(where.done + 1, r.failed_step->loss);
+  report.step_ms.push_back(r.failed_step->wall_ms);
+  if (o.log_steps && o.rank == 0) { // its line, as every completed step's (the lead's)
+    print_step_line(where.done + 1, where.total, *r.failed_step);
+  }
+  if (o.keep_results) {
+    report.results.push_back(*r.failed_step);
+  }
+}
+
+// The report back at the restored snapshot: the steps after it, to be replayed, and the epochs
+// it had not finished leave it. Returns the steps replayed.
+std::vector<uint64_t> rewind_report(train_report& report, const start_point& snapshot_at,
+                                    const train_options& o) {
   std::size_t kept = 0;
   while (kept < report.steps.size() && report.steps[kept].first <= snapshot_at.step) {
     ++kept;
@@ -80,9 +69,15 @@ start_point recover_run(Pipe& pipe, const pipeline_error& failure, const train_o
     std::remove_if(report.epochs.begin(), report.epochs.end(),
                    [&](const epoch_result& e) { return e.epoch > snapshot_at.epoch; }),
     report.epochs.end());
-  std::cerr << "actorpipe: recovery " << report.recoveries.size() + 1 << " of at most "
-            << o.max_recoveries << " in " << std::setprecision(3) << r.seconds << " s: lost "
-            << join(r.lost) << ", spares used " << join(r.spares_used)
+  return replayed;
+}
+
+// One line on the recovery: what was lost and used, where the stages are now, what was restored.
+void say_recovered(const recovery_report& r, std::size_t number, const train_options& o,
+                   const start_point& snapshot_at, std::size_t replayed) {
+  std::cerr << "actorpipe: recovery " << number << " of at most " << o.max_recoveries << " in "
+            << std::setprecision(3) << r.seconds << " s: lost " << join(r.lost) << ", spares used "
+            << join(r.spares_used)
             << (r.replicas_left.empty()
                   ? std::string{}
                   : detail::concat(", replicas left (no spare) ", join(r.replicas_left)))
@@ -96,9 +91,36 @@ start_point recover_run(Pipe& pipe, const pipeline_error& failure, const train_o
                 : r.snapshot == 0
                   ? std::string("the run's starting state")
                   : detail::concat("snapshot ", r.snapshot, r.from_nodes ? " from the nodes" : ""))
-            << " (step " << snapshot_at.step << "), replaying " << replayed.size() << " step"
-            << (replayed.size() == 1 ? "" : "s") << "\n"
+            << " (step " << snapshot_at.step << "), replaying " << replayed << " step"
+            << (replayed == 1 ? "" : "s") << "\n"
             << std::flush;
+}
+
+// Recovers `pipe` from `failure` (at most o.max_recoveries times a run) and returns where in the
+// data the run goes on: the restored snapshot's position.
+template <class Pipe>
+start_point recover_run(Pipe& pipe, const pipeline_error& failure, const train_options& o,
+                        const failed_at& where, std::map<uint64_t, start_point>& snapshots,
+                        train_report& report) {
+  if (report.recoveries.size() >= o.max_recoveries) {
+    throw pipeline_error(detail::concat(failure.what(),
+                                        " (no recovery left: ", report.recoveries.size(),
+                                        " of at most ", o.max_recoveries, " done)"),
+                         failure.details());
+  }
+  std::cerr << "actorpipe: step " << where.done + 1 << " failed (" << to_string(failure.kind())
+            << (failure.node().empty() ? std::string{} : ", node " + failure.node())
+            << "): " << failure.what() << "\n"
+            << std::flush;
+  auto r = recover(pipe, o, failure);
+  take_live_state(r, o, where, snapshots, report);
+  // Where in the data the snapshot it restored was taken.
+  auto at = snapshots.find(r.snapshot);
+  ACTORPIPE_CHECK(at != snapshots.end(), "train: recover() restored snapshot ", r.snapshot,
+                  ", which this run did not take");
+  const auto snapshot_at = at->second;
+  auto replayed = rewind_report(report, snapshot_at, o);
+  say_recovered(r, report.recoveries.size() + 1, o, snapshot_at, replayed.size());
   report.recoveries.push_back(std::move(r));
   return snapshot_at;
 }

@@ -180,6 +180,34 @@ std::vector<std::string> spread_over(std::vector<std::string> placed,
   return placed;
 }
 
+// Stage actor k's part of snapshot `number` of the cut `bounds`, as a node keeps it (its own or
+// a copy); none when the node keeps no such part.
+const nodes::kept_stage* kept_part(const std::vector<nodes::kept_stage>& kept, std::size_t k,
+                                   uint64_t number, const nlohmann::json& bounds) {
+  for (const auto& e : kept) {
+    auto tag = nlohmann::json::parse(e.note, nullptr, false);
+    if (e.stage == k && e.number == number && tag.is_object() && tag.contains("bounds") &&
+        tag["bounds"] == bounds) {
+      return &e;
+    }
+  }
+  return nullptr;
+}
+
+// The cut over the `nodes` left: the same when every stage actor kept its node, else cut anew
+// (by `repartition`, or by parameters), each node holding as many chunks as before.
+partition cut_over(const pipeline::impl& self, std::size_t nodes,
+                   const std::function<partition(std::size_t)>& repartition) {
+  if (nodes == self.options.placement.nodes.size()) {
+    return self.cut;
+  }
+  auto parts = nodes * self.options.chunks;
+  auto cut = repartition ? repartition(parts) : partition_by_params(self.layers, parts);
+  ACTORPIPE_CHECK(cut.stages() == parts, "recover: the repartition gave ", cut.stages(),
+                  " stages for the ", nodes, " nodes left (", self.options.chunks, " chunks each)");
+  return cut;
+}
+
 } // namespace
 
 kept_snapshot pipeline::kept_on_nodes() {
@@ -269,16 +297,7 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
       detail::concat("recover: no node is left (", report.lost.size(), " lost, no spare answered)"),
       error_details{error_kind::node_lost});
   }
-  auto cut = self.cut;
-  if (placed.size() != placement.nodes.size()) {
-    // Fewer stage actors: the model is cut anew over the nodes left, each holding as many
-    // chunks as before.
-    auto parts = placed.size() * self.options.chunks;
-    cut = repartition ? repartition(parts) : partition_by_params(self.layers, parts);
-    ACTORPIPE_CHECK(cut.stages() == parts, "recover: the repartition gave ", cut.stages(),
-                    " stages for the ", placed.size(), " nodes left (", self.options.chunks,
-                    " chunks each)");
-  }
+  auto cut = cut_over(self, placed.size(), repartition);
   auto before = placement.nodes;
   auto same_cut = cut.bounds == self.cut.bounds;
   self.cut = cut;
@@ -323,17 +342,7 @@ bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, u
   auto actors = stage_nodes();
   auto kept = nodes::kept_by(actor_system, actors, options.placement.connect_timeout);
   const auto bounds = nlohmann::json(cut.bounds);
-  // Stage actor k's part of snapshot `number` of this cut, as node n keeps it (own or a copy).
-  auto part = [&](std::size_t n, std::size_t k) -> const nodes::kept_stage* {
-    for (const auto& e : kept[n]) {
-      auto tag = nlohmann::json::parse(e.note, nullptr, false);
-      if (e.stage == k && e.number == number && tag.is_object() && tag.contains("bounds") &&
-          tag["bounds"] == bounds) {
-        return &e;
-      }
-    }
-    return nullptr;
-  };
+  auto part = [&](std::size_t n, std::size_t k) { return kept_part(kept[n], k, number, bounds); };
   for (std::size_t k = 0; k < now.size(); ++k) {
     if (now[k] == before[k]) {
       if (part(k, k) == nullptr) {

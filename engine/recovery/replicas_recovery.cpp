@@ -199,6 +199,22 @@ void log_recovery(const recovery_report& report, uint64_t number) {
                    fmt::join(report.nodes, ", "), restored);
 }
 
+// The spares standing by: those given that no replica holds, then the nodes `back` (rejoined
+// or joined) that no replica holds either.
+std::vector<std::string> standing_by(std::vector<std::string> spares,
+                                     const std::vector<std::string>& in_use,
+                                     const std::vector<std::string>& back) {
+  spares.erase(std::remove_if(spares.begin(), spares.end(),
+                              [&](const std::string& n) { return among(in_use, n); }),
+               spares.end());
+  for (const auto& n : back) {
+    if (!among(in_use, n) && !among(spares, n)) {
+      spares.push_back(n);
+    }
+  }
+  return spares;
+}
+
 } // namespace
 
 recovery_report replicated_pipeline::recover() {
@@ -323,17 +339,9 @@ recovery_report replicated_pipeline::take_back(recovery_report report,
                                                std::chrono::steady_clock::time_point started) {
   // The nodes the replicas hold; a spare standing by may go back to the replica it came from.
   auto in_use = nodes_of(replicas_);
-  auto spares = placed(*replicas_.front()).options().placement.spares;
-  spares.erase(std::remove_if(spares.begin(), spares.end(),
-                              [&](const std::string& n) { return among(in_use, n); }),
-               spares.end());
   std::vector<std::string> back = report.rejoined;
   back.insert(back.end(), report.joined.begin(), report.joined.end());
-  for (const auto& n : back) {
-    if (!among(in_use, n) && !among(spares, n)) {
-      spares.push_back(n);
-    }
-  }
+  auto spares = standing_by(placed(*replicas_.front()).options().placement.spares, in_use, back);
   // A replica that left comes back with each node it had that serves again, the others'
   // places taken by spares standing by (in order).
   std::vector<std::size_t> coming;
