@@ -319,10 +319,10 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
 }
 
 // The run's first line: the model, the data, the plan.
-void print_header(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                  const run_kind& k, const batch_source& data_source, const train_options& to,
-                  const optimizer_spec& optimizer, const text_corpus* corpus,
-                  const data_parallel_options& dp) {
+// The data the run trains on, and for how long at which rate (the header's middle).
+void print_data(const train_args& a, const model_setup& setup, const run_kind& k,
+                const batch_source& data_source, const train_options& to,
+                const optimizer_spec& optimizer, const text_corpus* corpus) {
   const auto* data = &data_source;
   const auto& mo = setup.options;
   const bool tensors = k.tensors, synthetic = k.synthetic, images = k.images, text = k.text,
@@ -331,7 +331,6 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
   const double lr = k.lr;
   const int64_t steps = to.max_steps;
   const int64_t epochs = to.epochs;
-  std::cout << "actorpipe train: " << setup.name << " on ";
   if (tensors && !k.stream) {
     std::cout << data->name() << " (" << data->epoch_samples() << " samples to train on, "
               << static_cast<const dataset_source&>(*data).test_samples() << " held out, inputs "
@@ -374,6 +373,14 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
               << (steps > 0 ? detail::concat(" (at most ", steps, " steps)") : "") << ", lr "
               << a.optimizer.lr << " (cosine, " << a.train.warmup_steps << " warm-up steps)";
   }
+}
+
+void print_header(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                  const run_kind& k, const batch_source& data_source, const train_options& to,
+                  const optimizer_spec& optimizer, const text_corpus* corpus,
+                  const data_parallel_options& dp) {
+  std::cout << "actorpipe train: " << setup.name << " on ";
+  print_data(a, setup, k, data_source, to, optimizer, corpus);
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
             << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
@@ -433,10 +440,8 @@ void print_summary(const train_args& a, const model_setup& setup, const plan_cho
 }
 
 // --json: every step's loss and timings, the epochs, the recoveries.
-void write_report(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                  const train_report& report) {
-  nlohmann::json j;
-  j["config"] = config_json(a, setup, choice);
+// The report's steps: each one's loss and, where kept, its time and every stage's figures.
+void add_steps(nlohmann::json& j, const train_report& report) {
   j["steps"] = nlohmann::json::array();
   for (std::size_t i = 0; i < report.steps.size(); ++i) {
     nlohmann::json row{{"step", report.steps[i].first}, {"loss", report.steps[i].second}};
@@ -453,16 +458,10 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
     }
     j["steps"].push_back(row);
   }
-  j["epochs"] = nlohmann::json::array();
-  for (const auto& e : report.epochs) {
-    j["epochs"].push_back({{"epoch", e.epoch},
-                           {"train_loss", e.train_loss},
-                           {"test_loss", e.test.loss},
-                           {"top1", e.test.top1},
-                           {"top5", e.test.top5},
-                           {"bits", e.test.bits},
-                           {"seconds", e.seconds}});
-  }
+}
+
+// What the run met and did about it: recoveries, replayed steps, slow stages, re-cuts, rejoins.
+void add_faults(nlohmann::json& j, const train_report& report) {
   j["recoveries"] = nlohmann::json::array();
   for (const auto& r : report.recoveries) {
     j["recoveries"].push_back({{"lost", r.lost},
@@ -499,7 +498,62 @@ void write_report(const train_args& a, const model_setup& setup, const plan_choi
                             {"snapshot", r.snapshot},
                             {"seconds", r.seconds}});
   }
+}
+
+void write_report(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                  const train_report& report) {
+  nlohmann::json j;
+  j["config"] = config_json(a, setup, choice);
+  add_steps(j, report);
+  j["epochs"] = nlohmann::json::array();
+  for (const auto& e : report.epochs) {
+    j["epochs"].push_back({{"epoch", e.epoch},
+                           {"train_loss", e.train_loss},
+                           {"test_loss", e.test.loss},
+                           {"top1", e.test.top1},
+                           {"top5", e.test.top5},
+                           {"bits", e.test.bits},
+                           {"seconds", e.seconds}});
+  }
+  add_faults(j, report);
   write_json(a.json, j);
+}
+
+// After the run: the model file written back (--export), a text sample (--sample), the JSON
+// report (--json) and the trace (--trace).
+void write_outputs(const train_args& a, const model_setup& setup, const plan_choice& choice,
+                   const run_kind& k, const train_report& report, pipeline& pipe,
+                   const text_corpus* corpus) {
+  if (!a.export_path.empty()) {
+    if (is_exported(setup.layers)) {
+      pipe.save_exported(a.export_path);
+      std::cout << "wrote " << a.export_path
+                << " (a PT2 archive: torch.export.load(path).module() runs it)\n";
+    } else {
+      pipe.save_torchscript(a.export_path);
+      std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
+    }
+  }
+  if (k.text && a.sample > 0) {
+    // The forward-only path, a character at a time, from the start of a held-out line.
+    auto prompt = corpus->decode(corpus->validation.slice(0, 0, 1));
+    std::cout << "sample:\n"
+              << prompt
+              << generate_text(pipe, *corpus, prompt, a.sample, setup.options.context, 0.8,
+                               a.model.seed)
+              << "\n";
+  }
+  if (!a.json.empty()) {
+    write_report(a, setup, choice, report);
+  }
+  if (!a.trace.empty() && !report.results.empty()) {
+    write_chrome_trace(a.trace, report.results);
+    std::cout << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
+              << "planned against measured, last step:\n"
+              << compare_bubbles(pipe.training_schedule(), choice.microbatches,
+                                 report.results.back())
+                   .to_string();
+  }
 }
 
 int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
@@ -533,37 +587,7 @@ int run_training(const train_args& a, const model_setup& setup, const plan_choic
     return 0;
   }
   print_summary(a, setup, choice, k, report, run);
-  auto& pipe = run.lead();
-  if (!a.export_path.empty()) {
-    if (is_exported(setup.layers)) {
-      pipe.save_exported(a.export_path);
-      std::cout << "wrote " << a.export_path
-                << " (a PT2 archive: torch.export.load(path).module() runs it)\n";
-    } else {
-      pipe.save_torchscript(a.export_path);
-      std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
-    }
-  }
-  if (k.text && a.sample > 0) {
-    // The forward-only path, a character at a time, from the start of a held-out line.
-    auto prompt = corpus->decode(corpus->validation.slice(0, 0, 1));
-    std::cout << "sample:\n"
-              << prompt
-              << generate_text(pipe, *corpus, prompt, a.sample, setup.options.context, 0.8,
-                               a.model.seed)
-              << "\n";
-  }
-  if (!a.json.empty()) {
-    write_report(a, setup, choice, report);
-  }
-  if (!a.trace.empty() && !report.results.empty()) {
-    write_chrome_trace(a.trace, report.results);
-    std::cout << "wrote " << a.trace << " (open in https://ui.perfetto.dev or chrome://tracing)\n"
-              << "planned against measured, last step:\n"
-              << compare_bubbles(pipe.training_schedule(), choice.microbatches,
-                                 report.results.back())
-                   .to_string();
-  }
+  write_outputs(a, setup, choice, k, report, run.lead(), corpus);
   return 0;
 }
 

@@ -120,13 +120,16 @@ image_folder scan_image_folder(const std::string& dir, bad_image_policy bad) {
   return folder;
 }
 
-void load_image_into(const std::string& path, const image_transform& t, uint64_t draw,
-                     torch::Tensor& out) {
-  ACTORPIPE_CHECK(t.channels == 1 || t.channels == 3, "images have 1 or 3 channels, not ",
-                  t.channels);
-  ACTORPIPE_CHECK(t.size >= 1 && t.resized_side() >= t.size, "image size ", t.size, " and resize ",
-                  t.resized_side(), ": the crop must fit the resized image");
-  const int channels = static_cast<int>(t.channels);
+namespace {
+
+// An image's pixels, `channels` per pixel, row by row.
+struct pixels_of {
+  std::vector<stbi_uc> data;
+  int64_t width = 0;
+  int64_t height = 0;
+};
+
+pixels_of decode_image(const std::string& path, int channels) {
   int w = 0;
   int h = 0;
   int n = 0;
@@ -142,8 +145,14 @@ void load_image_into(const std::string& path, const image_transform& t, uint64_t
                                         stbi_failure_reason(), "\"; a truncated or corrupt file?)"),
                          error_details{error_kind::io});
   }
-  // Resize the shorter side to R, keeping the aspect ratio (torchvision's Resize(int)).
-  const int64_t r = t.resized_side();
+  const auto* begin = pixels.get();
+  return {std::vector<stbi_uc>(begin, begin + static_cast<std::ptrdiff_t>(w) * h * channels), w, h};
+}
+
+// The shorter side resized to `r`, keeping the aspect ratio (torchvision's Resize(int)).
+pixels_of resize_shorter_side(pixels_of image, int64_t r, int channels, const std::string& path) {
+  const auto w = image.width;
+  const auto h = image.height;
   int64_t rw = r;
   int64_t rh = r;
   if (w <= h) {
@@ -151,55 +160,79 @@ void load_image_into(const std::string& path, const image_transform& t, uint64_t
   } else {
     rw = std::max<int64_t>(r, static_cast<int64_t>(static_cast<double>(r) * w / h));
   }
-  std::vector<stbi_uc> resized;
-  const stbi_uc* src = pixels.get();
-  if (rw != w || rh != h) {
-    resized.resize(static_cast<std::size_t>(rw * rh * channels));
-    if (stbir_resize_uint8(pixels.get(), w, h, 0, resized.data(), static_cast<int>(rw),
-                           static_cast<int>(rh), 0, channels) == 0) {
-      throw pipeline_error(
-        detail::concat(path, ": cannot resize the image from ", w, 'x', h, " to ", rw, 'x', rh),
-        error_details{error_kind::io});
-    }
-    src = resized.data();
+  if (rw == w && rh == h) {
+    return image;
   }
-  const int64_t s = t.size;
+  pixels_of resized{std::vector<stbi_uc>(static_cast<std::size_t>(rw * rh * channels)), rw, rh};
+  if (stbir_resize_uint8(image.data.data(), static_cast<int>(w), static_cast<int>(h), 0,
+                         resized.data.data(), static_cast<int>(rw), static_cast<int>(rh), 0,
+                         channels) == 0) {
+    throw pipeline_error(
+      detail::concat(path, ": cannot resize the image from ", w, 'x', h, " to ", rw, 'x', rh),
+      error_details{error_kind::io});
+  }
+  return resized;
+}
+
+// Where the crop of side `t.size` starts, and whether it is flipped: at random from `draw`, or
+// in the centre.
+struct crop {
   int64_t x0 = 0;
   int64_t y0 = 0;
   bool flip = false;
+};
+
+crop crop_of(const image_transform& t, uint64_t draw, int64_t rw, int64_t rh) {
+  const int64_t s = t.size;
   if (t.random) {
-    x0 = static_cast<int64_t>(mix(draw, 1) % static_cast<uint64_t>(rw - s + 1));
-    y0 = static_cast<int64_t>(mix(draw, 2) % static_cast<uint64_t>(rh - s + 1));
-    flip = (mix(draw, 3) & 1U) != 0;
-  } else {
-    x0 = static_cast<int64_t>(std::lround(static_cast<double>(rw - s) / 2.0));
-    y0 = static_cast<int64_t>(std::lround(static_cast<double>(rh - s) / 2.0));
+    return {static_cast<int64_t>(mix(draw, 1) % static_cast<uint64_t>(rw - s + 1)),
+            static_cast<int64_t>(mix(draw, 2) % static_cast<uint64_t>(rh - s + 1)),
+            (mix(draw, 3) & 1U) != 0};
   }
+  return {static_cast<int64_t>(std::lround(static_cast<double>(rw - s) / 2.0)),
+          static_cast<int64_t>(std::lround(static_cast<double>(rh - s) / 2.0)), false};
+}
+
+// The normalisation of channel `c`: the transform's, else ImageNet's for RGB, else 0.5.
+std::pair<float, float> mean_and_std(const image_transform& t, int channels, int c) {
   static const float imagenet_mean[] = {0.485f, 0.456f, 0.406f};
   static const float imagenet_std[] = {0.229f, 0.224f, 0.225f};
-  auto mean_of = [&](int c) {
-    return !t.mean.empty() ? t.mean[static_cast<std::size_t>(c) % t.mean.size()]
-           : channels == 3 ? imagenet_mean[c]
-                           : 0.5f;
-  };
-  auto std_of = [&](int c) {
-    return !t.std.empty()  ? t.std[static_cast<std::size_t>(c) % t.std.size()]
-           : channels == 3 ? imagenet_std[c]
-                           : 0.5f;
-  };
+  auto i = static_cast<std::size_t>(c);
+  float mean = !t.mean.empty() ? t.mean[i % t.mean.size()]
+               : channels == 3 ? imagenet_mean[c]
+                               : 0.5f;
+  float spread = !t.std.empty() ? t.std[i % t.std.size()] : channels == 3 ? imagenet_std[c] : 0.5f;
+  return {mean, spread};
+}
+
+} // namespace
+
+void load_image_into(const std::string& path, const image_transform& t, uint64_t draw,
+                     torch::Tensor& out) {
+  ACTORPIPE_CHECK(t.channels == 1 || t.channels == 3, "images have 1 or 3 channels, not ",
+                  t.channels);
+  ACTORPIPE_CHECK(t.size >= 1 && t.resized_side() >= t.size, "image size ", t.size, " and resize ",
+                  t.resized_side(), ": the crop must fit the resized image");
+  const int channels = static_cast<int>(t.channels);
+  auto image = resize_shorter_side(decode_image(path, channels), t.resized_side(), channels, path);
+  const int64_t s = t.size;
+  const int64_t rw = image.width;
+  auto at = crop_of(t, draw, rw, image.height);
   ACTORPIPE_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() &&
                     out.numel() == t.channels * s * s,
                   "load_image_into: the output must be a contiguous float tensor [", t.channels,
                   ", ", s, ", ", s, "]");
+  const stbi_uc* src = image.data.data();
   float* dst = out.data_ptr<float>();
   for (int c = 0; c < channels; ++c) {
-    const float scale = 1.0f / (255.0f * std_of(c));
-    const float shift = mean_of(c) / std_of(c);
+    auto [mean, spread] = mean_and_std(t, channels, c);
+    const float scale = 1.0f / (255.0f * spread);
+    const float shift = mean / spread;
     for (int64_t y = 0; y < s; ++y) {
-      const stbi_uc* row = src + ((y0 + y) * rw + x0) * channels + c;
+      const stbi_uc* row = src + ((at.y0 + y) * rw + at.x0) * channels + c;
       float* line = dst + (c * s + y) * s;
       for (int64_t x = 0; x < s; ++x) {
-        const int64_t from = flip ? s - 1 - x : x;
+        const int64_t from = at.flip ? s - 1 - x : x;
         line[x] = static_cast<float>(row[from * channels]) * scale - shift;
       }
     }

@@ -110,6 +110,44 @@ std::string record(caffe2::serialize::PyTorchStreamReader& reader, const std::st
 
 // --- the archive's weights and constants --------------------------------------------------
 
+// A stored tensor's layout as its metadata gives it, checked: a plain strided tensor.
+struct stored_layout {
+  c10::ScalarType dtype;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+};
+
+template <class PayloadMeta>
+stored_layout layout_of(const PayloadMeta& meta, const std::string& where) {
+  ACTORPIPE_CHECK(!meta.get_use_pickle(), where,
+                  " is a tensor subclass (pickled in the archive); actorpipe trains plain tensors "
+                  "(export a model whose parameters are torch.nn.Parameter of plain tensors)");
+  ACTORPIPE_CHECK(meta.get_tensor_meta().has_value(), where, " has no tensor metadata");
+  const auto& tm = *meta.get_tensor_meta();
+  ACTORPIPE_CHECK(tm.get_layout() == ex::Layout::Strided, where,
+                  " is not a strided (dense) tensor");
+  stored_layout layout{scalar_type_of(tm.get_dtype(), where), {}, {}, 0};
+  for (const auto& s : tm.get_sizes()) {
+    layout.sizes.push_back(fixed_int(s, where));
+  }
+  for (const auto& s : tm.get_strides()) {
+    layout.strides.push_back(fixed_int(s, where));
+  }
+  layout.offset = fixed_int(tm.get_storage_offset(), where);
+  return layout;
+}
+
+// Whether the storage holds every element the layout reaches.
+bool fits(const stored_layout& l, const at::Storage& storage) {
+  int64_t extent = l.offset;
+  for (std::size_t d = 0; d < l.sizes.size(); ++d) {
+    extent += l.sizes[d] == 0 ? 0 : (l.sizes[d] - 1) * l.strides.at(d);
+  }
+  return l.sizes.empty() || (extent + 1) * static_cast<int64_t>(c10::elementSize(l.dtype)) <=
+                              static_cast<int64_t>(storage.nbytes());
+}
+
 // One payload folder (data/weights/ or data/constants/): fqn -> tensor, a tensor stored once
 // under several fqns (a tied parameter) shared.
 std::map<std::string, at::Tensor> read_payload(caffe2::serialize::PyTorchStreamReader& reader,
@@ -132,25 +170,10 @@ std::map<std::string, at::Tensor> read_payload(caffe2::serialize::PyTorchStreamR
   std::map<std::string, std::pair<std::string, at::Tensor>> seen; // path + layout -> tensor
   for (const auto& [fqn, meta] : payload.get_config()) {
     auto where = concat(what, ": '", fqn, "'");
-    ACTORPIPE_CHECK(
-      !meta.get_use_pickle(), where,
-      " is a tensor subclass (pickled in the archive); actorpipe trains plain tensors "
-      "(export a model whose parameters are torch.nn.Parameter of plain tensors)");
-    ACTORPIPE_CHECK(meta.get_tensor_meta().has_value(), where, " has no tensor metadata");
-    const auto& tm = *meta.get_tensor_meta();
-    ACTORPIPE_CHECK(tm.get_layout() == ex::Layout::Strided, where,
-                    " is not a strided (dense) tensor");
-    auto dtype = scalar_type_of(tm.get_dtype(), where);
-    std::vector<int64_t> sizes, strides;
-    for (const auto& s : tm.get_sizes()) {
-      sizes.push_back(fixed_int(s, where));
-    }
-    for (const auto& s : tm.get_strides()) {
-      strides.push_back(fixed_int(s, where));
-    }
-    auto offset = fixed_int(tm.get_storage_offset(), where);
+    auto layout = layout_of(meta, where);
     const auto& path = meta.get_path_name();
-    auto key = concat(path, sizes, strides, offset, static_cast<int>(dtype));
+    auto key =
+      concat(path, layout.sizes, layout.strides, layout.offset, static_cast<int>(layout.dtype));
     if (auto it = seen.find(key); it != seen.end()) {
       tensors[fqn] = it->second.second;
       continue;
@@ -165,16 +188,11 @@ std::map<std::string, at::Tensor> read_payload(caffe2::serialize::PyTorchStreamR
                                             nullptr, false))
                  .first;
     }
-    int64_t extent = offset;
-    for (std::size_t d = 0; d < sizes.size(); ++d) {
-      extent += sizes[d] == 0 ? 0 : (sizes[d] - 1) * strides.at(d);
-    }
-    ACTORPIPE_CHECK(sizes.empty() || (extent + 1) * static_cast<int64_t>(c10::elementSize(dtype)) <=
-                                       static_cast<int64_t>(stored->second.nbytes()),
-                    where, ": ", folder, path, " holds ", stored->second.nbytes(),
-                    " bytes, too few for its shape ", c10::IntArrayRef(sizes), " (truncated?)");
-    auto t = at::empty({0}, at::TensorOptions().dtype(dtype));
-    t.set_(stored->second, offset, sizes, strides);
+    ACTORPIPE_CHECK(fits(layout, stored->second), where, ": ", folder, path, " holds ",
+                    stored->second.nbytes(), " bytes, too few for its shape ",
+                    c10::IntArrayRef(layout.sizes), " (truncated?)");
+    auto t = at::empty({0}, at::TensorOptions().dtype(layout.dtype));
+    t.set_(stored->second, layout.offset, layout.sizes, layout.strides);
     seen.emplace(key, std::make_pair(fqn, t));
     tensors[fqn] = t;
   }

@@ -349,6 +349,26 @@ std::string authenticate(node_actor* self, const std::string& answer) {
   return {};
 }
 
+// The stage actors next to actor `index` of `count` holding `chunks` chunks each: with looped
+// chunks the last actor's next is the first's next chunk, and the first's previous the last's
+// previous chunk. In a V the chunks turn on the last actor, which sends to itself.
+std::set<std::size_t> actors_next_to(uint32_t index, std::size_t count, std::size_t chunks,
+                                     chunk_placement placement) {
+  std::set<std::size_t> next_to;
+  if (placement == chunk_placement::v_shape) {
+    next_to.insert(index);
+  }
+  for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
+    if (chunks > 1 && placement == chunk_placement::looped) {
+      next_to.insert(
+        static_cast<std::size_t>((j + static_cast<int64_t>(count)) % static_cast<int64_t>(count)));
+    } else if (j >= 0 && j < static_cast<int64_t>(count)) {
+      next_to.insert(static_cast<std::size_t>(j));
+    }
+  }
+  return next_to;
+}
+
 std::string wire_stage(node_actor* self, uint32_t index, const std::string& text,
                        caf::actor proxy) {
   if (!allowed(self, "wire")) {
@@ -369,21 +389,7 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
       *h->tie_peers = h->peers.stages;
     }
     std::vector<stage_peer_actor> neighbours(count);
-    // The actors next to this one; with looped chunks the last actor's next is the first's next
-    // chunk, and the first's previous the last's previous chunk. In a V the chunks turn on the
-    // last actor, which sends to itself.
-    std::set<std::size_t> next_to;
-    if (h->placement == chunk_placement::v_shape) {
-      next_to.insert(index);
-    }
-    for (auto j : {static_cast<int64_t>(index) - 1, static_cast<int64_t>(index) + 1}) {
-      if (h->chunks.size() > 1 && h->placement == chunk_placement::looped) {
-        next_to.insert(static_cast<std::size_t>((j + static_cast<int64_t>(count)) %
-                                                static_cast<int64_t>(count)));
-      } else if (j >= 0 && j < static_cast<int64_t>(count)) {
-        next_to.insert(static_cast<std::size_t>(j));
-      }
-    }
+    auto next_to = actors_next_to(index, count, h->chunks.size(), h->placement);
     for (auto j : next_to) {
       if (j == index) {
         neighbours[j] = h->actor;
@@ -560,6 +566,21 @@ caf::message_handler stage_relays(node_actor* self) {
   return caf::message_handler{relays.unbox().as_behavior_impl()};
 }
 
+// A driver's request to build a stage: the stage's settings as the node read them, or
+// {"error": why}.
+std::string answer_build(node_actor* self, const std::string& spec) {
+  if (!allowed(self, "build")) {
+    return nlohmann::json{{"error", refused(self)}}.dump();
+  }
+  try {
+    return build(self, spec);
+  } catch (const std::exception& e) {
+    log::get()->error("node {}: cannot build a stage: {}", self->state.label, e.what());
+    return nlohmann::json{{"error", detail::concat("node ", self->state.label, ": ", e.what())}}
+      .dump();
+  }
+}
+
 caf::behavior node_behavior(node_actor* self, std::string label, std::string secret,
                             std::shared_ptr<comm::tensor_hub> hub, std::shared_ptr<routes> route,
                             std::size_t max_model_bytes, std::chrono::seconds keep_for) {
@@ -582,18 +603,7 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
       }
       return receive_model(self, digest, bytes);
     },
-    [=](build_atom, const std::string& spec) -> std::string {
-      if (!allowed(self, "build")) {
-        return nlohmann::json{{"error", refused(self)}}.dump();
-      }
-      try {
-        return build(self, spec);
-      } catch (const std::exception& e) {
-        log::get()->error("node {}: cannot build a stage: {}", self->state.label, e.what());
-        return nlohmann::json{{"error", detail::concat("node ", self->state.label, ": ", e.what())}}
-          .dump();
-      }
-    },
+    [=](build_atom, const std::string& spec) { return answer_build(self, spec); },
     [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) -> std::string {
       return wire_stage(self, index, text, proxy);
     },

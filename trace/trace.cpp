@@ -93,47 +93,42 @@ tracks name_tracks(nlohmann::json& events, const std::vector<step_result>& steps
   return {stages, device_tid, device_tracks};
 }
 
-// One step's actions (on the host, and on the GPU where measured), replica syncs and sends, at
-// `offset_ms` on the trace's time axis.
-void add_step(nlohmann::json& events, const step_result& step, double offset_ms, const tracks& t,
-              uint64_t& flow_id) {
-  const auto device_tid = t.device_tid;
-  auto p = step.stages.size();
-  auto chunks = chunks_in(step);
-  // Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).
-  std::map<std::tuple<action_kind, int32_t, std::size_t>, std::pair<std::size_t, action_record>>
-    placed;
-  for (std::size_t s = 0; s < p; ++s) {
-    for (const auto& a : step.stages[s].actions) {
-      auto vs = virtual_stage_of(step.placement, p, s, static_cast<std::size_t>(a.what.chunk));
-      placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
-      events.push_back({{"ph", "X"},
-                        {"name", to_string(a.what)},
-                        {"cat", a.what.kind == action_kind::forward    ? "forward"
-                                : a.what.kind == action_kind::backward ? "backward"
-                                                                       : "weight"},
-                        {"pid", 1},
-                        {"tid", s},
-                        {"ts", (offset_ms + a.start_ms) * 1000},
-                        {"dur", (a.end_ms - a.start_ms) * 1000},
-                        {"args",
-                         {{"step", step.step},
-                          {"microbatch", a.what.microbatch},
-                          {"chunk", a.what.chunk},
-                          {"bytes_sent", a.bytes_sent}}}});
-      if (a.device_start_ms >= 0 && a.device_end_ms >= a.device_start_ms) {
-        events.push_back({{"ph", "X"},
-                          {"name", to_string(a.what)},
-                          {"cat", "device"},
-                          {"pid", 1},
-                          {"tid", device_tid + s},
-                          {"ts", (offset_ms + a.device_start_ms) * 1000},
-                          {"dur", (a.device_end_ms - a.device_start_ms) * 1000},
-                          {"args", {{"step", step.step}, {"microbatch", a.what.microbatch}}}});
-      }
-    }
+// Where each action ran: (kind, micro-batch, virtual stage) -> (stage, record).
+using placed_actions =
+  std::map<std::tuple<action_kind, int32_t, std::size_t>, std::pair<std::size_t, action_record>>;
+
+// Action `a` of stage `s` on the host's track, and on its GPU's where measured.
+void add_action(nlohmann::json& events, const step_result& step, std::size_t s,
+                const action_record& a, double offset_ms, std::size_t device_tid) {
+  events.push_back({{"ph", "X"},
+                    {"name", to_string(a.what)},
+                    {"cat", a.what.kind == action_kind::forward    ? "forward"
+                            : a.what.kind == action_kind::backward ? "backward"
+                                                                   : "weight"},
+                    {"pid", 1},
+                    {"tid", s},
+                    {"ts", (offset_ms + a.start_ms) * 1000},
+                    {"dur", (a.end_ms - a.start_ms) * 1000},
+                    {"args",
+                     {{"step", step.step},
+                      {"microbatch", a.what.microbatch},
+                      {"chunk", a.what.chunk},
+                      {"bytes_sent", a.bytes_sent}}}});
+  if (a.device_start_ms >= 0 && a.device_end_ms >= a.device_start_ms) {
+    events.push_back({{"ph", "X"},
+                      {"name", to_string(a.what)},
+                      {"cat", "device"},
+                      {"pid", 1},
+                      {"tid", device_tid + s},
+                      {"ts", (offset_ms + a.device_start_ms) * 1000},
+                      {"dur", (a.device_end_ms - a.device_start_ms) * 1000},
+                      {"args", {{"step", step.step}, {"microbatch", a.what.microbatch}}}});
   }
-  // The replica sync after each stage's last backward (data parallelism).
+}
+
+// The replica sync after each stage's last backward (data parallelism).
+void add_syncs(nlohmann::json& events, const step_result& step, double offset_ms) {
+  auto p = step.stages.size();
   for (std::size_t s = 0; s < p; ++s) {
     const auto& st = step.stages[s];
     if (st.sync_end_ms > st.sync_start_ms) {
@@ -147,7 +142,11 @@ void add_step(nlohmann::json& events, const step_result& step, double offset_ms,
                         {"args", {{"step", step.step}, {"bytes", st.sync_bytes}}}});
     }
   }
-  // Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
+}
+
+// Flow arrows: forward vs -> forward vs + 1, backward vs -> backward vs - 1.
+void add_sends(nlohmann::json& events, const placed_actions& placed, std::size_t virtual_stages,
+               double offset_ms, uint64_t& flow_id) {
   for (const auto& [k, where] : placed) {
     auto [kind, mb, vs] = k;
     if (kind == action_kind::weight || where.second.bytes_sent == 0) {
@@ -155,7 +154,7 @@ void add_step(nlohmann::json& events, const step_result& step, double offset_ms,
     }
     auto to_vs = kind == action_kind::forward ? vs + 1 : vs - 1;
     auto it = placed.find({kind, mb, to_vs});
-    if (it == placed.end() || to_vs >= p * chunks) {
+    if (it == placed.end() || to_vs >= virtual_stages) {
       continue;
     }
     const char* name = kind == action_kind::forward ? "activation" : "gradient";
@@ -176,6 +175,23 @@ void add_step(nlohmann::json& events, const step_result& step, double offset_ms,
                       {"tid", it->second.first},
                       {"ts", (offset_ms + it->second.second.start_ms) * 1000}});
   }
+}
+
+// One step's actions (on the host, and on the GPU where measured), replica syncs and sends, at
+// `offset_ms` on the trace's time axis.
+void add_step(nlohmann::json& events, const step_result& step, double offset_ms, const tracks& t,
+              uint64_t& flow_id) {
+  auto p = step.stages.size();
+  placed_actions placed;
+  for (std::size_t s = 0; s < p; ++s) {
+    for (const auto& a : step.stages[s].actions) {
+      auto vs = virtual_stage_of(step.placement, p, s, static_cast<std::size_t>(a.what.chunk));
+      placed[{a.what.kind, a.what.microbatch, vs}] = {s, a};
+      add_action(events, step, s, a, offset_ms, t.device_tid);
+    }
+  }
+  add_syncs(events, step, offset_ms);
+  add_sends(events, placed, p * chunks_in(step), offset_ms, flow_id);
 }
 
 } // namespace
