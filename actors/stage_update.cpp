@@ -221,12 +221,23 @@ void gather_optimizer_state(stage_state& s) {
                     s.options.sync->rank() == 0 ? " here" : "");
 }
 
-void restore_before_update(stage_state& s) {
-  auto step = s.stepped_early;
+namespace {
+
+// An early optimizer step is settled (kept or undone): its saved state leaves the stage, which
+// holds none any more; returns the state from before it.
+std::vector<stages::stage::tensor_map> take_before_update(stage_state& s) {
   auto before = std::move(s.before_update);
   s.before_update.clear();
   s.early_buffers.clear();
   s.stepped_early = 0;
+  return before;
+}
+
+} // namespace
+
+void restore_before_update(stage_state& s) {
+  auto step = s.stepped_early;
+  auto before = take_before_update(s);
   try {
     for (std::size_t c = 0; c < before.size(); ++c) {
       s.chunks[c]->load_state(before[c]);
@@ -283,10 +294,7 @@ bool confirms_early_step(stage_state& s, uint64_t step, double learning_rate,
   bool same = s.stepped_early == step && gradient_scale == 1.0 &&
               (learning_rate < 0 || learning_rate == s.early_learning_rate);
   if (same) {
-    auto before = std::move(s.before_update);
-    s.before_update.clear();
-    s.early_buffers.clear();
-    s.stepped_early = 0;
+    auto before = take_before_update(s);
     if (sharded(s)) {
       gather_parameters(s, step, before, false);
     }

@@ -122,20 +122,23 @@ image_folder scan_image_folder(const std::string& dir, bad_image_policy bad) {
 
 namespace {
 
-// An image's pixels, `channels` per pixel, row by row.
+// An image's pixels, `channels` per pixel, row by row: as decoded (stb_image's buffer, not
+// copied), or resized into a buffer of its own.
 struct pixels_of {
-  std::vector<stbi_uc> data;
+  std::unique_ptr<stbi_uc, void (*)(void*)> decoded{nullptr, stbi_image_free};
+  std::vector<stbi_uc> resized;
   int64_t width = 0;
   int64_t height = 0;
+  const stbi_uc* data() const { return decoded ? decoded.get() : resized.data(); }
 };
 
 pixels_of decode_image(const std::string& path, int channels) {
   int w = 0;
   int h = 0;
   int n = 0;
-  std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &n, channels),
-                                                   stbi_image_free);
-  if (!pixels) {
+  pixels_of image;
+  image.decoded.reset(stbi_load(path.c_str(), &w, &h, &n, channels));
+  if (!image.decoded) {
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) {
       throw pipeline_error(detail::concat(path, ": cannot decode the image: no such file"),
@@ -145,8 +148,9 @@ pixels_of decode_image(const std::string& path, int channels) {
                                         stbi_failure_reason(), "\"; a truncated or corrupt file?)"),
                          error_details{error_kind::io});
   }
-  const auto* begin = pixels.get();
-  return {std::vector<stbi_uc>(begin, begin + static_cast<std::ptrdiff_t>(w) * h * channels), w, h};
+  image.width = w;
+  image.height = h;
+  return image;
 }
 
 // The shorter side resized to `r`, keeping the aspect ratio (torchvision's Resize(int)).
@@ -163,9 +167,12 @@ pixels_of resize_shorter_side(pixels_of image, int64_t r, int channels, const st
   if (rw == w && rh == h) {
     return image;
   }
-  pixels_of resized{std::vector<stbi_uc>(static_cast<std::size_t>(rw * rh * channels)), rw, rh};
-  if (stbir_resize_uint8(image.data.data(), static_cast<int>(w), static_cast<int>(h), 0,
-                         resized.data.data(), static_cast<int>(rw), static_cast<int>(rh), 0,
+  pixels_of resized;
+  resized.resized.resize(static_cast<std::size_t>(rw * rh * channels));
+  resized.width = rw;
+  resized.height = rh;
+  if (stbir_resize_uint8(image.data(), static_cast<int>(w), static_cast<int>(h), 0,
+                         resized.resized.data(), static_cast<int>(rw), static_cast<int>(rh), 0,
                          channels) == 0) {
     throw pipeline_error(
       detail::concat(path, ": cannot resize the image from ", w, 'x', h, " to ", rw, 'x', rh),
@@ -222,7 +229,7 @@ void load_image_into(const std::string& path, const image_transform& t, uint64_t
                     out.numel() == t.channels * s * s,
                   "load_image_into: the output must be a contiguous float tensor [", t.channels,
                   ", ", s, ", ", s, "]");
-  const stbi_uc* src = image.data.data();
+  const stbi_uc* src = image.data();
   float* dst = out.data_ptr<float>();
   for (int c = 0; c < channels; ++c) {
     auto [mean, spread] = mean_and_std(t, channels, c);

@@ -199,10 +199,11 @@ std::vector<std::shared_ptr<stages::stage>> make_virtual_stages(const layer_list
 std::shared_ptr<comm::tie_group>
 tie_group_of(const std::vector<std::shared_ptr<stages::stage>>& virtual_stages,
              const pipeline_options& options, std::size_t stage_count) {
+  auto placement = options.chunk_layout();
   std::set<std::size_t> holders;
   for (std::size_t k = 0; k < virtual_stages.size(); ++k) {
     if (!virtual_stages[k]->config().shared_ties.empty()) {
-      holders.insert(holder_of(options.chunk_layout(), stage_count, k).stage);
+      holders.insert(holder_of(placement, stage_count, k).stage);
     }
   }
   return holders.empty() ? nullptr : std::make_shared<comm::tie_group>(holders);
@@ -247,11 +248,12 @@ pipeline::pipeline(engine& sys, layer_list layers, partition cut, pipeline_optio
   // Virtual stage k (model order) lives on the actor and chunk the placement says.
   self.stages = make_virtual_stages(layers, cut, options, stage_count);
   auto ties = tie_group_of(self.stages, options, stage_count);
+  auto placement = options.chunk_layout();
   std::vector<actors::local_stage_actor> local;
   for (std::size_t i = 0; i < stage_count; ++i) {
     std::vector<std::shared_ptr<stages::stage>> chunks;
     for (std::size_t c = 0; c < options.chunks; ++c) {
-      chunks.push_back(self.stages[virtual_stage_of(options.chunk_layout(), stage_count, i, c)]);
+      chunks.push_back(self.stages[virtual_stage_of(placement, stage_count, i, c)]);
     }
     actors::stage_actor_options actor_options(
       stage_settings_for(options, i, stage_count, threads, bmuf));
