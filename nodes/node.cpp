@@ -252,20 +252,21 @@ std::string build(node_actor* self, const std::string& text) {
     .dump();
 }
 
-std::string receive_model(node_actor* self, const std::string& digest, const std::string& bytes) {
+caf::error receive_model(node_actor* self, const std::string& digest, const std::string& bytes) {
   auto& s = self->state;
   if (bytes.size() > s.max_model_bytes) {
     ++s.route->rejected;
-    return detail::concat("node ", s.label, ": the model file is ", bytes.size(),
-                          " bytes, more than this node takes (", s.max_model_bytes,
-                          "; start it with a larger --max-model-bytes)");
+    return node_refusal(self, error_kind::other,
+                        detail::concat("node ", s.label, ": the model file is ", bytes.size(),
+                                       " bytes, more than this node takes (", s.max_model_bytes,
+                                       "; start it with a larger --max-model-bytes)"));
   }
   if (model_digest(bytes) != digest) {
     ++s.route->rejected;
-    return detail::concat("node ", s.label,
-                          ": the model file arrived damaged (its "
-                          "SHA-256 is not ",
-                          digest, ")");
+    return node_refusal(self, error_kind::io,
+                        detail::concat("node ", s.label,
+                                       ": the model file arrived damaged (its SHA-256 is not ",
+                                       digest, ")"));
   }
   auto it = std::find_if(s.models.begin(), s.models.end(),
                          [&](const auto& m) { return m.first == digest; });
@@ -279,7 +280,7 @@ std::string receive_model(node_actor* self, const std::string& digest, const std
   }
   log::get()->info("node {}: received a model file of {} bytes ({})", s.label, bytes.size(),
                    digest.substr(0, 12));
-  return {};
+  return caf::none;
 }
 
 // Unknown messages are counted and dropped; stopping the node stops its stages; a scheduler
@@ -331,22 +332,26 @@ std::string make_challenge(node_actor* self) {
   return challenge;
 }
 
-std::string authenticate(node_actor* self, const std::string& answer) {
+caf::error authenticate(node_actor* self, const std::string& answer) {
   auto& st = self->state;
   auto sender = self->current_sender();
   if (!sender) {
-    return "anonymous senders cannot authenticate";
+    return node_refusal(
+      self, error_kind::other,
+      detail::concat("node ", st.label, ": anonymous senders cannot authenticate"));
   }
   auto it = st.challenges.find(sender->node());
   if (it == st.challenges.end() || !answers_challenge(st.secret, it->second, answer)) {
     ++st.route->rejected;
     log::get()->error("node {}: refused a scheduler from {}: wrong secret", st.label,
                       caf::to_string(sender->node()));
-    return detail::concat("node ", st.label, " refused the secret (check --secret-file)");
+    return node_refusal(
+      self, error_kind::other,
+      detail::concat("node ", st.label, " refused the secret (check --secret-file)"));
   }
   st.challenges.erase(it);
   st.authorized.insert(sender->node());
-  return {};
+  return caf::none;
 }
 
 // The stage actors next to actor `index` of `count` holding `chunks` chunks each: with looped
@@ -369,14 +374,13 @@ std::set<std::size_t> actors_next_to(uint32_t index, std::size_t count, std::siz
   return next_to;
 }
 
-std::string wire_stage(node_actor* self, uint32_t index, const std::string& text,
-                       caf::actor proxy) {
+caf::error wire_stage(node_actor* self, uint32_t index, const std::string& text, caf::actor proxy) {
   if (!allowed(self, "wire")) {
     return refused(self);
   }
   auto* h = find_stage(self, index);
   if (h == nullptr) {
-    return missing_stage(self, index);
+    return no_stage(self, index);
   }
   try {
     h->peers = peer_table_from_json(text);
@@ -412,9 +416,11 @@ std::string wire_stage(node_actor* self, uint32_t index, const std::string& text
     h->proxy = caf::actor_cast<node_report_listener>(proxy);
     self->monitor(h->proxy);
   } catch (const std::exception& e) {
-    return detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what());
+    return stage_refusal(
+      self, index, kind_of(e, error_kind::other),
+      detail::concat("node ", self->state.label, ", stage ", index, ": ", e.what()));
   }
-  return {};
+  return caf::none;
 }
 
 void receive_plan(node_actor* self, uint32_t index, const std::string& text) {
@@ -566,18 +572,18 @@ caf::message_handler stage_relays(node_actor* self) {
   return caf::message_handler{relays.unbox().as_behavior_impl()};
 }
 
-// A driver's request to build a stage: the stage's settings as the node read them, or
-// {"error": why}.
-std::string answer_build(node_actor* self, const std::string& spec) {
+// A driver's request to build a stage: the stage's settings as the node read them, or the
+// refusal (the kind of what failed; the driver adds the stage it asked for).
+caf::result<std::string> answer_build(node_actor* self, const std::string& spec) {
   if (!allowed(self, "build")) {
-    return nlohmann::json{{"error", refused(self)}}.dump();
+    return refused(self);
   }
   try {
     return build(self, spec);
   } catch (const std::exception& e) {
     log::get()->error("node {}: cannot build a stage: {}", self->state.label, e.what());
-    return nlohmann::json{{"error", detail::concat("node ", self->state.label, ": ", e.what())}}
-      .dump();
+    return node_refusal(self, kind_of(e, error_kind::other),
+                        detail::concat("node ", self->state.label, ": ", e.what()));
   }
 }
 
@@ -596,16 +602,16 @@ caf::behavior node_behavior(node_actor* self, std::string label, std::string sec
     [=](hello_atom) -> std::string { return make_challenge(self); },
     // Answers nothing but that the process runs and its link carries messages.
     [=](heartbeat_atom) { return true; },
-    [=](auth_atom, const std::string& answer) -> std::string { return authenticate(self, answer); },
-    [=](model_atom, const std::string& digest, const std::string& bytes) -> std::string {
-      if (!allowed(self, "model")) {
-        return refused(self);
-      }
-      return receive_model(self, digest, bytes);
+    [=](auth_atom, const std::string& answer) {
+      return actors::done_unless(authenticate(self, answer));
+    },
+    [=](model_atom, const std::string& digest, const std::string& bytes) {
+      return actors::done_unless(allowed(self, "model") ? receive_model(self, digest, bytes)
+                                                        : refused(self));
     },
     [=](build_atom, const std::string& spec) { return answer_build(self, spec); },
-    [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) -> std::string {
-      return wire_stage(self, index, text, proxy);
+    [=](wire_atom, uint32_t index, const std::string& text, caf::actor proxy) {
+      return actors::done_unless(wire_stage(self, index, text, proxy));
     },
     [=](target_atom, uint32_t index, uint64_t step, int32_t microbatch, torch::Tensor& t) {
       receive_target(self, index, step, microbatch, t);

@@ -22,9 +22,17 @@ bool allowed(node_actor* self, const char* what) {
   return false;
 }
 
-std::string refused(node_actor* self) {
-  return detail::concat("node ", self->state.label,
-                        " refused the request: authenticate first (wrong or missing secret)");
+caf::error node_refusal(node_actor* self, error_kind kind, std::string sentence) {
+  return actors::make_pipeline_error(
+    error_details{kind, std::nullopt, std::nullopt, std::nullopt, self->state.label},
+    std::move(sentence));
+}
+
+caf::error refused(node_actor* self) {
+  return node_refusal(
+    self, error_kind::other,
+    detail::concat("node ", self->state.label,
+                   " refused the request: authenticate first (wrong or missing secret)"));
 }
 
 hosted* find_stage(node_actor* self, uint32_t index) {

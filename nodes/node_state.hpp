@@ -79,7 +79,10 @@ using node_actor = caf::stateful_actor<node_state>;
 
 // Control messages are taken from this process and from processes that passed the challenge.
 bool allowed(node_actor* self, const char* what);
-std::string refused(node_actor* self);
+// A refusal of the node itself (no stage of it): `kind`, the node, `sentence`.
+caf::error node_refusal(node_actor* self, error_kind kind, std::string sentence);
+// The refusal of a request from a sender that has not answered the challenge.
+caf::error refused(node_actor* self);
 hosted* find_stage(node_actor* self, uint32_t index);
 std::string missing_stage(node_actor* self, uint32_t index);
 // A refusal in the name of stage `index` on this node: `kind`, the stage, the node, `sentence`.

@@ -6,16 +6,19 @@
 /// node actor (published by `actorpipe node`), every message but hello/auth refused until the
 /// sender's process has answered the challenge:
 /// - (hello_atom) -> std::string challenge
-/// - (auth_atom, std::string answer) -> std::string error (empty: accepted); the answer is
-///   HMAC-SHA256(secret, challenge), hex.
-/// - (model_atom, std::string digest, std::string bytes) -> std::string error: a model file
-///   (TorchScript or PT2), kept by its SHA-256 (hex) for the build requests that name it; refused
-///   above the node's max_model_bytes or when the bytes do not hash to the digest.
+/// - (auth_atom, std::string answer) -> true; the answer is HMAC-SHA256(secret, challenge), hex.
+/// - (model_atom, std::string digest, std::string bytes) -> true: a model file (TorchScript or
+///   PT2), kept by its SHA-256 (hex) for the build requests that name it; refused above the
+///   node's max_model_bytes or when the bytes do not hash to the digest.
 /// - (build_atom, std::string stage_spec) -> std::string {"data_host", "data_port", "settings":
-///   the stage settings the stage actor was given} or {"error"}
-/// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> std::string error:
-///   where the other stages and the scheduler receive frames; the proxy gets the reports and is
-///   monitored (the stage is dropped when it goes).
+///   the stage settings the stage actor was given}
+/// - (wire_atom, uint32 stage, std::string peers, caf::actor proxy) -> true: where the other
+///   stages and the scheduler receive frames; the proxy gets the reports and is monitored (the
+///   stage is dropped when it goes).
+/// A setup request the node refuses (an unanswered challenge, a wrong secret, a model too large
+/// or damaged, a stage it cannot build or wire) is answered with an `actorpipe` error
+/// (actors/pipeline_errc.hpp): the kind of what failed, the node, the stage where there is one,
+/// the sentence; the driver adds the stage it asked for (nodes/remote_stages.cpp, `ask`).
 /// - the stage protocol's messages for one of the node's stages (node_stage_actor below: the
 ///   stage's atom, its index, then the message in wire form)
 /// - (keep_atom, uint32 stage, uint64 number, std::string note) -> bool: snapshot `number` came

@@ -25,22 +25,48 @@ namespace {
 
 using namespace actorpipe::actors;
 
-// One request answered by one string, or an error naming the node.
-template <class... Ts>
-std::string ask(caf::scoped_actor& self, const caf::actor& node, const std::string& label,
-                std::chrono::milliseconds timeout, const char* what, Ts&&... xs) {
-  std::string reply;
-  std::string failure;
-  self->request(node, timeout, std::forward<Ts>(xs)...)
-    .receive([&](std::string& text) { reply = std::move(text); },
-             [&](caf::error& e) {
-               failure = detail::concat(label, ", asked '", what, "', ",
-                                        actors::request_error(self->system(), e, timeout));
-             });
-  if (!failure.empty()) {
-    throw pipeline_error(failure);
+// Where a setup request goes: the node's address, and the stage it is for, if one.
+struct asked {
+  const caf::actor& node;
+  const std::string& address;
+  std::optional<std::size_t> stage;
+};
+
+// A failed setup request as a pipeline_error: the node's refusal, its fields completed by the
+// stage and node asked, or the request's own failure (a timeout, a node that went).
+pipeline_error setup_failure(caf::actor_system& sys, const caf::error& err, const asked& to,
+                             std::chrono::milliseconds timeout, const char* what) {
+  auto details = actors::is_pipeline_error(err) ? actors::details_of_pipeline_error(err)
+                                                : error_details{actors::request_error_kind(err)};
+  details.stage = details.stage ? details.stage : to.stage;
+  if (details.node.empty()) {
+    details.node = to.address;
   }
-  return reply;
+  if (details.kind == error_kind::stage_lost) {
+    details.kind = error_kind::node_lost;
+  }
+  auto sentence = actors::carried_sentence(err);
+  auto message = sentence ? *sentence
+                          : detail::concat("node ", to.address, ", asked '", what, "', ",
+                                           actors::request_error(sys, err, timeout));
+  if (to.stage) {
+    message = detail::concat("stage ", *to.stage, ": ", message);
+  }
+  return pipeline_error(message, std::move(details));
+}
+
+// One setup request answered by an R, or the pipeline_error of its failure.
+template <class R, class... Ts>
+R ask(caf::scoped_actor& self, const asked& to, std::chrono::milliseconds timeout, const char* what,
+      Ts&&... xs) {
+  std::optional<R> reply;
+  caf::error failure;
+  self->request(to.node, timeout, std::forward<Ts>(xs)...)
+    .receive([&](R& r) { reply = std::move(r); }, [&](caf::error& e) { failure = std::move(e); });
+  if (!reply) {
+    throw setup_failure(self->system(), failure, to, timeout, what);
+  }
+  return std::move(*reply);
 }
 
 // The address of this host on the route to `host` (a UDP "connect" sends nothing).
@@ -95,16 +121,14 @@ std::shared_ptr<comm::tensor_hub> scheduler_hub(const node_placement& placement,
 // The node at host:port, reached within the connect timeout and authenticated (hello, then the
 // answer to its challenge).
 caf::actor authenticated(caf::actor_system& sys, caf::scoped_actor& self,
-                         const node_placement& placement, const std::string& host, uint16_t port,
-                         const std::string& label) {
+                         const node_placement& placement, const std::string& address) {
   auto timeout = placement.connect_timeout;
+  auto [host, port] = parse_host_port(address, "node");
   auto handle = reach(sys, host, port, placement.tls.enabled(), timeout);
-  auto challenge = ask(self, handle, label, timeout, "hello", hello_atom::value);
-  auto error = ask(self, handle, label, timeout, "auth", auth_atom::value,
-                   to_hex(comm::handshake_answer(placement.secret, challenge)));
-  if (!error.empty()) {
-    throw pipeline_error(error);
-  }
+  asked to{handle, address, std::nullopt};
+  auto challenge = ask<std::string>(self, to, timeout, "hello", hello_atom::value);
+  ask<bool>(self, to, timeout, "auth", auth_atom::value,
+            to_hex(comm::handshake_answer(placement.secret, challenge)));
   return handle;
 }
 
@@ -120,11 +144,8 @@ remote_model send_models(caf::scoped_actor& self, const std::map<std::string, ca
       continue;
     }
     for (const auto& [address, handle] : handles) {
-      auto error = ask(self, handle, "node " + address, timeout, "model", model_atom::value,
-                       *digests[f], *files[f]);
-      if (!error.empty()) {
-        throw pipeline_error(error);
-      }
+      ask<bool>(self, {handle, address, std::nullopt}, timeout, "model", model_atom::value,
+                *digests[f], *files[f]);
     }
   }
   return described;
@@ -132,19 +153,18 @@ remote_model send_models(caf::scoped_actor& self, const std::map<std::string, ca
 
 // Asks `node` to build stage `i` from `spec`; checks that it took the settings sent and returns
 // where the stage takes frames.
-endpoint build_stage(caf::scoped_actor& self, const caf::actor& node, const std::string& name,
-                     std::size_t i, const stage_spec& spec, std::chrono::milliseconds timeout) {
+endpoint build_stage(caf::scoped_actor& self, const asked& to, const stage_spec& spec,
+                     std::chrono::milliseconds timeout) {
   auto reply = nlohmann::json::parse(
-    ask(self, node, name, timeout, "build", build_atom::value, to_json(spec)));
-  if (reply.contains("error")) {
-    throw pipeline_error(detail::concat("stage ", i, ": ", reply["error"].get<std::string>()));
-  }
+    ask<std::string>(self, to, timeout, "build", build_atom::value, to_json(spec)));
   auto sent = nlohmann::json::parse(to_json(spec.settings));
   auto taken = reply.value("settings", nlohmann::json{});
   if (taken != sent) {
-    throw pipeline_error(detail::concat("stage ", i, ": the node at ", name,
-                                        " built it with other settings than sent (", taken.dump(),
-                                        " for ", sent.dump(), ")"));
+    throw pipeline_error(
+      detail::concat("stage ", *to.stage, ": the node at ", to.address,
+                     " built it with other settings than sent (", taken.dump(), " for ",
+                     sent.dump(), ")"),
+      error_details{error_kind::other, to.stage, std::nullopt, std::nullopt, to.address});
   }
   return {reply.at("data_host").get<std::string>(), reply.at("data_port").get<uint16_t>(), ""};
 }
@@ -162,12 +182,10 @@ placed_nodes reach_placed(caf::actor_system& sys, caf::scoped_actor& self,
   placed_nodes placed;
   for (const auto& address : placement.nodes) {
     auto [host, port] = parse_host_port(address, "node");
-    auto label = detail::concat("node ", host, ":", port);
-    placed.names.push_back(label);
+    placed.names.push_back(detail::concat("node ", host, ":", port));
     auto it = placed.handles.find(address);
     if (it == placed.handles.end()) {
-      it = placed.handles.emplace(address, authenticated(sys, self, placement, host, port, label))
-             .first;
+      it = placed.handles.emplace(address, authenticated(sys, self, placement, address)).first;
     }
     placed.nodes.push_back(it->second);
   }
@@ -212,12 +230,9 @@ void wire_proxies(caf::actor_system& sys, caf::scoped_actor& self, const placed_
     }
   }
   for (std::size_t i = 0; i < count; ++i) {
-    auto error = ask(self, placed.nodes[i], placed.names[i], placement.connect_timeout, "wire",
-                     wire_atom::value, static_cast<uint32_t>(i), table,
-                     caf::actor_cast<caf::actor>(result.proxies[i]));
-    if (!error.empty()) {
-      throw pipeline_error(error);
-    }
+    ask<bool>(self, {placed.nodes[i], placement.nodes[i], i}, placement.connect_timeout, "wire",
+              wire_atom::value, static_cast<uint32_t>(i), table,
+              caf::actor_cast<caf::actor>(result.proxies[i]));
   }
   for (std::size_t i = 0; i < count; ++i) {
     start_heartbeat(sys, placed.nodes[i], placement.nodes[i], static_cast<uint32_t>(i),
@@ -281,7 +296,7 @@ remote_stages connect_stages(caf::actor_system& sys, const remote_model& model,
     peer_table peers;
     for (std::size_t i = 0; i < count; ++i) {
       auto spec = spec_of_stage(described, cut, options, i, count, threads, group_prefix);
-      auto data = build_stage(self, placed.nodes[i], placed.names[i], i, spec, timeout);
+      auto data = build_stage(self, {placed.nodes[i], placement.nodes[i], i}, spec, timeout);
       ++built;
       data.node = placement.nodes[i];
       peers.stages.push_back(std::move(data));

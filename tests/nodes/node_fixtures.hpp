@@ -142,11 +142,22 @@ struct control_client {
 
   std::string render(const caf::error& e) const { return system->render(e); }
 
+  // The error a request is refused with (none when it was answered with a `Reply`).
+  template <class Reply = bool, class... Ts>
+  caf::error refusal(Ts... xs) {
+    caf::error why;
+    (*self)
+      ->request(node, 10s, xs...)
+      .receive([](Reply&) {}, [&](caf::error& e) { why = std::move(e); });
+    return why;
+  }
+
   // Answers the node's challenge with `secret`, as a scheduler does before anything else.
   void authenticate(const std::string& secret = "") {
     auto challenge = ask(nodes::hello_atom::value);
-    REQUIRE(
-      ask(nodes::auth_atom::value, nodes::to_hex(comm::handshake_answer(secret, challenge))) == "");
+    auto why =
+      refusal(nodes::auth_atom::value, nodes::to_hex(comm::handshake_answer(secret, challenge)));
+    REQUIRE_MESSAGE(!why, render(why));
   }
 };
 

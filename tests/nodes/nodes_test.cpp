@@ -236,12 +236,16 @@ TEST_CASE("a node refuses a non-loopback address without a secret") {
 TEST_CASE("unauthenticated and unknown control messages are refused, and the node keeps serving") {
   node n(node_config("pw"));
   control_client intruder(n.address());
-  CHECK(intruder.ask(nodes::build_atom::value, std::string("{}")).find("authenticate first") !=
-        std::string::npos);
+  // Refused as an actorpipe error naming the node, not as text in the reply.
+  auto unauthenticated = intruder.refusal<std::string>(nodes::build_atom::value, std::string("{}"));
+  REQUIRE(actors::is_pipeline_error(unauthenticated));
+  CHECK(intruder.render(unauthenticated).find("authenticate first") != std::string::npos);
+  CHECK(actors::details_of_pipeline_error(unauthenticated).node == n.address());
   // A wrong answer to the challenge.
   intruder.ask(nodes::hello_atom::value);
-  CHECK(intruder.ask(nodes::auth_atom::value, std::string("00")).find("refused the secret") !=
-        std::string::npos);
+  auto wrong = intruder.refusal(nodes::auth_atom::value, std::string("00"));
+  REQUIRE(actors::is_pipeline_error(wrong));
+  CHECK(intruder.render(wrong).find("refused the secret") != std::string::npos);
   // Messages the protocol does not know are dropped.
   bool failed = false;
   (*intruder.self)
@@ -282,8 +286,9 @@ TEST_CASE("a node whose stage is busy past its deadline answers an abort and an 
     {built.at("data_host").get<std::string>(), built.at("data_port").get<uint16_t>(), n.address()});
   peers.scheduler = {hub.host(), hub.port(), "scheduler"};
   auto& self = *scheduler.self;
-  REQUIRE(scheduler.ask(nodes::wire_atom::value, uint32_t{0}, nodes::to_json(peers),
-                        caf::actor_cast<caf::actor>(self)) == "");
+  auto unwired = scheduler.refusal(nodes::wire_atom::value, uint32_t{0}, nodes::to_json(peers),
+                                   caf::actor_cast<caf::actor>(self));
+  REQUIRE_MESSAGE(!unwired, scheduler.render(unwired));
   // Three forward passes of 16 images at 224x224 (about 90 GFLOP on one thread), their inputs
   // there before the plan: the stage runs them in one go, for a second or more.
   actors::step_plan plan;

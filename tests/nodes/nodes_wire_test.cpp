@@ -269,10 +269,10 @@ TEST_CASE("a node builds its stage with the settings sent, cold memory and linge
   CHECK(built.at("settings") == nlohmann::json::parse(nodes::to_json(spec.settings)));
   // A device this node does not have is refused by name.
   spec.settings.device = c10::Device(c10::kCUDA, 5);
-  auto refused =
-    nlohmann::json::parse(scheduler.ask(nodes::build_atom::value, nodes::to_json(spec)));
-  REQUIRE(refused.contains("error"));
-  CHECK(refused["error"].get<std::string>().find("cuda:5") != std::string::npos);
+  auto refused = scheduler.refusal<std::string>(nodes::build_atom::value, nodes::to_json(spec));
+  REQUIRE(actors::is_pipeline_error(refused));
+  CHECK(scheduler.render(refused).find("cuda:5") != std::string::npos);
+  CHECK(actors::details_of_pipeline_error(refused).node == n.address());
 }
 
 TEST_CASE("a pipeline with a device its node does not have fails to build, naming node, stage "
@@ -284,11 +284,14 @@ TEST_CASE("a pipeline with a device its node does not have fails to build, namin
   try {
     pipeline remote(sys, tiny_remote(), partition_uniform(6, 2), o);
     FAIL("the node should have refused cuda:3");
-  } catch (const std::exception& e) {
+  } catch (const pipeline_error& e) {
     std::string what = e.what();
     CAPTURE(what);
     CHECK(what.find("stage 1") != std::string::npos);
     CHECK(what.find(n2.address()) != std::string::npos);
     CHECK(what.find("device cuda:3") != std::string::npos);
+    // The node's refusal keeps its fields end to end.
+    CHECK(e.stage() == std::optional<std::size_t>(1));
+    CHECK(e.node() == n2.address());
   }
 }
