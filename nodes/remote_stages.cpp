@@ -38,7 +38,9 @@ pipeline_error setup_failure(caf::actor_system& sys, const caf::error& err, cons
                              std::chrono::milliseconds timeout, const char* what) {
   auto details = actors::is_pipeline_error(err) ? actors::details_of_pipeline_error(err)
                                                 : error_details{actors::request_error_kind(err)};
-  details.stage = details.stage ? details.stage : to.stage;
+  // A refusal in a stage's name says which stage in its sentence already.
+  auto names_stage = details.stage.has_value();
+  details.stage = names_stage ? details.stage : to.stage;
   if (details.node.empty()) {
     details.node = to.address;
   }
@@ -49,7 +51,7 @@ pipeline_error setup_failure(caf::actor_system& sys, const caf::error& err, cons
   auto message = sentence ? *sentence
                           : detail::concat("node ", to.address, ", asked '", what, "', ",
                                            actors::request_error(sys, err, timeout));
-  if (to.stage) {
+  if (to.stage && !names_stage) {
     message = detail::concat("stage ", *to.stage, ": ", message);
   }
   return pipeline_error(message, std::move(details));

@@ -10,8 +10,9 @@ if [ $# -ne 3 ]; then
   echo "usage: $0 BASE_BUILD AFTER_BUILD OUT_DIR" >&2
   exit 2
 fi
-base=$(realpath "$1") after=$(realpath "$2") out=$3
-for b in "$base" "$after"; do
+declare -A dir=([base]=$(realpath "$1") [after]=$(realpath "$2"))
+out=$3
+for b in "${dir[@]}"; do
   for exe in bench/actorpipe_micro_bench bench/actorpipe_recovery_bench cli/actorpipe; do
     [ -x "$b/$exe" ] || { echo "$0: no $b/$exe (build it first)" >&2; exit 1; }
   done
@@ -20,7 +21,7 @@ mkdir -p "$out" && cd "$out"
 filter='BM_forward_hop/[0-9]+/[0-9]+/50/real_time|BM_scheduler_step/(1|8)/50/real_time'
 for r in 1 2; do
   for side in base after; do
-    b=$base && [ $side = after ] && b=$after
+    b=${dir[$side]}
     echo "== $side, per hop and recovery, run $r ($(date +%T))"
     "$b/bench/actorpipe_micro_bench" --benchmark_filter="$filter" --benchmark_min_time=0.5 \
       --benchmark_format=json > "micro_${side}_$r.json"
@@ -30,7 +31,7 @@ for r in 1 2; do
 done
 for r in 1 2; do
   for side in base after; do
-    b=$base && [ $side = after ] && b=$after
+    b=${dir[$side]}
     echo "== $side, seed scenario, run $r ($(date +%T))"
     timeout 900 "$b/cli/actorpipe" bench --data synthetic --batch 48 --image 96 --stage-counts 2 \
       --splits 4 --partition time --schedules 1f1b --resnet-blocks --steps 5 > "seed_${side}_$r.log" 2>&1
