@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "training/model_setup.hpp"
 #include "training/planning.hpp"
 
 namespace actorpipe::bench {

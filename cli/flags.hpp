@@ -1,12 +1,14 @@
 /// \file
 /// The flags `actorpipe train`, `plan` and `bench` share: which model and data, and how the
-/// pipeline is cut and scheduled (the settings are training/planning.hpp's).
+/// pipeline is cut and scheduled (the settings are training/model_setup.hpp's and
+/// training/planning.hpp's).
 #pragma once
 
 #include <chrono>
 #include <functional>
 #include <string>
 
+#include "training/model_setup.hpp"
 #include "training/planning.hpp"
 
 namespace CLI {

@@ -18,6 +18,7 @@
 
 #include "cli/node_command.hpp"
 #include "comm/tensor_hub.hpp"
+#include "training/run_plan.hpp"
 
 namespace actorpipe::cli {
 
@@ -94,55 +95,6 @@ hook_specs hooks_of(const train_args& a) {
   return hooks;
 }
 
-// In this process, or on nodes when --nodes is given.
-// The pipeline of one replica (or of the run), or, with --replicas and --nodes, every
-// replica's (one loop feeds them: they recover a lost node together).
-struct run_pipeline {
-  std::unique_ptr<pipeline> single;
-  std::unique_ptr<replicated_pipeline> replicated;
-
-  // Replica 0 (its parameters are every replica's). After a recovery it may be another object.
-  pipeline& lead() { return single ? *single : replicated->replica(0); }
-};
-
-run_pipeline make_pipeline(engine& sys, const train_args& a, const model_setup& setup,
-                           const plan_choice& choice, pipeline_options po, const std::string& loss,
-                           optimizer_spec optimizer) {
-  auto hooks = hooks_of(a);
-  if (a.pipeline.placement.nodes.empty()) {
-    po.hooks = make_hooks(hooks);
-    return {std::make_unique<pipeline>(sys, setup.layers, choice.cut, std::move(po)), nullptr};
-  }
-  remote_model model;
-  model.hooks = std::move(hooks);
-  model.name = setup.name;
-  model.options = setup.options;
-  model.seed = a.model.seed;
-  model.file = setup.model_file;
-  model.segments = setup.segments;
-  model.loss = loss;
-  model.optimizer = std::move(optimizer);
-  if (!a.secret_file.empty()) {
-    po.placement.secret = comm::read_secret_file(a.secret_file);
-  }
-  auto say_where_to_join = [](const std::string& at) {
-    if (!at.empty()) {
-      std::cerr << "actorpipe: nodes may join at " << at << " (actorpipe node --join " << at
-                << ")\n";
-    }
-  };
-  if (a.replicas > 1) {
-    auto replicas = po.data_parallel.replicas;
-    auto many =
-      std::make_unique<replicated_pipeline>(sys, model, choice.cut, std::move(po), replicas);
-    say_where_to_join(many->join_address());
-    return {nullptr, std::move(many)};
-  }
-  auto one = std::make_unique<pipeline>(sys, std::move(model), choice.cut, std::move(po));
-  say_where_to_join(one->join_address());
-  return {std::move(one), nullptr};
-}
-
 // One loop for every kind of data (training/: train), then the reports.
 // What kind of run the flags ask for: the data and the model decide its defaults.
 struct run_kind {
@@ -156,6 +108,8 @@ struct run_kind {
   bool lm = false;
   std::string loss;
   double lr = 0;
+  // --optimizer and its flags with what was not given filled in (optimizer_for).
+  optimizer_spec optimizer;
 };
 
 run_kind kind_of(const train_args& a, const model_setup& setup, const text_corpus* corpus) {
@@ -210,6 +164,25 @@ optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
   ACTORPIPE_CHECK(a.train.min_lr >= 0 && a.train.min_lr <= k.lr, "--min-lr (", a.train.min_lr,
                   ") must be between 0 and the peak learning rate (", k.lr, ")");
   return optimizer;
+}
+
+// The model as start_run takes it: on nodes its description (each node builds its stage from
+// it), in this process its layers.
+training::run_model run_model_of(const train_args& a, const model_setup& setup, const run_kind& k) {
+  training::run_model model;
+  if (a.pipeline.placement.nodes.empty()) {
+    model.layers = setup.layers;
+    return model;
+  }
+  auto& remote = model.remote;
+  remote.name = setup.name;
+  remote.options = setup.options;
+  remote.seed = a.model.seed;
+  remote.file = setup.model_file;
+  remote.segments = setup.segments;
+  remote.loss = k.loss;
+  remote.optimizer = k.optimizer;
+  return model;
 }
 
 // The batches to train on; `steps` (0: the data's own count) becomes a stream's step count.
@@ -322,12 +295,13 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
 // The data the run trains on, and for how long at which rate (the header's middle).
 void print_data(const train_args& a, const model_setup& setup, const run_kind& k,
                 const batch_source& data_source, const train_options& to,
-                const optimizer_spec& optimizer, const text_corpus* corpus) {
+                const text_corpus* corpus) {
   const auto* data = &data_source;
   const auto& mo = setup.options;
   const bool tensors = k.tensors, synthetic = k.synthetic, images = k.images, text = k.text,
              lm = k.lm;
   const auto& loss = k.loss;
+  const auto& optimizer = k.optimizer;
   const double lr = k.lr;
   const int64_t steps = to.max_steps;
   const int64_t epochs = to.epochs;
@@ -377,10 +351,9 @@ void print_data(const train_args& a, const model_setup& setup, const run_kind& k
 
 void print_header(const train_args& a, const model_setup& setup, const plan_choice& choice,
                   const run_kind& k, const batch_source& data_source, const train_options& to,
-                  const optimizer_spec& optimizer, const text_corpus* corpus,
-                  const data_parallel_options& dp) {
+                  const text_corpus* corpus, const data_parallel_options& dp) {
   std::cout << "actorpipe train: " << setup.name << " on ";
-  print_data(a, setup, k, data_source, to, optimizer, corpus);
+  print_data(a, setup, k, data_source, to, corpus);
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
             << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
@@ -391,7 +364,7 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
 // What the run measured, after it: accuracy or bits, the loader's waits, the planner's error,
 // recoveries.
 void print_summary(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                   const run_kind& k, const train_report& report, run_pipeline& run) {
+                   const run_kind& k, const train_report& report, training::run_pipeline& run) {
   const bool text = k.text, stream = k.stream, images = k.images;
   auto& pipe = run.lead();
   if (text && !report.epochs.empty()) {
@@ -556,26 +529,31 @@ void write_outputs(const train_args& a, const model_setup& setup, const plan_cho
   }
 }
 
-int run_training(const train_args& a, const model_setup& setup, const plan_choice& choice,
-                 pipeline_options po, const text_corpus* corpus) {
-  const auto k = kind_of(a, setup, corpus);
-  const auto& dp = po.data_parallel;
+// One pipeline's run (or, with --replicas and --nodes, every replica's), from the plan: the data,
+// the header, the pipeline (training::start_run), the loop, then the reports. `rank`: which of
+// this process's replica threads this is (--replicas in this process).
+int run_training(const train_args& a, const model_setup& setup, const run_kind& k,
+                 const training::run_plan& plan, std::optional<std::size_t> rank,
+                 const text_corpus* corpus) {
+  const auto& choice = plan.choice();
+  auto dp = plan.settings().pipeline.data_parallel;
+  dp.rank = rank.value_or(dp.rank);
   const bool lead = dp.rank == 0;
-  auto optimizer = optimizer_for(a, k);
-  po.loss = builtin_loss(k.loss);
-  po.optimizer = make_optimizer(optimizer);
   auto steps = static_cast<int64_t>(a.steps > 0 ? a.steps : a.max_steps);
   auto data = data_for(a, setup, k, corpus, steps);
   auto to = train_options_for(a, setup, k, *data, dp, steps);
   if (lead) {
-    print_header(a, setup, choice, k, *data, to, optimizer, corpus, dp);
+    print_header(a, setup, choice, k, *data, to, corpus, dp);
   }
   if (!a.pipeline.placement.nodes.empty()) {
     // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
     memory::map_large_allocations();
   }
   engine sys;
-  auto run = make_pipeline(sys, a, setup, choice, po, k.loss, optimizer);
+  auto run = training::start_run(sys, run_model_of(a, setup, k), plan, rank);
+  if (auto at = run.join_address(); !at.empty()) {
+    std::cerr << "actorpipe: nodes may join at " << at << " (actorpipe node --join " << at << ")\n";
+  }
   if (run.replicated) {
     // One loop takes each batch whole; the replicas split it.
     to.rank = 0;
@@ -648,8 +626,7 @@ void check_replica_sync(const train_args& a, const model_setup& setup, data_para
   }
 }
 
-data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup,
-                                        const plan_choice& choice) {
+data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup) {
   auto dp = data_parallel_from_env(a.pipeline.data_parallel);
   if (a.world_size > 0) {
     dp.replicas = static_cast<std::size_t>(a.world_size);
@@ -668,10 +645,11 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
+  // With --nodes the stages are given (check_layout_auto_applies), so known before planning.
   ACTORPIPE_CHECK(
     a.pipeline.placement.nodes.empty() ||
-      a.pipeline.placement.nodes.size() == a.replicas * choice.stages(),
-    "--nodes lists ", a.pipeline.placement.nodes.size(), " nodes for ", choice.stages(), " stages",
+      a.pipeline.placement.nodes.size() == a.replicas * a.plan.stages,
+    "--nodes lists ", a.pipeline.placement.nodes.size(), " nodes for ", a.plan.stages, " stages",
     a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
                    : std::string{});
   ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty() || a.on_node_loss != "continue" ||
@@ -704,13 +682,38 @@ void check_layout_auto_applies(const train_args& a) {
                   "--world-size) give --stages and --threads");
 }
 
-// Replicas of stages in this process (--replicas): one thread each, meeting at an in-process
-// store; the worst exit code, or the first error.
+// The run's settings, all of them before planning: the flags' pipeline options with the loss,
+// the optimizer, the replicas and the secret; the hooks; the replicas one loop feeds.
+training::run_settings settings_for(const train_args& a, const model_setup& setup,
+                                    const run_kind& k) {
+  training::run_settings s;
+  s.plan = a.plan;
+  s.hooks = hooks_of(a);
+  auto& po = s.pipeline = a.pipeline;
+  po.loss = builtin_loss(k.loss);
+  po.optimizer = make_optimizer(k.optimizer);
+  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
+  po.data_parallel = data_parallel_for(a, setup);
+  if (!a.secret_file.empty()) {
+    po.placement.secret = comm::read_secret_file(a.secret_file);
+  }
+  if (a.replicas > 1) {
+    // On nodes: one loop and one replicated_pipeline, which meets the replicas' stages at a
+    // store served here (--master-addr/-port) and recovers them together. In this process: a
+    // thread and a loop per replica (run_local_replicas), meeting at an in-process store.
+    const bool on_nodes = !po.placement.nodes.empty();
+    po.data_parallel.replicas = a.replicas;
+    po.data_parallel.rank = 0;
+    po.data_parallel.local = on_nodes ? nullptr : make_local_rendezvous();
+    s.replicas = on_nodes ? a.replicas : 1;
+  }
+  return s;
+}
+
+// Replicas of stages in this process (--replicas): one thread each, meeting at the plan's
+// in-process store; the worst exit code, or the first error.
 template <class RunRank>
-int run_local_replicas(const train_args& a, const model_setup& setup, pipeline_options po,
-                       const RunRank& run_rank) {
-  po.data_parallel.replicas = a.replicas;
-  po.data_parallel.local = make_local_rendezvous();
+int run_local_replicas(const train_args& a, const model_setup& setup, const RunRank& run_rank) {
   // Each replica owns its modules; built one after another (they seed the global generator).
   std::vector<model_setup> models{setup};
   for (std::size_t r = 1; r < a.replicas; ++r) {
@@ -718,10 +721,8 @@ int run_local_replicas(const train_args& a, const model_setup& setup, pipeline_o
   }
   std::vector<std::future<int>> ranks;
   for (std::size_t r = 0; r < a.replicas; ++r) {
-    auto o = po;
-    o.data_parallel.rank = r;
-    ranks.push_back(std::async(std::launch::async,
-                               [&run_rank, &models, r, o] { return run_rank(models[r], o); }));
+    ranks.push_back(
+      std::async(std::launch::async, [&run_rank, &models, r] { return run_rank(models[r], r); }));
   }
   int code = 0;
   std::exception_ptr error;
@@ -749,34 +750,25 @@ int run_train(const train_args& given) {
     corpus = load_text(a.text_file.empty() ? std::string(default_fortunes_dir()) : a.text_file);
     a.model.vocabulary = corpus->vocabulary();
   }
+  const text_corpus* text = corpus ? &*corpus : nullptr;
   auto setup = build_model(a.model);
   check_layout_auto_applies(a);
   a.plan.devices = training::parse_devices(a.devices, a.plan);
+  check_flags_apply(a, setup);
   // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
   // parameter, SGD with momentum 1.
   a.plan.optimizer_state = optimizer_of(a).state_tensors();
-  auto plan = training::plan_run(setup.layers, setup.sample(), a.plan, a.pipeline);
-  const auto& choice = plan.choice;
-  auto& po = plan.options;
-  check_flags_apply(a, setup, choice);
-  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
-  make_hooks(hooks_of(a)); // refused here, before data or nodes; make_pipeline builds them
-  po.data_parallel = data_parallel_for(a, setup, choice);
-  auto run_rank = [&](const model_setup& model, pipeline_options o) {
-    return run_training(a, model, choice, std::move(o), corpus ? &*corpus : nullptr);
+  auto k = kind_of(a, setup, text);
+  k.optimizer = optimizer_for(a, k);
+  make_hooks(hooks_of(a)); // refused here, before data or nodes; start_run builds them
+  const auto plan = training::plan_run(setup.layers, setup.sample(), settings_for(a, setup, k));
+  auto run_rank = [&](const model_setup& model, std::optional<std::size_t> rank) {
+    return run_training(a, model, k, plan, rank, text);
   };
-  if (a.replicas == 1) {
-    return run_rank(setup, std::move(po));
+  if (a.replicas == 1 || !a.pipeline.placement.nodes.empty()) {
+    return run_rank(setup, std::nullopt);
   }
-  if (!a.pipeline.placement.nodes.empty()) {
-    // Replicas of stages on nodes: one loop, one replicated_pipeline, which meets the replicas'
-    // stages at a store served here (--master-addr/-port) and recovers them together.
-    po.data_parallel.replicas = a.replicas;
-    po.data_parallel.rank = 0;
-    po.data_parallel.local = nullptr;
-    return run_rank(setup, std::move(po));
-  }
-  return run_local_replicas(a, setup, std::move(po), run_rank);
+  return run_local_replicas(a, setup, run_rank);
 }
 
 } // namespace actorpipe::cli

@@ -84,8 +84,9 @@ struct train_args {
   /// The flags that name its fields fill them here: --wait-timeout, --max-grad-norm,
   /// --overlap-steps, --precision, data_parallel's --dp-timeout, --dp-backend, --buffers and
   /// --batch-norm, and the nodes' placement (--nodes, --spare-nodes, --accept-joins, TLS,
-  /// --connect-timeout, --heartbeat-timeout); run_train() adds the plan's fields
-  /// and devices (training::plan_run), the replicas and the secret.
+  /// --connect-timeout, --heartbeat-timeout); run_train() adds the loss, the optimizer, the
+  /// replicas and the secret to the run's settings before planning; the plan's fields and
+  /// devices are the plan's (training::run_plan::options).
   pipeline_options pipeline;
   std::string secret_file;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
@@ -108,7 +109,8 @@ int run_train(const train_args& args);
 bool tensor_data_set(const train_args& a);
 
 /// Refuses, by name and with why, a flag given where it does not apply: one kind of data's flag
-/// with another, a flag that needs another (cli/train_flags.cpp, beside the flags).
-void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice);
+/// with another, a flag that needs another (cli/train_flags.cpp, beside the flags). Before
+/// planning: a schedule given with chunks it cannot take the planner refuses (given_layout).
+void check_flags_apply(const train_args& a, const model_setup& setup);
 
 } // namespace actorpipe::cli

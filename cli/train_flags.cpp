@@ -7,6 +7,7 @@
 #include <actorpipe/exported.hpp>
 
 #include "cli/flags.hpp"
+#include "cli/node_command.hpp"
 #include "cli/train_command.hpp"
 
 namespace actorpipe::cli {
@@ -438,7 +439,7 @@ bool tensor_data_set(const train_args& a) {
 }
 
 // Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
-void check_flags_apply(const train_args& a, const model_setup& setup, const plan_choice& choice) {
+void check_flags_apply(const train_args& a, const model_setup& setup) {
   check_node_flags_apply(a);
   bool on_gpus = std::any_of(a.plan.devices.begin(), a.plan.devices.end(),
                              [](const c10::Device& d) { return d.is_cuda(); });
@@ -451,15 +452,6 @@ void check_flags_apply(const train_args& a, const model_setup& setup, const plan
   check_model_flags_apply(a, setup);
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
                   "--steps and --max-steps both give the steps of the run in all: give one");
-  ACTORPIPE_CHECK(!choice.custom.empty() || !interleaves(choice.kind) || choice.chunks > 1,
-                  "--schedule ", choice.schedule_name, " with --chunks ", choice.chunks,
-                  " interleaves nothing: give --chunks 2 or more, or --schedule ",
-                  choice.kind == schedule_kind::interleaved ? "1f1b" : "zb-h1");
-  ACTORPIPE_CHECK(!choice.custom.empty() || placement_of(choice.kind) != chunk_placement::v_shape ||
-                    choice.chunks == 2,
-                  "--schedule ", choice.schedule_name,
-                  " runs two chunks per stage in a V: --chunks ", choice.chunks,
-                  " does not apply (leave it out, or give 2)");
 }
 
 } // namespace actorpipe::cli

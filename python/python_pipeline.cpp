@@ -8,7 +8,7 @@
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/torchscript.hpp>
 
-#include "training/planning.hpp"
+#include "training/run_plan.hpp"
 
 namespace actorpipe::python {
 
@@ -86,16 +86,24 @@ torch::Tensor planning_batch(const pipeline_config& c, const training::planning_
   return torch::zeros({static_cast<int64_t>(std::max<std::size_t>(1, a.microbatches))});
 }
 
-// The settings the plan is set into (training::plan_run): all but the planner's.
-pipeline_options base_options(const pipeline_config& c) {
-  pipeline_options po;
+// The run's settings (training::plan_run): the planner's, and everything else the pipeline takes.
+training::run_settings settings_of(const pipeline_config& c) {
+  training::run_settings s;
+  s.plan = planning_of(c);
+  s.hooks = c.hooks;
+  ACTORPIPE_CHECK(c.replicas >= 1, "replicas must be >= 1");
+  ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
+                                                   "give a stage count with replicas > 1");
+  s.replicas = c.replicas;
+  auto& po = s.pipeline;
   po.precision = parse_precision(c.precision);
   po.max_grad_norm = c.max_grad_norm;
   po.wait_timeout = c.wait_timeout;
   po.step_timeout = c.step_timeout;
-  ACTORPIPE_CHECK(c.replicas >= 1, "replicas must be >= 1");
   po.data_parallel.replicas = c.replicas;
   po.data_parallel.shard = parse_shard_mode(c.shard);
+  po.placement.nodes = c.nodes;
+  po.placement.secret = c.secret;
   if (c.loss_module.empty()) {
     po.loss = builtin_loss(c.loss);
   } else {
@@ -104,7 +112,28 @@ pipeline_options base_options(const pipeline_config& c) {
     po.loss = scripted_loss(c.loss_module);
   }
   po.optimizer = make_optimizer(c.optimizer);
-  return po;
+  return s;
+}
+
+// The model as start_run takes it: on nodes the file's bytes, each node reads them; in this
+// process the layers read here, and a maker of each replica's own when there are several.
+training::run_model run_model_of(const pipeline_config& c, layer_list layers) {
+  training::run_model model;
+  if (!c.nodes.empty()) {
+    auto& remote = model.remote;
+    remote.name = c.model_name;
+    remote.file = c.model;
+    remote.segments = c.segments;
+    remote.loss = c.loss;
+    remote.optimizer = c.optimizer;
+  } else if (c.replicas > 1) {
+    model.replica = [bytes = c.model, name = c.model_name, how = exported_options{c.segments}] {
+      return load_model_file(bytes, name, how);
+    };
+  } else {
+    model.layers = std::move(layers);
+  }
+  return model;
 }
 
 } // namespace
@@ -142,49 +171,21 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   if (exported_) {
     state_names_ = exported_state_names(layers);
   }
-  auto a = planning_of(c);
-  ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
-                                                   "give a stage count with replicas > 1");
-  auto plan = training::plan_run(layers, planning_batch(c, a), a, base_options(c));
-  const auto& choice = plan.choice;
-  auto& po = plan.options;
+  auto settings = settings_of(c);
+  auto batch = planning_batch(c, settings.plan);
+  const auto plan = training::plan_run(layers, batch, std::move(settings));
+  const auto& choice = plan.choice();
   layout_.stages = choice.stages();
   layout_.bounds = choice.cut.bounds;
   layout_.schedule = choice.schedule_name;
   layout_.microbatches = choice.microbatches;
   layout_.chunks = choice.chunks;
-  layout_.threads = po.threads_per_stage;
+  layout_.threads = plan.options().threads_per_stage;
   layout_.parameters = stage_parameter_counts(layers, choice.cut);
   engine_ = the_engine();
-  if (!c.nodes.empty()) {
-    remote_model model;
-    model.name = c.model_name;
-    model.file = c.model;
-    model.segments = c.segments;
-    model.loss = c.loss;
-    model.optimizer = c.optimizer;
-    model.hooks = c.hooks;
-    po.placement.nodes = c.nodes;
-    po.placement.secret = c.secret;
-    if (c.replicas > 1) {
-      replicas_ = std::make_unique<replicated_pipeline>(*engine_, model, choice.cut, std::move(po),
-                                                        c.replicas);
-    } else {
-      pipeline_ = std::make_unique<pipeline>(*engine_, std::move(model), choice.cut, std::move(po));
-    }
-    return;
-  }
-  po.hooks = make_hooks(c.hooks);
-  if (c.replicas > 1) {
-    auto bytes = c.model;
-    auto name = c.model_name;
-    exported_options how{c.segments};
-    auto make = [bytes, name, how] { return load_model_file(bytes, name, how); };
-    replicas_ =
-      std::make_unique<replicated_pipeline>(*engine_, make, choice.cut, std::move(po), c.replicas);
-  } else {
-    pipeline_ = std::make_unique<pipeline>(*engine_, std::move(layers), choice.cut, std::move(po));
-  }
+  auto run = training::start_run(*engine_, run_model_of(c, std::move(layers)), plan);
+  pipeline_ = std::move(run.single);
+  replicas_ = std::move(run.replicated);
 }
 
 python_pipeline::~python_pipeline() {

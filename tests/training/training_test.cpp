@@ -15,7 +15,7 @@
 #include <actorpipe/training.hpp>
 
 #include "../engine/oracle.hpp"
-#include "training/planning.hpp"
+#include "training/model_setup.hpp"
 #include "training/stragglers.hpp"
 
 using namespace actorpipe;
