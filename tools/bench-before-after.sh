@@ -1,10 +1,13 @@
 #!/bin/bash
 # The benches a change to the engine's house is measured by, before and after, alternately in one
 # sitting (BENCHMARKS.md's issue 62 sections): per hop in process, steps and recovery over
-# `actorpipe node` processes, and the seed scenario reduced. Build the base in a worktree first:
+# `actorpipe node` processes, and the seed scenario reduced, side by side in `actorpipe bench` and
+# as one run of `actorpipe train` (planned, built and trained through training::plan_run and
+# start_run). Build the base in a worktree first:
 #   git worktree add /tmp/base <commit> && (cd /tmp/base && ./setup.sh build)
 #   tools/bench-before-after.sh /tmp/base/build build out/
-# Writes micro_{base,after}_N.json, rec_{base,after}_N.{json,log} and seed_{base,after}_N.log.
+# Writes micro_{base,after}_N.json, rec_{base,after}_N.{json,log}, seed_{base,after}_N.log and
+# train_{base,after}_N.{json,log}.
 set -euo pipefail
 if [ $# -ne 3 ]; then
   echo "usage: $0 BASE_BUILD AFTER_BUILD OUT_DIR" >&2
@@ -35,5 +38,8 @@ for r in 1 2; do
     echo "== $side, seed scenario, run $r ($(date +%T))"
     timeout 900 "$b/cli/actorpipe" bench --data synthetic --batch 48 --image 96 --stage-counts 2 \
       --splits 4 --partition time --schedules 1f1b --resnet-blocks --steps 5 > "seed_${side}_$r.log" 2>&1
+    timeout 900 "$b/cli/actorpipe" train --data synthetic --batch 48 --image 96 --stages 2 \
+      --microbatches 4 --partition time --resnet-blocks --steps 6 --json "train_${side}_$r.json" \
+      > "train_${side}_$r.log" 2>&1
   done
 done

@@ -370,11 +370,10 @@ namespace {
 // A built-in schedule given with --chunks: interleaving takes two chunks per stage or more, a V
 // exactly two.
 void check_chunks_apply(const plan_choice& c) {
+  const char* instead = c.kind == schedule_kind::interleaved ? "1f1b" : "zb-h1";
   ACTORPIPE_CHECK(!interleaves(c.kind) || c.chunks > 1, "--schedule ", c.schedule_name,
                   " with --chunks ", c.chunks,
-                  " interleaves nothing: give --chunks 2 or more, or "
-                  "--schedule ",
-                  c.kind == schedule_kind::interleaved ? "1f1b" : "zb-h1");
+                  " interleaves nothing: give --chunks 2 or more, or --schedule ", instead);
   ACTORPIPE_CHECK(placement_of(c.kind) != chunk_placement::v_shape || c.chunks == 2, "--schedule ",
                   c.schedule_name, " runs two chunks per stage in a V: --chunks ", c.chunks,
                   " does not apply (leave it out, or give 2)");
