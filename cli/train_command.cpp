@@ -689,6 +689,7 @@ training::run_settings settings_for(const train_args& a, const model_setup& setu
   training::run_settings s;
   s.plan = a.plan;
   s.hooks = hooks_of(a);
+  make_hooks(s.hooks); // refused here, before planning, data or nodes; start_run builds them
   auto& po = s.pipeline = a.pipeline;
   po.loss = builtin_loss(k.loss);
   po.optimizer = make_optimizer(k.optimizer);
@@ -760,7 +761,6 @@ int run_train(const train_args& given) {
   a.plan.optimizer_state = optimizer_of(a).state_tensors();
   auto k = kind_of(a, setup, text);
   k.optimizer = optimizer_for(a, k);
-  make_hooks(hooks_of(a)); // refused here, before data or nodes; start_run builds them
   const auto plan = training::plan_run(setup.layers, setup.sample(), settings_for(a, setup, k));
   auto run_rank = [&](const model_setup& model, std::optional<std::size_t> rank) {
     return run_training(a, model, k, plan, rank, text);
