@@ -85,7 +85,10 @@ sanitize() {
 }
 
 # The PyTorch 2.11 line: the wheel's libtorch (CUDA 13.0), a build of its own in build-cuda.
+# The models its tests train come from transformers and torchvision (tests/oracle/hf_models.py);
+# torchvision is pinned to the release built for this torch, or pip would replace the torch.
 torch_spec='torch==2.11.*'
+model_specs=('torchvision==0.26.*' 'transformers>=5.25,<6' safetensors)
 venv=.venv-torch
 pip_torch() {
   if [[ ! -x $venv/bin/python ]] && ! python3 -m venv "$venv"; then
@@ -98,6 +101,10 @@ pip_torch() {
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "setup: installing $torch_spec from PyPI into $venv (the CUDA 13.0 wheel, ~3 GB with its CUDA libraries)"
     "$venv/bin/pip" install -q "$torch_spec" numpy
+  fi
+  if ! "$venv/bin/python" -c 'import torchvision, transformers, safetensors' 2>/dev/null; then
+    echo "setup: installing ${model_specs[*]} from PyPI into $venv (the models the tests train)"
+    "$venv/bin/pip" install -q "$torch_spec" "${model_specs[@]}"
   fi
 }
 # The targets CI builds on that line: every library (libtorch_cuda, NCCL), the program, the GPU

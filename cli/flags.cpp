@@ -66,9 +66,16 @@ void add_model_flags(CLI::App* cmd, model_args& m) {
   cmd
     ->add_option("--segments", m.segments,
                  "--model PATH.pt2: where the graph is cut into layers: auto (at pipe_split() "
-                 "markers if any, else modules), modules (each top-level submodule), modules:K "
-                 "(submodules K deep), markers, or nodes (every op)")
+                 "markers if any, else at the model's repeated blocks, else modules), blocks "
+                 "(each repeated block: a decoder layer, a ResNet block; the embedding and the "
+                 "head apart), modules (each top-level submodule), modules:K (submodules K "
+                 "deep), markers, or nodes (every op)")
     ->capture_default_str();
+  cmd->add_option("--init-from", m.init_from,
+                  "--model PATH.pt2: start from these weights, matched by name: a .safetensors "
+                  "file or a save_pretrained folder (model.safetensors, or shards and "
+                  "model.safetensors.index.json); a wrapper's prefix (model.) is matched; a "
+                  "tensor missing, left over or of another shape or dtype is refused by name");
   cmd
     ->add_option("--batch", m.batch,
                  "Samples per batch (0: 64 for fashion-mnist, 32 sequences for gpt, 120 for "
@@ -164,6 +171,11 @@ void parse_memory_cap(const std::string& value, planning_args& a) {
 }
 
 } // namespace
+
+uint64_t parse_bytes(const char* flag, const std::string& value) {
+  auto [n, factor] = number_and_unit(flag, value, "not bytes (e.g. 512MB, 5GiB)");
+  return static_cast<uint64_t>(n * (factor == 0 ? 1.0 : factor));
+}
 
 void add_recompute_flag(CLI::App* cmd, planning_args& a) {
   cmd

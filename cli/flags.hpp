@@ -28,6 +28,8 @@ using training::planning_args;
 using training::threads_per_stage;
 
 void add_model_flags(CLI::App* cmd, model_args& args);
+/// "5GiB", "512MB", "4096B" or a count of bytes, for `flag`; CLI::ValidationError otherwise.
+uint64_t parse_bytes(const char* flag, const std::string& value);
 void add_pipeline_flags(CLI::App* cmd, planning_args& args);
 /// --recompute (train, plan): sets args.recompute and recompute_given.
 void add_recompute_flag(CLI::App* cmd, planning_args& args);

@@ -507,6 +507,14 @@ void write_outputs(const train_args& a, const model_setup& setup, const plan_cho
       std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
     }
   }
+  if (!a.save_safetensors.empty()) {
+    auto names = setup.weights.names.empty() ? own_weight_names(setup.layers) : setup.weights;
+    write_pretrained(a.save_safetensors, weights_for_file(pipe.state_dict(), names),
+                     a.max_shard_bytes, setup.weights.config_folder);
+    std::cout << "wrote " << a.save_safetensors << " (safetensors"
+              << (setup.weights.config_folder.empty() ? "" : " and config.json")
+              << ": from_pretrained(dir) loads it)\n";
+  }
   if (k.text && a.sample > 0) {
     // The forward-only path, a character at a time, from the start of a held-out line.
     auto prompt = corpus->decode(corpus->validation.slice(0, 0, 1));

@@ -57,6 +57,10 @@ struct train_args {
   double holdout = 0;
   /// Write the trained TorchScript model here.
   std::string export_path;
+  /// Write the trained weights as safetensors into this folder (--save-safetensors), in shards
+  /// of at most this many bytes (--max-shard-size).
+  std::string save_safetensors;
+  uint64_t max_shard_bytes = uint64_t{5} << 30;
   int64_t train_samples = 0;
   int64_t test_samples = 0;
   int64_t max_steps = 0;

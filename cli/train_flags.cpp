@@ -275,6 +275,17 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "After training, write the trained model file back with its new weights: a PT2 archive "
       "(--model PATH.pt2), which torch.export.load(PATH).module() runs, or TorchScript (--model "
       "PATH.pt), which torch.jit.load runs");
+  opt("--save-safetensors", a.save_safetensors,
+      "--model PATH.pt2: after training, write the trained weights into this folder as "
+      "save_pretrained does (model.safetensors, or shards and an index past --max-shard-size), "
+      "under the names --init-from's file had (else the program's), with its config.json: "
+      "from_pretrained(DIR) loads them");
+  cmd
+    ->add_option_function<std::string>(
+      "--max-shard-size",
+      [&a](const std::string& v) { a.max_shard_bytes = parse_bytes("--max-shard-size", v); },
+      "--save-safetensors: the most bytes of one file; more weights go to shards")
+    ->default_str("5GiB");
   add_stage_flags(cmd, a);
   add_run_flags(cmd, a);
   add_distributed_flags(cmd, a);
@@ -411,10 +422,16 @@ void check_model_flags_apply(const train_args& a, const model_setup& setup) {
   if (setup.model_file.empty()) {
     refuse("--export", "writes a model file back: it needs --model PATH.pt2 (or PATH.pt)");
     refuse("--segments", "cuts a PT2 archive into layers: it needs --model PATH.pt2");
+    refuse("--init-from", "sets a PT2 archive's weights: it needs --model PATH.pt2 (a built-in "
+                          "model starts from a checkpoint: --resume)");
+    refuse("--save-safetensors", "writes a PT2 archive's weights: it needs --model PATH.pt2 "
+                                 "(a built-in model's are in --checkpoint-dir)");
   } else {
     if (!is_exported(setup.layers)) {
       refuse("--segments", "cuts a PT2 archive into layers; a TorchScript model's layers are "
                            "its Sequential's children");
+      refuse("--save-safetensors", "writes a PT2 archive's weights; a TorchScript model's are "
+                                   "written back with --export");
     }
     refuse("--deferred-bn", "applies to the built-in ResNets' batch norm");
   }
@@ -450,6 +467,10 @@ void check_flags_apply(const train_args& a, const model_setup& setup) {
   }
   check_data_flags_apply(a);
   check_model_flags_apply(a, setup);
+  ACTORPIPE_CHECK(a.max_shard_bytes > 0, "--max-shard-size must be more than 0 bytes");
+  if (a.save_safetensors.empty()) {
+    refuse_if_given(a, "--max-shard-size", "sizes the files of --save-safetensors");
+  }
   ACTORPIPE_CHECK(!a.given || !(a.given("--steps") && a.given("--max-steps")),
                   "--steps and --max-steps both give the steps of the run in all: give one");
 }

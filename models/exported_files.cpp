@@ -37,6 +37,18 @@ layer_list load_model_file(const std::string& bytes, const std::string& what,
   return load_torchscript_bytes(bytes, what);
 }
 
+named_tensors weights_for_file(const std::map<std::string, torch::Tensor>& state,
+                               const weight_names& names) {
+  named_tensors out;
+  for (const auto& [file_name, state_name] : names.names) {
+    auto it = state.find(state_name);
+    ACTORPIPE_CHECK(it != state.end(), "weights: the model's state has no '", state_name,
+                    "' (written as '", file_name, "')");
+    out.emplace_back(file_name, it->second);
+  }
+  return out;
+}
+
 #if !ACTORPIPE_TORCH_2
 
 namespace {
@@ -54,6 +66,10 @@ namespace {
 
 bool exported_programs_supported() {
   return false;
+}
+
+std::vector<std::string> library_ops() {
+  return {};
 }
 
 layer_list load_exported_bytes(const std::string&, const std::string& what,
@@ -76,6 +92,22 @@ std::vector<std::pair<std::string, std::string>> exported_state_names(const laye
 void save_exported(const layer_list&, const std::map<std::string, torch::Tensor>&,
                    const std::string&) {
   throw invalid_argument("save_exported: the layers were not loaded by load_exported");
+}
+
+weight_names init_exported(const layer_list&, const pretrained_weights& weights) {
+  throw invalid_argument(detail::concat(
+    "init from '", weights.path,
+    "': weights files set a torch.export program's parameters, which this line (libtorch ",
+    TORCH_VERSION, ") does not read; a built-in model starts from a checkpoint (--resume)"));
+}
+
+weight_names own_weight_names(const layer_list&) {
+  throw invalid_argument("the model is not an exported program, whose weights are written as "
+                         "safetensors");
+}
+
+std::string exported_bytes(const layer_list&) {
+  throw invalid_argument("exported_bytes: the layers were not loaded by load_exported");
 }
 
 #endif

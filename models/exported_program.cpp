@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/exported.hpp>
 
 namespace actorpipe::exported {
 
@@ -140,6 +141,9 @@ stored_layout layout_of(const PayloadMeta& meta, const std::string& where) {
 
 // Whether the storage holds every element the layout reaches.
 bool fits(const stored_layout& l, const at::Storage& storage) {
+  if (std::find(l.sizes.begin(), l.sizes.end(), 0) != l.sizes.end()) {
+    return true; // no element: no byte needed
+  }
   int64_t extent = l.offset;
   for (std::size_t d = 0; d < l.sizes.size(); ++d) {
     extent += l.sizes[d] == 0 ? 0 : (l.sizes[d] - 1) * l.strides.at(d);
@@ -362,6 +366,63 @@ void read_outputs(program& p, const ex::GraphSignature& signature) {
   ACTORPIPE_CHECK(!p.user_outputs.empty(), p.what, ": forward returns no tensor");
 }
 
+// --- the output the loss reads ---------------------------------------------------------------
+
+std::size_t leaves_of(const nlohmann::json& spec) {
+  if (!spec.is_object() || spec.value("type", nlohmann::json()).is_null()) {
+    return 1;
+  }
+  std::size_t n = 0;
+  for (const auto& child : spec.value("children_spec", nlohmann::json::array())) {
+    n += leaves_of(child);
+  }
+  return n;
+}
+
+// The position among the flattened outputs of the top-level entry `logits` of what forward
+// returns (a dict or a ModelOutput, whose pytree context lists its keys), if it is one tensor.
+std::optional<std::size_t> logits_of(const std::string& out_spec) {
+  try {
+    auto spec = nlohmann::json::parse(out_spec).at(1);
+    auto context = spec.value("context", nlohmann::json());
+    if (!context.is_string()) {
+      return std::nullopt;
+    }
+    auto keys = nlohmann::json::parse(context.get<std::string>());
+    const auto& children = spec.at("children_spec");
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < keys.size() && k < children.size(); ++k) {
+      if (keys[k].is_string() && keys[k] == "logits") {
+        return leaves_of(children[k]) == 1 ? std::optional<std::size_t>(at) : std::nullopt;
+      }
+      at += leaves_of(children[k]);
+    }
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// Forward returning several tensors (a ModelOutput with hidden states, a dict, a tuple): the loss
+// reads `logits` where forward returns it by that name, else the first; the rest are not kept.
+void choose_loss_output(program& p, const ex::ExportedProgram& ep) {
+  p.loss_output = p.name_of(p.user_outputs.front());
+  if (p.user_outputs.size() == 1) {
+    return;
+  }
+  std::size_t chosen = 0;
+  for (const auto& entry : ep.get_graph_module().get_module_call_graph()) {
+    if (entry.get_fqn().empty() && entry.get_signature().has_value()) {
+      if (auto at = logits_of(entry.get_signature()->get_out_spec());
+          at && *at < p.user_outputs.size()) {
+        chosen = *at;
+        p.loss_output = "logits";
+      }
+    }
+  }
+  p.dropped_outputs = p.user_outputs.size() - 1;
+  p.user_outputs = {p.user_outputs[chosen]};
+}
+
 // "s52", or the first symbol of "Symbol('s52', positive=True)".
 std::string symbol_of(const std::string& expression) {
   auto quote = expression.find('\'');
@@ -415,13 +476,15 @@ const std::map<std::string, builtin>& builtins() {
   return table;
 }
 
-// The nn_module_stack's paths, outermost first:
-// "L__self__,,Model;L__self__layers_0,layers.0,Block;..." -> {"layers.0", ...}.
-std::vector<std::string> modules_of(const ex::Node& n) {
-  std::vector<std::string> paths;
+// The nn_module_stack's modules, outermost first: "L__self__,,Model;L__self__layers_0,layers.0,
+// pkg.Block;..." -> ({"layers.0", ...}, {"pkg.Block", ...}). The root (an empty path) is left
+// out, and so are entries PyTorch makes for nodes without a module
+// ("_empty_nn_module_stack_from_metadata_hook" as key, path and class): a module's class is a
+// qualified name, theirs is not.
+void read_modules(const ex::Node& n, node& out) {
   auto it = n.get_metadata().find("nn_module_stack");
   if (it == n.get_metadata().end()) {
-    return paths;
+    return;
   }
   const auto& text = it->second;
   std::size_t start = 0;
@@ -431,11 +494,14 @@ std::vector<std::string> modules_of(const ex::Node& n) {
     auto first = entry.find(',');
     auto second = first == std::string::npos ? first : entry.find(',', first + 1);
     if (second != std::string::npos && second > first + 1) {
-      paths.push_back(entry.substr(first + 1, second - first - 1));
+      auto type = entry.substr(second + 1);
+      if (type.find('.') != std::string::npos) {
+        out.modules.push_back(entry.substr(first + 1, second - first - 1));
+        out.module_types.push_back(std::move(type));
+      }
     }
     start = end == std::string::npos ? text.size() : end + 1;
   }
-  return paths;
 }
 
 struct planner {
@@ -669,11 +735,23 @@ c10::OperatorHandle resolve(const program& p, const ex::Node& n, const std::stri
                   " calls a Python function, which actorpipe does not run (the SymInt arithmetic "
                   "it runs: _operator.add, sub, mul, floordiv, mod, torch.sym_max, sym_min)");
   auto [name, overload] = op_name_of(target);
-  auto op = c10::Dispatcher::singleton().findSchema({name, overload});
-  ACTORPIPE_CHECK(op.has_value(), p.what, ": ", where,
-                  " calls an op that is not registered in this process (a custom op: load the "
-                  "library that defines it, e.g. with torch::dynamic_library or by linking it, "
-                  "before loading the program)");
+  auto op = library_op(name, overload);
+  if (!op) {
+    op = c10::Dispatcher::singleton().findSchema({name, overload});
+  }
+  if (!op) {
+    std::string ours;
+    for (const auto& o : library_ops()) {
+      ours += (ours.empty() ? "" : ", ") + o;
+    }
+    throw invalid_argument(concat(
+      p.what, ": ", where,
+      " calls an op that is not registered in this process (a custom op, such as one a Python "
+      "library registers with torch.library: load a C++ library that defines it, e.g. with "
+      "torch::dynamic_library or by linking it, before loading the program; of such ops "
+      "actorpipe runs ",
+      ours.empty() ? std::string("none on this line") : ours, ")"));
+  }
   if (p.dialect != "TRAINING") {
     static const std::set<std::string> no_formula{"aten::copy"};
     ACTORPIPE_CHECK(no_formula.count(name) == 0, p.what, ": the program was decomposed (dialect ",
@@ -693,7 +771,7 @@ void plan_nodes(program& p, const ex::Graph& graph) {
     node out;
     out.target = n.get_target();
     out.name = n.get_name().value_or(concat("#", p.nodes.size()));
-    out.modules = modules_of(n);
+    read_modules(n, out);
     auto where = concat("node '", out.name, "' (", out.target, ")");
     std::unordered_map<std::string, const ex::Argument*> given;
     for (const auto& a : n.get_inputs()) {
@@ -844,6 +922,7 @@ program read_program(const std::string& bytes, const std::string& what, const st
                     fixed.empty() ? std::string() : p.name_of(fixed.front().first),
                     "'); export with tensors as the only inputs");
     read_outputs(p, graph_module.get_signature());
+    choose_loss_output(p, ep);
     read_batch_dimensions(p, ep);
     plan_nodes(p, graph_module.get_graph());
     mark_training_only(p);

@@ -61,8 +61,10 @@ struct node {
   std::vector<argument_plan> arguments;
   std::vector<output_plan> outputs;
   /// The submodules the node ran in, outermost first ("layers.0", "layers.0.attn", ...;
-  /// empty for the model's own forward).
+  /// empty for the model's own forward and for nodes PyTorch made without a module), and the
+  /// class of each ("transformers.models.llama.modeling_llama.LlamaDecoderLayer").
   std::vector<std::string> modules;
+  std::vector<std::string> module_types;
   /// Slots the node writes in place (its schema's mutable arguments).
   std::vector<slot> writes;
   /// Draws random numbers (dropout, bernoulli, rand*).
@@ -99,7 +101,12 @@ struct program {
   /// Nodes before which a user's pipe_split() marker stood.
   std::vector<std::size_t> markers;
   std::vector<slot> user_inputs;
+  /// What the last segment returns, for the loss: the program's only output, else the one named
+  /// `logits` in the dict or ModelOutput forward returns, else its first (`loss_output`); the
+  /// others are not kept (`dropped_outputs`: how many).
   std::vector<slot> user_outputs;
+  std::string loss_output;
+  std::size_t dropped_outputs = 0;
   std::vector<state_tensor> state;
   /// Buffers a functional graph returns anew: (slot of the new value, state index).
   std::vector<std::pair<slot, std::size_t>> mutations;
@@ -115,6 +122,10 @@ struct program {
 private:
   std::map<std::string, slot> slots_;
 };
+
+/// Our op for `name` ("transformers::grouped_mm_fallback") with `overload` where it is one a
+/// Python library registers and actorpipe runs itself (library_ops(), models/transformers_ops.cpp).
+std::optional<c10::OperatorHandle> library_op(const std::string& name, const std::string& overload);
 
 /// The schema major version of PT2 archives this build reads (the wheel's schema.yaml).
 int schema_major();

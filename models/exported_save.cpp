@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include <unistd.h>
@@ -72,18 +73,14 @@ trained_payloads(caffe2::serialize::PyTorchStreamReader& reader, const exported:
   return written;
 }
 
+// The archive with `state`'s weights, each record handed to `write` in turn.
 void write_archive(const exported::source& from, const std::map<std::string, torch::Tensor>& state,
-                   const std::string& path) {
+                   const std::function<std::size_t(const void*, std::size_t)>& write) {
   caffe2::serialize::PyTorchStreamReader reader(
     std::make_shared<caffe2::serialize::MemoryReadAdapter>(from.bytes.data(),
                                                            static_cast<off_t>(from.bytes.size())));
   auto weights = trained_payloads(reader, from, state);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  ACTORPIPE_CHECK(out.good(), "save_exported: cannot open '", path, "' for writing");
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
-    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
-    return out.good() ? n : 0;
-  });
+  caffe2::serialize::PyTorchStreamWriter writer(write);
   // What the writer writes itself.
   static const std::set<std::string> own{".data/version", "version", "byteorder",
                                          ".data/serialization_id"};
@@ -101,6 +98,16 @@ void write_archive(const exported::source& from, const std::map<std::string, tor
     writer.writeRecord(name, data.get(), n);
   }
   writer.writeEndOfFile();
+}
+
+void write_archive(const exported::source& from, const std::map<std::string, torch::Tensor>& state,
+                   const std::string& path) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  ACTORPIPE_CHECK(out.good(), "save_exported: cannot open '", path, "' for writing");
+  write_archive(from, state, [&](const void* data, std::size_t n) {
+    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+    return out.good() ? n : 0;
+  });
   out.close();
   ACTORPIPE_CHECK(!out.fail(), "save_exported: writing '", path, "' failed");
 }
@@ -131,6 +138,22 @@ void save_exported(const layer_list& layers, const std::map<std::string, torch::
     throw pipeline_error(concat("save_exported: cannot write '", path, "': ", ec.message()),
                          error_details{error_kind::io});
   }
+}
+
+std::string exported_bytes(const layer_list& layers) {
+  const auto* from = exported::source_of(layers);
+  ACTORPIPE_CHECK(from != nullptr, "exported_bytes: the model was not loaded by load_exported");
+  std::map<std::string, torch::Tensor> state;
+  for (const auto& s : from->program.state) {
+    state[s.name] = s.tensor;
+  }
+  std::string bytes;
+  bytes.reserve(from->bytes.size());
+  write_archive(*from, state, [&](const void* data, std::size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  return bytes;
 }
 
 } // namespace actorpipe

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 #include <actorpipe/errors.hpp>
 
@@ -46,6 +47,216 @@ std::vector<span> by_module(const program& p, std::size_t depth) {
   return spans;
 }
 
+// --- blocks ---------------------------------------------------------------------------------
+// A library's model nests its repeated blocks under wrappers (Wrapper.model.model.layers.N,
+// layer3.1, encoder.layers.encoder_layer_4): siblings of one class. The blocks are the group of
+// same-class siblings that scores highest by members times the parameters they hold (so that
+// seventeen inverted residuals beat a features-and-classifier pair, and four decoder layers the
+// four projections inside one); a container block (an nn.Sequential stage of a ResNet) whose
+// children all share one class is cut at them. What runs before the first block and after the
+// last are a segment each; nodes between two blocks join the one before.
+
+bool within(const std::string& path, const std::string& module) {
+  return path.size() >= module.size() && path.compare(0, module.size(), module) == 0 &&
+         (path.size() == module.size() || path[module.size()] == '.');
+}
+
+std::string parent_of(const std::string& path) {
+  auto dot = path.rfind('.');
+  return dot == std::string::npos ? std::string() : path.substr(0, dot);
+}
+
+bool is_container(const std::string& type) {
+  static const std::set<std::string> containers{"torch.nn.modules.container.Sequential",
+                                                "torch.nn.modules.container.ModuleList",
+                                                "torch.nn.modules.container.ModuleDict"};
+  return containers.count(type) != 0;
+}
+
+struct module_seen {
+  std::string path, type;
+  int64_t parameters = 0;
+};
+
+const std::string& seen_type(const std::vector<module_seen>& seen, const std::string& path) {
+  static const std::string none;
+  for (const auto& m : seen) {
+    if (m.path == path) {
+      return m.type;
+    }
+  }
+  return none;
+}
+
+// Every module the nodes ran in, in the order they first ran, with the parameters it holds.
+std::vector<module_seen> modules_seen(const program& p) {
+  std::vector<module_seen> seen;
+  std::set<std::string> known;
+  for (const auto& n : p.nodes) {
+    for (std::size_t k = 0; k < n.modules.size(); ++k) {
+      if (known.insert(n.modules[k]).second) {
+        seen.push_back({n.modules[k], n.module_types[k], 0});
+      }
+    }
+  }
+  for (const auto& s : p.state) {
+    if (s.role == state_tensor::kind::parameter) {
+      for (auto& m : seen) {
+        m.parameters += within(parent_of(s.name), m.path) ? s.tensor.numel() : 0;
+      }
+    }
+  }
+  return seen;
+}
+
+// The modules that are the blocks, or none.
+std::set<std::string> blocks_of(const std::vector<module_seen>& seen) {
+  std::map<std::pair<std::string, std::string>, std::vector<const module_seen*>> groups;
+  for (const auto& m : seen) {
+    groups[{parent_of(m.path), m.type}].push_back(&m);
+  }
+  // Members times parameters; then a class of its own over a container, the shallower group,
+  // the first seen.
+  auto rank = [](const std::vector<const module_seen*>& g) {
+    double sum = 0;
+    for (const auto* m : g) {
+      sum += static_cast<double>(m->parameters);
+    }
+    auto depth = std::count(g.front()->path.begin(), g.front()->path.end(), '.');
+    return std::make_tuple(sum * static_cast<double>(g.size()), !is_container(g.front()->type),
+                           -depth);
+  };
+  const std::vector<const module_seen*>* best = nullptr;
+  for (const auto& [key, members] : groups) {
+    if (members.size() >= 2 && std::get<0>(rank(members)) > 0 &&
+        (best == nullptr || rank(members) > rank(*best))) {
+      best = &members;
+    }
+  }
+  std::set<std::string> blocks;
+  if (best == nullptr) {
+    return blocks;
+  }
+  for (const auto* m : *best) {
+    blocks.insert(m->path);
+  }
+  for (bool cut = true; cut;) {
+    cut = false;
+    for (const auto& b : std::set<std::string>(blocks)) {
+      std::vector<const module_seen*> children;
+      for (const auto& m : seen) {
+        if (parent_of(m.path) == b) {
+          children.push_back(&m);
+        }
+      }
+      bool alike = is_container(seen_type(seen, b)) && children.size() >= 2 &&
+                   std::all_of(children.begin(), children.end(),
+                               [&](const module_seen* c) { return c->type == children[0]->type; });
+      if (alike) {
+        blocks.erase(b);
+        for (const auto* c : children) {
+          blocks.insert(c->path);
+        }
+        cut = true;
+      }
+    }
+  }
+  return blocks;
+}
+
+// The block node `n` runs in ("" outside every block).
+std::string block_of(const node& n, const std::set<std::string>& blocks) {
+  for (const auto& m : n.modules) {
+    if (blocks.count(m) != 0) {
+      return m;
+    }
+  }
+  return {};
+}
+
+// A segment before or after the blocks, named by the modules in it that hold parameters (else
+// by all of them) other than the blocks' enclosing modules: "model.model.embed_tokens",
+// "model.model.norm+model.lm_head"; `fallback` where it runs in none.
+std::string region_name(const program& p, std::size_t begin, std::size_t end,
+                        const std::set<std::string>& blocks, const std::vector<module_seen>& seen,
+                        const std::string& fallback) {
+  std::vector<std::string> all, holding;
+  for (std::size_t i = begin; i < end; ++i) {
+    for (const auto& m : p.nodes[i].modules) {
+      bool encloses = std::any_of(blocks.begin(), blocks.end(),
+                                  [&](const std::string& b) { return within(b, m); });
+      if (encloses) {
+        continue;
+      }
+      if (std::find(all.begin(), all.end(), m) == all.end()) {
+        all.push_back(m);
+        auto it =
+          std::find_if(seen.begin(), seen.end(), [&](const module_seen& s) { return s.path == m; });
+        if (it != seen.end() && it->parameters > 0) {
+          holding.push_back(m);
+        }
+      }
+      break;
+    }
+  }
+  const auto& names = holding.empty() ? all : holding;
+  std::string name;
+  for (std::size_t k = 0; k < names.size() && k < 3; ++k) {
+    name += (k == 0 ? "" : "+") + names[k];
+  }
+  return name.empty() ? fallback : names.size() > 3 ? name + "+..." : name;
+}
+
+std::vector<span> by_blocks(const program& p) {
+  auto seen = modules_seen(p);
+  auto blocks = blocks_of(seen);
+  if (blocks.empty()) {
+    return {};
+  }
+  std::vector<span> spans;
+  std::map<std::string, int> times;
+  std::string current;
+  std::size_t last = 0; // the last node in a block
+  for (std::size_t i = 0; i < p.nodes.size(); ++i) {
+    auto b = block_of(p.nodes[i], blocks);
+    if (b.empty()) {
+      continue;
+    }
+    last = i;
+    if (!spans.empty() && b == current) {
+      continue;
+    }
+    auto k = ++times[b];
+    current = b;
+    spans.push_back({k == 1 ? b : concat(b, "#", k), i, 0});
+  }
+  for (std::size_t k = 0; k + 1 < spans.size(); ++k) {
+    spans[k].end = spans[k + 1].begin;
+  }
+  spans.back().end = last + 1;
+  auto runs_in_a_module = [&](std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) {
+      if (!p.nodes[i].modules.empty()) {
+        return true;
+      }
+    }
+    return false;
+  };
+  if (runs_in_a_module(last + 1, p.nodes.size())) {
+    spans.push_back(
+      {region_name(p, last + 1, p.nodes.size(), blocks, seen, "output"), last + 1, p.nodes.size()});
+  } else {
+    spans.back().end = p.nodes.size();
+  }
+  auto first = spans.front().begin;
+  if (runs_in_a_module(0, first)) {
+    spans.insert(spans.begin(), {region_name(p, 0, first, blocks, seen, "input"), 0, first});
+  } else {
+    spans.front().begin = 0;
+  }
+  return spans;
+}
+
 std::vector<span> by_marker(const program& p) {
   std::vector<span> spans;
   std::size_t begin = 0;
@@ -60,14 +271,19 @@ std::vector<span> by_marker(const program& p) {
   return spans;
 }
 
-// "auto" without markers: by top-level submodule, or, where the model wraps everything in one
-// (self.body = nn.Sequential(...)), by the first depth that gives more than one segment.
+// "auto" without markers: at the blocks where the model repeats them, else by top-level
+// submodule, or, where the model wraps everything in one (self.body = nn.Sequential(...)), by the
+// first depth that gives more than one segment.
 std::vector<span> by_module_auto(const program& p) {
+  auto spans = by_blocks(p);
+  if (spans.size() >= 2) {
+    return spans;
+  }
   std::size_t deepest = 1;
   for (const auto& n : p.nodes) {
     deepest = std::max(deepest, n.modules.size());
   }
-  auto spans = by_module(p, 1);
+  spans = by_module(p, 1);
   for (std::size_t depth = 2; spans.size() < 2 && depth <= deepest; ++depth) {
     spans = by_module(p, depth);
   }
@@ -88,6 +304,14 @@ std::vector<span> spans_of(const program& p, const std::string& how) {
   if (how == "modules") {
     return by_module(p, 1);
   }
+  if (how == "blocks") {
+    auto spans = by_blocks(p);
+    ACTORPIPE_CHECK(!spans.empty(), p.what,
+                    ": --segments blocks, but the model has no repeated blocks (no two "
+                    "submodules of one class under one parent hold parameters); use modules, "
+                    "modules:K or nodes");
+    return spans;
+  }
   if (how.rfind("modules:", 0) == 0) {
     int depth = 0;
     try {
@@ -105,8 +329,8 @@ std::vector<span> spans_of(const program& p, const std::string& how) {
     return spans;
   }
   throw invalid_argument(concat("segments '", how,
-                                "' is not auto, modules, modules:K, markers or "
-                                "nodes"));
+                                "' is not auto, blocks, modules, modules:K, "
+                                "markers or nodes"));
 }
 
 // Where each value is defined (-1: an input or state) and last used (nodes.size(): returned).

@@ -79,6 +79,7 @@ py::dict layout_of(const pipeline_layout& l) {
   layout["chunks"] = l.chunks;
   layout["threads_per_stage"] = l.threads;
   layout["stage_parameters"] = l.parameters;
+  layout["layers"] = l.layers;
   return layout;
 }
 
@@ -103,6 +104,7 @@ void bind_config(py::module_& m) {
       [](c& x, py::bytes b) { x.model = b; })
     .def_readwrite("model_name", &c::model_name)
     .def_readwrite("segments", &c::segments)
+    .def_readwrite("init_from", &c::init_from)
     .def_readwrite("stages", &c::stages)
     .def_readwrite("microbatches", &c::microbatches)
     .def_readwrite("schedule", &c::schedule)
@@ -188,6 +190,7 @@ void bind_pipeline(py::module_& m) {
     .def("load_state", &p::load_state, release)
     .def("save_torchscript", &p::save_torchscript, release)
     .def("save_exported", &p::save_exported, release)
+    .def("save_safetensors", &p::save_safetensors, release)
     .def("exported", &p::exported)
     .def("state_dict", &p::state_dict, release)
     .def("named_parameters", &p::named_parameters, release)
@@ -211,6 +214,9 @@ PYBIND11_MODULE(_actorpipe, m) {
   m.def("release_engine", &actorpipe::python::release_engine,
         py::call_guard<py::gil_scoped_release>());
   m.attr("torch_version") = TORCH_VERSION;
+  m.def("library_ops", &actorpipe::library_ops,
+        "The ops Python libraries register that exported programs may call and actorpipe runs "
+        "with kernels of its own (transformers' mixture-of-experts grouped product)");
 #ifdef ACTORPIPE_WITH_GLOO
   m.attr("has_gloo") = true;
 #else

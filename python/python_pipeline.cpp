@@ -168,6 +168,13 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   const auto& c = config_;
   auto layers = load_model_file(c.model, c.model_name, {c.segments});
   exported_ = is_exported(layers);
+  if (!c.init_from.empty()) {
+    weights_ = init_exported(layers, read_pretrained(c.init_from));
+    // Nodes and further replicas load the archive with these weights.
+    config_.model = exported_bytes(layers);
+  } else if (exported_) {
+    weights_ = own_weight_names(layers);
+  }
   if (exported_) {
     state_names_ = exported_state_names(layers);
   }
@@ -182,6 +189,9 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   layout_.chunks = choice.chunks;
   layout_.threads = plan.options().threads_per_stage;
   layout_.parameters = stage_parameter_counts(layers, choice.cut);
+  for (const auto& l : layers) {
+    layout_.layers.push_back(l.name());
+  }
   engine_ = the_engine();
   auto run = training::start_run(*engine_, run_model_of(c, std::move(layers)), plan);
   pipeline_ = std::move(run.single);
@@ -270,6 +280,13 @@ void python_pipeline::save_torchscript(const std::string& path) {
 
 void python_pipeline::save_exported(const std::string& path) {
   first().save_exported(path);
+}
+
+void python_pipeline::save_safetensors(const std::string& dir, uint64_t max_shard_bytes) {
+  ACTORPIPE_CHECK(exported_, "save_safetensors: the model is TorchScript; its weights go back "
+                             "with save_torchscript (or module())");
+  write_pretrained(dir, weights_for_file(first().state_dict(), weights_), max_shard_bytes,
+                   weights_.config_folder);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> python_pipeline::state_dict() {

@@ -32,6 +32,8 @@ struct pipeline_config {
   std::string model_name = "model";
   /// A PT2 archive's cut into layers (exported_options::segments).
   std::string segments = exported_options{}.segments;
+  /// A PT2 archive's weights from a safetensors file or a save_pretrained folder (init_exported).
+  std::string init_from;
   /// Stage actors; 0: chosen by the planner from `example`.
   std::size_t stages = training::planning_args{}.stages;
   /// 0: not given (the planner's default, or its choice with stages == 0 or schedule "auto").
@@ -75,6 +77,8 @@ struct pipeline_layout {
   std::size_t chunks = 1;
   std::size_t threads = 0;
   std::vector<int64_t> parameters;
+  /// The layers' names: an exported program's segments (`model.model.layers.3`, ...).
+  std::vector<std::string> layers;
 };
 
 class python_pipeline;
@@ -113,6 +117,9 @@ public:
   void save_exported(const std::string& path);
   /// True for a model read from a PT2 archive.
   bool exported() const { return exported_; }
+  /// A PT2 archive's trained weights as save_pretrained writes them into `dir`, under the names
+  /// init_from's file had (else the program's), with its config.json (write_pretrained).
+  void save_safetensors(const std::string& dir, uint64_t max_shard_bytes);
   /// The trained parameters and persistent buffers, named as the Python module's state_dict
   /// names them (a tied parameter under each of its names).
   std::vector<std::pair<std::string, torch::Tensor>> state_dict();
@@ -137,6 +144,8 @@ private:
   /// A PT2 archive's model: its names in Python (state_dict's) with the pipeline's for them.
   bool exported_ = false;
   std::vector<std::pair<std::string, std::string>> state_names_;
+  /// The names of init_from's file (or the program's own) for save_safetensors.
+  weight_names weights_;
   /// In-process replicas have no queue of their own: each step waits for the one before.
   std::shared_future<step_result> previous_replica_step_;
   mutable std::mutex mutex_;

@@ -105,6 +105,11 @@ model_setup model_from_file(model_setup setup, const model_args& m) {
   ACTORPIPE_CHECK(in.good(), "--model ", setup.name, ": cannot read the file");
   setup.segments = m.segments;
   setup.layers = load_model_file(setup.model_file, "--model " + setup.name, {setup.segments});
+  if (!m.init_from.empty()) {
+    // The archive nodes and other replicas load is the one with these weights.
+    setup.weights = init_exported(setup.layers, read_pretrained(m.init_from));
+    setup.model_file = exported_bytes(setup.layers);
+  }
   setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
   take_example(setup, m);
   scan_images(setup, m);

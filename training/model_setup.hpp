@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <actorpipe/data.hpp>
+#include <actorpipe/exported.hpp>
 #include <actorpipe/images.hpp>
 #include <actorpipe/layers.hpp>
 #include <actorpipe/models.hpp>
@@ -45,6 +46,8 @@ struct model_args {
   int64_t vocabulary = 0;
   /// A PT2 archive's cut into layers (--segments).
   std::string segments = "auto";
+  /// A PT2 archive's weights from a safetensors file or a save_pretrained folder (--init-from).
+  std::string init_from;
 };
 
 /// The gpt sizes `actorpipe train --model gpt` takes when no flag says otherwise: 4 blocks of 4
@@ -76,6 +79,9 @@ struct model_setup {
   std::string model_file;
   /// A PT2 archive's cut into layers (--segments: exported_options::segments).
   std::string segments = "auto";
+  /// --init-from: the names its weights file gave the program's tensors, for writing them back
+  /// (--save-safetensors); empty names without it.
+  weight_names weights;
   /// Real inputs [batch, ...] to profile with, when the data gives them (tensor files).
   torch::Tensor example;
   /// --data tensors:PATH: the file's inputs and targets (empty otherwise).

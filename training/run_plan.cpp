@@ -1,6 +1,9 @@
 #include "training/run_plan.hpp"
 
 #include <actorpipe/hooks.hpp>
+#include <actorpipe/partition.hpp>
+
+#include "logging/log.hpp"
 
 namespace actorpipe::training {
 
@@ -8,8 +11,31 @@ pipeline_options run_plan::options() const {
   return pipeline_options_for(choice_, settings_.plan, settings_.pipeline);
 }
 
+namespace {
+
+// A cut that gives a stage no parameters (a model's parameter-free pooling or rotary tables
+// alone) is legal, but rarely meant: said once, naming the stage and its layers.
+void note_idle_stages(const layer_list& layers, const plan_choice& choice) {
+  const auto& cut = choice.cut;
+  auto counts = stage_parameter_counts(layers, cut);
+  int64_t total = 0;
+  for (auto c : counts) {
+    total += c;
+  }
+  for (std::size_t k = 0; k < counts.size() && total > 0; ++k) {
+    if (counts[k] == 0) {
+      log::get()->warn("stage {} (layers {}..{}) holds no parameters: it only passes tensors "
+                       "on. Fewer stages, or --partition cut:I,J, give it work",
+                       k, layers[cut.begin(k)].name(), layers[cut.end(k) - 1].name());
+    }
+  }
+}
+
+} // namespace
+
 run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, run_settings settings) {
   auto choice = choose_plan(layers, batch, settings.plan);
+  note_idle_stages(layers, choice);
   return {std::move(choice), std::move(settings)};
 }
 

@@ -128,7 +128,8 @@ void warn_of_other_settings(const std::string& dir, const std::string& recorded,
   auto differences = settings_differences(
     recorded, now,
     {"train.resume", "train.steps", "train.epochs", "train.json", "train.trace", "train.metrics",
-     "train.checkpoint-dir", "train.no-progress", "train.sample", "train.export", "log-level"});
+     "train.checkpoint-dir", "train.no-progress", "train.sample", "train.export",
+     "train.save-safetensors", "train.max-shard-size", "log-level"});
   if (differences.empty()) {
     return;
   }

@@ -46,5 +46,8 @@ from ._pipeline import Pipeline, StepFuture  # noqa: E402
 #: Replicas on the CPU (c10d's Gloo) and stages on GPUs: what this build of the engine has.
 has_gloo = _actorpipe.has_gloo
 has_cuda = _actorpipe.has_cuda
+#: The ops Python libraries register (torch.library) that an exported program may call and that
+#: the engine runs with C++ kernels and autograd formulas of its own, as "namespace::name".
+library_ops = _actorpipe.library_ops
 
-__all__ = ["Pipeline", "StepFuture", "PipelineError", "has_gloo", "has_cuda"]
+__all__ = ["Pipeline", "StepFuture", "PipelineError", "has_gloo", "has_cuda", "library_ops"]

@@ -82,11 +82,27 @@ def _export(module, example):
     batch = tuple({0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0
                   else None for t in inputs)
     try:
-        return torch.export.export(module, inputs, dynamic_shapes=batch)
+        with _without_cache(module):
+            return torch.export.export(module, inputs, dynamic_shapes=batch)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TypeError(f"model: torch.export.export of {type(module).__name__} failed ({first})"
                         ) from e
+
+
+@contextlib.contextmanager
+def _without_cache(module):
+    """A transformers model exported for training: no key-value cache (its forward would return
+    a DynamicCache, which torch.export cannot flatten, and training has no use for it)."""
+    configs = [m.config for m in module.modules()
+               if getattr(getattr(m, "config", None), "use_cache", False) is True]
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
 
 
 def _model_bytes(model, example):
@@ -205,7 +221,13 @@ class Pipeline:
       nn.Sequential (an nn.Sequential is scripted there), or a path to a torch.jit.save file,
       whose children are the layers a cut falls between.
     segments: where an exported graph is cut into layers: "auto" (pipe_split() markers if any,
-      else "modules"), "modules" (each top-level submodule), "modules:K", "markers", "nodes".
+      else "blocks" where the model repeats blocks, else "modules"), "blocks" (each decoder
+      layer, ResNet block or encoder layer, through any wrappers; the embedding and the head
+      apart), "modules" (each top-level submodule), "modules:K", "markers", "nodes". The loss
+      reads forward's only tensor, else `logits` of a dict or ModelOutput, else the first.
+    init_from: an exported program's starting weights: a .safetensors file or a
+      save_pretrained folder, matched by name (a wrapper's "model." prefix included); a tensor
+      missing, left over, or of another shape or dtype is refused by name.
     stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
       the planner profiles the layers on `example` and runs the fastest layout it simulates.
     microbatches: per step (None: the planner's default, as `actorpipe train`'s; with
@@ -247,7 +269,8 @@ class Pipeline:
                  after_forward=None, after_backward=None, nodes=None, secret="",
                  replicas=_DEFAULT.replicas, shard=_DEFAULT.shard,
                  wait_timeout=_DEFAULT.wait_timeout, step_timeout=_DEFAULT.step_timeout,
-                 warm_memory=_DEFAULT.warm_memory, example=None, segments=_DEFAULT.segments):
+                 warm_memory=_DEFAULT.warm_memory, example=None, segments=_DEFAULT.segments,
+                 init_from=None):
         auto = stages == "auto"
         if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")
@@ -258,6 +281,8 @@ class Pipeline:
         c = _actorpipe.Config()
         c.model = _model_bytes(model, example)
         c.segments = segments
+        if init_from is not None:
+            c.init_from = os.fspath(init_from)
         c.model_name = os.path.basename(str(model)) if isinstance(model, (str, os.PathLike)) \
             else type(model).__name__
         c.stages = 0 if auto else stages
@@ -333,6 +358,13 @@ class Pipeline:
         """The trained parameters and persistent buffers by the Python module's names (each name
         of a tied parameter): what model.load_state_dict takes."""
         return dict(self._p.state_dict())
+
+    def save_safetensors(self, path, max_shard_size=5 << 30):
+        """Writes the trained weights into the folder `path` as save_pretrained does
+        (model.safetensors, or shards of at most `max_shard_size` bytes and an index), under the
+        names init_from's file had (else the program's), with its config.json:
+        transformers' from_pretrained(path) loads them. Exported programs only."""
+        self._p.save_safetensors(os.fspath(path), int(max_shard_size))
 
     def module(self):
         """The model with the trained parameters and buffers: an exported program's as

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import actorpipe
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "oracle"))
+import eager as reference  # noqa: E402
 import export_models  # noqa: E402
 import node_processes  # noqa: E402
 
@@ -49,23 +50,10 @@ def batches(name, seed=1):
 
 
 def eager(name, optimizer, data, microbatches, schedule="1f1b"):
-    """The reference: PyTorch eager on the same micro-batches, gradients accumulated (batch norm
-    normalises each micro-batch, as a stage does), one optimizer step per batch. The micro-batches'
-    gradients are summed in the order the schedule's backwards run (GPipe's last first), so that
-    the sums round as the pipeline's do."""
+    """The reference: PyTorch eager on the same micro-batches (tests/oracle/eager.py)."""
     model, _, _, loss = export_models.make(name)
-    model.train()
-    opt_name, args = optimizer
-    opt = (torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW)(model.parameters(), **args)
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        parts = [loss_of(loss, model(xs), ys) * (xs.shape[0] / x.shape[0])
-                 for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches))]
-        for part in reversed(parts) if schedule == "gpipe" else parts:
-            part.backward()
-        opt.step()
-        losses.append(sum(part.item() for part in parts))
+    losses = reference.train(model, optimizer, data, microbatches,
+                             lambda output, target: loss_of(loss, output, target), schedule)
     return losses, model
 
 
@@ -151,9 +139,11 @@ class ExportOracleTest(unittest.TestCase):
                     close(self, got_losses, want_losses, got_state, want_model, what)
 
     def test_llama_decoder(self):
-        # Segments: embed, rotary, layers.0-3, norm, head; the mask (bool), the rotary tables
-        # and the residual stream travel across every cut; the head is tied to the embedding.
-        self.check_model("llama", "auto")
+        # Segments by top-level submodule (embed, rotary, layers.0-3, norm, head: enough parts
+        # for 4 stages x 2 chunks; the default cuts at the blocks, 6 parts); the mask (bool), the
+        # rotary tables and the residual stream travel across every cut; the head is tied to the
+        # embedding.
+        self.check_model("llama", "modules")
 
     def test_resnet_with_batch_norm(self):
         # One segment per submodule two deep (stem, bn, block1.conv1, ...): enough parts for
@@ -161,7 +151,8 @@ class ExportOracleTest(unittest.TestCase):
         self.check_model("resnet", "modules:2")
 
     def test_unet_skips_cross_stages(self):
-        self.check_model("unet", "auto")
+        # By top-level submodule, 8 parts (the default cuts at the conv blocks: 6).
+        self.check_model("unet", "modules")
 
     def test_bit_for_bit_where_the_sums_run_in_the_same_order(self):
         # One thread on both sides, the micro-batches' gradients summed in the schedule's order:
