@@ -508,8 +508,7 @@ void write_outputs(const train_args& a, const model_setup& setup, const plan_cho
     }
   }
   if (!a.save_safetensors.empty()) {
-    auto names = setup.weights.names.empty() ? own_weight_names(setup.layers) : setup.weights;
-    write_pretrained(a.save_safetensors, weights_for_file(pipe.state_dict(), names),
+    write_pretrained(a.save_safetensors, weights_for_file(pipe.state_dict(), setup.weights),
                      a.max_shard_bytes, setup.weights.config_folder);
     std::cout << "wrote " << a.save_safetensors << " (safetensors"
               << (setup.weights.config_folder.empty() ? "" : " and config.json")

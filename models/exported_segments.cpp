@@ -78,39 +78,67 @@ struct module_seen {
   int64_t parameters = 0;
 };
 
-const std::string& seen_type(const std::vector<module_seen>& seen, const std::string& path) {
-  static const std::string none;
-  for (const auto& m : seen) {
-    if (m.path == path) {
-      return m.type;
-    }
-  }
-  return none;
-}
-
 // Every module the nodes ran in, in the order they first ran, with the parameters it holds.
-std::vector<module_seen> modules_seen(const program& p) {
+struct modules_run {
   std::vector<module_seen> seen;
-  std::set<std::string> known;
+  std::map<std::string, std::size_t> at; // path -> its place in `seen`
+
+  const module_seen* find(const std::string& path) const {
+    auto it = at.find(path);
+    return it == at.end() ? nullptr : &seen[it->second];
+  }
+};
+
+modules_run modules_of(const program& p) {
+  modules_run run;
   for (const auto& n : p.nodes) {
     for (std::size_t k = 0; k < n.modules.size(); ++k) {
-      if (known.insert(n.modules[k]).second) {
-        seen.push_back({n.modules[k], n.module_types[k], 0});
+      if (run.at.emplace(n.modules[k], run.seen.size()).second) {
+        run.seen.push_back({n.modules[k], n.module_types[k], 0});
       }
     }
   }
+  // A parameter counts for its module and every module above it.
   for (const auto& s : p.state) {
-    if (s.role == state_tensor::kind::parameter) {
-      for (auto& m : seen) {
-        m.parameters += within(parent_of(s.name), m.path) ? s.tensor.numel() : 0;
+    for (auto owner = parent_of(s.name); s.role == state_tensor::kind::parameter && !owner.empty();
+         owner = parent_of(owner)) {
+      if (auto it = run.at.find(owner); it != run.at.end()) {
+        run.seen[it->second].parameters += s.tensor.numel();
       }
     }
   }
-  return seen;
+  return run;
+}
+
+// A container block whose children all share one class is cut at them (a ResNet's stages at
+// their blocks), again until none is.
+void cut_containers(const modules_run& run, std::set<std::string>& blocks) {
+  for (bool cut = true; cut;) {
+    cut = false;
+    for (const auto& b : std::set<std::string>(blocks)) {
+      std::vector<const module_seen*> children;
+      for (const auto& m : run.seen) {
+        if (parent_of(m.path) == b) {
+          children.push_back(&m);
+        }
+      }
+      bool alike = is_container(run.find(b)->type) && children.size() >= 2 &&
+                   std::all_of(children.begin(), children.end(),
+                               [&](const module_seen* c) { return c->type == children[0]->type; });
+      if (alike) {
+        blocks.erase(b);
+        for (const auto* c : children) {
+          blocks.insert(c->path);
+        }
+        cut = true;
+      }
+    }
+  }
 }
 
 // The modules that are the blocks, or none.
-std::set<std::string> blocks_of(const std::vector<module_seen>& seen) {
+std::set<std::string> blocks_of(const modules_run& run) {
+  const auto& seen = run.seen;
   std::map<std::pair<std::string, std::string>, std::vector<const module_seen*>> groups;
   for (const auto& m : seen) {
     groups[{parent_of(m.path), m.type}].push_back(&m);
@@ -140,27 +168,7 @@ std::set<std::string> blocks_of(const std::vector<module_seen>& seen) {
   for (const auto* m : *best) {
     blocks.insert(m->path);
   }
-  for (bool cut = true; cut;) {
-    cut = false;
-    for (const auto& b : std::set<std::string>(blocks)) {
-      std::vector<const module_seen*> children;
-      for (const auto& m : seen) {
-        if (parent_of(m.path) == b) {
-          children.push_back(&m);
-        }
-      }
-      bool alike = is_container(seen_type(seen, b)) && children.size() >= 2 &&
-                   std::all_of(children.begin(), children.end(),
-                               [&](const module_seen* c) { return c->type == children[0]->type; });
-      if (alike) {
-        blocks.erase(b);
-        for (const auto* c : children) {
-          blocks.insert(c->path);
-        }
-        cut = true;
-      }
-    }
-  }
+  cut_containers(run, blocks);
   return blocks;
 }
 
@@ -178,7 +186,7 @@ std::string block_of(const node& n, const std::set<std::string>& blocks) {
 // by all of them) other than the blocks' enclosing modules: "model.model.embed_tokens",
 // "model.model.norm+model.lm_head"; `fallback` where it runs in none.
 std::string region_name(const program& p, std::size_t begin, std::size_t end,
-                        const std::set<std::string>& blocks, const std::vector<module_seen>& seen,
+                        const std::set<std::string>& blocks, const modules_run& run,
                         const std::string& fallback) {
   std::vector<std::string> all, holding;
   for (std::size_t i = begin; i < end; ++i) {
@@ -190,9 +198,7 @@ std::string region_name(const program& p, std::size_t begin, std::size_t end,
       }
       if (std::find(all.begin(), all.end(), m) == all.end()) {
         all.push_back(m);
-        auto it =
-          std::find_if(seen.begin(), seen.end(), [&](const module_seen& s) { return s.path == m; });
-        if (it != seen.end() && it->parameters > 0) {
+        if (run.find(m)->parameters > 0) {
           holding.push_back(m);
         }
       }
@@ -208,8 +214,8 @@ std::string region_name(const program& p, std::size_t begin, std::size_t end,
 }
 
 std::vector<span> by_blocks(const program& p) {
-  auto seen = modules_seen(p);
-  auto blocks = blocks_of(seen);
+  auto run = modules_of(p);
+  auto blocks = blocks_of(run);
   if (blocks.empty()) {
     return {};
   }
@@ -244,13 +250,13 @@ std::vector<span> by_blocks(const program& p) {
   };
   if (runs_in_a_module(last + 1, p.nodes.size())) {
     spans.push_back(
-      {region_name(p, last + 1, p.nodes.size(), blocks, seen, "output"), last + 1, p.nodes.size()});
+      {region_name(p, last + 1, p.nodes.size(), blocks, run, "output"), last + 1, p.nodes.size()});
   } else {
     spans.back().end = p.nodes.size();
   }
   auto first = spans.front().begin;
   if (runs_in_a_module(0, first)) {
-    spans.insert(spans.begin(), {region_name(p, 0, first, blocks, seen, "input"), 0, first});
+    spans.insert(spans.begin(), {region_name(p, 0, first, blocks, run, "input"), 0, first});
   } else {
     spans.front().begin = 0;
   }
@@ -274,7 +280,7 @@ std::vector<span> by_marker(const program& p) {
 // "auto" without markers: at the blocks where the model repeats them, else by top-level
 // submodule, or, where the model wraps everything in one (self.body = nn.Sequential(...)), by the
 // first depth that gives more than one segment.
-std::vector<span> by_module_auto(const program& p) {
+std::vector<span> without_markers(const program& p) {
   auto spans = by_blocks(p);
   if (spans.size() >= 2) {
     return spans;
@@ -292,7 +298,7 @@ std::vector<span> by_module_auto(const program& p) {
 
 std::vector<span> spans_of(const program& p, const std::string& how) {
   if (how == "auto") {
-    return p.markers.empty() ? by_module_auto(p) : by_marker(p);
+    return p.markers.empty() ? without_markers(p) : by_marker(p);
   }
   if (how == "markers") {
     ACTORPIPE_CHECK(!p.markers.empty(), p.what,

@@ -8,6 +8,7 @@
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/torchscript.hpp>
 
+#include "training/model_setup.hpp"
 #include "training/run_plan.hpp"
 
 namespace actorpipe::python {
@@ -168,13 +169,7 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   const auto& c = config_;
   auto layers = load_model_file(c.model, c.model_name, {c.segments});
   exported_ = is_exported(layers);
-  if (!c.init_from.empty()) {
-    weights_ = init_exported(layers, read_pretrained(c.init_from));
-    // Nodes and further replicas load the archive with these weights.
-    config_.model = exported_bytes(layers);
-  } else if (exported_) {
-    weights_ = own_weight_names(layers);
-  }
+  weights_ = training::start_weights(layers, c.init_from, config_.model);
   if (exported_) {
     state_names_ = exported_state_names(layers);
   }

@@ -144,7 +144,8 @@ private:
   /// A PT2 archive's model: its names in Python (state_dict's) with the pipeline's for them.
   bool exported_ = false;
   std::vector<std::pair<std::string, std::string>> state_names_;
-  /// The names of init_from's file (or the program's own) for save_safetensors.
+  /// The names of init_from's file (or the program's own) for save_safetensors
+  /// (training::start_weights).
   weight_names weights_;
   /// In-process replicas have no queue of their own: each step waits for the one before.
   std::shared_future<step_result> previous_replica_step_;

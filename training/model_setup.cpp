@@ -105,11 +105,7 @@ model_setup model_from_file(model_setup setup, const model_args& m) {
   ACTORPIPE_CHECK(in.good(), "--model ", setup.name, ": cannot read the file");
   setup.segments = m.segments;
   setup.layers = load_model_file(setup.model_file, "--model " + setup.name, {setup.segments});
-  if (!m.init_from.empty()) {
-    // The archive nodes and other replicas load is the one with these weights.
-    setup.weights = init_exported(setup.layers, read_pretrained(m.init_from));
-    setup.model_file = exported_bytes(setup.layers);
-  }
+  setup.weights = start_weights(setup.layers, m.init_from, setup.model_file);
   setup.batch = m.batch > 0 ? m.batch : (m.data == "fashion-mnist" ? 64 : 32);
   take_example(setup, m);
   scan_images(setup, m);
@@ -142,6 +138,16 @@ void shape_to_data(model_setup& setup, const model_args& m, bool resnet) {
 }
 
 } // namespace
+
+weight_names start_weights(const layer_list& layers, const std::string& init_from,
+                           std::string& model_file) {
+  if (!init_from.empty()) {
+    auto names = init_exported(layers, read_pretrained(init_from));
+    model_file = exported_bytes(layers);
+    return names;
+  }
+  return is_exported(layers) ? own_weight_names(layers) : weight_names{};
+}
 
 model_setup build_model(const model_args& m) {
   model_setup setup;

@@ -79,8 +79,8 @@ struct model_setup {
   std::string model_file;
   /// A PT2 archive's cut into layers (--segments: exported_options::segments).
   std::string segments = "auto";
-  /// --init-from: the names its weights file gave the program's tensors, for writing them back
-  /// (--save-safetensors); empty names without it.
+  /// A PT2 archive's weights as a weights file names them (--init-from's names, else the
+  /// program's), for writing them back (--save-safetensors); empty for other models.
   weight_names weights;
   /// Real inputs [batch, ...] to profile with, when the data gives them (tensor files).
   torch::Tensor example;
@@ -121,5 +121,13 @@ void check_model_fits_data(const model_args& args);
 /// Builds the model (parameters drawn after torch::manual_seed(seed)), or loads a model file
 /// (load_model_file: TorchScript or a PT2 archive).
 model_setup build_model(const model_args& args);
+
+/// The weights a model file's `layers` start from and are written back under: with `init_from`
+/// (a safetensors file or save_pretrained folder) set into them (init_exported), and
+/// `model_file` (what nodes and further replicas load) made the archive that carries them; else
+/// the program's own names. Empty names for a model that is not a PT2 archive (init_from
+/// refused by name).
+weight_names start_weights(const layer_list& layers, const std::string& init_from,
+                           std::string& model_file);
 
 } // namespace actorpipe::training
