@@ -349,12 +349,9 @@ std::vector<std::pair<std::string, std::string>> exported_state_names(const laye
   ACTORPIPE_CHECK(from != nullptr, "exported_state_names: the layers were not loaded by "
                                    "load_exported");
   std::vector<std::pair<std::string, std::string>> names;
-  for (const auto& s : from->program.state) {
-    if (s.role == exported::state_tensor::kind::constant || !s.persistent) {
-      continue;
-    }
-    for (const auto& n : s.names) {
-      names.emplace_back(n, s.name);
+  for (const auto* s : exported::saved_state(from->program)) {
+    for (const auto& n : s->names) {
+      names.emplace_back(n, s->name);
     }
   }
   return names;

@@ -405,7 +405,6 @@ std::optional<std::size_t> logits_of(const std::string& out_spec) {
 // Forward returning several tensors (a ModelOutput with hidden states, a dict, a tuple): the loss
 // reads `logits` where forward returns it by that name, else the first; the rest are not kept.
 void choose_loss_output(program& p, const ex::ExportedProgram& ep) {
-  p.loss_output = p.name_of(p.user_outputs.front());
   if (p.user_outputs.size() == 1) {
     return;
   }
@@ -415,11 +414,9 @@ void choose_loss_output(program& p, const ex::ExportedProgram& ep) {
       if (auto at = logits_of(entry.get_signature()->get_out_spec());
           at && *at < p.user_outputs.size()) {
         chosen = *at;
-        p.loss_output = "logits";
       }
     }
   }
-  p.dropped_outputs = p.user_outputs.size() - 1;
   p.user_outputs = {p.user_outputs[chosen]};
 }
 

@@ -102,11 +102,9 @@ struct program {
   std::vector<std::size_t> markers;
   std::vector<slot> user_inputs;
   /// What the last segment returns, for the loss: the program's only output, else the one named
-  /// `logits` in the dict or ModelOutput forward returns, else its first (`loss_output`); the
-  /// others are not kept (`dropped_outputs`: how many).
+  /// `logits` in the dict or ModelOutput forward returns, else its first; the others are not
+  /// kept.
   std::vector<slot> user_outputs;
-  std::string loss_output;
-  std::size_t dropped_outputs = 0;
   std::vector<state_tensor> state;
   /// Buffers a functional graph returns anew: (slot of the new value, state index).
   std::vector<std::pair<slot, std::size_t>> mutations;

@@ -472,6 +472,16 @@ segment_plan plan_of(const program& p, const liveness& live, const span& s, bool
 
 } // namespace
 
+std::vector<const state_tensor*> saved_state(const program& p) {
+  std::vector<const state_tensor*> out;
+  for (const auto& s : p.state) {
+    if (s.role != state_tensor::kind::constant && s.persistent) {
+      out.push_back(&s);
+    }
+  }
+  return out;
+}
+
 std::vector<segment_plan> plan_segments(const program& p, const exported_options& options) {
   ACTORPIPE_CHECK(!p.nodes.empty(), p.what, ": the program has no nodes to run");
   auto spans = spans_of(p, options.segments);

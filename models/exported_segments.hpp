@@ -39,6 +39,9 @@ struct segment_plan {
 /// unknown spelling, a marker spelling without markers.
 std::vector<segment_plan> plan_segments(const program& p, const exported_options& options);
 
+/// What a state_dict holds of `p`'s state: parameters and persistent buffers.
+std::vector<const state_tensor*> saved_state(const program& p);
+
 /// A loaded archive, shared by its segments: its bytes (what save_exported starts from and nodes
 /// are sent), the program, how it was cut.
 struct source {

@@ -6,7 +6,6 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
-#include <set>
 
 #include <actorpipe/errors.hpp>
 
@@ -17,18 +16,8 @@ namespace actorpipe {
 namespace {
 
 using detail::concat;
+using exported::saved_state;
 using exported::state_tensor;
-
-// What a state_dict holds: parameters and persistent buffers.
-std::vector<const state_tensor*> saved_state(const exported::program& p) {
-  std::vector<const state_tensor*> out;
-  for (const auto& s : p.state) {
-    if (s.role != state_tensor::kind::constant && s.persistent) {
-      out.push_back(&s);
-    }
-  }
-  return out;
-}
 
 // "model." when every name starts with that one component, else "".
 template <class Names>
@@ -93,6 +82,36 @@ std::string described(const torch::Tensor& t) {
   return concat(c10::toString(t.scalar_type()), " ", t.sizes());
 }
 
+// The naming under which the file has the most of the program's tensors: the same names, the
+// program's with a prefix more, or the file's; with each state tensor's (file name, program
+// name) under it ("" where the file has none of its names).
+std::pair<naming, std::vector<std::pair<std::string, std::string>>>
+best_naming(const std::vector<const state_tensor*>& state,
+            const std::map<std::string, std::size_t>& file,
+            const std::vector<std::string>& file_names) {
+  std::vector<std::string> program_names;
+  for (const auto* s : state) {
+    program_names.insert(program_names.end(), s->names.begin(), s->names.end());
+  }
+  std::vector<naming> ways{{"", ""}};
+  if (auto p = common_prefix(program_names); !p.empty()) {
+    ways.push_back({p, ""});
+  }
+  if (auto f = common_prefix(file_names); !f.empty()) {
+    ways.push_back({"", f});
+  }
+  std::pair<naming, std::vector<std::pair<std::string, std::string>>> best;
+  std::size_t best_found = 0, found = 0;
+  for (const auto& way : ways) {
+    auto m = match(state, file, way, found);
+    if (best.second.empty() || found > best_found) {
+      best = {way, std::move(m)};
+      best_found = found;
+    }
+  }
+  return best;
+}
+
 } // namespace
 
 weight_names init_exported(const layer_list& layers, const pretrained_weights& weights) {
@@ -107,32 +126,11 @@ weight_names init_exported(const layer_list& layers, const pretrained_weights& w
     file[weights.tensors[i].first] = i;
     file_names.push_back(weights.tensors[i].first);
   }
-  std::vector<std::string> program_names;
-  for (const auto* s : state) {
-    program_names.insert(program_names.end(), s->names.begin(), s->names.end());
-  }
-  // The same names, the program's with a prefix more, or the file's.
-  std::vector<naming> ways{{"", ""}};
-  if (auto p = common_prefix(program_names); !p.empty()) {
-    ways.push_back({p, ""});
-  }
-  if (auto f = common_prefix(file_names); !f.empty()) {
-    ways.push_back({"", f});
-  }
-  std::size_t best_found = 0, found = 0;
-  std::vector<std::pair<std::string, std::string>> matched;
-  naming how;
-  for (const auto& way : ways) {
-    auto m = match(state, file, way, found);
-    if (matched.empty() || found > best_found) {
-      matched = std::move(m);
-      best_found = found;
-      how = way;
-    }
-  }
-  auto where = concat("init from '", weights.path, "'");
+  auto [how, matched] = best_naming(state, file, file_names);
+  // Every file name any name of a matched tensor has (a tied tensor's second one included), with
+  // the tensor's name in the pipeline's state.
+  std::map<std::string, std::string> state_of;
   std::vector<std::string> missing, unused, wrong;
-  std::set<std::string> used;
   for (std::size_t k = 0; k < state.size(); ++k) {
     const auto& [file_name, program_name] = matched[k];
     if (file_name.empty()) {
@@ -145,15 +143,16 @@ weight_names init_exported(const layer_list& layers, const pretrained_weights& w
       wrong.push_back(concat(file_name, "' is ", described(t), " in the file and ", described(want),
                              " in the program ('", program_name));
     }
-    for (const auto& n : state[k]->names) { // a tied tensor's other names are its own
-      used.insert(how.file_name(n));
+    for (const auto& n : state[k]->names) {
+      state_of.emplace(how.file_name(n), state[k]->name);
     }
   }
   for (const auto& n : file_names) {
-    if (used.count(n) == 0) {
+    if (state_of.count(n) == 0) {
       unused.push_back(n);
     }
   }
+  auto where = concat("init from '", weights.path, "'");
   ACTORPIPE_CHECK(missing.empty(), where, ": the file has no tensor for ", list(missing),
                   " of the program (", missing.size(), " of ", state.size(), ")");
   ACTORPIPE_CHECK(unused.empty(), where, ": the program has no tensor ", list(unused),
@@ -162,22 +161,15 @@ weight_names init_exported(const layer_list& layers, const pretrained_weights& w
   ACTORPIPE_CHECK(wrong.empty(), where, ": '", wrong.empty() ? std::string() : wrong.front(), "')",
                   wrong.size() > 1 ? concat(" and ", wrong.size() - 1, " more") : "");
   torch::NoGradGuard no_grad;
-  weight_names names;
-  names.config_folder = weights.config_folder;
   for (std::size_t k = 0; k < state.size(); ++k) {
     const auto& t = weights.tensors[file.at(matched[k].first)].second;
     state[k]->tensor.copy_(t);
     weights.release(t);
   }
-  // The file's order, every name it had (a tied tensor's second name included).
-  for (const auto& n : file_names) {
-    for (std::size_t k = 0; k < state.size(); ++k) {
-      for (const auto& alias : state[k]->names) {
-        if (how.file_name(alias) == n && (names.names.empty() || names.names.back().first != n)) {
-          names.names.emplace_back(n, state[k]->name);
-        }
-      }
-    }
+  weight_names names;
+  names.config_folder = weights.config_folder;
+  for (const auto& n : file_names) { // the file's order, every name it had
+    names.names.emplace_back(n, state_of.at(n));
   }
   return names;
 }

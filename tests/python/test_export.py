@@ -438,6 +438,9 @@ class ExportFilesTest(unittest.TestCase):
                        "tensors:" + self.path("data.pt"), "--steps", "1")
         self.assertNotEqual(run.returncode, 0)
         self.assertRegex(run.stderr, r"torch\.ops\.actorpipe_test\.twice\.default\) calls an op that is not registered")
+        # The refusal names the ops of Python libraries the engine runs itself.
+        self.assertIn("of such ops actorpipe runs transformers::grouped_mm_fallback", run.stderr)
+        self.assertIn("transformers::grouped_mm_fallback", actorpipe.library_ops())
 
 
 if __name__ == "__main__":
