@@ -3,6 +3,9 @@
 #   ./setup.sh run [train flags...]   runs the main job (`actorpipe train` with defaults)
 #   ./setup.sh test                   runs the whole test suite through CTest
 #   ./setup.sh build                  only builds
+#   ./setup.sh deps                   only installs the system packages a build needs, for
+#                                     `pip install .` into your own torch's environment
+#                                     (docs/install.md)
 #   ./setup.sh python                 builds the Python module and installs the torch it needs
 #                                     (Debian's python3-torch): then PYTHONPATH=build/python python3
 #   ./setup.sh sanitize [address|thread]
@@ -11,18 +14,19 @@
 #                                     unless one is named
 # With `--torch pip` after build or test: the PyTorch 2.11 line instead of Debian's libtorch 1.13:
 # a venv .venv-torch with the torch 2.11 wheel from PyPI (a CUDA 13.0 build; its libtorch, headers
-# and CMake config are under torch/), built in build-cuda/ with CUDA and NCCL (docs/gpu.md).
-#   ./setup.sh build --torch pip      builds the CUDA line
-#   ./setup.sh test --torch pip       builds what CI checks of it and runs its CPU tests and the
-#                                     GPU tests (skipped without a GPU)
+# and CMake config are under torch/), into which `pip install .` builds actorpipe (CUDA and NCCL,
+# docs/gpu.md) in the build folder build-cuda/.
+#   ./setup.sh build --torch pip      builds and installs the CUDA line
+#   ./setup.sh test --torch pip       the same with what CI checks of it, and runs its CPU tests
+#                                     and the GPU tests (skipped without a GPU)
+# With `--torch newest` after test: the same through `pip install .` into .venv-newest, with the
+# newest torch on PyPI, the CPU engine (build-newest/), and the Python and export tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# What every build needs; a build against a torch from pip needs only these.
 packages=(
   build-essential cmake ccache clang-format
-  libtorch-dev            # libtorch 1.13 (CPU), with c10d Gloo
-  libgloo-dev             # headers of Gloo, which c10d's ProcessGroupGloo.hpp includes
-  libopenblas0-openmp     # without it Debian's libtorch falls back to the reference BLAS
   libcaf-dev              # C++ Actor Framework 0.17
   libboost-dev            # Boost.Asio
   libcli11-dev nlohmann-json3-dev libspdlog-dev doctest-dev zlib1g-dev libssl-dev libbenchmark-dev
@@ -30,6 +34,12 @@ packages=(
   pybind11-dev python3-dev  # the Python module `actorpipe` (python/, docs/python.md)
   dataset-fashion-mnist   # the real data of the main job
   fortunes                # the real text of --data text (/usr/share/games/fortunes)
+)
+# Debian's libtorch line, the default build.
+debian_torch_packages=(
+  libtorch-dev            # libtorch 1.13 (CPU), with c10d Gloo
+  libgloo-dev             # headers of Gloo, which c10d's ProcessGroupGloo.hpp includes
+  libopenblas0-openmp     # without it Debian's libtorch falls back to the reference BLAS
 )
 # Only the tests need these.
 test_packages=(
@@ -84,13 +94,17 @@ sanitize() {
   done
 }
 
-# The PyTorch 2.11 line: the wheel's libtorch (CUDA 13.0), a build of its own in build-cuda.
-# The models its tests train come from transformers and torchvision (tests/oracle/hf_models.py);
-# torchvision is pinned to the release built for this torch, or pip would replace the torch.
-torch_spec='torch==2.11.*'
-model_specs=('torchvision==0.26.*' 'transformers>=5.25,<6' safetensors)
-venv=.venv-torch
-pip_torch() {
+# The PyTorch 2.x lines: a venv holding a torch from PyPI, into which `pip install .` builds
+# actorpipe (pyproject.toml) in a build folder of the line's own, kept between runs so that a second
+# install rebuilds only what changed. The models the tests train come from transformers and
+# torchvision (tests/oracle/hf_models.py); torchvision is pinned to the release built for the
+# torch, or pip would replace the torch.
+pinned_torch=('torch==2.11.*' 'torchvision==0.26.*')
+newest_torch=(torch torchvision)  # pip picks the newest torch and the torchvision built for it
+model_specs=('transformers>=5.25,<6' safetensors numpy)
+pip_venv() {  # venv torch-specs...
+  local venv=$1
+  shift
   if [[ ! -x $venv/bin/python ]] && ! python3 -m venv "$venv"; then
     # Debian's python3 makes venvs only with python3-venv.
     rm -rf "$venv"
@@ -98,44 +112,61 @@ pip_torch() {
     install_missing
     python3 -m venv "$venv"
   fi
-  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-    echo "setup: installing $torch_spec from PyPI into $venv (the CUDA 13.0 wheel, ~3 GB with its CUDA libraries)"
-    "$venv/bin/pip" install -q "$torch_spec" numpy
-  fi
-  if ! "$venv/bin/python" -c 'import torchvision, transformers, safetensors' 2>/dev/null; then
-    echo "setup: installing ${model_specs[*]} from PyPI into $venv (the models the tests train)"
-    "$venv/bin/pip" install -q "$torch_spec" "${model_specs[@]}"
+  if ! "$venv/bin/python" -c 'import torch, torchvision, transformers, safetensors' 2>/dev/null; then
+    echo "setup: installing $* ${model_specs[*]} from PyPI into $venv (a CUDA wheel, ~3 GB with its CUDA libraries)"
+    "$venv/bin/pip" install -q "$@" "${model_specs[@]}"
   fi
 }
-# The targets CI builds on that line: every library (libtorch_cuda, NCCL), the program, the GPU
-# tests and the CPU tests that run against it.
-cuda_targets="actorpipe_cli gpu_test pipeline_test actorpipe_python"
-build_cuda() {
-  pip_torch
-  local torch_dir
-  torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
-    -DCMAKE_UNITY_BUILD_BATCH_SIZE=4 -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake" \
-    -DCMAKE_LIBRARY_PATH="$torch_dir/lib" -DACTORPIPE_WITH_CUDA=ON -DACTORPIPE_WITH_NCCL=ON \
-    -DACTORPIPE_PYTHON="$PWD/$venv/bin/python"
-  cmake --build build-cuda -j"$(nproc)" --target "$@"
+# pip install . into a venv, built in a folder of its own with the tests configured (ctest runs
+# there; the Python tests import the installed package and run the installed program).
+pip_install() {  # venv build-dir targets (";"-separated, empty: all) [pip args...]
+  local venv=$1 dir=$2 targets=$3
+  shift 3
+  # A folder configured by hand before (plain cmake, perhaps another generator) starts afresh.
+  if [[ -f $dir/CMakeCache.txt ]] && ! grep -q '^ACTORPIPE_TORCH_FROM_PYTHON' "$dir/CMakeCache.txt"; then
+    rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
+  fi
+  local args=(-C build-dir="$dir" -C cmake.define.ACTORPIPE_BUILD_TESTS=ON)
+  [[ -n $targets ]] && args+=(-C build.targets="$targets")
+  "$venv/bin/pip" install -v . "${args[@]}" "$@"
 }
+# The targets CI builds on the pinned line: every library (libtorch_cuda, NCCL), the program, the
+# GPU tests and the CPU tests that run against it.
+cuda_targets="actorpipe_cli;actorpipe_python;gpu_test;pipeline_test"
 
 command=${1:-run}
 shift || true
 torch_line=debian
 if [[ ${1:-} == --torch ]]; then
   torch_line=${2:-}
-  [[ $torch_line == pip || $torch_line == debian ]] || { echo "setup: --torch debian|pip" >&2; exit 2; }
+  [[ $torch_line == pip || $torch_line == newest || $torch_line == debian ]] ||
+    { echo "setup: --torch debian|pip|newest" >&2; exit 2; }
   shift 2
 fi
+if [[ $command == deps ]]; then
+  install_missing
+  echo "setup: the system packages are installed; now pip install . in the environment of your torch"
+  exit 0
+fi
+[[ $torch_line == debian ]] && packages+=("${debian_torch_packages[@]}")
 [[ $command == test || $command == python ]] && packages+=("${test_packages[@]}")
 install_missing
+if [[ $torch_line == newest ]]; then
+  [[ $command == test ]] || { echo "setup: --torch newest goes with test" >&2; exit 2; }
+  pip_venv .venv-newest "${newest_torch[@]}"
+  pip_install .venv-newest build-newest "actorpipe_cli;actorpipe_python" \
+    -C cmake.define.ACTORPIPE_WITH_CUDA=OFF
+  # The Python and export tests (the engine on the CPU): the oracle, the API, exported programs,
+  # transformers and torchvision models, and the PT2 example through the program.
+  cd build-newest && exec ctest -j2 --output-on-failure --timeout 600 \
+    -R '^python_|^example_from_pytorch_exported$' -E '^python_gpu' "$@"
+fi
 if [[ $torch_line == pip ]]; then
   case "$command" in
-    build) build_cuda all ;;
+    build) pip_venv .venv-torch "${pinned_torch[@]}" && pip_install .venv-torch build-cuda "" ;;
     test)
-      build_cuda $cuda_targets
+      pip_venv .venv-torch "${pinned_torch[@]}"
+      pip_install .venv-torch build-cuda "$cuda_targets"
       # The CPU tests of the 2.x line: the pipeline's numerics and errors against plain libtorch
       # 2.11 and the wheel's own torch as the oracle, the main job's losses against the 1.13
       # line's, and the GPU tests (skipped without a GPU). Not here: the binaries this line does
@@ -184,5 +215,5 @@ case "$command" in
   run) exec build/cli/actorpipe train "$@" ;;
   test) cd build && exec ctest -j2 --output-on-failure --timeout 600 "$@" ;;
   build) ;;
-  *) echo "usage: ./setup.sh run|test|build|python|sanitize [args...]" >&2; exit 2 ;;
+  *) echo "usage: ./setup.sh run|test|build|deps|python|sanitize [args...]" >&2; exit 2 ;;
 esac

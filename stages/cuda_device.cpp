@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/torch_compat.hpp>
 
 namespace actorpipe::stages {
 namespace {
@@ -230,7 +231,9 @@ public:
     std::lock_guard<std::mutex> one_at_a_time{capture_mutex()};
     auto made = std::make_unique<cuda_graph>();
     // Dropout draws from the device's generator: a replay advances it as the eager work would.
-    made->graph.register_generator_state(at::cuda::detail::getDefaultCUDAGenerator(index_));
+    // capture_begin registers the current device's (compat::register_generator).
+    c10::cuda::CUDAGuard on_device(index_);
+    compat::register_generator(made->graph, at::cuda::detail::getDefaultCUDAGenerator(index_));
     // Thread-local: the other stages' threads go on queueing their own work meanwhile.
     made->graph.capture_begin({pool.first, pool.second}, cudaStreamCaptureModeThreadLocal);
     try {

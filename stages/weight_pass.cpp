@@ -20,7 +20,7 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 struct weight_pass::capture {
-  std::shared_ptr<Node> node;
+  compat::node_ref node;
   /// What B handed the node (its output gradients), kept by the hook.
   std::shared_ptr<variable_list> gradients;
   /// Its edges into B's part of the graph or to anything that is no parameter (cut for W).
@@ -239,7 +239,7 @@ std::shared_ptr<weight_pass> weight_pass::prepare(const std::vector<at::Tensor>&
       continue;
     }
     auto slot = std::make_shared<variable_list>();
-    pass->captures_.push_back(capture{node->shared_from_this(), slot, std::move(edges.cut)});
+    pass->captures_.push_back(capture{compat::hold(*node), slot, std::move(edges.cut)});
   }
   for (auto& c : pass->captures_) {
     c.node->add_pre_hook(std::make_unique<keep_gradients>(c.gradients));

@@ -1,25 +1,38 @@
 /// \file
-/// The two libtorch lines actorpipe builds against, in one place: Debian's 1.13 (CPU, the default
-/// build) and the libtorch inside PyTorch 2.11's wheel (a CUDA build, `./setup.sh build --torch
-/// pip`). Every difference between them that the tree meets is spelt here once; nothing else in
-/// the tree tests a libtorch version. Internal: applications need not include it.
+/// The libtorch lines actorpipe builds against, in one place: Debian's 1.13 (CPU, the default
+/// build) and the libtorch inside PyTorch's wheels, 2.11 through the newest on PyPI (2.15 when
+/// written; `pip install .`, docs/install.md). Every difference between them that the tree meets
+/// is spelt here once; nothing else in the tree tests a libtorch version. Internal: applications
+/// need not include it.
+// clang-format off
 ///
-/// | difference                           | 1.13                         | 2.x |
-/// |--------------------------------------|------------------------------|----------------------------|
-/// | c10::Allocator::allocate             | const                        | not const, + copy_data |
-/// | optimizer state keys                 | string of the TensorImpl*    | the TensorImpl* (void*)
-/// | | c10::variant / get_if                | c10::                        | std:: | | autocast
-/// getters and setters         | per device (cpu / gpu)       | by device type (1.13's     | | | |
-/// forms warn on every call)  | | c10d process groups (Gloo, NCCL)     | derive from ProcessGroup
-/// | derive from c10d::Backend  | | c10::Error's second argument         | std::string backtrace |
-/// a lazy backtrace pointer:  | |                                      | | pass `{}` on both lines
-/// | autograd's multithreading switch    | none (CPU only: not needed)  | AutogradState's |
-/// |
+/// | difference                       | 1.13                       | 2.x                                |
+/// |----------------------------------|----------------------------|------------------------------------|
+/// | c10::Allocator::allocate         | const                      | not const, + copy_data             |
+/// | optimizer state keys             | string of the TensorImpl*  | the TensorImpl* (void*)            |
+/// | c10::variant / get_if            | c10::                      | std::                              |
+/// | autocast getters and setters     | per device (cpu / gpu)     | by device type (1.13's forms warn  |
+/// |                                  |                            | on every call)                     |
+/// | c10d process groups (Gloo, NCCL) | derive from ProcessGroup   | derive from c10d::Backend          |
+/// | c10::Error's second argument     | std::string backtrace      | a lazy backtrace pointer: pass `{}`|
+/// |                                  |                            | on both lines                      |
+/// | autograd's multithreading switch | none (CPU only: not needed)| AutogradState's                    |
+/// | a strong reference to an autograd| std::shared_ptr            | std::shared_ptr to 2.14, then      |
+/// | node (compat::node_ref)          | (shared_from_this)         | c10::intrusive_ptr (both: getptr)  |
+/// | a CUDA graph's generator         | (no CUDA graphs)           | registered by the caller on 2.11;  |
+/// | (compat::register_generator)     |                            | by capture_begin alone on 2.15 (the|
+/// |                                  |                            | current device's default one)      |
+/// | c10d::Work, c10d::Backend        | through the store headers  | their own headers from 2.15 (the   |
+/// |                                  |                            | store headers no longer bring them:|
+/// |                                  |                            | comm/ includes them by name)       |
+// clang-format on
 #pragma once
 
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
@@ -27,6 +40,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/version.h>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -132,6 +146,39 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
     at::autocast::set_autocast_cpu_dtype(dtype);
   }
 #endif
+}
+
+/// A strong reference to an autograd node, and one taken from the node itself.
+#if ACTORPIPE_TORCH_2
+using node_ref = decltype(std::declval<torch::autograd::Node&>().getptr());
+inline node_ref hold(torch::autograd::Node& node) {
+  return node.getptr();
+}
+#else
+using node_ref = std::shared_ptr<torch::autograd::Node>;
+inline node_ref hold(torch::autograd::Node& node) {
+  return node.shared_from_this();
+}
+#endif
+
+namespace detail {
+template <class Graph, class Generator, class = void>
+struct takes_generator : std::false_type {};
+template <class Graph, class Generator>
+struct takes_generator<Graph, Generator,
+                       std::void_t<decltype(std::declval<Graph&>().register_generator_state(
+                         std::declval<const Generator&>()))>> : std::true_type {};
+} // namespace detail
+
+/// Registers a device's default generator with a CUDA graph about to be captured, so that a replay
+/// advances it as the eager work would. 2.11's at::cuda::CUDAGraph takes it from the caller; 2.15's
+/// has no such overload, and its capture_begin registers the current device's default generator
+/// itself: the caller makes the graph's device current on both lines.
+template <class Graph, class Generator>
+void register_generator(Graph& graph, const Generator& generator) {
+  if constexpr (detail::takes_generator<Graph, Generator>::value) {
+    graph.register_generator_state(generator);
+  }
 }
 
 /// Runs a backward on the calling thread, not on the autograd engine's worker thread of the

@@ -384,7 +384,11 @@ class ExportFilesTest(unittest.TestCase):
 
         x = torch.randn(2, 4)
         decomposed = torch.export.export(Slice(), (x,)).run_decompositions()
-        self.refused(decomposed, r"decomposed.*node '.*' \(torch\.ops\.aten\.copy\.default\) has no autograd formula")
+        if any(n.target is torch.ops.aten.copy.default for n in decomposed.graph.nodes):
+            self.refused(decomposed, r"decomposed.*node '.*' \(torch\.ops\.aten\.copy\.default\) has no autograd formula")
+        else:
+            # torch 2.15 decomposes the slice's assignment into where(), which has a formula.
+            actorpipe.Pipeline(decomposed, stages=1)
 
         class Branch(torch.nn.Module):
             def forward(self, x):
