@@ -69,7 +69,9 @@ endfunction()
 # has the wheel's major version (torch's CMake config compiles against the toolkit's headers and
 # links the wheel's libraries); otherwise the CPU engine, said here and by `import actorpipe` on a
 # machine with a GPU (actorpipe.build_info["cuda_reason"]). Sets ACTORPIPE_WITH_CUDA,
-# ACTORPIPE_WITH_NCCL and ACTORPIPE_CUDA_REASON.
+# ACTORPIPE_WITH_NCCL and ACTORPIPE_CUDA_REASON, unless -DACTORPIPE_WITH_CUDA=ON|OFF is given
+# (-C cmake.define.ACTORPIPE_WITH_CUDA=OFF through pip). A CUDA wheel without any toolkit is
+# refused: torch's own config cannot be used then.
 function(actorpipe_cuda_for_torch torch_version torch_cuda)
   set(cuda_reason "")
   if(torch_cuda STREQUAL "")
@@ -86,12 +88,19 @@ function(actorpipe_cuda_for_torch torch_version torch_cuda)
     string(REGEX MATCH "^[0-9]+" wheel_major "${torch_cuda}")
     string(REGEX MATCH "^[0-9]+" toolkit_major "${toolkit}")
     if(toolkit STREQUAL "")
-      string(CONCAT cuda_reason "torch ${torch_version} is built with CUDA ${torch_cuda}, and no "
-                    "CUDA toolkit (nvcc) was found to build against it")
+      # torch's own CMake config (Caffe2's cuda.cmake) enables CUDA and fails without a toolkit,
+      # whatever this build would do with it: said here in our words first.
+      message(FATAL_ERROR "torch ${torch_version} is a CUDA build, and torch's CMake config needs "
+        "a CUDA ${wheel_major} toolkit (nvcc) to build anything against it, which this machine "
+        "lacks: install one (CUDA_HOME names where), or PyTorch's CPU wheel (pip install torch "
+        "--index-url https://download.pytorch.org/whl/cpu), then pip install . again.")
     elseif(NOT toolkit_major STREQUAL wheel_major)
       string(CONCAT cuda_reason "torch ${torch_version} is built with CUDA ${torch_cuda}, and the "
                     "CUDA toolkit here is ${toolkit} (${ACTORPIPE_NVCC})")
     endif()
+  endif()
+  if(DEFINED ACTORPIPE_WITH_CUDA)  # given: -DACTORPIPE_WITH_CUDA=ON|OFF decides
+    return()
   endif()
   set(ACTORPIPE_CUDA_REASON "${cuda_reason}" PARENT_SCOPE)
   if(NOT cuda_reason STREQUAL "")
@@ -112,8 +121,5 @@ endfunction()
 
 if(ACTORPIPE_TORCH_FROM_PYTHON)
   actorpipe_torch_of_python()
-  # -DACTORPIPE_WITH_CUDA=ON|OFF decides instead (-C cmake.define.ACTORPIPE_WITH_CUDA=OFF by pip).
-  if(NOT DEFINED ACTORPIPE_WITH_CUDA)
-    actorpipe_cuda_for_torch("${actorpipe_torch_version}" "${actorpipe_torch_cuda}")
-  endif()
+  actorpipe_cuda_for_torch("${actorpipe_torch_version}" "${actorpipe_torch_cuda}")
 endif()
