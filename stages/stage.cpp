@@ -189,6 +189,18 @@ void stage::unstash(std::map<int32_t, stash_entry>::iterator it) {
   stash_.erase(it);
 }
 
+graph_book::use stage::graph_use(int32_t microbatch, const bundle& input,
+                                 const torch::Tensor* target, bool recompute) {
+  if (!graphs_ || graphs_->book.is_off()) {
+    return graph_book::use::eager;
+  }
+  if (recompute) {
+    graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
+  }
+  return graphs_->book.forward(microbatch, target != nullptr ? tensor_signature::of(input, *target)
+                                                             : tensor_signature::of(input));
+}
+
 bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   std::lock_guard<std::mutex> guard{mutex_};
   if (graphs_) {
@@ -202,15 +214,10 @@ bundle stage::forward(int32_t microbatch, const bundle& input, bool recompute) {
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
   stash_entry entry;
   entry.input = receive(input, true);
-  if (graphs_ && !graphs_->book.is_off()) {
-    if (recompute) {
-      graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
-    }
-    auto use = graphs_->book.forward(microbatch, tensor_signature::of(entry.input));
-    if (use != graph_book::use::eager) {
-      if (auto sent = graphed_forward(microbatch, entry.input, use)) {
-        return std::move(*sent);
-      }
+  if (auto use = graph_use(microbatch, entry.input, nullptr, recompute);
+      use != graph_book::use::eager) {
+    if (auto sent = graphed_forward(microbatch, entry.input, use)) {
+      return std::move(*sent);
     }
   }
   // With recomputation the graph is built (it says which outputs need a gradient) and dropped
@@ -268,16 +275,11 @@ torch::Tensor stage::forward_loss(int32_t microbatch, const bundle& input,
   ACTORPIPE_ASSERT(stash_.count(microbatch) == 0);
   stash_entry entry;
   entry.input = receive(input, true);
-  if (graphs_ && !graphs_->book.is_off()) {
-    if (recompute) {
-      graphs_->book.turn_off("recomputation keeps a micro-batch's input alone, a graph all of it");
-    }
-    auto use = graphs_->book.forward(microbatch, tensor_signature::of(entry.input, target));
-    if (use != graph_book::use::eager) {
-      torch::AutoGradMode grad_mode{true};
-      if (auto value = graphed_forward(microbatch, entry.input, use, target, &loss, scale)) {
-        return (*value)[0];
-      }
+  if (auto use = graph_use(microbatch, entry.input, &target, recompute);
+      use != graph_book::use::eager) {
+    torch::AutoGradMode grad_mode{true};
+    if (auto value = graphed_forward(microbatch, entry.input, use, target, &loss, scale)) {
+      return (*value)[0];
     }
   }
   torch::Tensor value;

@@ -353,6 +353,11 @@ private:
     bool replayed_last = false;
   };
   std::unique_ptr<graphs> graphs_;
+  // Whether a training forward (of the last stage, with its target) runs through a graph: the
+  // one decision for forward and forward_loss. Eager without graphs, or once they are turned off
+  // (recomputation turns them off: it keeps a micro-batch's input alone, a graph all of it).
+  graph_book::use graph_use(int32_t microbatch, const bundle& input, const torch::Tensor* target,
+                            bool recompute);
   // A training forward through its graph (captured first in the capture step), stashed;
   // nothing when a capture fails (then eager from now on). `x` as receive() made it.
   std::optional<bundle> graphed_forward(int32_t microbatch, const bundle& x, graph_book::use use,
