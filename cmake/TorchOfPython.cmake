@@ -44,10 +44,10 @@ function(actorpipe_torch_of_python)
 
   # A build folder used before with another torch forgets what it found there.
   if(ACTORPIPE_TORCH_SEEN AND NOT ACTORPIPE_TORCH_SEEN STREQUAL torch_lib_dir)
+    get_filename_component(old_prefix "${ACTORPIPE_TORCH_SEEN}/../.." ABSOLUTE)
     get_cmake_property(cached CACHE_VARIABLES)
     foreach(var ${cached})
       get_property(value CACHE ${var} PROPERTY VALUE)
-      get_filename_component(old_prefix "${ACTORPIPE_TORCH_SEEN}/../.." ABSOLUTE)
       if(value MATCHES "^${old_prefix}/" OR var STREQUAL "Torch_DIR" OR var STREQUAL "Caffe2_DIR")
         unset(${var} CACHE)
       endif()

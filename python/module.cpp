@@ -5,7 +5,6 @@
 #include <pybind11/stl.h>
 
 #include <torch/csrc/utils/pybind.h>
-#include <torch/version.h>
 
 #include "python_pipeline.hpp"
 
@@ -213,7 +212,6 @@ PYBIND11_MODULE(_actorpipe, m) {
   actorpipe::python::bind_pipeline(m);
   m.def("release_engine", &actorpipe::python::release_engine,
         py::call_guard<py::gil_scoped_release>());
-  m.attr("torch_version") = TORCH_VERSION;
   m.def("library_ops", &actorpipe::library_ops,
         "The ops Python libraries register that exported programs may call and actorpipe runs "
         "with kernels of its own (transformers' mixture-of-experts grouped product)");

@@ -70,7 +70,7 @@ has_gloo = _actorpipe.has_gloo
 has_cuda = _actorpipe.has_cuda
 #: What this build is: the torch it was built against, whether stages can run on GPUs, and why
 #: not where the torch is a CUDA build ("" otherwise).
-build_info = {"torch": _build_info.torch_version, "cuda": _build_info.cuda,
+build_info = {"torch": _build_info.torch_version, "cuda": has_cuda,
               "cuda_reason": _build_info.cuda_reason}
 #: The ops Python libraries register (torch.library) that an exported program may call and that
 #: the engine runs with C++ kernels and autograd formulas of its own, as "namespace::name".
