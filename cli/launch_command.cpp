@@ -23,9 +23,10 @@ namespace actorpipe::cli {
 
 CLI::App* add_launch_command(CLI::App& app, launch_args& a) {
   auto* cmd = app.add_subcommand(
-    "launch", "Start N data-parallel ranks of an actorpipe command on this host, e.g. "
+    "launch", "Start N ranks of an actorpipe command on this host, e.g. "
               "`actorpipe launch --nproc 2 -- train --stages 2`; each rank gets RANK, WORLD_SIZE, "
-              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT");
+              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them (across hosts: "
+              "torchrun or srun, docs/distributed.md)");
   cmd->add_option("--nproc", a.nproc, "Ranks to start")
     ->capture_default_str()
     ->check(CLI::Range(1, 1024));
@@ -43,8 +44,6 @@ CLI::App* add_launch_command(CLI::App& app, launch_args& a) {
   return cmd;
 }
 
-namespace {
-
 // A port nobody listens on now (the kernel's pick for an ephemeral bind).
 int free_port(const std::string& addr) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -59,9 +58,11 @@ int free_port(const std::string& addr) {
   bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
             ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
   ::close(fd);
-  ACTORPIPE_CHECK(ok, "launch: cannot find a free port on ", addr, "; give one with --master-port");
+  ACTORPIPE_CHECK(ok, "cannot find a free port on ", addr, "; give one with --master-port");
   return ntohs(sa.sin_port);
 }
+
+namespace {
 
 int exit_code(int status) {
   if (WIFEXITED(status)) {

@@ -8,7 +8,7 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/memory.hpp>
 
-#include "comm/tensor_hub.hpp"
+#include "cli/train_cluster.hpp"
 #include "nodes/protocol.hpp"
 #include <actorpipe/node.hpp>
 
@@ -24,9 +24,11 @@ CLI::App* add_node_command(CLI::App& app, node_args& a) {
     ->capture_default_str();
   cmd->add_option("--data-port", a.data_port, "Port of the data listener (0: any free port)")
     ->capture_default_str();
-  cmd->add_option("--secret-file", a.secret_file,
-                  "File holding the shared secret schedulers must prove they know (mode 600); "
-                  "required to listen on a non-loopback address unless TLS is on");
+  cmd->add_option(
+    "--secret-file", a.secret_file,
+    "File holding the shared secret schedulers must prove they know (mode 600; not given: "
+    "the variable ACTORPIPE_SECRET's text); required to listen on a non-loopback "
+    "address unless TLS is on");
   cmd
     ->add_option("--max-model-bytes", a.max_model_bytes,
                  "Largest TorchScript model (bytes) a scheduler may send this node")
@@ -80,9 +82,7 @@ int run_node(const node_args& a) {
   options.host = host;
   options.port = port;
   options.data_port = static_cast<uint16_t>(a.data_port);
-  if (!a.secret_file.empty()) {
-    options.secret = comm::read_secret_file(a.secret_file);
-  }
+  options.secret = secret_from(a.secret_file);
   options.tls = a.tls;
   options.max_model_bytes = a.max_model_bytes;
   options.keep_snapshots = std::chrono::seconds(a.keep_snapshots);

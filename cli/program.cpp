@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <iostream>
 
+#include <torch/version.h>
+
 #include <actorpipe/errors.hpp>
 #include <actorpipe/logging.hpp>
 
@@ -11,7 +13,7 @@
 namespace actorpipe::cli {
 
 program::program() {
-  app.set_version_flag("--version", std::string{"actorpipe 0.1.0"});
+  app.set_version_flag("--version", std::string{"actorpipe 0.1.0 (libtorch " TORCH_VERSION ")"});
   app.require_subcommand(1);
   // Before or after the subcommand: `actorpipe --log-level debug train` or `... train --log-level`.
   app.fallthrough();

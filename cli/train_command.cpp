@@ -17,7 +17,7 @@
 #include <actorpipe/training.hpp>
 
 #include "cli/node_command.hpp"
-#include "comm/tensor_hub.hpp"
+#include "cli/train_cluster.hpp"
 #include "training/run_plan.hpp"
 
 namespace actorpipe::cli {
@@ -40,8 +40,8 @@ void print_plan(const model_setup& setup, const plan_choice& choice) {
   std::cout << std::flush;
 }
 
-// `in_process`: the replicas are this process's (--replicas), not processes of their own.
-std::string replicas_note(const data_parallel_options& dp, bool in_process) {
+// `where`: the replicas' stages are in this process, on nodes, or processes of their own.
+std::string replicas_note(const data_parallel_options& dp, const char* where) {
   if (dp.replicas <= 1) {
     return {};
   }
@@ -49,8 +49,7 @@ std::string replicas_note(const data_parallel_options& dp, bool in_process) {
   auto momentum =
     b.block_momentum < 0 ? 1.0 - 1.0 / static_cast<double>(dp.replicas) : b.block_momentum;
   return detail::concat(
-    ", ", dp.replicas, " replicas (", in_process ? "in this process" : "processes", ", ",
-    dp.master_addr, ":", dp.master_port, ")",
+    ", ", dp.replicas, " replicas (", where, ", ", dp.master_addr, ":", dp.master_port, ")",
     b.block_steps > 0
       ? detail::concat(", BMUF: blocks of ", b.block_steps, " steps, block lr ", b.block_lr,
                        ", block momentum ", momentum, b.nesterov ? " (Nesterov)" : "")
@@ -357,7 +356,10 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
             << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
-            << replicas_note(dp, a.replicas > 1) << '\n';
+            << replicas_note(dp, a.replicas == 1                      ? "processes"
+                                 : a.pipeline.placement.nodes.empty() ? "in this process"
+                                                                      : "on nodes")
+            << '\n';
   print_plan(setup, choice);
 }
 
@@ -702,9 +704,7 @@ training::run_settings settings_for(const train_args& a, const model_setup& setu
   po.optimizer = make_optimizer(k.optimizer);
   po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
   po.data_parallel = data_parallel_for(a, setup);
-  if (!a.secret_file.empty()) {
-    po.placement.secret = comm::read_secret_file(a.secret_file);
-  }
+  po.placement.secret = secret_from(a.secret_file);
   if (a.replicas > 1) {
     // On nodes: one loop and one replicated_pipeline, which meets the replicas' stages at a
     // store served here (--master-addr/-port) and recovers them together. In this process: a
@@ -750,6 +750,9 @@ int run_local_replicas(const train_args& a, const model_setup& setup, const RunR
 } // namespace
 
 int run_train(const train_args& given) {
+  if (auto world = cluster_world_for(given)) {
+    return run_train_in_cluster(given, *world);
+  }
   auto a = given;
   ACTORPIPE_CHECK(a.sample >= 0, "--sample (", a.sample, ") must be >= 0");
   training::check_model_fits_data(a.model);

@@ -94,7 +94,8 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
   opt("--replicas", a.replicas,
       "Data parallelism in this process: replicas of the pipeline, each on batch/replicas "
-      "samples, averaging gradients per stage (c10d Gloo)");
+      "samples, averaging gradients per stage (c10d Gloo); under torchrun or srun, the world "
+      "holds --stages x --replicas stages, one per process (rank 0 drives)");
   opt("--rank", a.rank, "Data parallelism across processes: this process's rank (default: RANK)");
   opt("--world-size", a.world_size,
       "Data parallelism across processes: number of ranks (default: WORLD_SIZE, else 1)");
@@ -106,7 +107,9 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
                  "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
                  "per stage); activations go node to node")
     ->delimiter(',');
-  opt("--secret-file", a.secret_file, "The nodes' shared secret (their --secret-file)");
+  opt("--secret-file", a.secret_file,
+      "The nodes' shared secret (their --secret-file; not given: the variable ACTORPIPE_SECRET's "
+      "text)");
   add_tls_flags(cmd, a.pipeline.placement.tls);
   add_milliseconds_flag(cmd, "--connect-timeout", a.pipeline.placement.connect_timeout, 1,
                         "Milliseconds to reach each node and for each control request");

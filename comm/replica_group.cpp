@@ -68,7 +68,7 @@ c10::intrusive_ptr<c10d::Store> connect(const data_parallel_options& o, bool ser
   }
   c10d::TCPStoreOptions so;
   so.port = o.master_port;
-  so.isServer = serve;
+  so.isServer = serve && !o.launcher_store;
   so.waitWorkers = false;
   so.timeout = o.timeout;
   try {
@@ -361,6 +361,10 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const data_parallel_
     if (const char* ifname = std::getenv(name); ifname && *ifname) {
       return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
     }
+  }
+  // Set by `actorpipe train` under a cluster's launcher: the address this host's node listens on.
+  if (const char* host = std::getenv("ACTORPIPE_GLOO_HOST"); host && *host) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname(host);
   }
   if (on_loopback(o)) {
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");

@@ -63,6 +63,13 @@ data_parallel_options data_parallel_from_env(data_parallel_options o) {
   if (const char* addr = std::getenv("MASTER_ADDR"); addr && *addr) {
     o.master_addr = addr;
   }
+  // torchrun's agent serves MASTER_PORT itself and keeps it across restarts of the group.
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+      agent && agent == std::string("True")) {
+    o.launcher_store = true;
+    o.group = detail::concat(
+      "actorpipe/attempt_", number_from_env("TORCHELASTIC_RESTART_COUNT", 0, 1u << 20).value_or(0));
+  }
   ACTORPIPE_CHECK(o.rank < o.replicas, "rank ", o.rank, " (RANK) must be below the world size ",
                   o.replicas, " (WORLD_SIZE)");
   return o;

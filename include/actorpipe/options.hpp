@@ -300,7 +300,11 @@ struct data_parallel_options {
   bool sync_batch_norm = false;
   /// BMUF instead of averaging gradients every step (bmuf.block_steps > 0).
   bmuf_options bmuf;
-  /// Key prefix in the store, so several replicated pipelines can share one rendezvous.
+  /// The launcher serves the store at master_addr:master_port (torchrun's agent,
+  /// TORCHELASTIC_USE_AGENT_STORE=True): rank 0 is a client of it as the others are.
+  bool launcher_store = false;
+  /// Key prefix in the store, so several replicated pipelines can share one rendezvous (under a
+  /// launcher's store, one per restart of the group: "actorpipe/attempt_<n>").
   std::string group = "actorpipe";
   /// The collectives' backend, chosen per stage group (--dp-backend).
   dp_backend backend = dp_backend::automatic;

@@ -27,7 +27,9 @@ struct membership;
 }
 
 /// `defaults` with what torchrun-style variables say: RANK, WORLD_SIZE, MASTER_ADDR,
-/// MASTER_PORT (unset ones keep the default). Throws invalid_argument naming a variable whose
+/// MASTER_PORT (unset ones keep the default); under torchrun's agent store
+/// (TORCHELASTIC_USE_AGENT_STORE=True) every rank is its client, keys under the restart's
+/// attempt (data_parallel_options::launcher_store). Throws invalid_argument naming a variable whose
 /// value is not a valid number or a rank not below the world size.
 data_parallel_options data_parallel_from_env(data_parallel_options defaults = {});
 

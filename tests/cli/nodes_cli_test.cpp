@@ -402,7 +402,7 @@ TEST_CASE("replicas on node processes lose a node mid-run: a spare takes its sta
     auto output =
       run_losing_a_node(flags, json, [&] { CHECK(d.process->stop(SIGKILL) == 128 + SIGKILL); });
     CAPTURE(output);
-    CHECK(output.find("2 replicas (in this process") != std::string::npos);
+    CHECK(output.find("2 replicas (on nodes") != std::string::npos);
     CHECK(output.find("(node_lost, node " + d.address() + ")") != std::string::npos);
     CHECK(output.find("recovery 1 of at most 3") != std::string::npos);
     if (with_spare) {
