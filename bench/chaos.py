@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A chaos soak (issue 41, part 6; docs/distributed.md's fault table, BENCHMARKS.md).
+"""A chaos soak (issue 41, part 6; docs/distributed.md's fault table, docs/benchmarks/resilience.md).
 
     python3 bench/chaos.py ACTORPIPE [--minutes 30] [--fault-every 30] [--seed 1] [--json OUT]
                            [--faults node-kill,node-stop,driver-kill[,host-crash,link-cut]]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted memory per stage against measured (docs/memory.md, BENCHMARKS.md).
+"""Predicted memory per stage against measured (docs/memory.md, docs/benchmarks/planner.md).
 
     python3 bench/memory_model.py build/cli/actorpipe [--resnet50] [--gpu] [--json OUT]
 

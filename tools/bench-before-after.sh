@@ -1,6 +1,6 @@
 #!/bin/bash
 # The benches a change to the engine's house is measured by, before and after, alternately in one
-# sitting (BENCHMARKS.md's issue 62 sections): per hop in process, steps and recovery over
+# sitting (docs/benchmarks/restructuring.md): per hop in process, steps and recovery over
 # `actorpipe node` processes, and the seed scenario reduced, side by side in `actorpipe bench` and
 # as one run of `actorpipe train` (planned, built and trained through training::plan_run and
 # start_run). Build the base in a worktree first:
