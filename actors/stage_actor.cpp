@@ -544,7 +544,8 @@ bool stale(const stage_state& s, uint64_t step) {
 // synchronised batch norm where the options ask for them.
 void set_up(stage_state& s, std::vector<std::shared_ptr<stages::stage>> chunks,
             stage_listener_actor scheduler, stage_actor_options options) {
-  s.device = stages::make_device_context(options.device);
+  // The chunks were built on the device (spawn_stage checked they agree): the stage holds it.
+  s.device = stages::make_device_context(chunks.front()->config().device);
   s.chunks = std::move(chunks);
   for (std::size_t c = 1; c < s.chunks.size(); ++c) {
     s.chunks[c]->count_stash_with(*s.chunks.front()); // the stage's stash, not each chunk's
@@ -722,10 +723,12 @@ stage_self_actor::behavior_type stage_behavior(stage_actor_type self,
 local_stage_actor spawn_stage(caf::actor_system& sys,
                               std::vector<std::shared_ptr<stages::stage>> chunks,
                               stage_listener_actor scheduler, stage_actor_options options) {
+  ACTORPIPE_CHECK(!chunks.empty(), "stage ", options.index, ": a stage actor needs a chunk");
   for (const auto& chunk : chunks) {
-    ACTORPIPE_CHECK(chunk->config().device == options.device, "stage ", options.index,
-                    ": a chunk built on ", chunk->config().device.str(),
-                    " for a stage actor set to compute on ", options.device.str());
+    ACTORPIPE_CHECK(chunk->config().device == chunks.front()->config().device, "stage ",
+                    options.index, ": its chunks were built on ",
+                    chunks.front()->config().device.str(), " and ", chunk->config().device.str(),
+                    ": a stage actor computes on one device");
   }
   return sys.spawn<caf::detached>(stage_behavior, std::move(chunks), std::move(scheduler),
                                   std::move(options));

@@ -18,6 +18,7 @@
 
 #include "cli/node_command.hpp"
 #include "cli/train_cluster.hpp"
+#include "models/model_formats.hpp"
 #include "training/run_plan.hpp"
 
 namespace actorpipe::cli {
@@ -500,14 +501,10 @@ void write_outputs(const train_args& a, const model_setup& setup, const plan_cho
                    const run_kind& k, const train_report& report, pipeline& pipe,
                    const text_corpus* corpus) {
   if (!a.export_path.empty()) {
-    if (is_exported(setup.layers)) {
-      pipe.save_exported(a.export_path);
-      std::cout << "wrote " << a.export_path
-                << " (a PT2 archive: torch.export.load(path).module() runs it)\n";
-    } else {
-      pipe.save_torchscript(a.export_path);
-      std::cout << "wrote " << a.export_path << " (TorchScript: torch.jit.load runs it)\n";
-    }
+    pipe.save_model(a.export_path);
+    const auto& format = *models::format_of(setup.layers);
+    std::cout << "wrote " << a.export_path << " (" << format.name << ": " << format.runs_it
+              << " runs it)\n";
   }
   if (!a.save_safetensors.empty()) {
     write_pretrained(a.save_safetensors, weights_for_file(pipe.state_dict(), setup.weights),

@@ -9,6 +9,7 @@
 #include "cli/flags.hpp"
 #include "cli/node_command.hpp"
 #include "cli/train_command.hpp"
+#include "models/model_formats.hpp"
 
 namespace actorpipe::cli {
 
@@ -430,7 +431,7 @@ void check_model_flags_apply(const train_args& a, const model_setup& setup) {
     refuse("--save-safetensors", "writes a PT2 archive's weights: it needs --model PATH.pt2 "
                                  "(a built-in model's are in --checkpoint-dir)");
   } else {
-    if (!is_exported(setup.layers)) {
+    if (!models::format_of(setup.layers)->graph) {
       refuse("--segments", "cuts a PT2 archive into layers; a TorchScript model's layers are "
                            "its Sequential's children");
       refuse("--save-safetensors", "writes a PT2 archive's weights; a TorchScript model's are "

@@ -32,6 +32,7 @@
 #include "engine/futures.hpp"
 #include "engine/pipeline_impl.hpp"
 #include "logging/log.hpp"
+#include "models/model_formats.hpp"
 #include "nodes/protocol.hpp"
 #include "nodes/remote_stages.hpp"
 #include "scheduler/scheduler_actor.hpp"
@@ -504,6 +505,15 @@ void pipeline::save_torchscript(const std::string& path) {
                   "save_torchscript: this pipeline's model was not loaded from TorchScript "
                   "(load_torchscript); only such a model can be written back as TorchScript");
   actorpipe::save_torchscript(self.layers, state_dict(), path);
+}
+
+void pipeline::save_model(const std::string& path) {
+  auto& self = *impl_;
+  const auto* format = models::format_of(self.layers);
+  ACTORPIPE_CHECK(format,
+                  "save_model: this pipeline's model is built in, not loaded from a model "
+                  "file, so there is no file to write back (save_state writes its weights)");
+  format->save(self.layers, state_dict(), path);
 }
 
 void pipeline::save_exported(const std::string& path) {

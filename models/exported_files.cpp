@@ -1,5 +1,5 @@
-// What both libtorch lines share of PT2 archives: telling them from TorchScript files, and the
-// 1.13 line's refusal (<actorpipe/exported.hpp>; the reader is exported.cpp, on the 2.x line).
+// What both libtorch lines share of PT2 archives: telling them from other files, and the 1.13
+// line's refusal (<actorpipe/exported.hpp>; the reader is exported.cpp, on the 2.x line).
 #include <actorpipe/exported.hpp>
 
 #include <caffe2/serialize/in_memory_adapter.h>
@@ -7,7 +7,6 @@
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/torch_compat.hpp>
-#include <actorpipe/torchscript.hpp>
 
 namespace actorpipe {
 
@@ -27,14 +26,6 @@ bool is_exported_archive(const std::string& bytes) {
   } catch (const std::exception&) {
     return false;
   }
-}
-
-layer_list load_model_file(const std::string& bytes, const std::string& what,
-                           const exported_options& options) {
-  if (is_exported_archive(bytes)) {
-    return load_exported_bytes(bytes, what, options);
-  }
-  return load_torchscript_bytes(bytes, what);
 }
 
 named_tensors weights_for_file(const std::map<std::string, torch::Tensor>& state,

@@ -8,6 +8,7 @@
 #include <actorpipe/hooks.hpp>
 #include <actorpipe/torchscript.hpp>
 
+#include "models/model_formats.hpp"
 #include "training/model_setup.hpp"
 #include "training/run_plan.hpp"
 
@@ -169,6 +170,7 @@ python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(con
   const auto& c = config_;
   auto layers = load_model_file(c.model, c.model_name, {c.segments});
   exported_ = is_exported(layers);
+  suffix_ = models::format_of(layers)->suffix;
   weights_ = training::start_weights(layers, c.init_from, config_.model);
   if (exported_) {
     state_names_ = exported_state_names(layers);
@@ -269,17 +271,13 @@ void python_pipeline::load_state(const std::string& dir) {
   }
 }
 
-void python_pipeline::save_torchscript(const std::string& path) {
-  first().save_torchscript(path);
-}
-
-void python_pipeline::save_exported(const std::string& path) {
-  first().save_exported(path);
+void python_pipeline::save_model(const std::string& path) {
+  first().save_model(path);
 }
 
 void python_pipeline::save_safetensors(const std::string& dir, uint64_t max_shard_bytes) {
   ACTORPIPE_CHECK(exported_, "save_safetensors: the model is TorchScript; its weights go back "
-                             "with save_torchscript (or module())");
+                             "with module()");
   write_pretrained(dir, weights_for_file(first().state_dict(), weights_), max_shard_bytes,
                    weights_.config_folder);
 }

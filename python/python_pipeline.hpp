@@ -111,10 +111,10 @@ public:
   void set_learning_rate(double lr);
   void save_state(const std::string& dir);
   void load_state(const std::string& dir);
-  /// The model as a TorchScript file at `path`, with the trained parameters.
-  void save_torchscript(const std::string& path);
-  /// The model as a PT2 archive at `path`, with the trained weights.
-  void save_exported(const std::string& path);
+  /// The model written back at `path` in the format it came in, with the trained weights.
+  void save_model(const std::string& path);
+  /// That format's file ending (".pt2", ".pt": models/model_formats.hpp).
+  std::string model_suffix() const { return suffix_; }
   /// True for a model read from a PT2 archive.
   bool exported() const { return exported_; }
   /// A PT2 archive's trained weights as save_pretrained writes them into `dir`, under the names
@@ -143,6 +143,7 @@ private:
   pipeline_layout layout_;
   /// A PT2 archive's model: its names in Python (state_dict's) with the pipeline's for them.
   bool exported_ = false;
+  std::string suffix_;
   std::vector<std::pair<std::string, std::string>> state_names_;
   /// The names of init_from's file (or the program's own) for save_safetensors
   /// (training::start_weights).

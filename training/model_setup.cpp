@@ -7,15 +7,12 @@
 #include <actorpipe/torchscript.hpp>
 #include <torch/torch.h>
 
+#include "models/model_formats.hpp"
+
 namespace actorpipe::training {
 
 bool is_model_file(const std::string& model) {
-  auto ends_with = [&](const std::string& suffix) {
-    return model.size() > suffix.size() &&
-           model.compare(model.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
-  return ends_with(".pt") || ends_with(".pth") || ends_with(".pt2") ||
-         model.find('/') != std::string::npos;
+  return models::has_model_suffix(model) || model.find('/') != std::string::npos;
 }
 
 std::string tensor_file_of(const std::string& data) {

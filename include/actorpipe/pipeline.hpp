@@ -200,6 +200,11 @@ public:
   /// (<actorpipe/exported.hpp>); invalid_argument for any other model. Runs between steps.
   void save_exported(const std::string& path);
 
+  /// Writes the trained model back in the format it was loaded from (a PT2 archive or
+  /// TorchScript: the table of models/model_formats.hpp); invalid_argument for a built-in model,
+  /// whose weights save_state writes. Runs between steps.
+  void save_model(const std::string& path);
+
   /// Copies of the trained parameters and persistent buffers by name, as save_state writes them
   /// (layer::qualified; from every stage, on nodes too). Runs between steps.
   std::map<std::string, torch::Tensor> state_dict();

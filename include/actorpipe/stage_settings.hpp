@@ -27,7 +27,8 @@ struct stage_settings {
   std::size_t count = 1;
   std::size_t chunks = 1;
   chunk_placement placement = chunk_placement::looped;
-  /// Where the stage computes (pipeline_options::devices).
+  /// Where the stage's chunks are built (pipeline_options::devices); once built, the stage holds
+  /// its device (stage_config::device) and the actor computes there.
   c10::Device device = c10::Device(c10::kCPU);
   /// Intra-op threads of the stage's thread.
   std::size_t threads = 1;

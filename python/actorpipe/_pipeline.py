@@ -33,6 +33,16 @@ def _quiet_jit():
         yield
 
 
+def _load_script(path):
+    with _quiet_jit():
+        return torch.jit.load(path)
+
+
+# How Python runs a model file written back, by the file ending the engine's table of formats
+# gives it (models/model_formats.hpp): one entry per row.
+_LOAD_IN_PYTHON = {".pt2": lambda path: torch.export.load(path).module(), ".pt": _load_script}
+
+
 def _script_bytes(obj, what):
     with _quiet_jit():
         return _script_bytes_of(obj, what)
@@ -369,16 +379,10 @@ class Pipeline:
     def module(self):
         """The model with the trained parameters and buffers: an exported program's as
         torch.export.load(...).module() gives it, a TorchScript model's as a ScriptModule."""
-        if self._p.exported():
-            with tempfile.TemporaryDirectory(prefix="actorpipe-") as d:
-                path = os.path.join(d, "model.pt2")
-                self._p.save_exported(path)
-                return torch.export.load(path).module()
         with tempfile.TemporaryDirectory(prefix="actorpipe-") as d:
-            path = os.path.join(d, "model.pt")
-            self._p.save_torchscript(path)
-            with _quiet_jit():
-                return torch.jit.load(path)
+            path = os.path.join(d, "model" + self._p.model_suffix())
+            self._p.save_model(path)
+            return _LOAD_IN_PYTHON[self._p.model_suffix()](path)
 
     def stats(self):
         """The layout (stages, bounds, schedule, micro-batches, threads, parameters per stage)
@@ -399,7 +403,7 @@ class Pipeline:
         work = tempfile.mkdtemp(prefix=".actorpipe-save-", dir=parent)
         try:
             self._p.save_state(work)
-            files = {"model": "model.pt2" if self._p.exported() else "model.pt"}
+            files = {"model": "model" + self._p.model_suffix()}
             with open(os.path.join(work, files["model"]), "wb") as f:
                 f.write(self._config.model)
             if self._config.loss_module:
