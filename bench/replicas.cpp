@@ -13,6 +13,7 @@
 
 #include "bench/sweep.hpp"
 #include "training/progress.hpp"
+#include "training/run_plan.hpp"
 
 namespace actorpipe::bench {
 namespace {
@@ -99,7 +100,7 @@ std::vector<configuration> configure(engine& sys, const sweep_options& o,
   plan_args.stages = p;
   plan_args.threads = std::max<std::size_t>(1, cores / (r * p));
   auto local = setup.sample().slice(0, 0, setup.batch / static_cast<int64_t>(r));
-  auto choice = training::choose_plan(setup.layers, local, plan_args);
+  auto choice = training::plan_layout(setup.layers, local, plan_args).choice();
   std::vector<configuration> out;
   for (const auto& shard : o.shards.empty() ? std::vector<std::string>{"none"} : o.shards) {
     auto po = training::pipeline_options_for(choice, plan_args);

@@ -21,6 +21,7 @@
 
 #include "stages/precision.hpp"
 #include "training/progress.hpp"
+#include "training/run_plan.hpp"
 
 namespace actorpipe::bench {
 namespace {
@@ -460,7 +461,7 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
   first.plan = o.plan;
   if (o.plan.layout_auto()) {
     // The planner's layout, measured beside every configuration of the sweep.
-    add(first, training::choose_plan(setup.layers, setup.sample(), o.plan), "plan: ");
+    add(first, training::plan_layout(setup.layers, setup.sample(), o.plan).choice(), "plan: ");
     first.plan.threads_auto = false;
     first.plan.stages = 1;
   }
@@ -491,7 +492,7 @@ std::vector<contender> pipeline_contenders(engine& sys, const sweep_options& o,
          [](pipeline_setting& s, const std::string& update) { s.update = update; });
 
   for (const auto& s : settings) {
-    add(s, training::choose_plan(setup.layers, setup.sample(), s.plan), "");
+    add(s, training::plan_layout(setup.layers, setup.sample(), s.plan).choice(), "");
   }
   return contenders;
 }

@@ -10,6 +10,7 @@
 #include <actorpipe/trace.hpp>
 
 #include "stages/device.hpp"
+#include "training/run_plan.hpp"
 
 namespace actorpipe::cli {
 
@@ -201,7 +202,9 @@ int run_plan(const plan_args& given) {
     stages::check_device(a.plan.devices.front(), "--profile-device");
   }
   auto setup = build_model(a.model);
-  auto choice = choose_plan(setup.layers, setup.sample(), a.plan, /*always_profile=*/true);
+  const auto planned =
+    training::plan_layout(setup.layers, setup.sample(), a.plan, /*always_profile=*/true);
+  const auto& choice = planned.choice();
   const auto& cut = choice.cut;
   auto p = cut.stages() / choice.chunks;
   auto scale = static_cast<double>(setup.batch) / static_cast<double>(choice.microbatches) /

@@ -78,8 +78,7 @@ int drive(const train_args& given, const training::cluster_world& w,
   resume_after_restart(a, w);
   std::cerr << "actorpipe: " << w.size << " ranks (" << w.launcher << "): " << a.plan.stages
             << " stages x " << a.replicas << " replicas, one stage per rank; rank 0 (pid "
-            << ::getpid() << ") drives; "
-            << training::describe_layout(laid, a.plan.stages) << "\n";
+            << ::getpid() << ") drives; " << training::describe_layout(laid, a.plan.stages) << "\n";
   return run_train(a);
 }
 

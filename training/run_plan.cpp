@@ -33,10 +33,18 @@ void note_idle_stages(const layer_list& layers, const plan_choice& choice) {
 
 } // namespace
 
-run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, run_settings settings) {
-  auto choice = choose_plan(layers, batch, settings.plan);
+run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, run_settings settings,
+                  bool always_profile) {
+  auto choice = choose_plan(layers, batch, settings.plan, always_profile);
   note_idle_stages(layers, choice);
   return {std::move(choice), std::move(settings)};
+}
+
+run_plan plan_layout(const layer_list& layers, const torch::Tensor& batch,
+                     const planning_args& args, bool always_profile) {
+  run_settings settings;
+  settings.plan = args;
+  return plan_run(layers, batch, std::move(settings), always_profile);
 }
 
 std::string run_pipeline::join_address() const {

@@ -59,9 +59,16 @@ private:
 };
 
 /// Plans a run for `layers` and a batch shaped like `batch` (choose_plan: profiles and ranks
-/// where the settings leave anything open): the one place where `actorpipe train` and the
-/// Python module plan.
-run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, run_settings settings);
+/// where the settings leave anything open): the one place where `actorpipe train`, `actorpipe
+/// plan`, the bench and the Python module plan. `always_profile`: profile the layers even for a
+/// layout given whole (`actorpipe plan` prints the profile).
+run_plan plan_run(const layer_list& layers, const torch::Tensor& batch, run_settings settings,
+                  bool always_profile = false);
+
+/// A plan for `args` alone, for front ends that plan without running (the plan command, the
+/// bench's contenders): plan_run with settings holding nothing else.
+run_plan plan_layout(const layer_list& layers, const torch::Tensor& batch,
+                     const planning_args& args, bool always_profile = false);
 
 /// The model a plan runs, as the front end has it: the layers in this process, a maker of each
 /// replica's own (settings.replicas > 1 in this process), or its description for nodes

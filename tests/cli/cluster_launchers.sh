@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command on every process a cluster's launcher starts, on this host (loopback): 2 stages x
-# 2 replicas over 4 processes, losses equal to the in-process replicas'.
+# 2 replicas over 4 processes (CLUSTER_LAYOUT=4x1: 4 stages of one replica, for a build without
+# Gloo, whose replicas cannot meet on the CPU), losses equal to the same command in one process.
 #   tests/cli/cluster_launchers.sh ACTORPIPE slurm
 #     the 4 processes as srun starts them (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 #     SLURM_JOB_NODELIST), as `actorpipe launch` starts them (torchrun's variables), and a world
@@ -22,7 +23,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-common="--data synthetic --model mlp --microbatches 4 --stages 2 --replicas 2 --threads 1 --lr 0.1 --seed 5 --no-progress"
+layout=${CLUSTER_LAYOUT:-2x2}
+stages=${layout%x*} replicas=${layout#*x}
+common="--data synthetic --model mlp --microbatches 4 --stages $stages --replicas $replicas --threads 1 --lr 0.1 --seed 5 --no-progress"
 # The losses of the steps both --json files hold agree within 1e-6 (relative); $3 says what.
 same_losses() {
   python3 - "$1" "$2" "$3" << 'PY'
@@ -47,17 +50,17 @@ if [[ $mode == slurm ]]; then
   done
   for p in "${pids[@]}"; do wait "$p" || { cat "$work"/slurm*.log; echo "FAIL: a Slurm task failed"; exit 1; }; done
   pids=()
-  grep -q "4 ranks (slurm): 2 stages x 2 replicas, one stage per rank" "$work/slurm0.log"
+  grep -q "4 ranks (slurm): $stages stages x $replicas replicas, one stage per rank" "$work/slurm0.log"
   same_losses "$work/slurm0.json" "$work/local.json" "Slurm's variables, 4 tasks"
   "$cli" launch --nproc 4 -- train $common --batch 16 --steps 3 --json "$work/launch.json" > "$work/launch.log" 2>&1 ||
     { cat "$work/launch.log"; echo "FAIL: launch"; exit 1; }
   same_losses "$work/launch.json" "$work/local.json" "torchrun's variables (actorpipe launch), 4 ranks"
   code=0
   "$cli" launch --nproc 3 -- train $common --batch 16 --steps 3 > "$work/bad.log" 2>&1 || code=$?
-  [[ $code -eq 2 ]] || { cat "$work/bad.log"; echo "FAIL: 3 ranks for 2 x 2 stages exited $code, not 2"; exit 1; }
-  grep -q "the 3 processes torchrun started (WORLD_SIZE=3) cannot hold --stages 2 x --replicas 2 = 4 stages" "$work/bad.log" ||
+  [[ $code -eq 2 ]] || { cat "$work/bad.log"; echo "FAIL: 3 ranks for $layout stages exited $code, not 2"; exit 1; }
+  grep -q "the 3 processes torchrun started (WORLD_SIZE=3) cannot hold --stages $stages x --replicas $replicas = 4 stages" "$work/bad.log" ||
     { cat "$work/bad.log"; echo "FAIL: the refusal does not name both numbers"; exit 1; }
-  echo "3 ranks for 2 x 2 stages: refused, naming both numbers"
+  echo "3 ranks for $stages x $replicas stages: refused, naming both numbers"
   exit 0
 fi
 
