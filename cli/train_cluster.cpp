@@ -11,38 +11,12 @@
 #include <unistd.h>
 
 #include <actorpipe/errors.hpp>
-#include <actorpipe/node.hpp>
 #include <actorpipe/training.hpp>
 
-#include "cli/launch_command.hpp"
 #include "comm/tensor_hub.hpp"
 
 namespace actorpipe::cli {
 namespace {
-
-bool loopback(const std::string& host) {
-  return host.rfind("127.", 0) == 0 || host == "localhost";
-}
-
-// This rank's node: on the address the others reach this host by, any free ports, the secret
-// and certificates every rank was given.
-node_options node_options_for(const train_args& a, const training::cluster_world& w,
-                              const std::string& host) {
-  node_options o;
-  o.host = host;
-  o.secret = secret_from(a.secret_file);
-  o.tls = a.pipeline.placement.tls;
-  ACTORPIPE_CHECK(loopback(host) || !o.secret.empty() || o.tls.enabled(), "rank ", w.rank,
-                  " listens on ", host,
-                  " for the other hosts, which needs the same secret on "
-                  "every rank (--secret-file FILE, or the variable ACTORPIPE_SECRET) or TLS "
-                  "(--tls-cert, --tls-key, --tls-ca)");
-  // Gloo (the replicas' collectives) binds to the same address unless told an interface.
-  if (!std::getenv("ACTORPIPE_GLOO_IFNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
-    ::setenv("ACTORPIPE_GLOO_HOST", host.c_str(), 1);
-  }
-  return o;
-}
 
 // A launcher's restart continues from the newest checkpoint in --checkpoint-dir, if any.
 void resume_after_restart(train_args& a, const training::cluster_world& w) {
@@ -61,24 +35,17 @@ void resume_after_restart(train_args& a, const training::cluster_world& w) {
 }
 
 // Rank 0: the driver, with every rank's node (its own too) as --nodes.
-int drive(const train_args& given, const training::cluster_world& w,
-          training::cluster_rendezvous& meeting, const std::string& host) {
+int drive(const train_args& given, training::cluster_rank& me) {
   auto a = given;
-  auto laid = training::lay_out(meeting.gather(), a.plan.stages);
-  for (const auto& m : laid) {
-    a.pipeline.placement.nodes.push_back(m.node);
-  }
+  a.pipeline.placement.nodes = me.gather_nodes(a.plan.stages, a.replicas);
   // The replicas' stages meet at a store the driver serves (the launcher's may be its agent's).
-  a.master_addr = host;
-  a.master_port = free_port(host);
+  a.master_addr = me.host();
+  a.master_port = me.free_port();
   // Below here this process is a driver with --nodes, not one of the launcher's ranks.
   for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"}) {
     ::unsetenv(name);
   }
-  resume_after_restart(a, w);
-  std::cerr << "actorpipe: " << w.size << " ranks (" << w.launcher << "): " << a.plan.stages
-            << " stages x " << a.replicas << " replicas, one stage per rank; rank 0 (pid "
-            << ::getpid() << ") drives; " << training::describe_layout(laid, a.plan.stages) << "\n";
+  resume_after_restart(a, me.world());
   return run_train(a);
 }
 
@@ -118,31 +85,20 @@ std::optional<training::cluster_world> cluster_world_for(const train_args& a) {
 }
 
 int run_train_in_cluster(const train_args& a, const training::cluster_world& w) {
-  const auto host = training::address_toward(w.store_host, w.store_port);
-  auto options = node_options_for(a, w, host);
-  training::cluster_rendezvous meeting(w, a.pipeline.data_parallel.timeout);
-  node hosted(options);
-  meeting.announce({w.rank, w.local_rank, host, hosted.address()});
-  if (w.rank == 0) {
-    training::cluster_rendezvous::outcome end;
-    try {
-      end.code = drive(a, w, meeting, host);
-    } catch (const std::exception& e) {
-      end = {dynamic_cast<const invalid_argument*>(&e) ? 2 : 1, e.what()};
-      meeting.finish(end);
-      throw;
-    }
-    meeting.finish(end);
-    return end.code;
+  training::cluster_rank me(w, secret_from(a.secret_file), a.pipeline.placement.tls,
+                            a.pipeline.data_parallel.timeout,
+                            "--secret-file FILE, or the variable ACTORPIPE_SECRET");
+  if (w.rank != 0) {
+    return me.host_until_end();
   }
-  std::cerr << "actorpipe: rank " << w.rank << " of " << w.size << " (" << w.launcher << ", pid "
-            << ::getpid() << ") hosts a stage at " << hosted.address() << "; rank 0 drives\n";
-  auto end = meeting.wait_for_end();
-  if (end.code != 0) {
-    std::cerr << "actorpipe: rank 0 ended the job with code " << end.code
-              << (end.message.empty() ? "" : ": " + end.message) << "\n";
+  try {
+    auto code = drive(a, me);
+    me.finish(code, "");
+    return code;
+  } catch (const std::exception& e) {
+    me.finish(dynamic_cast<const invalid_argument*>(&e) ? 2 : 1, e.what());
+    throw;
   }
-  return end.code;
 }
 
 } // namespace actorpipe::cli

@@ -50,6 +50,9 @@ void translate(std::exception_ptr failure) {
     raise_pipeline_error(e);
   } catch (const invalid_argument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const cluster_job_ended& end) {
+    // This rank hosted its stage until rank 0 ended the job: the script goes no further.
+    PyErr_SetObject(PyExc_SystemExit, py::int_(end.code).ptr());
   }
 }
 
@@ -144,6 +147,7 @@ void bind_config(py::module_& m) {
     .def_readwrite("nodes", &c::nodes)
     .def_readwrite("secret", &c::secret)
     .def_readwrite("replicas", &c::replicas)
+    .def_readwrite("cluster", &c::cluster)
     .def_readwrite("shard", &c::shard)
     .def_property(
       "wait_timeout", [](const c& x) { return x.wait_timeout.count() / 1000.0; },

@@ -106,6 +106,10 @@ training::run_settings settings_of(const pipeline_config& c) {
   po.data_parallel.shard = parse_shard_mode(c.shard);
   po.placement.nodes = c.nodes;
   po.placement.secret = c.secret;
+  if (!c.master_addr.empty()) {
+    po.data_parallel.master_addr = c.master_addr;
+    po.data_parallel.master_port = c.master_port;
+  }
   if (c.loss_module.empty()) {
     po.loss = builtin_loss(c.loss);
   } else {
@@ -163,7 +167,34 @@ step_result step_future::get() const {
 }
 
 std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config) {
-  return std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
+  auto world = training::cluster_from_env();
+  if (!config.cluster || !world || world->size == 1 || !config.nodes.empty()) {
+    return std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
+  }
+  // A launcher's world: this process hosts a stage; rank 0 also drives every rank's.
+  ACTORPIPE_CHECK(config.stages > 0, "stages='auto' plans one machine's cores: under ",
+                  world->launcher, " with replicas= give a stage count");
+  training::check_world_fits(*world, config.stages, config.replicas);
+  if (const char* secret = std::getenv("ACTORPIPE_SECRET"); config.secret.empty() && secret) {
+    config.secret = secret;
+  }
+  auto me = std::make_shared<training::cluster_rank>(*world, config.secret, tls_options{},
+                                                     std::chrono::seconds(60),
+                                                     "secret=, or the variable ACTORPIPE_SECRET");
+  if (world->rank != 0) {
+    throw cluster_job_ended{me->host_until_end()};
+  }
+  try {
+    config.nodes = me->gather_nodes(config.stages, config.replicas);
+    config.master_addr = me->host();
+    config.master_port = me->free_port();
+    auto made = std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
+    made->cluster_ = me;
+    return made;
+  } catch (const std::exception& e) {
+    me->finish(dynamic_cast<const invalid_argument*>(&e) ? 2 : 1, e.what());
+    throw;
+  }
 }
 
 python_pipeline::python_pipeline(pipeline_config config) : config_(std::move(config)) {
@@ -210,6 +241,9 @@ void python_pipeline::close() {
   single.reset();
   replicated.reset();
   engine_.reset();
+  if (auto me = std::exchange(cluster_, nullptr)) {
+    me->finish(0, "");
+  }
 }
 
 pipeline& python_pipeline::first() {

@@ -18,6 +18,7 @@
 #include <actorpipe/pipeline.hpp>
 #include <actorpipe/replicas.hpp>
 
+#include "training/cluster.hpp"
 #include "training/planning.hpp"
 
 namespace actorpipe::python {
@@ -59,6 +60,13 @@ struct pipeline_config {
   std::vector<std::string> nodes;
   std::string secret;
   std::size_t replicas = 1;
+  /// Python's `replicas=` was given: under a cluster's launcher (torchrun's or Slurm's
+  /// variables, a world of more than one process) the world then holds stages x replicas, one
+  /// stage per process, rank 0 driving (training/cluster.hpp).
+  bool cluster = false;
+  /// Where rank 0 serves its replicas' store in such a world (set by create, not by Python).
+  std::string master_addr;
+  uint16_t master_port = 0;
   /// data_parallel_options::shard by name: "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2).
   std::string shard = to_string(data_parallel_options{}.shard);
   std::chrono::milliseconds wait_timeout = pipeline_options{}.wait_timeout;
@@ -98,6 +106,12 @@ private:
   std::weak_ptr<python_pipeline> owner_;
 };
 
+/// Thrown by python_pipeline::create on a cluster run's rank other than 0 once rank 0 ended the
+/// job (the Python module raises SystemExit with rank 0's code).
+struct cluster_job_ended {
+  int code = 0;
+};
+
 /// A pipeline of a TorchScript model built from a pipeline_config; the process shares one
 /// engine among all of them.
 class python_pipeline : public std::enable_shared_from_this<python_pipeline> {
@@ -129,7 +143,8 @@ public:
   /// The newest step's result that a caller collected (empty before the first).
   std::optional<step_result> last_result() const;
   void record(const step_result& result);
-  /// Stops the stage actors; every later call throws. Idempotent.
+  /// Stops the stage actors; every later call throws. Idempotent. In a cluster run, rank 0 then
+  /// tells the other ranks the job ended.
   void close();
 
 private:
@@ -137,6 +152,8 @@ private:
   pipeline& first();
 
   pipeline_config config_;
+  /// This process's rank of a cluster run (config.cluster under a launcher), rank 0's.
+  std::shared_ptr<training::cluster_rank> cluster_;
   std::shared_ptr<engine> engine_;
   std::unique_ptr<pipeline> pipeline_;
   std::unique_ptr<replicated_pipeline> replicas_;

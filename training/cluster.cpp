@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <future>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -23,6 +24,7 @@
 #include <torch/version.h>
 
 #include <actorpipe/errors.hpp>
+#include <actorpipe/node.hpp>
 
 #include "logging/log.hpp"
 
@@ -414,6 +416,81 @@ cluster_rendezvous::outcome cluster_rendezvous::wait_for_end(const std::function
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+}
+
+namespace {
+
+bool loopback(const std::string& host) {
+  return host.rfind("127.", 0) == 0 || host == "localhost";
+}
+
+} // namespace
+
+cluster_rank::cluster_rank(const cluster_world& world, const std::string& secret,
+                           const tls_options& tls, std::chrono::milliseconds timeout,
+                           const std::string& secret_from)
+  : world_(world), host_(address_toward(world.store_host, world.store_port)) {
+  node_options o;
+  o.host = host_;
+  o.secret = secret;
+  o.tls = tls;
+  ACTORPIPE_CHECK(loopback(host_) || !o.secret.empty() || o.tls.enabled(), "rank ", world.rank,
+                  " listens on ", host_, " for the other hosts, which needs the same secret on ",
+                  "every rank (", secret_from, ") or TLS");
+  // Gloo (the replicas' collectives) binds to the same address unless told an interface.
+  if (!std::getenv("ACTORPIPE_GLOO_IFNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
+    ::setenv("ACTORPIPE_GLOO_HOST", host_.c_str(), 1);
+  }
+  meeting_ = std::make_unique<cluster_rendezvous>(world, timeout);
+  hosted_ = std::make_unique<node>(o);
+  meeting_->announce({world.rank, world.local_rank, host_, hosted_->address()});
+}
+
+cluster_rank::~cluster_rank() = default;
+
+std::vector<std::string> cluster_rank::gather_nodes(std::size_t stages, std::size_t replicas) {
+  auto laid = lay_out(meeting_->gather(), stages);
+  std::vector<std::string> nodes;
+  for (const auto& m : laid) {
+    nodes.push_back(m.node);
+  }
+  std::cerr << "actorpipe: " << world_.size << " ranks (" << world_.launcher << "): " << stages
+            << " stages x " << replicas << " replicas, one stage per rank; rank 0 (pid "
+            << ::getpid() << ") drives; " << describe_layout(laid, stages) << std::endl;
+  return nodes;
+}
+
+uint16_t cluster_rank::free_port() const {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  ::inet_pton(AF_INET, host_.c_str(), &sa.sin_addr);
+  socklen_t length = sizeof sa;
+  bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &length) == 0;
+  if (fd >= 0) {
+    ::close(fd);
+  }
+  ACTORPIPE_CHECK(ok, "rank 0 finds no free port on ", host_, " for its replicas' store");
+  return ntohs(sa.sin_port);
+}
+
+void cluster_rank::finish(int code, const std::string& message) {
+  if (!std::exchange(finished_, true)) {
+    meeting_->finish({code, message});
+  }
+}
+
+int cluster_rank::host_until_end() {
+  std::cerr << "actorpipe: rank " << world_.rank << " of " << world_.size << " (" << world_.launcher
+            << ", pid " << ::getpid() << ") hosts a stage at " << hosted_->address()
+            << "; rank 0 drives" << std::endl;
+  auto end = meeting_->wait_for_end();
+  if (end.code != 0) {
+    std::cerr << "actorpipe: rank 0 ended the job with code " << end.code
+              << (end.message.empty() ? "" : ": " + end.message) << std::endl;
+  }
+  return end.code;
 }
 
 } // namespace actorpipe::training

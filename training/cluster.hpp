@@ -14,6 +14,12 @@
 #include <string>
 #include <vector>
 
+#include <actorpipe/tls.hpp>
+
+namespace actorpipe {
+class node;
+}
+
 namespace actorpipe::training {
 
 /// Where this process stands among the processes a launcher started.
@@ -109,6 +115,38 @@ public:
 private:
   struct impl;
   std::unique_ptr<impl> impl_;
+};
+
+/// This process as one rank of a cluster run: its node (on the address the other hosts reach it
+/// by, any free ports, the secret or certificates every rank was given), announced at the
+/// rendezvous. Front ends derive the roles: rank 0 drives (gather_nodes, finish), the others
+/// host their stage until it ends the job (host_until_end).
+class cluster_rank {
+public:
+  /// Refuses (invalid_argument) to listen beyond loopback with neither a secret nor TLS;
+  /// `secret_from` says where a secret comes from, for that message.
+  cluster_rank(const cluster_world& world, const std::string& secret, const tls_options& tls,
+               std::chrono::milliseconds timeout, const std::string& secret_from);
+  ~cluster_rank();
+
+  const cluster_world& world() const { return world_; }
+  /// The address the other hosts reach this one by.
+  const std::string& host() const { return host_; }
+  /// A port nobody listens on now at host(), for the store rank 0 serves its replicas.
+  uint16_t free_port() const;
+  /// Rank 0: every rank's node, laid out for `stages` x `replicas` (lay_out), the layout said.
+  std::vector<std::string> gather_nodes(std::size_t stages, std::size_t replicas);
+  /// Rank 0: tells every rank the job ended (once; later calls do nothing).
+  void finish(int code, const std::string& message);
+  /// Every other rank: hosts its stage until rank 0 ends the job; rank 0's code.
+  int host_until_end();
+
+private:
+  cluster_world world_;
+  std::string host_;
+  std::unique_ptr<node> hosted_;
+  std::unique_ptr<cluster_rendezvous> meeting_;
+  bool finished_ = false;
 };
 
 } // namespace actorpipe::training

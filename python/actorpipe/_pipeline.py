@@ -261,7 +261,10 @@ class Pipeline:
     nodes: "host:port" of `actorpipe node` processes, one per stage (replica after replica);
       secret: their shared secret.
     replicas: data-parallel replicas (in this process, or on nodes); a batch is split among them
-      and their gradients averaged, so a step equals one pipeline's on the whole batch.
+      and their gradients averaged, so a step equals one pipeline's on the whole batch. Under
+      torchrun or srun (a world of several processes) the world holds stages x replicas, one
+      stage per process: rank 0's script drives; on the other ranks this constructor hosts the
+      rank's stage until rank 0 closes its pipeline, then exits (docs/clusters.md).
     shard: with replicas, "none", "optimizer" (ZeRO-1: each keeps and steps 1/R of the
       optimizer state) or "gradients" (ZeRO-2: also each gradient reduced to its owner only);
       parameters as with "none".
@@ -277,7 +280,7 @@ class Pipeline:
                  threads=_DEFAULT.threads, recompute=_DEFAULT.recompute,
                  precision=_DEFAULT.precision, max_grad_norm=_DEFAULT.max_grad_norm,
                  after_forward=None, after_backward=None, nodes=None, secret="",
-                 replicas=_DEFAULT.replicas, shard=_DEFAULT.shard,
+                 replicas=None, shard=_DEFAULT.shard,
                  wait_timeout=_DEFAULT.wait_timeout, step_timeout=_DEFAULT.step_timeout,
                  warm_memory=_DEFAULT.warm_memory, example=None, segments=_DEFAULT.segments,
                  init_from=None):
@@ -308,6 +311,11 @@ class Pipeline:
         hooks = (_hook_of(after_forward, "after_forward"), _hook_of(after_backward, "after_backward"))
         c.set_after_forward(hooks[0])
         c.set_after_backward(hooks[1])
+        # replicas= given: under torchrun or srun the world holds stages x replicas, one stage
+        # per process (docs/clusters.md); on every rank but 0 the constructor hosts this rank's
+        # stage until rank 0's pipeline is closed, then exits with rank 0's code (SystemExit).
+        c.cluster = replicas is not None
+        replicas = _DEFAULT.replicas if replicas is None else replicas
         c.nodes, c.secret, c.replicas, c.shard = list(nodes or []), secret, replicas, shard
         c.wait_timeout, c.step_timeout = float(wait_timeout), float(step_timeout)
         if isinstance(example, tuple):

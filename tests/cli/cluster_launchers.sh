@@ -6,6 +6,9 @@
 #     the 4 processes as srun starts them (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 #     SLURM_JOB_NODELIST), as `actorpipe launch` starts them (torchrun's variables), and a world
 #     that cannot hold the layout refused
+#   tests/cli/cluster_launchers.sh ACTORPIPE python PYTHON
+#     the user's script through actorpipe.Pipeline (tests/cli/cluster_script.py) on 4 processes
+#     with torchrun's variables: rank 0's losses equal the script's alone, every rank exits 0
 #   tests/cli/cluster_launchers.sh ACTORPIPE torchrun PYTHON
 #     PyTorch's own torchrun (PYTHON -m torch.distributed.run, c10d rendezvous), then a rank
 #     killed mid-run: torchrun restarts the group, which resumes from the newest checkpoint, every
@@ -65,6 +68,22 @@ if [[ $mode == slurm ]]; then
 fi
 
 python=$3
+if [[ $mode == python ]]; then
+  script=$(dirname "$(readlink -f "$0")")/cluster_script.py
+  "$python" "$script" "$stages" "$replicas" "$work/alone.json" > /dev/null
+  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  for rank in 0 1 2 3; do
+    RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      "$python" "$script" "$stages" "$replicas" "$work/rank$rank.json" > "$work/py$rank.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { cat "$work"/py*.log; echo "FAIL: a rank of the script failed"; exit 1; }; done
+  pids=()
+  [[ ! -e $work/rank1.json ]] || { echo "FAIL: rank 1 ran the script past Pipeline(...)"; exit 1; }
+  grep -q "rank 1 of 4 (torchrun, pid [0-9]*) hosts a stage" "$work/py1.log"
+  same_losses "$work/rank0.json" "$work/alone.json" "the script on 4 ranks (actorpipe.Pipeline)"
+  exit 0
+fi
 "$python" -c "from torch.distributed.elastic.multiprocessing.api import Std; assert Std.from_str('0') is not None" 2> /dev/null ||
   skip "$python has no torchrun that runs here (Debian's torch 1.13 torchrun fails under Python 3.11: its Std.from_str returns None)"
 torchrun() { "$python" -m torch.distributed.run "$@"; }
