@@ -8,8 +8,8 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/memory.hpp>
 
-#include "cli/train_cluster.hpp"
 #include "nodes/protocol.hpp"
+#include "training/cluster.hpp"
 #include <actorpipe/node.hpp>
 
 namespace actorpipe::cli {
@@ -82,7 +82,7 @@ int run_node(const node_args& a) {
   options.host = host;
   options.port = port;
   options.data_port = static_cast<uint16_t>(a.data_port);
-  options.secret = secret_from(a.secret_file);
+  options.secret = training::secret_from(a.secret_file);
   options.tls = a.tls;
   options.max_model_bytes = a.max_model_bytes;
   options.keep_snapshots = std::chrono::seconds(a.keep_snapshots);

@@ -5,15 +5,12 @@
 
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
 #include <iostream>
 
 #include <unistd.h>
 
 #include <actorpipe/errors.hpp>
 #include <actorpipe/training.hpp>
-
-#include "comm/tensor_hub.hpp"
 
 namespace actorpipe::cli {
 namespace {
@@ -51,14 +48,6 @@ int drive(const train_args& given, training::cluster_rank& me) {
 
 } // namespace
 
-std::string secret_from(const std::string& secret_file) {
-  if (!secret_file.empty()) {
-    return comm::read_secret_file(secret_file);
-  }
-  const char* text = std::getenv("ACTORPIPE_SECRET");
-  return text ? text : "";
-}
-
 std::optional<training::cluster_world> cluster_world_for(const train_args& a) {
   auto world = training::cluster_from_env();
   if (!world || world->size == 1 || !a.given || !a.given("--replicas") ||
@@ -85,7 +74,7 @@ std::optional<training::cluster_world> cluster_world_for(const train_args& a) {
 }
 
 int run_train_in_cluster(const train_args& a, const training::cluster_world& w) {
-  training::cluster_rank me(w, secret_from(a.secret_file), a.pipeline.placement.tls,
+  training::cluster_rank me(w, training::secret_from(a.secret_file), a.pipeline.placement.tls,
                             a.pipeline.data_parallel.timeout,
                             "--secret-file FILE, or the variable ACTORPIPE_SECRET");
   if (w.rank != 0) {

@@ -20,8 +20,4 @@ std::optional<training::cluster_world> cluster_world_for(const train_args& a);
 /// the job. Returns the exit code (the driver's, on every rank).
 int run_train_in_cluster(const train_args& a, const training::cluster_world& world);
 
-/// The nodes' shared secret: the file's (--secret-file), else the text of ACTORPIPE_SECRET (for
-/// a secret a cluster hands out as a variable), else none.
-std::string secret_from(const std::string& secret_file);
-
 } // namespace actorpipe::cli

@@ -701,7 +701,7 @@ training::run_settings settings_for(const train_args& a, const model_setup& setu
   po.optimizer = make_optimizer(k.optimizer);
   po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
   po.data_parallel = data_parallel_for(a, setup);
-  po.placement.secret = secret_from(a.secret_file);
+  po.placement.secret = training::secret_from(a.secret_file);
   if (a.replicas > 1) {
     // On nodes: one loop and one replicated_pipeline, which meets the replicas' stages at a
     // store served here (--master-addr/-port) and recovers them together. In this process: a

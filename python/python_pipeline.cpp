@@ -175,8 +175,8 @@ std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config)
   ACTORPIPE_CHECK(config.stages > 0, "stages='auto' plans one machine's cores: under ",
                   world->launcher, " with replicas= give a stage count");
   training::check_world_fits(*world, config.stages, config.replicas);
-  if (const char* secret = std::getenv("ACTORPIPE_SECRET"); config.secret.empty() && secret) {
-    config.secret = secret;
+  if (config.secret.empty()) {
+    config.secret = training::secret_from("");
   }
   auto me = std::make_shared<training::cluster_rank>(*world, config.secret, tls_options{},
                                                      std::chrono::seconds(60),

@@ -26,6 +26,7 @@
 #include <actorpipe/errors.hpp>
 #include <actorpipe/node.hpp>
 
+#include "comm/tensor_hub.hpp"
 #include "logging/log.hpp"
 
 namespace actorpipe::training {
@@ -418,6 +419,14 @@ cluster_rendezvous::outcome cluster_rendezvous::wait_for_end(const std::function
   }
 }
 
+std::string secret_from(const std::string& secret_file) {
+  if (!secret_file.empty()) {
+    return comm::read_secret_file(secret_file);
+  }
+  const char* text = std::getenv("ACTORPIPE_SECRET");
+  return text ? text : "";
+}
+
 namespace {
 
 bool loopback(const std::string& host) {
@@ -428,7 +437,7 @@ bool loopback(const std::string& host) {
 
 cluster_rank::cluster_rank(const cluster_world& world, const std::string& secret,
                            const tls_options& tls, std::chrono::milliseconds timeout,
-                           const std::string& secret_from)
+                           const std::string& secret_ways)
   : world_(world), host_(address_toward(world.store_host, world.store_port)) {
   node_options o;
   o.host = host_;
@@ -436,7 +445,7 @@ cluster_rank::cluster_rank(const cluster_world& world, const std::string& secret
   o.tls = tls;
   ACTORPIPE_CHECK(loopback(host_) || !o.secret.empty() || o.tls.enabled(), "rank ", world.rank,
                   " listens on ", host_, " for the other hosts, which needs the same secret on ",
-                  "every rank (", secret_from, ") or TLS");
+                  "every rank (", secret_ways, ") or TLS");
   // Gloo (the replicas' collectives) binds to the same address unless told an interface.
   if (!std::getenv("ACTORPIPE_GLOO_IFNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
     ::setenv("ACTORPIPE_GLOO_HOST", host_.c_str(), 1);

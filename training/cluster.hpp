@@ -117,6 +117,10 @@ private:
   std::unique_ptr<impl> impl_;
 };
 
+/// The nodes' shared secret: the file's (`secret_file`, mode 600), else the text of the variable
+/// ACTORPIPE_SECRET (a secret a cluster hands out as a variable), else none.
+std::string secret_from(const std::string& secret_file);
+
 /// This process as one rank of a cluster run: its node (on the address the other hosts reach it
 /// by, any free ports, the secret or certificates every rank was given), announced at the
 /// rendezvous. Front ends derive the roles: rank 0 drives (gather_nodes, finish), the others
@@ -124,9 +128,9 @@ private:
 class cluster_rank {
 public:
   /// Refuses (invalid_argument) to listen beyond loopback with neither a secret nor TLS;
-  /// `secret_from` says where a secret comes from, for that message.
+  /// `secret_ways` says where a secret comes from, for that message.
   cluster_rank(const cluster_world& world, const std::string& secret, const tls_options& tls,
-               std::chrono::milliseconds timeout, const std::string& secret_from);
+               std::chrono::milliseconds timeout, const std::string& secret_ways);
   ~cluster_rank();
 
   const cluster_world& world() const { return world_; }
