@@ -9,15 +9,14 @@
 #include <thread>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
 #include <actorpipe/errors.hpp>
+
+#include "training/cluster.hpp"
 
 namespace actorpipe::cli {
 
@@ -42,24 +41,6 @@ CLI::App* add_launch_command(CLI::App& app, launch_args& a) {
   cmd->add_option("command", a.command, "The actorpipe subcommand and its flags, after --")
     ->required();
   return cmd;
-}
-
-// A port nobody listens on now (the kernel's pick for an ephemeral bind).
-int free_port(const std::string& addr) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ACTORPIPE_CHECK(fd >= 0, "launch: cannot open a socket to find a free port");
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = 0;
-  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
-    sa.sin_addr.s_addr = htonl(INADDR_ANY);
-  }
-  socklen_t len = sizeof sa;
-  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
-  ::close(fd);
-  ACTORPIPE_CHECK(ok, "cannot find a free port on ", addr, "; give one with --master-port");
-  return ntohs(sa.sin_port);
 }
 
 namespace {
@@ -155,7 +136,10 @@ int wait_for_ranks(const std::vector<pid_t>& pids, double grace_seconds) {
 int run_launch(const launch_args& a) {
   ACTORPIPE_CHECK(!a.command.empty(), "launch: no command given (e.g. -- train --stages 2)");
   ACTORPIPE_CHECK(a.command.front() != "launch", "launch: cannot launch `launch` itself");
-  auto port = a.master_port > 0 ? static_cast<int>(a.master_port) : free_port(a.master_addr);
+  auto port = a.master_port > 0 ? static_cast<int>(a.master_port)
+                                : static_cast<int>(training::free_port(a.master_addr));
+  ACTORPIPE_CHECK(port != 0, "launch: cannot find a free port on ", a.master_addr,
+                  "; give one with --master-port");
   std::cerr << "actorpipe launch: " << a.nproc << " ranks, rendezvous " << a.master_addr << ':'
             << port << '\n';
   return wait_for_ranks(start_ranks(a, port), a.grace_seconds);

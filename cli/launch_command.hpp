@@ -30,7 +30,4 @@ CLI::App* add_launch_command(CLI::App& app, launch_args& args);
 /// signal for a rank killed by a signal).
 int run_launch(const launch_args& args);
 
-/// A port nobody listens on now on `addr` (the kernel's pick for an ephemeral bind).
-int free_port(const std::string& addr);
-
 } // namespace actorpipe::cli

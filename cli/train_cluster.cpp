@@ -37,7 +37,7 @@ int drive(const train_args& given, training::cluster_rank& me) {
   a.pipeline.placement.nodes = me.gather_nodes(a.plan.stages, a.replicas);
   // The replicas' stages meet at a store the driver serves (the launcher's may be its agent's).
   a.master_addr = me.host();
-  a.master_port = me.free_port();
+  a.master_port = me.replica_store_port();
   // Below here this process is a driver with --nodes, not one of the launcher's ranks.
   for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"}) {
     ::unsetenv(name);

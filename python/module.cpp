@@ -194,7 +194,6 @@ void bind_pipeline(py::module_& m) {
     .def("save_model", &p::save_model, release)
     .def("model_suffix", &p::model_suffix)
     .def("save_safetensors", &p::save_safetensors, release)
-    .def("exported", &p::exported)
     .def("state_dict", &p::state_dict, release)
     .def("named_parameters", &p::named_parameters, release)
     .def("layout", [](const p& self) { return layout_of(self.layout()); })

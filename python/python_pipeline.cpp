@@ -187,7 +187,7 @@ std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config)
   try {
     config.nodes = me->gather_nodes(config.stages, config.replicas);
     config.master_addr = me->host();
-    config.master_port = me->free_port();
+    config.master_port = me->replica_store_port();
     auto made = std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
     made->cluster_ = me;
     return made;

@@ -129,8 +129,6 @@ public:
   void save_model(const std::string& path);
   /// That format's file ending (".pt2", ".pt": models/model_formats.hpp).
   std::string model_suffix() const { return suffix_; }
-  /// True for a model read from a PT2 archive.
-  bool exported() const { return exported_; }
   /// A PT2 archive's trained weights as save_pretrained writes them into `dir`, under the names
   /// init_from's file had (else the program's), with its config.json (write_pretrained).
   void save_safetensors(const std::string& dir, uint64_t max_shard_bytes);

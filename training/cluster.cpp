@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstdlib>
 #include <future>
 #include <iostream>
@@ -383,7 +382,7 @@ void cluster_rendezvous::finish(const outcome& end) {
   }
 }
 
-cluster_rendezvous::outcome cluster_rendezvous::wait_for_end(const std::function<void()>& tick) {
+cluster_rendezvous::outcome cluster_rendezvous::wait_for_end() {
   const auto& w = impl_->world;
   int64_t last_beat = -1;
   auto heard = clock_type::now();
@@ -412,11 +411,24 @@ cluster_rendezvous::outcome cluster_rendezvous::wait_for_end(const std::function
                                           ": rank 0 (the driver) has not been heard at the store ",
                                           impl_->where(), " for ", impl_->timeout.count(), " ms"));
     }
-    if (tick) {
-      tick();
-    }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+}
+
+uint16_t free_port(const std::string& addr) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  }
+  socklen_t length = sizeof sa;
+  bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &length) == 0;
+  if (fd >= 0) {
+    ::close(fd);
+  }
+  return ok ? ntohs(sa.sin_port) : 0;
 }
 
 std::string secret_from(const std::string& secret_file) {
@@ -469,19 +481,10 @@ std::vector<std::string> cluster_rank::gather_nodes(std::size_t stages, std::siz
   return nodes;
 }
 
-uint16_t cluster_rank::free_port() const {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  ::inet_pton(AF_INET, host_.c_str(), &sa.sin_addr);
-  socklen_t length = sizeof sa;
-  bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &length) == 0;
-  if (fd >= 0) {
-    ::close(fd);
-  }
-  ACTORPIPE_CHECK(ok, "rank 0 finds no free port on ", host_, " for its replicas' store");
-  return ntohs(sa.sin_port);
+uint16_t cluster_rank::replica_store_port() const {
+  auto port = free_port(host_);
+  ACTORPIPE_CHECK(port != 0, "rank 0 finds no free port on ", host_, " for its replicas' store");
+  return port;
 }
 
 void cluster_rank::finish(int code, const std::string& message) {

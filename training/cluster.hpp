@@ -108,14 +108,18 @@ public:
   /// Rank 0: tells every rank the job ended, then waits (within the timeout) until each has
   /// read it, since the store may be this process's and go with it.
   void finish(const outcome& end);
-  /// Every other rank: waits until rank 0 finishes, calling `tick` about every 200 ms. Throws
+  /// Every other rank: waits until rank 0 finishes, asking about every 200 ms. Throws
   /// pipeline_error when the store goes away or rank 0 stops beating for the timeout.
-  outcome wait_for_end(const std::function<void()>& tick = {});
+  outcome wait_for_end();
 
 private:
   struct impl;
   std::unique_ptr<impl> impl_;
 };
+
+/// A port nobody listens on now at `addr` (the kernel's pick for an ephemeral bind; any address
+/// when `addr` is no IPv4 address), or 0 when none can be had.
+uint16_t free_port(const std::string& addr);
 
 /// The nodes' shared secret: the file's (`secret_file`, mode 600), else the text of the variable
 /// ACTORPIPE_SECRET (a secret a cluster hands out as a variable), else none.
@@ -136,8 +140,8 @@ public:
   const cluster_world& world() const { return world_; }
   /// The address the other hosts reach this one by.
   const std::string& host() const { return host_; }
-  /// A port nobody listens on now at host(), for the store rank 0 serves its replicas.
-  uint16_t free_port() const;
+  /// A free port at host() (free_port) for the store rank 0 serves its replicas.
+  uint16_t replica_store_port() const;
   /// Rank 0: every rank's node, laid out for `stages` x `replicas` (lay_out), the layout said.
   std::vector<std::string> gather_nodes(std::size_t stages, std::size_t replicas);
   /// Rank 0: tells every rank the job ended (once; later calls do nothing).
