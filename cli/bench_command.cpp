@@ -89,7 +89,7 @@ CLI::App* add_bench_command(CLI::App& app, bench::sweep_options& o) {
   o.model.data = "synthetic";
   o.plan.schedule = "1f1b";
   add_model_flags(cmd, o.model);
-  add_pipeline_flags(cmd, o.plan);
+  add_plan_flags(cmd, o.plan, training::bench_front);
   add_side_by_side_flags(cmd, o);
   cmd->add_option("--steps", o.steps, "Timed steps (batches) per configuration")
     ->capture_default_str();

@@ -1,7 +1,6 @@
 /// \file
-/// The flags `actorpipe train`, `plan` and `bench` share: which model and data, and how the
-/// pipeline is cut and scheduled (the settings are training/model_setup.hpp's and
-/// training/planning.hpp's).
+/// The flags `actorpipe train`, `plan` and `bench` share: which model and data, and the run's
+/// settings as training/settings.hpp declares them (the model's are training/model_setup.hpp's).
 #pragma once
 
 #include <chrono>
@@ -10,6 +9,7 @@
 
 #include "training/model_setup.hpp"
 #include "training/planning.hpp"
+#include "training/settings.hpp"
 
 namespace CLI {
 class App;
@@ -30,22 +30,17 @@ using training::threads_per_stage;
 void add_model_flags(CLI::App* cmd, model_args& args);
 /// "5GiB", "512MB", "4096B" or a count of bytes, for `flag`; CLI::ValidationError otherwise.
 uint64_t parse_bytes(const char* flag, const std::string& value);
-void add_pipeline_flags(CLI::App* cmd, planning_args& args);
-/// --recompute (train, plan): sets args.recompute and recompute_given.
-void add_recompute_flag(CLI::App* cmd, planning_args& args);
 /// A check that a number given to a flag is at least `least` ("must be >= 0", not CLI11's range
 /// up to the largest double).
 CLI::Validator at_least(double least);
-/// A flag whose text `set` parses into an option struct's field (an enum, by the library's own
-/// parse function): what the parser refuses is reported as the flag's error ("--precision:
-/// unknown precision 'fp16' (choose fp32 or bf16)"); help shows `shown` as its default.
-CLI::Option* add_parsed_flag(CLI::App* cmd, const std::string& name,
-                             std::function<void(const std::string&)> set, const std::string& shown,
-                             const std::string& help);
-/// A flag of whole milliseconds that fills `field` (an option struct's duration) directly, at
-/// least `least` (refused by name below it); its default is the field's.
-CLI::Option* add_milliseconds_flag(CLI::App* cmd, const std::string& name,
-                                   std::chrono::milliseconds& field, int64_t least,
-                                   const std::string& help);
+/// The flags of the run's settings (training/settings.hpp's table) that `front` binds, each
+/// setting `s` as it is given (a refusal is the flag's error, named as the flag); their defaults
+/// are the table's.
+void add_setting_flags(CLI::App* cmd, training::run_settings& s, training::front_end front);
+/// The same for a command that takes the planner's settings alone (plan, bench): `plan` holds
+/// them once the command line is parsed.
+void add_plan_flags(CLI::App* cmd, planning_args& plan, training::front_end front);
+/// A setting's flag: "--max-grad-norm" for max_grad_norm.
+std::string setting_flag(const std::string& setting);
 
 } // namespace actorpipe::cli

@@ -20,8 +20,7 @@ CLI::App* add_plan_command(CLI::App& app, plan_args& a) {
             "parameters, time, activation size per stage) and the simulated schedule; with "
             "--stages auto (or --schedule/--threads auto) the planner's ranking of layouts");
   add_model_flags(cmd, a.model);
-  add_pipeline_flags(cmd, a.plan);
-  add_recompute_flag(cmd, a.plan);
+  add_plan_flags(cmd, a.plan, training::plan_front);
   cmd->add_option("--svg", a.svg, "Draw the planned schedule as a Gantt chart into this SVG file");
   cmd->add_option("--profile-device", a.profile_device,
                   "Profile the layers on this device (cpu, cuda or cuda:N; default cpu): the "

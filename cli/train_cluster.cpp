@@ -34,7 +34,7 @@ void resume_after_restart(train_args& a, const training::cluster_world& w) {
 // Rank 0: the driver, with every rank's node (its own too) as --nodes.
 int drive(const train_args& given, training::cluster_rank& me) {
   auto a = given;
-  a.pipeline.placement.nodes = me.gather_nodes(a.plan.stages, a.replicas);
+  a.run.pipeline.placement.nodes = me.gather_nodes(a.run.plan.stages, a.replicas);
   // The replicas' stages meet at a store the driver serves (the launcher's may be its agent's).
   a.master_addr = me.host();
   a.master_port = me.replica_store_port();
@@ -51,7 +51,7 @@ int drive(const train_args& given, training::cluster_rank& me) {
 std::optional<training::cluster_world> cluster_world_for(const train_args& a) {
   auto world = training::cluster_from_env();
   if (!world || world->size == 1 || !a.given || !a.given("--replicas") ||
-      !a.pipeline.placement.nodes.empty()) {
+      !a.run.pipeline.placement.nodes.empty()) {
     return std::nullopt;
   }
   for (const char* flag : {"--world-size", "--rank"}) {
@@ -67,15 +67,15 @@ std::optional<training::cluster_world> cluster_world_for(const train_args& a) {
                     ") must be in [1, 65535]");
     world->store_port = static_cast<uint16_t>(a.master_port);
   }
-  ACTORPIPE_CHECK(a.plan.stages > 0, "--stages auto plans one machine's cores: under ",
+  ACTORPIPE_CHECK(a.run.plan.stages > 0, "--stages auto plans one machine's cores: under ",
                   world->launcher, " with --replicas give --stages");
-  training::check_world_fits(*world, a.plan.stages, a.replicas);
+  training::check_world_fits(*world, a.run.plan.stages, a.replicas);
   return world;
 }
 
 int run_train_in_cluster(const train_args& a, const training::cluster_world& w) {
-  training::cluster_rank me(w, training::secret_from(a.secret_file), a.pipeline.placement.tls,
-                            a.pipeline.data_parallel.timeout,
+  training::cluster_rank me(w, training::secret_from(a.secret_file), a.run.pipeline.placement.tls,
+                            a.run.pipeline.data_parallel.timeout,
                             "--secret-file FILE, or the variable ACTORPIPE_SECRET");
   if (w.rank != 0) {
     return me.host_until_end();

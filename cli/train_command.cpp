@@ -170,7 +170,7 @@ optimizer_spec optimizer_for(const train_args& a, const run_kind& k) {
 // it), in this process its layers.
 training::run_model run_model_of(const train_args& a, const model_setup& setup, const run_kind& k) {
   training::run_model model;
-  if (a.pipeline.placement.nodes.empty()) {
+  if (a.run.pipeline.placement.nodes.empty()) {
     model.layers = setup.layers;
     return model;
   }
@@ -270,17 +270,17 @@ train_options train_options_for(const train_args& a, const model_setup& setup, c
   to.log_steps = stream && !a.no_progress;
   to.progress = !stream && !a.no_progress;
   to.keep_results = !a.trace.empty() || (stream && !a.json.empty());
-  to.overlap_steps = a.pipeline.overlap_steps;
+  to.overlap_steps = a.run.pipeline.overlap_steps;
   to.recover_lost_nodes = a.on_node_loss == "continue";
   to.recut_slow_nodes = a.on_slow_node == "recut";
   // The straggler watch is for stages on other machines: in process, stages on a shared machine
   // wander with whatever else runs there, so it watches only when asked (--slow-factor).
-  if (a.pipeline.placement.nodes.empty() && !(a.given && a.given("--slow-factor"))) {
+  if (a.run.pipeline.placement.nodes.empty() && !(a.given && a.given("--slow-factor"))) {
     to.slow_factor = 0;
   }
   // The nodes left are cut as the run was (--partition; cut:... lists fixed cuts, so by
   // parameter counts then), profiled again for time.
-  to.repartition = [&setup, plan = a.plan](std::size_t parts) {
+  to.repartition = [&setup, plan = a.run.plan](std::size_t parts) {
     auto args = plan;
     args.stages = parts / std::max<std::size_t>(1, plan.chunks);
     if (args.partition.rfind("cut:", 0) == 0) {
@@ -357,9 +357,9 @@ void print_header(const train_args& a, const model_setup& setup, const plan_choi
   std::cout << ", " << choice.cut.stages() / choice.chunks << " stages " << choice.cut.to_string()
             << ", schedule " << choice.schedule_name << ", " << choice.microbatches
             << " micro-batches, batch " << to.batch << ", seed " << a.model.seed
-            << replicas_note(dp, a.replicas == 1                      ? "processes"
-                                 : a.pipeline.placement.nodes.empty() ? "in this process"
-                                                                      : "on nodes")
+            << replicas_note(dp, a.replicas == 1                          ? "processes"
+                                 : a.run.pipeline.placement.nodes.empty() ? "in this process"
+                                                                          : "on nodes")
             << '\n';
   print_plan(setup, choice);
 }
@@ -551,7 +551,7 @@ int run_training(const train_args& a, const model_setup& setup, const run_kind& 
   if (lead) {
     print_header(a, setup, choice, k, *data, to, corpus, dp);
   }
-  if (!a.pipeline.placement.nodes.empty()) {
+  if (!a.run.pipeline.placement.nodes.empty()) {
     // This process runs no stage; snapshots and recoveries pass megabytes through its heap.
     memory::map_large_allocations();
   }
@@ -577,10 +577,19 @@ int run_training(const train_args& a, const model_setup& setup, const run_kind& 
 
 // --shard-optimizer, --shard-gradients: what each of `replicas` keeps of the optimizer step.
 shard_mode shard_for(const train_args& a, std::size_t replicas) {
-  if (!a.shard_optimizer && !a.shard_gradients) {
-    return shard_mode::none;
+  const auto given = a.run.pipeline.data_parallel.shard;
+  const bool short_form = a.shard_optimizer || a.shard_gradients;
+  const char* flag = a.shard_gradients   ? "--shard-gradients"
+                     : a.shard_optimizer ? "--shard-optimizer"
+                                         : "--shard";
+  ACTORPIPE_CHECK(!short_form || given == shard_mode::none, flag,
+                  " is a short form of --shard, which was given too: give one");
+  const auto mode = a.shard_gradients   ? shard_mode::gradients
+                    : a.shard_optimizer ? shard_mode::optimizer
+                                        : given;
+  if (mode == shard_mode::none) {
+    return mode;
   }
-  const char* flag = a.shard_gradients ? "--shard-gradients" : "--shard-optimizer";
   ACTORPIPE_CHECK(replicas > 1, flag,
                   " divides the optimizer's state among replicas: give "
                   "--replicas or --world-size > 1");
@@ -592,7 +601,7 @@ shard_mode shard_for(const train_args& a, std::size_t replicas) {
                   " cannot be combined with --on-node-loss continue yet: its snapshots hold "
                   "replica 0's state, and replica 0 holds 1/R of the optimizer's (checkpoints "
                   "gather it whole)");
-  return a.shard_gradients ? shard_mode::gradients : shard_mode::optimizer;
+  return mode;
 }
 
 // The replicas' options from the flags and the environment (torchrun's RANK, WORLD_SIZE, ...),
@@ -602,7 +611,7 @@ void check_replica_sync(const train_args& a, const model_setup& setup, data_para
   if (dp.sync_batch_norm) {
     ACTORPIPE_CHECK(std::max(a.replicas, dp.replicas) > 1,
                     "--batch-norm sync synchronises replicas: give --replicas or --world-size > 1");
-    ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(),
+    ACTORPIPE_CHECK(a.run.pipeline.placement.nodes.empty(),
                     "--batch-norm sync: replicas of stages on nodes (--nodes) do "
                     "not synchronise their batch norms yet");
     ACTORPIPE_CHECK(setup.model_file.empty(),
@@ -633,7 +642,7 @@ void check_replica_sync(const train_args& a, const model_setup& setup, data_para
 }
 
 data_parallel_options data_parallel_for(const train_args& a, const model_setup& setup) {
-  auto dp = data_parallel_from_env(a.pipeline.data_parallel);
+  auto dp = data_parallel_from_env(a.run.pipeline.data_parallel);
   if (a.world_size > 0) {
     dp.replicas = static_cast<std::size_t>(a.world_size);
   }
@@ -651,14 +660,7 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   ACTORPIPE_CHECK(dp.rank < dp.replicas, "--rank ", dp.rank, " must be below --world-size ",
                   dp.replicas);
   ACTORPIPE_CHECK(a.replicas >= 1, "--replicas must be >= 1");
-  // With --nodes the stages are given (check_layout_auto_applies), so known before planning.
-  ACTORPIPE_CHECK(
-    a.pipeline.placement.nodes.empty() ||
-      a.pipeline.placement.nodes.size() == a.replicas * a.plan.stages,
-    "--nodes lists ", a.pipeline.placement.nodes.size(), " nodes for ", a.plan.stages, " stages",
-    a.replicas > 1 ? detail::concat(" of each of ", a.replicas, " replicas (replica after replica)")
-                   : std::string{});
-  ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty() || a.on_node_loss != "continue" ||
+  ACTORPIPE_CHECK(a.run.pipeline.placement.nodes.empty() || a.on_node_loss != "continue" ||
                     dp.replicas == 1,
                   "--on-node-loss continue: replicas in processes of their own (--world-size) do "
                   "not recover a lost node; run them in one process with --replicas, which "
@@ -673,46 +675,29 @@ data_parallel_options data_parallel_for(const train_args& a, const model_setup& 
   return dp;
 }
 
-// --stages auto and --threads auto plan one pipeline on this machine's cores.
-void check_layout_auto_applies(const train_args& a) {
-  if (!a.plan.layout_auto()) {
-    return;
-  }
-  const char* what = a.plan.stages == 0 ? "--stages auto" : "--threads auto";
-  ACTORPIPE_CHECK(a.pipeline.placement.nodes.empty(), what,
-                  " plans stages on this machine's cores: with --nodes (one stage per node) "
-                  "give --stages");
-  ACTORPIPE_CHECK(a.replicas == 1 && a.world_size <= 1 && data_parallel_from_env().replicas == 1,
-                  what,
-                  " plans one pipeline on this machine's cores: with replicas (--replicas, "
-                  "--world-size) give --stages and --threads");
+// The run's declared settings as the flags and the environment give them: the flags' with the
+// replicas' options (a launcher's rank and world) and the trace's device timing.
+training::run_settings declared_for(const train_args& a, const model_setup& setup) {
+  auto declared = a.run;
+  declared.pipeline.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
+  declared.pipeline.data_parallel = data_parallel_for(a, setup);
+  return declared;
 }
 
-// The run's settings, all of them before planning: the flags' pipeline options with the loss,
-// the optimizer, the replicas and the secret; the hooks; the replicas one loop feeds.
-training::run_settings settings_for(const train_args& a, const model_setup& setup,
-                                    const run_kind& k) {
-  training::run_settings s;
-  s.plan = a.plan;
-  s.hooks = hooks_of(a);
-  make_hooks(s.hooks); // refused here, before planning, data or nodes; start_run builds them
-  auto& po = s.pipeline = a.pipeline;
-  po.loss = builtin_loss(k.loss);
-  po.optimizer = make_optimizer(k.optimizer);
-  po.device_timing = !a.trace.empty(); // the trace draws the GPU's own times
-  po.data_parallel = data_parallel_for(a, setup);
-  po.placement.secret = training::secret_from(a.secret_file);
-  if (a.replicas > 1) {
-    // On nodes: one loop and one replicated_pipeline, which meets the replicas' stages at a
-    // store served here (--master-addr/-port) and recovers them together. In this process: a
-    // thread and a loop per replica (run_local_replicas), meeting at an in-process store.
-    const bool on_nodes = !po.placement.nodes.empty();
-    po.data_parallel.replicas = a.replicas;
-    po.data_parallel.rank = 0;
-    po.data_parallel.local = on_nodes ? nullptr : make_local_rendezvous();
-    s.replicas = on_nodes ? a.replicas : 1;
-  }
-  return s;
+// What the command brings to training::settings_for beside them: the data's loss, the model's
+// optimizer, the hooks, the nodes and their secret, and --replicas, each on a thread and loop
+// of its own in this process (run_local_replicas), or on nodes one replicated_pipeline fed by
+// one loop, meeting the replicas' stages at a store served here (--master-addr/-port).
+training::run_parts parts_for(const train_args& a, const run_kind& k) {
+  training::run_parts parts;
+  parts.loss = builtin_loss(k.loss);
+  parts.optimizer = k.optimizer;
+  parts.hooks = hooks_of(a);
+  parts.secret = training::secret_from(a.secret_file);
+  parts.nodes = a.run.pipeline.placement.nodes;
+  parts.replicas = a.replicas;
+  parts.replica_loops = true;
+  return parts;
 }
 
 // Replicas of stages in this process (--replicas): one thread each, meeting at the plan's
@@ -760,19 +745,20 @@ int run_train(const train_args& given) {
   }
   const text_corpus* text = corpus ? &*corpus : nullptr;
   auto setup = build_model(a.model);
-  check_layout_auto_applies(a);
-  a.plan.devices = training::parse_devices(a.devices, a.plan);
+  a.run.plan.devices = training::parse_devices(a.devices, a.run.plan);
   check_flags_apply(a, setup);
   // The planner's memory model counts the optimizer's state: Adam keeps 2 tensors per
   // parameter, SGD with momentum 1.
-  a.plan.optimizer_state = optimizer_of(a).state_tensors();
+  a.run.plan.optimizer_state = optimizer_of(a).state_tensors();
   auto k = kind_of(a, setup, text);
   k.optimizer = optimizer_for(a, k);
-  const auto plan = training::plan_run(setup.layers, setup.sample(), settings_for(a, setup, k));
+  const auto plan = training::plan_run(
+    setup.layers, setup.sample(),
+    training::settings_for(declared_for(a, setup), parts_for(a, k), setting_flag));
   auto run_rank = [&](const model_setup& model, std::optional<std::size_t> rank) {
     return run_training(a, model, k, plan, rank, text);
   };
-  if (a.replicas == 1 || !a.pipeline.placement.nodes.empty()) {
+  if (a.replicas == 1 || !a.run.pipeline.placement.nodes.empty()) {
     return run_rank(setup, std::nullopt);
   }
   return run_local_replicas(a, setup, run_rank);

@@ -30,7 +30,13 @@ struct train_args {
   /// Every flag's value as TOML (program::settings), recorded in checkpoints.
   std::string settings;
   model_args model;
-  planning_args plan;
+  /// The run's declared settings (training/settings.hpp's table, each as a flag): the planner's
+  /// (run.plan) and the pipeline's (run.pipeline); run_train() completes them with
+  /// training::settings_for, adding the loss, the optimizer, hooks, nodes, the secret and the
+  /// replicas, before planning. The flags below that name a pipeline option's field fill it here
+  /// too: the nodes' placement (--nodes, --spare-nodes, --accept-joins, TLS); the plan's fields
+  /// and devices are the plan's (training::run_plan::options).
+  training::run_settings run;
   std::string data_dir;
   /// --data text: a UTF-8 file (or folder) instead of Debian's fortunes.
   std::string text_file;
@@ -85,13 +91,6 @@ struct train_args {
   /// --shard-optimizer (ZeRO-1), --shard-gradients (ZeRO-2): data_parallel_options::shard.
   bool shard_optimizer = false;
   bool shard_gradients = false;
-  /// The flags that name its fields fill them here: --wait-timeout, --max-grad-norm,
-  /// --overlap-steps, --precision, data_parallel's --dp-timeout, --dp-backend, --buffers and
-  /// --batch-norm, and the nodes' placement (--nodes, --spare-nodes, --accept-joins, TLS,
-  /// --connect-timeout, --heartbeat-timeout); run_train() adds the loss, the optimizer, the
-  /// replicas and the secret to the run's settings before planning; the plan's fields and
-  /// devices are the plan's (training::run_plan::options).
-  pipeline_options pipeline;
   std::string secret_file;
   /// A lost node: fail (end the run) or continue (recover onto spares or the nodes left, from
   /// the newest snapshot, taken every train.snapshot_every steps, at most train.max_recoveries

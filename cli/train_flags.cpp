@@ -15,13 +15,6 @@ namespace actorpipe::cli {
 
 namespace {
 
-// --dp-backend's text; CLI::IsMember beside the flag has refused any other.
-dp_backend parse_dp_backend(const std::string& text) {
-  return text == "gloo"   ? dp_backend::gloo
-         : text == "nccl" ? dp_backend::nccl
-                          : dp_backend::automatic;
-}
-
 // Adds an option to `cmd` whose help shows its default.
 auto option_adder(CLI::App* cmd) {
   return [cmd](const std::string& name, auto& value, const std::string& help) {
@@ -29,30 +22,15 @@ auto option_adder(CLI::App* cmd) {
   };
 }
 
-// How each stage computes: recomputation, precision, devices, hooks, waits, the loader.
+// Where each stage computes, its hooks, and the loader.
 void add_stage_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
-  add_recompute_flag(cmd, a.plan);
-  add_parsed_flag(
-    cmd, "--precision", [&a](const std::string& v) { a.pipeline.precision = parse_precision(v); },
-    "fp32",
-    "fp32, or bf16 mixed precision: each stage computes under autocast to bfloat16 (CPU "
-    "autocast, or CUDA autocast for a stage on a GPU), activations and their gradients cross "
-    "stages in bf16, parameters and the optimizer stay fp32 (on a CPU fast only with "
-    "avx512_bf16 or amx_bf16; docs/transformers.md, docs/gpu.md)");
   cmd
     ->add_option("--devices", a.devices,
                  "One device per stage, comma-separated: cpu, cuda or cuda:N (e.g. cuda:0,cuda:1; "
                  "two stages may share a GPU); with --stages auto the devices the planner may "
                  "use, one stage each, profiled on the first; the CUDA build only (docs/gpu.md)")
     ->delimiter(',');
-  add_parsed_flag(
-    cmd, "--cuda-graphs",
-    [&a](const std::string& v) { a.pipeline.cuda_graphs = parse_cuda_graph_mode(v); }, "off",
-    "auto, on or off: after two eager steps each stage on a GPU captures a CUDA graph for the "
-    "forward and the backward of each micro-batch and replays them (auto: where its eager "
-    "actions averaged under 2 ms on the host); not with stages on the CPU "
-    "(docs/gpu.md#cuda-graphs)");
   opt("--after-forward", a.after_forward,
       "A hook on every stage's activation before it is sent on: clamp:V (clamp to [-V, V]), "
       "check_finite (a NaN or an infinity fails the step), or a TorchScript file whose "
@@ -60,8 +38,6 @@ void add_stage_flags(CLI::App* cmd, train_args& a) {
   opt("--after-backward", a.after_backward,
       "A hook on every stage's input gradient before it is sent back: clamp:V, check_finite or "
       "a TorchScript file, as --after-forward");
-  add_milliseconds_flag(cmd, "--wait-timeout", a.pipeline.wait_timeout, 1,
-                        "Milliseconds a stage waits for an input before failing the step");
   cmd->add_flag("--augment", a.augment,
                 "Fashion-MNIST: augment every training batch as torchvision's RandomCrop(28, "
                 "padding=2) and RandomHorizontalFlip (docs/images.md)");
@@ -104,21 +80,14 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "Rendezvous address served by rank 0 (default: MASTER_ADDR, else 127.0.0.1)");
   opt("--master-port", a.master_port, "Rendezvous port (default: MASTER_PORT, else 29500)");
   cmd
-    ->add_option("--nodes", a.pipeline.placement.nodes,
+    ->add_option("--nodes", a.run.pipeline.placement.nodes,
                  "Run stage i on the `actorpipe node` at the i-th HOST:PORT (comma-separated, one "
                  "per stage); activations go node to node")
     ->delimiter(',');
   opt("--secret-file", a.secret_file,
       "The nodes' shared secret (their --secret-file; not given: the variable ACTORPIPE_SECRET's "
       "text)");
-  add_tls_flags(cmd, a.pipeline.placement.tls);
-  add_milliseconds_flag(cmd, "--connect-timeout", a.pipeline.placement.connect_timeout, 1,
-                        "Milliseconds to reach each node and for each control request");
-  add_milliseconds_flag(
-    cmd, "--heartbeat-timeout", a.pipeline.placement.heartbeat_timeout, 0,
-    "--nodes: milliseconds a node may leave a heartbeat unanswered before it counts as lost (a "
-    "frozen process, a cut link: found within it and a sixth more), whatever the longest action; "
-    "0: no heartbeats");
+  add_tls_flags(cmd, a.run.pipeline.placement.tls);
   opt("--on-node-loss", a.on_node_loss,
       "--nodes: when a node is lost (its connection closes, or it leaves its heartbeats "
       "unanswered for --heartbeat-timeout), fail (end the run) or continue: move its stages to a "
@@ -126,11 +95,11 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
       "newest snapshot and replay the data from there (docs/distributed.md)")
     ->check(CLI::IsMember({"fail", "continue"}));
   cmd
-    ->add_option("--spare-nodes", a.pipeline.placement.spares,
+    ->add_option("--spare-nodes", a.run.pipeline.placement.spares,
                  "--on-node-loss continue: `actorpipe node`s standing by (HOST:PORT, "
                  "comma-separated), taken in order for lost nodes")
     ->delimiter(',');
-  opt("--accept-joins", a.pipeline.placement.accept_joins,
+  opt("--accept-joins", a.run.pipeline.placement.accept_joins,
       "--on-node-loss continue: listen on HOST:PORT for new nodes (`actorpipe node --join "
       "HOST:PORT`, the same secret): one that joins is taken at the next step, cutting the model "
       "back onto it after a loss (--replicas: taking a lost node's place in a replica that left), "
@@ -151,36 +120,11 @@ void add_distributed_flags(CLI::App* cmd, train_args& a) {
     ->check(CLI::IsMember({"name", "recut"}));
 }
 
-// How replicas meet and stay together: timeouts, backend, sharding, buffers, batch norm, BMUF.
+// How replicas stay together: the sharding flags' short forms, BMUF.
 void add_replica_sync_flags(CLI::App* cmd, train_args& a) {
   auto opt = option_adder(cmd);
-  add_milliseconds_flag(
-    cmd, "--dp-timeout", a.pipeline.data_parallel.timeout, 1,
-    "Milliseconds to wait for all ranks at the rendezvous and for each all-reduce");
-  add_parsed_flag(
-    cmd, "--dp-backend",
-    [&a](const std::string& v) { a.pipeline.data_parallel.backend = parse_dp_backend(v); }, "auto",
-    "Replicas' collectives: auto (NCCL for stages on GPUs, Gloo on the CPU), gloo or nccl")
-    ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  cmd->add_flag("--shard-optimizer", a.shard_optimizer,
-                "Replicas: each keeps and steps 1/R of every stage's optimizer state, then the "
-                "parameters are broadcast from their owners (ZeRO-1; docs/memory.md)");
-  cmd->add_flag("--shard-gradients", a.shard_gradients,
-                "Replicas: as --shard-optimizer, and each gradient is reduced to its owner only "
-                "(ZeRO-2; docs/memory.md)");
-  add_parsed_flag(
-    cmd, "--buffers",
-    [&a](const std::string& v) { a.pipeline.data_parallel.buffers = parse_buffer_sync(v); },
-    "broadcast",
-    "Batch-norm statistics across replicas after each step: broadcast (rank 0's), average, "
-    "none");
-  add_parsed_flag(
-    cmd, "--batch-norm",
-    [&a](const std::string& v) { a.pipeline.data_parallel.sync_batch_norm = v == "sync"; }, "local",
-    "Data parallelism with the ResNets' batch norm: local (each replica normalises with its own "
-    "micro-batch's statistics) or sync (statistics over micro-batch k of every replica, as "
-    "torch.nn.SyncBatchNorm; docs/data-parallel.md)")
-    ->check(CLI::IsMember({"local", "sync"}));
+  cmd->add_flag("--shard-optimizer", a.shard_optimizer, "The same as --shard optimizer (ZeRO-1)");
+  cmd->add_flag("--shard-gradients", a.shard_gradients, "The same as --shard gradients (ZeRO-2)");
   opt("--sync", a.sync,
       "How replicas stay together: gradients (averaged every step) or bmuf (blockwise model-update "
       "filtering: --block-steps local steps, then parameters averaged with block momentum; "
@@ -248,9 +192,6 @@ void add_optimizer_flags(CLI::App* cmd, train_args& a) {
   opt("--warmup", a.train.warmup_steps,
       "Fashion-MNIST, text and a tensor file's epochs: linear warm-up steps of the cosine "
       "schedule (a tensor file: 0, and a constant --lr unless this or --min-lr is given)");
-  opt("--max-grad-norm", a.pipeline.max_grad_norm,
-      "Clip the global gradient norm (all stages, all replicas) to this value; 0: off")
-    ->check(at_least(0));
 }
 
 } // namespace
@@ -261,7 +202,7 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
              "default, or any model on synthetic data as in the PyTorch RPC pipeline tutorial "
              "(random images, one-hot targets, MSE loss, SGD)");
   add_model_flags(cmd, a.model);
-  add_pipeline_flags(cmd, a.plan);
+  add_setting_flags(cmd, a.run, training::train_front);
   add_data_flags(cmd, a);
   auto opt = option_adder(cmd);
   opt("--steps", a.steps,
@@ -271,10 +212,6 @@ CLI::App* add_train_command(CLI::App& app, train_args& a) {
       "Fashion-MNIST, text and tensor files: epochs (0: 1 for Fashion-MNIST and a file, 4 for "
       "text); with it (or --holdout) --data tensors:PATH is a data set visited epoch by epoch");
   add_optimizer_flags(cmd, a);
-  cmd->add_flag("--overlap-steps", a.pipeline.overlap_steps,
-                "Overlap consecutive steps: each stage starts the next step as soon as it is done "
-                "with the one before (its optimizer steps early), the same parameters as without "
-                "(stages in this process; docs/schedules.md#overlapping-steps)");
   opt("--export", a.export_path,
       "After training, write the trained model file back with its new weights: a PT2 archive "
       "(--model PATH.pt2), which torch.export.load(PATH).module() runs, or TorchScript (--model "
@@ -316,9 +253,9 @@ void refuse_if_given(const train_args& a, const char* flag, const char* why) {
 // The flags of stages on nodes, of their recovery and of overlapping steps, where they apply.
 void check_node_flags_apply(const train_args& a) {
   auto refuse = [&](const char* flag, const char* why) { refuse_if_given(a, flag, why); };
-  if (a.pipeline.placement.nodes.empty()) {
+  if (a.run.pipeline.placement.nodes.empty()) {
     for (const char* flag : {"--on-node-loss", "--spare-nodes", "--snapshot-every",
-                             "--max-recoveries", "--heartbeat-timeout", "--accept-joins"}) {
+                             "--max-recoveries", "--accept-joins"}) {
       refuse(flag, "applies to stages on nodes (--nodes)");
     }
   } else if (a.on_node_loss != "continue") {
@@ -327,7 +264,7 @@ void check_node_flags_apply(const train_args& a) {
       refuse(flag, "applies to --on-node-loss continue");
     }
   }
-  if (!a.pipeline.placement.nodes.empty()) {
+  if (!a.run.pipeline.placement.nodes.empty()) {
     refuse("--overlap-steps", "runs stages in this process; stages on nodes (--nodes) take one "
                               "step at a time");
   }
@@ -335,14 +272,14 @@ void check_node_flags_apply(const train_args& a) {
     refuse("--overlap-steps", "applies to one pipeline; replicas in this process (--replicas) "
                               "take one step at a time");
   }
-  ACTORPIPE_CHECK(a.train.resume != "nodes" || !a.pipeline.placement.nodes.empty(),
+  ACTORPIPE_CHECK(a.train.resume != "nodes" || !a.run.pipeline.placement.nodes.empty(),
                   "--resume nodes takes the snapshot that nodes keep of the stages they host: "
                   "give the run's --nodes");
   ACTORPIPE_CHECK(a.train.slow_factor == 0 || a.train.slow_factor > 1, "--slow-factor (",
                   a.train.slow_factor, ") must be 0 (not watched) or above 1");
   if (a.on_slow_node == "recut") {
-    ACTORPIPE_CHECK(!a.pipeline.placement.nodes.empty() && a.replicas <= 1 && a.world_size <= 1 &&
-                      a.train.slow_factor > 0,
+    ACTORPIPE_CHECK(!a.run.pipeline.placement.nodes.empty() && a.replicas <= 1 &&
+                      a.world_size <= 1 && a.train.slow_factor > 0,
                     "--on-slow-node recut places the stages of one pipeline on its --nodes again: "
                     "it needs --nodes, no --replicas and a --slow-factor");
   }
@@ -462,13 +399,6 @@ bool tensor_data_set(const train_args& a) {
 // Flags that belong to one kind of data, or need another flag, are refused elsewhere with why.
 void check_flags_apply(const train_args& a, const model_setup& setup) {
   check_node_flags_apply(a);
-  bool on_gpus = std::any_of(a.plan.devices.begin(), a.plan.devices.end(),
-                             [](const c10::Device& d) { return d.is_cuda(); });
-  if (!on_gpus && a.pipeline.cuda_graphs != cuda_graph_mode::off) {
-    refuse_if_given(a, "--cuda-graphs",
-                    "applies to stages on GPUs (--devices cuda:N): every stage of this run "
-                    "computes on the CPU");
-  }
   check_data_flags_apply(a);
   check_model_flags_apply(a, setup);
   ACTORPIPE_CHECK(a.max_shard_bytes > 0, "--max-shard-size must be more than 0 bytes");

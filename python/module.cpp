@@ -92,9 +92,30 @@ void set_hook(hook_spec& hook, const std::tuple<std::string, py::bytes, std::str
   hook.name = std::get<2>(value);
 }
 
-std::chrono::milliseconds millis(double seconds) {
-  ACTORPIPE_CHECK(seconds > 0, "timeouts must be > 0 seconds, not ", seconds);
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000 + 0.5));
+// Sets a setting of training/settings.hpp's table that Python binds, from its text (the
+// package turns a keyword's value into it, by the row's kind); errors name the keyword.
+void set_setting(pipeline_config& x, const std::string& name, const std::string& text) {
+  const auto* row = training::find_setting(name);
+  ACTORPIPE_CHECK(row != nullptr && row->bound_by(training::python_front), "'", name,
+                  "' is no setting of actorpipe.Pipeline");
+  training::set_setting(x.declared, *row, text, [](const std::string& n) { return n; });
+}
+
+// The table's rows Python binds: name, kind, default (as text), help.
+py::list settings_table() {
+  static const char* kinds[] = {"count", "number", "text", "flag", "milliseconds"};
+  py::list rows;
+  for (const auto& row : training::setting_table()) {
+    if (row.bound_by(training::python_front)) {
+      py::dict d;
+      d["name"] = row.name;
+      d["kind"] = kinds[static_cast<int>(row.kind)];
+      d["default"] = row.shown;
+      d["help"] = row.help;
+      rows.append(d);
+    }
+  }
+  return rows;
 }
 
 void bind_config(py::module_& m) {
@@ -107,11 +128,6 @@ void bind_config(py::module_& m) {
     .def_readwrite("model_name", &c::model_name)
     .def_readwrite("segments", &c::segments)
     .def_readwrite("init_from", &c::init_from)
-    .def_readwrite("stages", &c::stages)
-    .def_readwrite("microbatches", &c::microbatches)
-    .def_readwrite("schedule", &c::schedule)
-    .def_readwrite("chunks", &c::chunks)
-    .def_readwrite("partition", &c::partition)
     .def_property(
       "optimizer", [](const c& x) { return x.optimizer.name; },
       [](c& x, const std::string& name) { x.optimizer.name = name; })
@@ -131,11 +147,6 @@ void bind_config(py::module_& m) {
       "loss_module", [](const c& x) { return py::bytes(x.loss_module); },
       [](c& x, py::bytes b) { x.loss_module = b; })
     .def_readwrite("devices", &c::devices)
-    .def_readwrite("threads", &c::threads)
-    .def_readwrite("warm_memory", &c::warm_memory)
-    .def_readwrite("recompute", &c::recompute)
-    .def_readwrite("precision", &c::precision)
-    .def_readwrite("max_grad_norm", &c::max_grad_norm)
     .def("set_after_forward",
          [](c& x, const std::tuple<std::string, py::bytes, std::string>& h) {
            set_hook(x.hooks.after_forward, h);
@@ -148,13 +159,7 @@ void bind_config(py::module_& m) {
     .def_readwrite("secret", &c::secret)
     .def_readwrite("replicas", &c::replicas)
     .def_readwrite("cluster", &c::cluster)
-    .def_readwrite("shard", &c::shard)
-    .def_property(
-      "wait_timeout", [](const c& x) { return x.wait_timeout.count() / 1000.0; },
-      [](c& x, double s) { x.wait_timeout = millis(s); })
-    .def_property(
-      "step_timeout", [](const c& x) { return x.step_timeout.count() / 1000.0; },
-      [](c& x, double s) { x.step_timeout = millis(s); })
+    .def("set", &set_setting, py::arg("name"), py::arg("text"))
     .def_readwrite("example", &c::example);
 }
 
@@ -213,6 +218,9 @@ PYBIND11_MODULE(_actorpipe, m) {
   py::register_exception_translator(&actorpipe::python::translate);
   actorpipe::python::bind_config(m);
   actorpipe::python::bind_pipeline(m);
+  m.def("settings", &actorpipe::python::settings_table,
+        "The run's settings Pipeline takes as keywords, as the engine declares them "
+        "(training/settings.hpp): name, kind, default, help");
   m.def("release_engine", &actorpipe::python::release_engine,
         py::call_guard<py::gil_scoped_release>());
   m.def("library_ops", &actorpipe::library_ops,

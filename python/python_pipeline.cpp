@@ -52,30 +52,6 @@ loss_function scripted_loss(const std::string& bytes) {
   };
 }
 
-// The planner's settings from the Python module's: a setting the caller left as it is keeps the
-// planner's default (pipeline_config takes its defaults from planning_args).
-training::planning_args planning_of(const pipeline_config& c) {
-  const training::planning_args defaults;
-  training::planning_args a;
-  a.stages = c.stages;
-  a.stages_given = c.stages > 0;
-  if (c.microbatches > 0) {
-    a.microbatches = c.microbatches;
-    a.microbatches_given = true;
-  }
-  a.schedule = c.schedule;
-  a.schedule_given = c.schedule != "auto";
-  a.partition = c.partition;
-  a.partition_given = c.partition != defaults.partition;
-  a.chunks = c.chunks;
-  a.threads = c.threads;
-  a.cold_memory = !c.warm_memory;
-  a.recompute = c.recompute;
-  a.recompute_given = true;
-  a.devices = training::parse_devices(c.devices, a, "devices");
-  return a;
-}
-
 // The batch choose_plan reads (its size; its samples only when it profiles).
 torch::Tensor planning_batch(const pipeline_config& c, const training::planning_args& a) {
   bool profiles = a.automatic() || a.partition == "time";
@@ -88,37 +64,30 @@ torch::Tensor planning_batch(const pipeline_config& c, const training::planning_
   return torch::zeros({static_cast<int64_t>(std::max<std::size_t>(1, a.microbatches))});
 }
 
-// The run's settings (training::plan_run): the planner's, and everything else the pipeline takes.
+// The run's settings (training::plan_run): the keywords' (Config.set), completed by
+// training::settings_for with what Python brings beside them, errors naming the keywords.
 training::run_settings settings_of(const pipeline_config& c) {
-  training::run_settings s;
-  s.plan = planning_of(c);
-  s.hooks = c.hooks;
-  ACTORPIPE_CHECK(c.replicas >= 1, "replicas must be >= 1");
-  ACTORPIPE_CHECK(c.replicas == 1 || c.stages > 0, "replicas: stages='auto' plans one pipeline; "
-                                                   "give a stage count with replicas > 1");
-  s.replicas = c.replicas;
-  auto& po = s.pipeline;
-  po.precision = parse_precision(c.precision);
-  po.max_grad_norm = c.max_grad_norm;
-  po.wait_timeout = c.wait_timeout;
-  po.step_timeout = c.step_timeout;
-  po.data_parallel.replicas = c.replicas;
-  po.data_parallel.shard = parse_shard_mode(c.shard);
-  po.placement.nodes = c.nodes;
-  po.placement.secret = c.secret;
+  auto declared = c.declared;
+  declared.plan.devices = training::parse_devices(c.devices, declared.plan, "devices");
   if (!c.master_addr.empty()) {
-    po.data_parallel.master_addr = c.master_addr;
-    po.data_parallel.master_port = c.master_port;
+    declared.pipeline.data_parallel.master_addr = c.master_addr;
+    declared.pipeline.data_parallel.master_port = c.master_port;
   }
+  training::run_parts parts;
   if (c.loss_module.empty()) {
-    po.loss = builtin_loss(c.loss);
+    parts.loss = builtin_loss(c.loss);
   } else {
     ACTORPIPE_CHECK(c.nodes.empty(), "loss: a scripted loss runs in this process only; stages on "
                                      "nodes take a built-in loss ('mse' or 'cross_entropy')");
-    po.loss = scripted_loss(c.loss_module);
+    parts.loss = scripted_loss(c.loss_module);
   }
-  po.optimizer = make_optimizer(c.optimizer);
-  return s;
+  parts.optimizer = c.optimizer;
+  parts.hooks = c.hooks;
+  parts.secret = c.secret;
+  parts.nodes = c.nodes;
+  parts.replicas = c.replicas;
+  return training::settings_for(std::move(declared), std::move(parts),
+                                [](const std::string& name) { return name; });
 }
 
 // The model as start_run takes it: on nodes the file's bytes, each node reads them; in this
@@ -172,9 +141,10 @@ std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config)
     return std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));
   }
   // A launcher's world: this process hosts a stage; rank 0 also drives every rank's.
-  ACTORPIPE_CHECK(config.stages > 0, "stages='auto' plans one machine's cores: under ",
-                  world->launcher, " with replicas= give a stage count");
-  training::check_world_fits(*world, config.stages, config.replicas);
+  const auto stages = config.declared.plan.stages;
+  ACTORPIPE_CHECK(stages > 0, "stages='auto' plans one machine's cores: under ", world->launcher,
+                  " with replicas= give a stage count");
+  training::check_world_fits(*world, stages, config.replicas);
   if (config.secret.empty()) {
     config.secret = training::secret_from("");
   }
@@ -185,7 +155,7 @@ std::shared_ptr<python_pipeline> python_pipeline::create(pipeline_config config)
     throw cluster_job_ended{me->host_until_end()};
   }
   try {
-    config.nodes = me->gather_nodes(config.stages, config.replicas);
+    config.nodes = me->gather_nodes(stages, config.replicas);
     config.master_addr = me->host();
     config.master_port = me->replica_store_port();
     auto made = std::shared_ptr<python_pipeline>(new python_pipeline(std::move(config)));

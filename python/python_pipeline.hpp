@@ -20,12 +20,13 @@
 
 #include "training/cluster.hpp"
 #include "training/planning.hpp"
+#include "training/settings.hpp"
 
 namespace actorpipe::python {
 
 /// Everything `actorpipe.Pipeline(...)` takes, as plain values (python/actorpipe/__init__.py
-/// checks types and turns Python objects into these). Each default is the library's own (the
-/// planner's settings, pipeline_options), which the Python signature reads in turn.
+/// checks types and turns Python objects into these). The run's settings are the table's
+/// (training/settings.hpp), whose defaults the Python signature shows.
 struct pipeline_config {
   /// The bytes of a model file: a PT2 archive (torch.export.save) or a TorchScript file of an
   /// nn.Sequential; `model_name` names it in messages.
@@ -35,14 +36,10 @@ struct pipeline_config {
   std::string segments = exported_options{}.segments;
   /// A PT2 archive's weights from a safetensors file or a save_pretrained folder (init_exported).
   std::string init_from;
-  /// Stage actors; 0: chosen by the planner from `example`.
-  std::size_t stages = training::planning_args{}.stages;
-  /// 0: not given (the planner's default, or its choice with stages == 0 or schedule "auto").
-  std::size_t microbatches = 0;
-  std::string schedule = training::planning_args{}.schedule;
-  std::size_t chunks = training::planning_args{}.chunks;
-  /// "uniform", "params", "time" or "cut:I,J".
-  std::string partition = training::planning_args{}.partition;
+  /// The run's settings Python's keywords gave, each set through training/settings.hpp's
+  /// table (Config.set): the planner's, precision, timeouts, sharding and the others; a setting
+  /// not given keeps the table's default.
+  training::run_settings declared;
   optimizer_spec optimizer;
   /// A built-in loss ("mse", "cross_entropy"), or the bytes of a scripted module whose
   /// forward(output, target) returns the loss (`loss_module`; stages in this process only).
@@ -50,11 +47,6 @@ struct pipeline_config {
   std::string loss_module;
   /// One device per stage ("cpu", "cuda:0", ...); empty: every stage on the CPU.
   std::vector<std::string> devices;
-  std::size_t threads = training::planning_args{}.threads;
-  bool warm_memory = !training::planning_args{}.cold_memory;
-  std::string recompute = training::planning_args{}.recompute;
-  std::string precision = to_string(pipeline_options{}.precision);
-  double max_grad_norm = pipeline_options{}.max_grad_norm;
   hook_specs hooks;
   /// Stage actors on `actorpipe node` processes ("host:port", replica after replica).
   std::vector<std::string> nodes;
@@ -67,10 +59,6 @@ struct pipeline_config {
   /// Where rank 0 serves its replicas' store in such a world (set by create, not by Python).
   std::string master_addr;
   uint16_t master_port = 0;
-  /// data_parallel_options::shard by name: "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2).
-  std::string shard = to_string(data_parallel_options{}.shard);
-  std::chrono::milliseconds wait_timeout = pipeline_options{}.wait_timeout;
-  std::chrono::milliseconds step_timeout = pipeline_options{}.step_timeout;
   /// A batch like the ones to come, for the planner (stages == 0, schedule "auto", partition
   /// "time").
   torch::Tensor example;

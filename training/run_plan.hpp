@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -40,6 +41,8 @@ struct run_settings {
   /// Replicas this process builds and one loop feeds (a replicated_pipeline). 1: one pipeline
   /// (which may be one of several processes' replicas: pipeline.data_parallel).
   std::size_t replicas = 1;
+  /// The settings of training/settings.hpp's table a front end set (set_setting), by name.
+  std::vector<std::string> given;
 };
 
 /// A run's plan: what the planner chose, and the settings it chose from.

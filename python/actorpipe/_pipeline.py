@@ -20,6 +20,9 @@ _FORMAT = 1
 _live = weakref.WeakSet()
 # The engine's defaults (a Config as made), which Pipeline's signature shows: none restated here.
 _DEFAULT = _actorpipe.Config()
+# The run's settings Pipeline takes as keywords, declared once in the engine (training/settings.cpp,
+# also `actorpipe train`'s flags): name -> {name, kind, default, help}.
+_SETTINGS = {row["name"]: row for row in _actorpipe.settings()}
 # torch.export's programs reach the engine on PyTorch 2.x; 1.13 scripts nn.Sequentials.
 _EXPORT = hasattr(torch, "export") and hasattr(torch.export, "ExportedProgram")
 
@@ -210,6 +213,59 @@ class StepFuture:
         return self._stats
 
 
+def _setting_default(row):
+    """A setting's default as Python writes it: milliseconds as seconds, counts as ints."""
+    kind, shown = row["kind"], row["default"]
+    if kind == "flag":
+        return shown == "true"
+    if kind == "milliseconds":
+        return int(shown) / 1000.0
+    if kind == "number":
+        return float(shown)
+    return int(shown) if shown.isdigit() else shown
+
+
+def _setting_text(name, value):
+    """A keyword's value as the engine's setting reads it (Config.set), by the setting's kind."""
+    kind = _SETTINGS[name]["kind"]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "flag":
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: True or False, not {value!r}")
+        return "true" if value else "false"
+    if kind == "milliseconds":
+        if not number or value < 0:
+            raise ValueError(f"{name}: seconds, a number >= 0, not {value!r}")
+        return str(int(round(value * 1000)))
+    if kind == "number":
+        if not number:
+            raise TypeError(f"{name}: a number, not {value!r}")
+        return repr(float(value))
+    if kind == "count" and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise TypeError(f"{name}: a whole number, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name}: a whole number or text, not {value!r}")
+    return str(value)
+
+
+def _unknown_keyword(name):
+    import difflib
+    near = difflib.get_close_matches(name, list(_SETTINGS) + list(_OWN_KEYWORDS), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return TypeError(f"Pipeline() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _settings_doc():
+    """The settings' part of Pipeline's docstring, from the engine's table."""
+    import textwrap
+    lines = []
+    for name, row in _SETTINGS.items():
+        unit = " (in seconds here)" if row["kind"] == "milliseconds" else ""
+        text = f"{name}={_setting_default(row)!r}{unit}: {row['help']}"
+        lines += textwrap.wrap(text, 96, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def _devices_of(devices, stages):
     if devices is None:
         return []
@@ -238,24 +294,13 @@ class Pipeline:
     init_from: an exported program's starting weights: a .safetensors file or a
       save_pretrained folder, matched by name (a wrapper's "model." prefix included); a tensor
       missing, left over, or of another shape or dtype is refused by name.
-    stages: stage actors (each a thread of its own and, with `devices`, a device), or "auto":
-      the planner profiles the layers on `example` and runs the fastest layout it simulates.
-    microbatches: per step (None: the planner's default, as `actorpipe train`'s; with
-      stages="auto" the planner's choice).
-    schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zb-v",
-        "v-half", "v-min", "dualpipe-v" or "auto".
-    chunks: model chunks per stage (interleaved, interleaved-zb; the V schedules take 2 by
-        themselves).
-    partition: "uniform" (layer counts), "params", "time" (profiled on `example`) or "cut:I,J".
     optimizer: ("sgd", {"lr", "momentum", "weight_decay", "nesterov"}), ("adam", {"lr",
       "weight_decay"}) or ("adamw", {"lr", "weight_decay"}: 0.01 unless given, as
       torch.optim.AdamW): each stage steps its own over its own parameters.
     loss: "mse", "cross_entropy", or TorchScript taking (output, target). A Python function is
       refused: it would need the GIL on a stage's thread.
     devices: one per stage ("cpu", "cuda:0", ...), or one for all.
-    threads: intra-op threads per stage (0: the cores divided among the stages).
-    recompute: "never", "except_last", "always". precision: "fp32" or "bf16".
-    max_grad_norm: global gradient-norm clipping (0: none).
+    warm_memory: cold_memory's older, inverted name.
     after_forward, after_backward: a hook on every stage: "clamp:V", "check_finite", or a
       scripted module whose forward(x) returns the tensor to send on.
     nodes: "host:port" of `actorpipe node` processes, one per stage (replica after replica);
@@ -265,30 +310,24 @@ class Pipeline:
       torchrun or srun (a world of several processes) the world holds stages x replicas, one
       stage per process: rank 0's script drives; on the other ranks this constructor hosts the
       rank's stage until rank 0 closes its pipeline, then exits (docs/clusters.md).
-    shard: with replicas, "none", "optimizer" (ZeRO-1: each keeps and steps 1/R of the
-      optimizer state) or "gradients" (ZeRO-2: also each gradient reduced to its owner only);
-      parameters as with "none".
-    wait_timeout, step_timeout: seconds a stage waits for a neighbour, and a step may take.
     example: a batch like the ones to come, for stages="auto", schedule="auto",
       partition="time".
+
+    The run's settings below are declared once in the engine, as `actorpipe train`'s flags are
+    (--max-grad-norm is max_grad_norm); None or left out: the default shown.
     """
 
-    def __init__(self, model, *, stages=_DEFAULT.stages, microbatches=None,
-                 schedule=_DEFAULT.schedule, chunks=_DEFAULT.chunks, partition=_DEFAULT.partition,
-                 optimizer=(_DEFAULT.optimizer, {"lr": _DEFAULT.lr}), loss=_DEFAULT.loss,
-                 devices=None,
-                 threads=_DEFAULT.threads, recompute=_DEFAULT.recompute,
-                 precision=_DEFAULT.precision, max_grad_norm=_DEFAULT.max_grad_norm,
-                 after_forward=None, after_backward=None, nodes=None, secret="",
-                 replicas=None, shard=_DEFAULT.shard,
-                 wait_timeout=_DEFAULT.wait_timeout, step_timeout=_DEFAULT.step_timeout,
-                 warm_memory=_DEFAULT.warm_memory, example=None, segments=_DEFAULT.segments,
-                 init_from=None):
-        auto = stages == "auto"
-        if not auto and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-            raise ValueError(f"stages: a count >= 1 or 'auto', not {stages!r}")
-        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-            raise ValueError(f"microbatches: a count >= 1, not {microbatches!r}")
+    def __init__(self, model, *, optimizer=(_DEFAULT.optimizer, {"lr": _DEFAULT.lr}),
+                 loss=_DEFAULT.loss, devices=None, after_forward=None, after_backward=None,
+                 nodes=None, secret="", replicas=None, example=None, segments=_DEFAULT.segments,
+                 init_from=None, warm_memory=None, **settings):
+        for name in settings:
+            if name not in _SETTINGS:
+                raise _unknown_keyword(name)
+        if warm_memory is not None:  # cold_memory's older, inverted name
+            settings.setdefault("cold_memory", not warm_memory)
+        given = {name: value for name, value in settings.items() if value is not None}
+        stages = given.get("stages", _setting_default(_SETTINGS["stages"]))
         opt_name, opt_args = _optimizer_of(optimizer)
         loss_name, loss_bytes = _loss_of(loss)
         c = _actorpipe.Config()
@@ -298,16 +337,13 @@ class Pipeline:
             c.init_from = os.fspath(init_from)
         c.model_name = os.path.basename(str(model)) if isinstance(model, (str, os.PathLike)) \
             else type(model).__name__
-        c.stages = 0 if auto else stages
-        c.microbatches = microbatches or 0
-        c.schedule, c.chunks, c.partition = schedule, chunks, partition
+        for name, value in given.items():
+            c.set(name, _setting_text(name, value))
         c.optimizer = opt_name
         for key, value in opt_args.items():
             setattr(c, key, value)
         c.loss, c.loss_module = loss_name, loss_bytes
-        c.devices = _devices_of(devices, None if auto else stages)
-        c.threads, c.warm_memory = threads, warm_memory
-        c.recompute, c.precision, c.max_grad_norm = recompute, precision, float(max_grad_norm)
+        c.devices = _devices_of(devices, None if stages == "auto" else stages)
         hooks = (_hook_of(after_forward, "after_forward"), _hook_of(after_backward, "after_backward"))
         c.set_after_forward(hooks[0])
         c.set_after_backward(hooks[1])
@@ -316,8 +352,7 @@ class Pipeline:
         # stage until rank 0's pipeline is closed, then exits with rank 0's code (SystemExit).
         c.cluster = replicas is not None
         replicas = _DEFAULT.replicas if replicas is None else replicas
-        c.nodes, c.secret, c.replicas, c.shard = list(nodes or []), secret, replicas, shard
-        c.wait_timeout, c.step_timeout = float(wait_timeout), float(step_timeout)
+        c.nodes, c.secret, c.replicas = list(nodes or []), secret, replicas
         if isinstance(example, tuple):
             # torch.export's own form, (x,): the engine's batch is its one tensor.
             if len(example) != 1 or not isinstance(example[0], torch.Tensor):
@@ -329,19 +364,16 @@ class Pipeline:
         self._config = c
         self._hooks = hooks
         self._p = _actorpipe.Pipeline(c)
-        # What save() writes and load() rebuilds from: the layout the planner chose, fixed.
+        # What save() writes and load() rebuilds from: the settings given, and the layout the
+        # planner chose, fixed.
         layout = self._p.layout()
         self._settings = dict(
-            stages=layout["stages"], microbatches=layout["microbatches"],
+            given, stages=layout["stages"], microbatches=layout["microbatches"],
             schedule=layout["schedule"], chunks=layout["chunks"],
             partition="cut:" + ",".join(str(b) for b in layout["bounds"][1:-1])
             if len(layout["bounds"]) > 2 else "uniform",
             optimizer=[opt_name, opt_args], loss=loss_name, devices=list(c.devices),
-            threads=threads, recompute=recompute, precision=precision,
-            max_grad_norm=float(max_grad_norm), nodes=list(c.nodes), replicas=replicas,
-            shard=shard,
-            wait_timeout=float(wait_timeout), step_timeout=float(step_timeout),
-            warm_memory=warm_memory, segments=segments)
+            nodes=list(c.nodes), replicas=replicas, segments=segments)
         _live.add(self)
 
     # Training and inference.
@@ -511,3 +543,21 @@ def _shutdown():
     for pipe in list(_live):
         pipe.close()
     _actorpipe.release_engine()
+
+
+def _signature():
+    """Pipeline's signature: its own keywords, then every setting with the engine's default."""
+    import inspect
+    own = inspect.signature(Pipeline.__init__)
+    kept = [p for p in own.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    settings = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                  default=_setting_default(row))
+                for name, row in _SETTINGS.items()]
+    return own.replace(parameters=kept + settings)
+
+
+_OWN_KEYWORDS = [name for name in Pipeline.__init__.__code__.co_varnames[
+    :Pipeline.__init__.__code__.co_argcount + Pipeline.__init__.__code__.co_kwonlyargcount]
+    if name not in ("self", "model")]
+Pipeline.__init__.__signature__ = _signature()
+Pipeline.__doc__ += _settings_doc() + "\n"

@@ -149,7 +149,9 @@ TEST_CASE("The flags that fill the library's option structs refuse a value out o
     {"--max-grad-norm -2", "--max-grad-norm: must be >= 0 (got -2)"},
     {"--precision fp16", "--precision: unknown precision 'fp16' (choose fp32 or bf16)"},
     {"--buffers all", "--buffers: unknown buffer sync 'all' (choose broadcast, average or none)"},
-    {"--dp-backend mpi", "--dp-backend: mpi not in {auto,gloo,nccl}"},
+    {"--dp-backend mpi", "--dp-backend: unknown backend 'mpi' (choose auto, gloo or nccl)"},
+    {"--step-timeout 0", "--step-timeout: must be >= 1 (got 0)"},
+    {"--microbatches 2.5", "--microbatches: '2.5' is not a whole number"},
   };
   for (const auto& [flag, message] : refused) {
     CAPTURE(flag);

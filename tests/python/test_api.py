@@ -262,16 +262,59 @@ class PlannerTest(unittest.TestCase):
     def test_the_signature_restates_none_of_the_engines_defaults(self):
         import inspect
         made = actorpipe._actorpipe.Config()
-        shared = [(name, parameter.default) for name, parameter
-                  in inspect.signature(actorpipe.Pipeline.__init__).parameters.items()
+        parameters = inspect.signature(actorpipe.Pipeline.__init__).parameters
+        shared = [(name, parameter.default) for name, parameter in parameters.items()
                   if hasattr(made, name) and parameter.default is not inspect.Parameter.empty
                   and parameter.default is not None]
-        self.assertGreaterEqual(len(shared), 10)
+        self.assertGreaterEqual(len(shared), 3)
         for name, default in shared:
             if name == "optimizer":  # (name, its settings)
                 self.assertEqual(default, (made.optimizer, {"lr": made.lr}))
             else:
                 self.assertEqual(default, getattr(made, name), name)
+        # The run's settings are the engine's table, the CLI's flags': each one a keyword with
+        # the table's default, milliseconds shown as seconds.
+        rows = {row["name"]: row for row in actorpipe._actorpipe.settings()}
+        self.assertGreaterEqual(len(rows), 20)
+        for name in ("stages", "microbatches", "schedule", "precision", "cuda_graphs",
+                     "wait_timeout", "step_timeout", "dp_timeout", "max_memory"):
+            self.assertIn(name, rows)
+            self.assertIn(name, parameters)
+        self.assertEqual(parameters["stages"].default, int(rows["stages"]["default"]))
+        self.assertEqual(parameters["wait_timeout"].default,
+                         int(rows["wait_timeout"]["default"]) / 1000)
+        self.assertEqual(parameters["precision"].default, "fp32")
+        self.assertIn("cuda_graphs='off'", actorpipe.Pipeline.__doc__)
+
+    def test_settings_are_refused_by_their_keyword(self):
+        with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'precison' "
+                                               "\\(did you mean 'precision'\\?\\)"):
+            actorpipe.Pipeline(model(), precison="bf16")
+        with self.assertRaisesRegex(ValueError, "precision: unknown precision 'fp16'"):
+            actorpipe.Pipeline(model(), precision="fp16")
+        with self.assertRaisesRegex(ValueError, "stages: '0' is neither a count >= 1 nor auto"):
+            actorpipe.Pipeline(model(), stages=0)
+        with self.assertRaisesRegex(TypeError, "microbatches: a whole number, not 2.5"):
+            actorpipe.Pipeline(model(), microbatches=2.5)
+        # A setting given where it does not apply is refused, as the CLI's flag is.
+        with self.assertRaisesRegex(ValueError, "cuda_graphs applies to stages on GPUs"):
+            actorpipe.Pipeline(model(), cuda_graphs="on")
+        with self.assertRaisesRegex(ValueError, "heartbeat_timeout applies to stages on nodes"):
+            actorpipe.Pipeline(model(), heartbeat_timeout=2.0)
+        with self.assertRaisesRegex(ValueError, "shard applies to replicas"):
+            actorpipe.Pipeline(model(), shard="optimizer")
+
+    def test_settings_python_lacked_before_reach_the_engine(self):
+        x, y = batch(0, n=16)
+        # max_stages bounds the planner's stage counts (the CLI's --max-stages).
+        with actorpipe.Pipeline(model(), stages="auto", max_stages=1, profile_repeats=1,
+                                example=x) as p:
+            self.assertEqual(p.stats()["layout"]["stages"], 1)
+        # cold_memory and step_timeout change how, not what, a step computes.
+        with actorpipe.Pipeline(model(), stages=2, step_timeout=30, cold_memory=True) as p:
+            loss = p.train_step(x, y)
+        with actorpipe.Pipeline(model(), stages=2) as q:
+            self.assertEqual(q.train_step(x, y), loss)
 
 
 @unittest.skipUnless(os.environ.get("ACTORPIPE_CLI"), "needs ACTORPIPE_CLI (the program)")
