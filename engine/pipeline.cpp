@@ -31,6 +31,7 @@
 #include "comm/tls.hpp"
 #include "engine/futures.hpp"
 #include "engine/pipeline_impl.hpp"
+#include "engine/recovery/membership.hpp"
 #include "logging/log.hpp"
 #include "models/model_formats.hpp"
 #include "nodes/protocol.hpp"
@@ -316,8 +317,8 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   auto& self = *impl_;
   self.remote = std::move(model);
   self.sys = &sys;
-  self.members.given = self.options.placement.nodes;
-  self.members.given_cut = self.cut;
+  self.members->given = self.options.placement.nodes;
+  self.members->given_cut = self.cut;
   const auto& at = self.options.placement.accept_joins;
   ACTORPIPE_CHECK(at.empty() || self.options.data_parallel.replicas <= 1,
                   "pipeline: accept_joins (", at,
@@ -326,7 +327,7 @@ pipeline::pipeline(engine& sys, remote_model model, partition cut, pipeline_opti
   self.meet_replicas();
   self.place_on_nodes();
   if (!at.empty()) {
-    self.members.joins = std::make_unique<nodes::join_listener>(
+    self.members->joins = std::make_unique<nodes::join_listener>(
       sys.internals().system, at, self.options.placement.secret,
       self.options.placement.tls.enabled());
   }
@@ -494,8 +495,8 @@ void pipeline::load_state(const std::string& dir) {
   self.wait(future, "load_state");
   if (self.remote) {
     // What recover() restores until the next snapshot.
-    self.snapshots.newest = std::move(all);
-    self.snapshots.number = 0;
+    self.snapshots->newest = std::move(all);
+    self.snapshots->number = 0;
   }
 }
 
@@ -587,7 +588,7 @@ const std::vector<std::string>& pipeline::spares() const {
 }
 
 std::string pipeline::join_address() const {
-  return impl_->members.join_address();
+  return impl_->members->join_address();
 }
 
 std::vector<int64_t> pipeline::stage_parameter_counts() const {

@@ -1,6 +1,7 @@
 // pipeline::impl and engine::impl, which engine/pipeline.cpp (building and stepping) and
-// engine/recovery/pipeline_recovery.cpp (snapshots and recovery on nodes) share. Private to
-// engine/; a set of replicas drives each replica's impl through recovery::placed_stages.
+// engine/pipeline_snapshots.cpp (snapshots, and the door recovery goes through) share. Private
+// to engine/; the recovery room (engine/recovery/) drives a pipeline, alone or a replica, only
+// through recovery::placed_stages.
 #pragma once
 
 #include <atomic>
@@ -29,7 +30,6 @@
 #include "comm/tensor_hub.hpp"
 #include "comm/tie_group.hpp"
 #include "comm/tls.hpp"
-#include "engine/recovery/membership.hpp"
 #include "logging/log.hpp"
 #include "nodes/join.hpp"
 #include "nodes/protocol.hpp"
@@ -40,6 +40,11 @@
 #include "stages/stage.hpp"
 
 namespace actorpipe {
+
+namespace recovery {
+struct membership;
+struct snapshots;
+} // namespace recovery
 
 struct engine::impl {
   explicit impl(std::size_t workers) : system(configure(config, workers)) {}
@@ -103,13 +108,13 @@ struct pipeline::impl {
   // Training and forward steps submitted: the scheduler's step counter, which a recovered
   // pipeline continues.
   std::atomic<uint64_t> steps{0};
-  // The snapshots a recovery restores from, and the nodes beyond those the stages are on now.
-  recovery::snapshots snapshots;
-  recovery::membership members;
+  // The snapshots a recovery restores from, and the nodes beyond those the stages are on now
+  // (the recovery room's types: engine/recovery/membership.hpp).
+  std::unique_ptr<recovery::snapshots> snapshots;
+  std::unique_ptr<recovery::membership> members;
 
-  impl(partition p, pipeline_options o) : cut(std::move(p)), options(std::move(o)) {}
-
-  ~impl() { stop_actors(); }
+  impl(partition p, pipeline_options o);
+  ~impl();
 
   caf::actor_system& system() const { return sys->internals().system; }
 
@@ -216,26 +221,13 @@ struct pipeline::impl {
   void settle_snapshot();
   // The same for a snapshot that has arrived, without waiting (before each step: so the nodes
   // keep it as soon as it is whole).
-  void settle_if_arrived() {
-    if (snapshots.arrived()) {
-      settle_snapshot();
-    }
-  }
+  void settle_if_arrived();
   // Makes `state` the newest snapshot, number `number`; stages on nodes: each node keeps its
   // stages' copy, with `note`.
   void install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
                         uint64_t number, const std::string& note);
   // Stages on nodes: the node of each stage actor, in stage order.
   std::vector<caf::actor> stage_nodes() const;
-  // After a loss, the stage actors placed again on the same cut (spares in the lost nodes'
-  // places, `before` the nodes before) load snapshot `number` from what the nodes keep: a
-  // survivor its own part, a spare the copy that the lost node's neighbour holds, sent node to
-  // node. False, saying `why`, when the nodes do not keep it whole (the caller then restores the
-  // driver's snapshot).
-  bool restore_from_kept(const std::vector<std::string>& before, uint64_t number, std::string& why);
-  // Stages on nodes: the state now becomes the newest snapshot (here only), and the stages are
-  // placed again on `nodes` cut by `new_cut`, restored from it (`what` names the caller).
-  void place_again_from_now(std::vector<std::string> nodes, partition new_cut, const char* what);
 
   // Checks and queues a training step on micro-batches.
   std::future<step_result> submit_train(std::vector<torch::Tensor> inputs,

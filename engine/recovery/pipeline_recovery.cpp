@@ -1,10 +1,11 @@
-// Snapshots of a pipeline's state and its recovery after a lost node: pipeline::snapshot*,
-// pipeline::recover, rejoin_nodes and the snapshots the nodes keep (docs/distributed.md).
+// A pipeline's recovery after a lost node, and its placement anew: pipeline::recover,
+// restore_from_nodes (from the snapshots the nodes keep), rejoin_nodes and repartition
+// (docs/distributed.md). It reaches the pipeline through recovery::placed_stages only, the door
+// a set of replicas' recovery goes through too (replicas_recovery.cpp).
 #include <actorpipe/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>
-#include <future>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -13,94 +14,13 @@
 #include <nlohmann/json.hpp>
 
 #include <actorpipe/memory.hpp>
-#include <actorpipe/replicas.hpp>
 
-#include "engine/futures.hpp"
-#include "engine/pipeline_impl.hpp"
 #include "engine/recovery/membership.hpp"
 #include "engine/recovery/placed_stages.hpp"
 #include "logging/log.hpp"
 #include "nodes/remote_stages.hpp"
 
-namespace actorpipe {
-namespace {
-
-using recovery::among;
-using recovery::list_or_none;
-using recovery::take_census;
-
-} // namespace
-
-std::future<std::shared_ptr<std::map<std::string, torch::Tensor>>>
-pipeline::impl::submit_fetch(bool background, uint64_t keep_as) {
-  auto request = std::make_shared<scheduler::step_request>();
-  request->kind = scheduler::request_kind::fetch;
-  request->background = background;
-  request->keep_as = keep_as;
-  return submit<std::shared_ptr<std::map<std::string, torch::Tensor>>>(
-    std::move(request), [](scheduler::step_outcome& o) { return std::move(o.state); });
-}
-
-void pipeline::impl::settle_snapshot() {
-  if (!snapshots.pending.valid()) {
-    return;
-  }
-  auto number = snapshots.pending_number;
-  try {
-    install_snapshot(wait(snapshots.pending, "snapshot"), number, snapshots.pending_note);
-  } catch (const std::exception& e) {
-    // A node lost while its state was on the way: the step after it fails too, and recover()
-    // restores the newest snapshot that did arrive.
-    log::get()->warn("snapshot {} did not arrive ({}); {} stays the newest", number, e.what(),
-                     snapshots.number == 0 ? std::string("the starting state")
-                                           : detail::concat("snapshot ", snapshots.number));
-    memory::release_free_heap(); // whatever of it did arrive
-  }
-  snapshots.pending = {};
-}
-
-void pipeline::impl::install_snapshot(std::shared_ptr<std::map<std::string, torch::Tensor>> state,
-                                      uint64_t number, const std::string& note) {
-  snapshots.newest = std::make_shared<const stages::tensor_map>(std::move(*state));
-  snapshots.number = number;
-  if (remote) {
-    // Complete here: every node keeps its stages' copy, tagged with the cut it was taken on,
-    // and, but for replicas (the other replicas' same stages are as good), its neighbour's.
-    nodes::keep_snapshot(system(), stage_nodes(),
-                         replicas ? std::vector<nodes::endpoint>{} : stage_data, number,
-                         nlohmann::json{{"bounds", cut.bounds}, {"note", note}}.dump());
-  }
-  // The frames and the snapshot this one replaced were megabytes of heap.
-  memory::release_free_heap();
-}
-
-std::vector<caf::actor> pipeline::impl::stage_nodes() const {
-  std::vector<caf::actor> result;
-  for (const auto& address : options.placement.nodes) {
-    auto it = nodes.find(address);
-    result.push_back(it == nodes.end() ? caf::actor{} : it->second);
-  }
-  return result;
-}
-
-uint64_t pipeline::snapshot(const std::string& note) {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  auto number = ++self.snapshots.taken;
-  auto future = self.submit_fetch(false, number);
-  self.install_snapshot(self.wait(future, "snapshot"), number, note);
-  return self.snapshots.number;
-}
-
-uint64_t pipeline::snapshot_in_background(const std::string& note) {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  self.snapshots.pending_number = ++self.snapshots.taken;
-  self.snapshots.pending_note = note;
-  self.snapshots.pending = self.submit_fetch(true, self.snapshots.pending_number);
-  return self.snapshots.pending_number;
-}
-
+namespace actorpipe::recovery {
 namespace {
 
 // The newest snapshot kept whole by `kept` (what each of `addresses` keeps): one part for each of
@@ -196,28 +116,113 @@ const nodes::kept_stage* kept_part(const std::vector<nodes::kept_stage>& kept, s
 
 // The cut over the `nodes` left: the same when every stage actor kept its node, else cut anew
 // (by `repartition`, or by parameters), each node holding as many chunks as before.
-partition cut_over(const pipeline::impl& self, std::size_t nodes,
+partition cut_over(const placed_stages& p, std::size_t nodes,
                    const std::function<partition(std::size_t)>& repartition) {
-  if (nodes == self.options.placement.nodes.size()) {
-    return self.cut;
+  const auto chunks = p.options().chunks;
+  if (nodes == p.options().placement.nodes.size()) {
+    return p.cut();
   }
-  auto parts = nodes * self.options.chunks;
-  auto cut = repartition ? repartition(parts) : partition_by_params(self.layers, parts);
+  auto parts = nodes * chunks;
+  auto cut = repartition ? repartition(parts) : partition_by_params(p.layers(), parts);
   ACTORPIPE_CHECK(cut.stages() == parts, "recover: the repartition gave ", cut.stages(),
-                  " stages for the ", nodes, " nodes left (", self.options.chunks, " chunks each)");
+                  " stages for the ", nodes, " nodes left (", chunks, " chunks each)");
   return cut;
+}
+
+// Stage actor k, placed on a spare in a lost node's place, takes its part of snapshot `number`
+// from the survivor that keeps its copy, sent node to node. False, saying `why`, when none does.
+bool hand_over_copy(placed_stages& p, const std::vector<std::vector<nodes::kept_stage>>& kept,
+                    const std::vector<std::string>& before, std::size_t k, uint64_t number,
+                    std::string& why) {
+  const auto& now = p.options().placement.nodes;
+  const auto bounds = nlohmann::json(p.cut().bounds);
+  std::size_t holder = 0;
+  const nodes::kept_stage* copy = nullptr;
+  for (std::size_t n = 0; n < now.size() && copy == nullptr; ++n) {
+    if (n != k && now[n] == before[n] &&
+        (copy = kept_part(kept[n], k, number, bounds)) != nullptr) {
+      holder = n;
+    }
+  }
+  if (copy == nullptr) {
+    why = detail::concat("no node left keeps a copy of stage ", k, "'s part of it (", before[k],
+                         " was lost)");
+    return false;
+  }
+  auto actors = p.stage_nodes();
+  if (!nodes::hand_over_kept(p.system(), actors[holder], actors[k], p.stage_data()[k],
+                             static_cast<uint32_t>(k), number, copy->note,
+                             p.options().step_timeout)) {
+    why = detail::concat("stage ", k, "'s copy did not reach ", now[k], " from ", now[holder]);
+    return false;
+  }
+  log::get()->info("pipeline: stage {}'s part of snapshot {} went from {} to {}", k, number,
+                   now[holder], now[k]);
+  return true;
+}
+
+// After a loss, the stage actors placed again on the same cut (spares in the lost nodes'
+// places, `before` the nodes before) load snapshot `number` from what the nodes keep: a
+// survivor its own part, a spare the copy that the lost node's neighbour holds. False, saying
+// `why`, when the nodes do not keep it whole (the caller then restores the driver's snapshot).
+bool restore_from_kept(placed_stages& p, const std::vector<std::string>& before, uint64_t number,
+                       std::string& why) {
+  const auto& now = p.options().placement.nodes;
+  if (number == 0) {
+    why = "no snapshot taken yet (the starting state)";
+    return false;
+  }
+  if (before.size() != now.size() || p.stage_data().size() != now.size()) {
+    why = "another placement";
+    return false;
+  }
+  auto actors = p.stage_nodes();
+  auto kept = nodes::kept_by(p.system(), actors, p.options().placement.connect_timeout);
+  const auto bounds = nlohmann::json(p.cut().bounds);
+  for (std::size_t k = 0; k < now.size(); ++k) {
+    if (now[k] != before[k]) {
+      if (!hand_over_copy(p, kept, before, k, number, why)) {
+        return false;
+      }
+    } else if (kept_part(kept[k], k, number, bounds) == nullptr) {
+      why = detail::concat("node ", now[k], " does not keep stage ", k, "'s part of it");
+      return false;
+    }
+  }
+  try {
+    nodes::restore_kept(p.system(), actors, now, number, p.options().step_timeout);
+  } catch (const std::exception& e) {
+    why = e.what();
+    return false;
+  }
+  return true;
+}
+
+// The state now becomes the newest snapshot (kept here only), and the stages are placed again on
+// `nodes` cut by `cut`, restored from it (`what` names the caller).
+void place_again_from_now(placed_stages& p, std::vector<std::string> nodes, partition cut,
+                          const char* what) {
+  auto& snapshots = p.settled_snapshots();
+  snapshots.newest = p.fetch(what);
+  snapshots.number = ++snapshots.taken;
+  p.stop();
+  p.place(std::move(nodes), std::move(cut));
+  p.restore(snapshots.newest, snapshots.number, what);
+  memory::release_free_heap();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point started) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 }
 
 } // namespace
 
-kept_snapshot pipeline::kept_on_nodes() {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(self.remote, "kept_on_nodes: the stages of this pipeline are in this process; "
-                               "nodes keep snapshots of the stages they host");
-  const auto& addresses = self.options.placement.nodes;
-  auto kept =
-    nodes::kept_by(self.system(), self.stage_nodes(), self.options.placement.connect_timeout);
-  auto whole = newest_whole(kept, addresses, self.options.chunks);
+kept_snapshot kept_on_nodes(placed_stages p) {
+  ACTORPIPE_CHECK(p.on_nodes(), "kept_on_nodes: the stages of this pipeline are in this "
+                                "process; nodes keep snapshots of the stages they host");
+  const auto& addresses = p.options().placement.nodes;
+  auto kept = nodes::kept_by(p.system(), p.stage_nodes(), p.options().placement.connect_timeout);
+  auto whole = newest_whole(kept, addresses, p.options().chunks);
   if (!whole) {
     throw pipeline_error(detail::concat("the nodes do not keep one snapshot of every stage whole (",
                                         describe_kept(kept, addresses), ")"),
@@ -226,99 +231,84 @@ kept_snapshot pipeline::kept_on_nodes() {
   return *whole;
 }
 
-void pipeline::restore_from_nodes(const kept_snapshot& kept) {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(self.remote, "restore_from_nodes: the stages of this pipeline are in this "
-                               "process; nodes keep snapshots of the stages they host");
-  self.settle_snapshot();
-  auto& placement = self.options.placement;
-  if (!kept.nodes.empty() && (kept.nodes != placement.nodes || kept.bounds != self.cut.bounds)) {
+void restore_from_nodes(placed_stages p, const kept_snapshot& kept) {
+  ACTORPIPE_CHECK(p.on_nodes(), "restore_from_nodes: the stages of this pipeline are in this "
+                                "process; nodes keep snapshots of the stages they host");
+  auto& snapshots = p.settled_snapshots();
+  const auto& placement = p.options().placement;
+  if (!kept.nodes.empty() && (kept.nodes != placement.nodes || kept.bounds != p.bounds())) {
     // Placed as when the snapshot was taken: each part loads on the node that keeps it.
-    self.stop_actors();
-    self.cut = partition{kept.bounds};
-    placement.nodes = kept.nodes;
-    self.place_on_nodes();
+    p.stop();
+    p.place(kept.nodes, partition{kept.bounds});
     log::get()->info("pipeline: placed as when snapshot {} was taken: {} stages on {}, cut {}",
                      kept.number, placement.nodes.size(), fmt::join(placement.nodes, ", "),
-                     self.cut.to_string());
+                     p.cut().to_string());
   }
-  nodes::restore_kept(self.system(), self.stage_nodes(), placement.nodes, kept.number,
-                      self.options.step_timeout);
-  self.snapshots.taken = std::max(self.snapshots.taken, kept.number);
-  auto spread = spread_over(placement.nodes, self.members.given);
+  nodes::restore_kept(p.system(), p.stage_nodes(), placement.nodes, kept.number,
+                      p.options().step_timeout);
+  snapshots.taken = std::max(snapshots.taken, kept.number);
+  auto& members = p.members();
+  auto spread = spread_over(placement.nodes, members.given);
   if (spread != placement.nodes) {
     // A part came from a neighbour's copy (its own node keeps nothing: it restarted, or another
     // took its address): the stage actors sharing a node go to the given nodes without one.
-    self.place_again_from_now(std::move(spread), self.cut, "restore_from_nodes");
+    place_again_from_now(p, std::move(spread), p.cut(), "restore_from_nodes");
     log::get()->info("pipeline: spread over the given nodes: {} stages on {}, cut {}",
-                     placement.nodes.size(), fmt::join(placement.nodes, ", "),
-                     self.cut.to_string());
+                     placement.nodes.size(), fmt::join(placement.nodes, ", "), p.cut().to_string());
   } else {
     // What a later recover() restores: the state now (the nodes keep theirs still).
-    self.snapshots.newest = self.fetch_now("restore_from_nodes");
-    self.snapshots.number = kept.number;
+    snapshots.newest = p.fetch("restore_from_nodes");
+    snapshots.number = kept.number;
   }
   // The given nodes left without a stage are asked again between steps (rejoin_nodes).
   std::vector<std::string> unplaced;
-  std::copy_if(self.members.given.begin(), self.members.given.end(), std::back_inserter(unplaced),
+  std::copy_if(members.given.begin(), members.given.end(), std::back_inserter(unplaced),
                [&](const std::string& n) { return !among(placement.nodes, n); });
-  self.members.lose(unplaced);
+  members.lose(unplaced);
 }
 
-uint64_t pipeline::newest_snapshot() {
-  auto& self = *impl_;
-  self.settle_snapshot();
-  return self.snapshots.number;
-}
-
-recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition,
-                                  const std::vector<std::string>& found_lost) {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(self.remote, "recover: the stages of this pipeline are in this process; "
-                               "recover() places stages on nodes again");
-  ACTORPIPE_CHECK(!self.replicas, "recover: this pipeline is replica ",
-                  self.options.data_parallel.rank, " of ", self.options.data_parallel.replicas,
+recovery_report recover(placed_stages p, const std::function<partition(std::size_t)>& repartition,
+                        const std::vector<std::string>& found_lost) {
+  ACTORPIPE_CHECK(p.on_nodes(), "recover: the stages of this pipeline are in this process; "
+                                "recover() places stages on nodes again");
+  ACTORPIPE_CHECK(!p.replicated(), "recover: this pipeline is replica ",
+                  p.options().data_parallel.rank, " of ", p.options().data_parallel.replicas,
                   "; the replicas recover together, through replicated_pipeline::recover()");
   auto started = std::chrono::steady_clock::now();
   // A snapshot still on its way arrives (or fails) before the newest is chosen.
-  self.settle_snapshot();
-  auto& actor_system = self.system();
+  auto& snapshots = p.settled_snapshots();
   // The failed pipeline's proxies go first: a node drops the stages of a proxy that went.
-  self.stop_actors();
-  auto& placement = self.options.placement;
-  auto census = take_census(actor_system, placement.nodes, self.nodes, placement, found_lost);
+  p.stop();
+  const auto before = p.options().placement.nodes;
+  auto census = take_census(p.system(), before, p.reached(), p.options().placement, found_lost);
   recovery_report report;
   report.lost = census.lost;
   report.spares_used = census.spares_used;
-  self.members.lose(census.lost);
-  auto placed = census.placed(placement.nodes);
+  p.members().lose(census.lost);
+  auto placed = census.placed(before);
   if (placed.empty()) {
     throw pipeline_error(
       detail::concat("recover: no node is left (", report.lost.size(), " lost, no spare answered)"),
       error_details{error_kind::node_lost});
   }
-  auto cut = cut_over(self, placed.size(), repartition);
-  auto before = placement.nodes;
-  auto same_cut = cut.bounds == self.cut.bounds;
-  self.cut = cut;
-  placement.nodes = placed;
-  self.place_on_nodes();
+  auto cut = cut_over(p, placed.size(), repartition);
+  auto same_cut = cut.bounds == p.bounds();
+  p.place(placed, cut);
   std::string why = same_cut ? "" : "the model is cut anew over the nodes left";
-  report.from_nodes = same_cut && self.restore_from_kept(before, self.snapshots.number, why);
+  report.from_nodes = same_cut && restore_from_kept(p, before, snapshots.number, why);
   if (!report.from_nodes) {
-    if (self.snapshots.number > 0) {
-      log::get()->info("pipeline: restoring snapshot {} from the driver: {}", self.snapshots.number,
+    if (snapshots.number > 0) {
+      log::get()->info("pipeline: restoring snapshot {} from the driver: {}", snapshots.number,
                        why);
     }
-    self.restore(self.snapshots.newest, self.snapshots.number, "recover");
+    p.restore(snapshots.newest, snapshots.number, "recover");
   }
   // The failed pipeline's actors, the local model built again, the snapshot's frames.
   memory::release_free_heap();
   report.nodes = placed;
   report.bounds = cut.bounds;
-  report.snapshot = self.snapshots.number;
-  report.seconds =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  report.snapshot = snapshots.number;
+  report.seconds = seconds_since(started);
   log::get()->info("pipeline: recovered in {:.2f} s: lost {}, spares used {}, now {} stages on "
                    "{} cut {}, restored snapshot {} from {}",
                    report.seconds, list_or_none(report.lost), list_or_none(report.spares_used),
@@ -327,82 +317,25 @@ recovery_report pipeline::recover(std::function<partition(std::size_t)> repartit
   return report;
 }
 
-bool pipeline::impl::restore_from_kept(const std::vector<std::string>& before, uint64_t number,
-                                       std::string& why) {
-  const auto& now = options.placement.nodes;
-  if (number == 0) {
-    why = "no snapshot taken yet (the starting state)";
-    return false;
-  }
-  if (before.size() != now.size() || stage_data.size() != now.size()) {
-    why = "another placement";
-    return false;
-  }
-  auto& actor_system = system();
-  auto actors = stage_nodes();
-  auto kept = nodes::kept_by(actor_system, actors, options.placement.connect_timeout);
-  const auto bounds = nlohmann::json(cut.bounds);
-  auto part = [&](std::size_t n, std::size_t k) { return kept_part(kept[n], k, number, bounds); };
-  for (std::size_t k = 0; k < now.size(); ++k) {
-    if (now[k] == before[k]) {
-      if (part(k, k) == nullptr) {
-        why = detail::concat("node ", now[k], " does not keep stage ", k, "'s part of it");
-        return false;
-      }
-      continue;
-    }
-    // A spare in a lost node's place: the part comes from the survivor that keeps its copy.
-    std::size_t holder = 0;
-    const nodes::kept_stage* copy = nullptr;
-    for (std::size_t n = 0; n < now.size() && copy == nullptr; ++n) {
-      if (n != k && now[n] == before[n] && (copy = part(n, k)) != nullptr) {
-        holder = n;
-      }
-    }
-    if (copy == nullptr) {
-      why = detail::concat("no node left keeps a copy of stage ", k, "'s part of it (", before[k],
-                           " was lost)");
-      return false;
-    }
-    if (!nodes::hand_over_kept(actor_system, actors[holder], actors[k], stage_data[k],
-                               static_cast<uint32_t>(k), number, copy->note,
-                               options.step_timeout)) {
-      why = detail::concat("stage ", k, "'s copy did not reach ", now[k], " from ", now[holder]);
-      return false;
-    }
-    log::get()->info("pipeline: stage {}'s part of snapshot {} went from {} to {}", k, number,
-                     now[holder], now[k]);
-  }
-  try {
-    nodes::restore_kept(actor_system, actors, now, number, options.step_timeout);
-  } catch (const std::exception& e) {
-    why = e.what();
-    return false;
-  }
-  return true;
-}
-
 std::optional<recovery_report>
-pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
-  auto& self = *impl_;
-  auto& placement = self.options.placement;
-  self.members.take_joined(placement.nodes, placement.spares);
-  if (!self.remote || self.replicas) {
+rejoin_nodes(placed_stages p, const std::function<partition(std::size_t)>& repartition) {
+  p.take_joined();
+  if (!p.on_nodes() || p.replicated()) {
     return std::nullopt;
   }
+  const auto& placement = p.options().placement;
   recovery_report report;
-  auto back = self.members.answered(self.system(), placement, placement.nodes, report);
+  auto& members = p.members();
+  auto back = members.answered(p.system(), placement, placement.nodes, report);
   if (!back || back->empty()) {
     return std::nullopt;
   }
   auto started = std::chrono::steady_clock::now();
-  const auto given = self.members.given.size();
+  const auto given = members.given.size();
   if (placement.nodes.size() >= given) {
     // A spare holds its stages: it stands by for the next loss.
     for (const auto& n : *back) {
-      if (!among(placement.spares, n)) {
-        placement.spares.push_back(n);
-      }
+      p.add_spare(n);
       report.spares_used.push_back(n);
     }
   } else {
@@ -411,124 +344,69 @@ pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
     for (const auto& n : *back) {
       if (nodes.size() < given) {
         nodes.push_back(n);
-      } else if (!among(placement.spares, n)) {
-        placement.spares.push_back(n);
+      } else {
+        p.add_spare(n);
       }
     }
-    auto parts = nodes.size() * self.options.chunks;
-    auto cut = nodes.size() == given ? self.members.given_cut
+    const auto chunks = p.options().chunks;
+    auto parts = nodes.size() * chunks;
+    auto cut = nodes.size() == given ? members.given_cut
                : repartition         ? repartition(parts)
-                                     : partition_by_params(self.layers, parts);
+                                     : partition_by_params(p.layers(), parts);
     ACTORPIPE_CHECK(cut.stages() == parts, "rejoin_nodes: the repartition gave ", cut.stages(),
-                    " stages for ", nodes.size(), " nodes (", self.options.chunks, " chunks each)");
-    self.place_again_from_now(nodes, cut, "rejoin_nodes");
+                    " stages for ", nodes.size(), " nodes (", chunks, " chunks each)");
+    place_again_from_now(p, nodes, cut, "rejoin_nodes");
   }
   report.nodes = placement.nodes;
-  report.bounds = self.cut.bounds;
-  report.snapshot = self.snapshots.number;
-  report.seconds =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  report.bounds = p.bounds();
+  report.snapshot = p.kept_snapshots().number;
+  report.seconds = seconds_since(started);
   log::get()->info("pipeline: {} back in {:.2f} s: now {} stages on {}, cut {}, spares {}",
                    fmt::join(*back, ", "), report.seconds, placement.nodes.size(),
-                   fmt::join(placement.nodes, ", "), self.cut.to_string(),
+                   fmt::join(placement.nodes, ", "), p.cut().to_string(),
                    list_or_none(placement.spares));
   return report;
 }
 
-void pipeline::impl::place_again_from_now(std::vector<std::string> new_nodes, partition new_cut,
-                                          const char* what) {
-  // The state now, kept here for the stages placed anew (and for a later recover()); the nodes
-  // keep the newest snapshot train() noted.
-  settle_snapshot();
-  snapshots.newest = fetch_now(what);
-  snapshots.number = ++snapshots.taken;
-  stop_actors();
-  cut = std::move(new_cut);
-  options.placement.nodes = std::move(new_nodes);
-  place_on_nodes();
-  restore(snapshots.newest, snapshots.number, what);
-  memory::release_free_heap();
-}
-
-uint64_t pipeline::repartition(const partition& cut) {
-  auto& self = *impl_;
-  ACTORPIPE_CHECK(self.remote && !self.replicas,
+uint64_t repartition(placed_stages p, const partition& cut) {
+  ACTORPIPE_CHECK(p.on_nodes() && !p.replicated(),
                   "repartition: places the stages of one pipeline on nodes again; this one's are ",
-                  self.remote ? "replicas (they keep one cut)" : "in this process");
-  ACTORPIPE_CHECK(cut.stages() == self.cut.stages() && cut.bounds.back() == self.cut.bounds.back(),
-                  "repartition: ", cut.to_string(), " is not a cut of the ", self.cut.bounds.back(),
-                  " layers into ", self.cut.stages(), " stages");
-  self.place_again_from_now(self.options.placement.nodes, cut, "repartition");
-  log::get()->info("pipeline: cut anew into {} on {}", self.cut.to_string(),
-                   fmt::join(self.options.placement.nodes, ", "));
-  return self.snapshots.number;
+                  p.on_nodes() ? "replicas (they keep one cut)" : "in this process");
+  const auto& now = p.cut();
+  ACTORPIPE_CHECK(cut.stages() == now.stages() && cut.bounds.back() == now.bounds.back(),
+                  "repartition: ", cut.to_string(), " is not a cut of the ", now.bounds.back(),
+                  " layers into ", now.stages(), " stages");
+  place_again_from_now(p, p.options().placement.nodes, cut, "repartition");
+  log::get()->info("pipeline: cut anew into {} on {}", p.cut().to_string(),
+                   fmt::join(p.options().placement.nodes, ", "));
+  return p.kept_snapshots().number;
 }
 
-} // namespace actorpipe
+} // namespace actorpipe::recovery
 
 namespace actorpipe {
 
-recovery::placed_stages pipeline::placed(const recovery::access&) {
-  return recovery::placed_stages(*impl_);
+// The pipeline's own calls, through the door.
+kept_snapshot pipeline::kept_on_nodes() {
+  return recovery::kept_on_nodes(recovery::placed(*this));
 }
 
-namespace recovery {
-
-bool placed_stages::on_nodes() const {
-  return p_->remote.has_value();
+void pipeline::restore_from_nodes(const kept_snapshot& kept) {
+  recovery::restore_from_nodes(recovery::placed(*this), kept);
 }
 
-const pipeline_options& placed_stages::options() const {
-  return p_->options;
+recovery_report pipeline::recover(std::function<partition(std::size_t)> repartition,
+                                  const std::vector<std::string>& found_lost) {
+  return recovery::recover(recovery::placed(*this), repartition, found_lost);
 }
 
-const std::map<std::string, caf::actor>& placed_stages::reached() const {
-  return p_->nodes;
+std::optional<recovery_report>
+pipeline::rejoin_nodes(std::function<partition(std::size_t)> repartition) {
+  return recovery::rejoin_nodes(recovery::placed(*this), repartition);
 }
 
-const std::vector<std::size_t>& placed_stages::bounds() const {
-  return p_->cut.bounds;
+uint64_t pipeline::repartition(const partition& cut) {
+  return recovery::repartition(recovery::placed(*this), cut);
 }
 
-caf::actor_system& placed_stages::system() const {
-  return p_->system();
-}
-
-recovery::snapshots& placed_stages::settled_snapshots() {
-  p_->settle_snapshot();
-  return p_->snapshots;
-}
-
-recovery::snapshots& placed_stages::kept_snapshots() {
-  return p_->snapshots;
-}
-
-std::shared_ptr<const stages::tensor_map> placed_stages::fetch(const char* what) {
-  return p_->fetch_now(what);
-}
-
-void placed_stages::stop(bool leave_replicas) {
-  p_->stop_actors();
-  if (leave_replicas) {
-    p_->replicas.reset();
-  }
-}
-
-void placed_stages::move_to(std::vector<std::string> nodes, std::size_t rank, std::size_t world) {
-  p_->options.data_parallel.rank = rank;
-  p_->options.data_parallel.replicas = world;
-  p_->options.placement.nodes = std::move(nodes);
-}
-
-void placed_stages::start(const std::shared_ptr<const stages::tensor_map>& state, uint64_t number) {
-  p_->meet_replicas();
-  p_->place_on_nodes();
-  p_->restore(state, number, "recover");
-}
-
-void placed_stages::set_spares(std::vector<std::string> spares) {
-  p_->options.placement.spares = std::move(spares);
-}
-
-} // namespace recovery
 } // namespace actorpipe
