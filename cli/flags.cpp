@@ -1,6 +1,5 @@
 #include "cli/flags.hpp"
 
-#include <algorithm>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -147,8 +146,7 @@ void add_setting_flags(CLI::App* cmd, training::run_settings& s, training::front
     }
     auto set = [&s, &row](const std::string& text) {
       try {
-        training::set_setting(s, row, text,
-                              [](const std::string& name) { return setting_flag(name); });
+        training::set_setting(s, row, text, training::flag_for);
       } catch (const std::invalid_argument& e) {
         throw CLI::ValidationError(e.what());
       }
@@ -169,12 +167,6 @@ void add_plan_flags(CLI::App* cmd, planning_args& plan, training::front_end fron
   held->plan = plan;
   add_setting_flags(cmd, *held, front);
   cmd->parse_complete_callback([held, &plan] { plan = held->plan; });
-}
-
-std::string setting_flag(const std::string& setting) {
-  std::string flag = "--" + setting;
-  std::replace(flag.begin(), flag.end(), '_', '-');
-  return flag;
 }
 
 } // namespace actorpipe::cli

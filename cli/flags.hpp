@@ -40,7 +40,5 @@ void add_setting_flags(CLI::App* cmd, training::run_settings& s, training::front
 /// The same for a command that takes the planner's settings alone (plan, bench): `plan` holds
 /// them once the command line is parsed.
 void add_plan_flags(CLI::App* cmd, planning_args& plan, training::front_end front);
-/// A setting's flag: "--max-grad-norm" for max_grad_norm.
-std::string setting_flag(const std::string& setting);
 
 } // namespace actorpipe::cli

@@ -575,7 +575,8 @@ int run_training(const train_args& a, const model_setup& setup, const run_kind& 
   return 0;
 }
 
-// --shard-optimizer, --shard-gradients: what each of `replicas` keeps of the optimizer step.
+// --shard (or its short forms --shard-optimizer, --shard-gradients): what each of `replicas`
+// keeps of the optimizer step.
 shard_mode shard_for(const train_args& a, std::size_t replicas) {
   const auto given = a.run.pipeline.data_parallel.shard;
   const bool short_form = a.shard_optimizer || a.shard_gradients;
@@ -754,7 +755,7 @@ int run_train(const train_args& given) {
   k.optimizer = optimizer_for(a, k);
   const auto plan = training::plan_run(
     setup.layers, setup.sample(),
-    training::settings_for(declared_for(a, setup), parts_for(a, k), setting_flag));
+    training::settings_for(declared_for(a, setup), parts_for(a, k), training::flag_for));
   auto run_rank = [&](const model_setup& model, std::optional<std::size_t> rank) {
     return run_training(a, model, k, plan, rank, text);
   };

@@ -103,13 +103,12 @@ void set_setting(pipeline_config& x, const std::string& name, const std::string&
 
 // The table's rows Python binds: name, kind, default (as text), help.
 py::list settings_table() {
-  static const char* kinds[] = {"count", "number", "text", "flag", "milliseconds"};
   py::list rows;
   for (const auto& row : training::setting_table()) {
     if (row.bound_by(training::python_front)) {
       py::dict d;
       d["name"] = row.name;
-      d["kind"] = kinds[static_cast<int>(row.kind)];
+      d["kind"] = training::to_string(row.kind);
       d["default"] = row.shown;
       d["help"] = row.help;
       rows.append(d);

@@ -1,5 +1,6 @@
 #include "python_pipeline.hpp"
 
+#include <chrono>
 #include <sstream>
 
 #include <torch/script.h>

@@ -4,7 +4,6 @@
 /// converts, this file builds and runs, and every call that computes runs without the GIL.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <future>
 #include <memory>

@@ -340,10 +340,30 @@ std::vector<setting> make_table() {
 
 } // namespace
 
+const char* to_string(setting_kind kind) {
+  switch (kind) {
+  case setting_kind::count:
+    return "count";
+  case setting_kind::number:
+    return "number";
+  case setting_kind::flag:
+    return "flag";
+  case setting_kind::milliseconds:
+    return "milliseconds";
+  case setting_kind::text:
+    break;
+  }
+  return "text";
+}
+
+std::string flag_for(const std::string& name) {
+  std::string flag = "--" + name;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
 std::string setting::flag() const {
-  std::string f = std::string("--") + name;
-  std::replace(f.begin(), f.end(), '_', '-');
-  return f;
+  return flag_for(name);
 }
 
 const std::vector<setting>& setting_table() {

@@ -24,6 +24,9 @@ namespace actorpipe::training {
 /// str, seconds for milliseconds; the CLI: a flag's text).
 enum class setting_kind { count, number, text, flag, milliseconds };
 
+/// "count", "number", "text", "flag", "milliseconds": the kind as Python's package reads it.
+const char* to_string(setting_kind kind);
+
 /// The front ends that bind a setting (a row's `front_ends`, or-ed).
 enum front_end : unsigned { train_front = 1, plan_front = 2, bench_front = 4, python_front = 8 };
 
@@ -45,10 +48,14 @@ struct setting {
   /// settings as the front end spells them); nullopt where it does. Empty: it applies everywhere.
   std::function<std::optional<std::string>(const run_settings&, const setting_spelling&)> applies;
 
-  /// "--max-grad-norm" for max_grad_norm.
+  /// "--max-grad-norm" for max_grad_norm (flag_for).
   std::string flag() const;
   bool bound_by(front_end f) const { return (front_ends & f) != 0; }
 };
+
+/// The CLI's flag for a setting's name, or for another of the CLI's names in snake_case
+/// ("--max-grad-norm" for max_grad_norm, "--nodes" for nodes).
+std::string flag_for(const std::string& name);
 
 /// Every setting, in the order the CLI's help lists them.
 const std::vector<setting>& setting_table();

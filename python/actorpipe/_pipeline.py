@@ -1,11 +1,14 @@
 """actorpipe.Pipeline: the Python face of the engine's pipeline (python/python_pipeline.hpp)."""
 import atexit
 import contextlib
+import difflib
+import inspect
 import io
 import json
 import os
 import shutil
 import tempfile
+import textwrap
 import warnings
 import weakref
 
@@ -249,7 +252,6 @@ def _setting_text(name, value):
 
 
 def _unknown_keyword(name):
-    import difflib
     near = difflib.get_close_matches(name, list(_SETTINGS) + list(_OWN_KEYWORDS), n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     return TypeError(f"Pipeline() got an unexpected keyword argument {name!r}{hint}")
@@ -257,7 +259,6 @@ def _unknown_keyword(name):
 
 def _settings_doc():
     """The settings' part of Pipeline's docstring, from the engine's table."""
-    import textwrap
     lines = []
     for name, row in _SETTINGS.items():
         unit = " (in seconds here)" if row["kind"] == "milliseconds" else ""
@@ -547,7 +548,6 @@ def _shutdown():
 
 def _signature():
     """Pipeline's signature: its own keywords, then every setting with the engine's default."""
-    import inspect
     own = inspect.signature(Pipeline.__init__)
     kept = [p for p in own.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
     settings = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
@@ -556,8 +556,8 @@ def _signature():
     return own.replace(parameters=kept + settings)
 
 
-_OWN_KEYWORDS = [name for name in Pipeline.__init__.__code__.co_varnames[
-    :Pipeline.__init__.__code__.co_argcount + Pipeline.__init__.__code__.co_kwonlyargcount]
-    if name not in ("self", "model")]
+# Pipeline's own keywords (not settings), for the nearest name to a mistyped one.
+_OWN_KEYWORDS = [name for name, p in inspect.signature(Pipeline.__init__).parameters.items()
+                 if p.kind == inspect.Parameter.KEYWORD_ONLY]
 Pipeline.__init__.__signature__ = _signature()
 Pipeline.__doc__ += _settings_doc() + "\n"
